@@ -1,0 +1,3 @@
+from dsauto.cli import main
+
+raise SystemExit(main())

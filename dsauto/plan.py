@@ -1,0 +1,208 @@
+"""The plan: every choice dsauto makes, with what it predicts, as one frozen, serialisable object.
+
+The search produces a :class:`Plan`; the emitters turn it into engine configs; the runtime hooks read it
+back (from ``plan.yaml`` or from the ``"dsauto"`` block of ``ds_config.json``). Engine spellings
+never appear here.
+
+Layers are numbered in execution order over the whole model: 0 is the embedding, 1..L are the
+transformer layers, L+1 is the head (final norm, LM head and loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dsauto.serde import from_dict, to_dict
+from dsauto.spec.model import ModelSpec
+
+PLAN_VERSION = 1
+
+Basis = Literal["analytic", "measured"]
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """The per-layer choices of a run of consecutive layers that share them."""
+
+    first: int
+    """First layer of the run (0 = embedding, 1..L = transformer layers, L+1 = head)."""
+    last: int
+    """Last layer of the run, inclusive."""
+    group: str
+    """Layer group of the run: ``embedding``, ``decoder`` / ``encoder`` or ``head``."""
+    stage: int
+    """Pipeline stage holding these layers."""
+    checkpoint: bool
+    """Activation checkpointing: keep only each layer's input and recompute it in backward."""
+    shard_params: bool
+    """Under ZeRO-3: True keeps the parameters sharded and gathers them per use (OSDP's SDP);
+    False keeps them resident on every data-parallel rank (OSDP's DP) while gradients and
+    optimizer states stay sharded. Below ZeRO-3 parameters are never sharded and this is False."""
+    split: int
+    """Operator-splitting factor: the layer's largest matrix is computed as this many slices
+    (for the head: the logits and loss in this many chunks); 1 means unsplit."""
+
+    def __post_init__(self) -> None:
+        if self.last < self.first:
+            raise ValueError(f"layer run {self.first}..{self.last} is empty")
+        if self.split < 1:
+            raise ValueError(f"split must be at least 1, got {self.split}")
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    """What the cost model predicts for one pipeline stage (per rank of that stage)."""
+
+    stage: int
+    """Stage index, 0 first."""
+    first_layer: int
+    """First layer of the stage (same numbering as :class:`LayerChoice`)."""
+    last_layer: int
+    """Last layer of the stage, inclusive."""
+    micro_batches_in_flight: int
+    """Micro-batches whose activations the stage holds at once under 1F1B (min(pp - stage, m))."""
+    forward_seconds: float
+    """Forward time of one micro-batch through the stage, communication included."""
+    backward_seconds: float
+    """Backward time of one micro-batch, recomputation and communication included."""
+    params_bytes: int
+    """Resident parameter bytes."""
+    grads_bytes: int
+    """Gradient bytes."""
+    optimizer_bytes: int
+    """Optimizer state bytes (fp32 master weights and Adam moments)."""
+    activation_bytes: int
+    """Activation bytes kept for backward, all micro-batches in flight."""
+    transient_bytes: int
+    """Largest short-lived allocation: gathered ZeRO-3 parameters, a recomputed layer, the logits."""
+    peak_bytes: int
+    """Predicted peak memory of the stage's ranks: the sum of the above."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The predicted step of the whole plan."""
+
+    step_seconds: float
+    """Time of one optimizer step."""
+    tokens_per_second: float
+    """Training throughput over the whole cluster."""
+    mfu: float
+    """Model FLOP utilisation: model FLOPs per step (6·N·tokens + attention, no recomputation; PaLM,
+    Chowdhery et al. 2022, Appendix B) over step time times the cluster's peak FLOP/s."""
+    tflops_per_device: float
+    """Hardware FLOP/s per device in TFLOP/s, recomputation included (as Narayanan et al. 2021 count)."""
+    peak_memory_bytes: int
+    """The largest per-rank peak over all stages."""
+    compute_seconds: float
+    """Of the step: forward and backward compute of the slowest stage over all micro-batches."""
+    bubble_seconds: float
+    """Of the step: pipeline fill and drain."""
+    exposed_comm_seconds: float
+    """Of the step: data-parallel / ZeRO communication not hidden behind compute."""
+    optimizer_seconds: float
+    """Of the step: the optimizer update."""
+    basis: Basis = "analytic"
+    """What the layer costs came from: the analytic device model or a measured profile."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete training configuration for one model on one cluster, and its predicted cost."""
+
+    model: ModelSpec
+    """The model planned for."""
+    hardware: str
+    """Hardware preset or file the plan was made for."""
+    nodes: int
+    """Nodes in the cluster."""
+    gpus_per_node: int
+    """Devices per node."""
+    memory_budget_bytes: int
+    """Per-rank memory budget the plan was made to fit."""
+    dp: int
+    """Data-parallel degree."""
+    tp: int
+    """Tensor-parallel degree (inside a node)."""
+    pp: int
+    """Pipeline-parallel degree."""
+    zero_stage: int
+    """ZeRO stage 0-3 (partitioning of optimizer states, gradients and parameters over DP ranks)."""
+    sequence_parallel: bool
+    """Megatron sequence parallelism (splits norm and dropout activations over TP ranks)."""
+    micro_batch: int
+    """Sequences per micro-batch per data-parallel rank."""
+    grad_accum: int
+    """Micro-batches per optimizer step per data-parallel rank (the pipeline's micro-batch count)."""
+    global_batch: int
+    """Sequences per optimizer step: micro_batch x grad_accum x dp."""
+    seq_len: int
+    """Tokens per sequence."""
+    dtype: str
+    """Training dtype (bf16, fp16 or fp32)."""
+    flash_attention: bool
+    """Whether attention is fused (no s×s scores kept)."""
+    padded_vocab_size: int
+    """Vocabulary size after padding for TP (Megatron's rule)."""
+    stage_layers: tuple[int, ...]
+    """Transformer layers per pipeline stage (the embedding joins stage 0, the head the last)."""
+    reduce_bucket_bytes: int
+    """Gradient reduction bucket size for ZeRO / DDP."""
+    prefetch_bucket_bytes: int
+    """ZeRO-3 parameter prefetch bucket size."""
+    layers: tuple[LayerChoice, ...]
+    """Per-layer choices as runs covering layers 0..L+1 exactly once, in order."""
+    stages: tuple[StagePrediction, ...]
+    """Per-stage predictions."""
+    prediction: Prediction
+    """Whole-step prediction."""
+    version: int = PLAN_VERSION
+    """Plan format version."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch * self.grad_accum * self.dp != self.global_batch:
+            raise ValueError(
+                f"micro_batch({self.micro_batch}) * grad_accum({self.grad_accum}) * dp({self.dp}) "
+                f"!= global_batch({self.global_batch})"
+            )
+        if self.dp * self.tp * self.pp != self.world_size:
+            raise ValueError(
+                f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) != world_size({self.world_size})"
+            )
+        if len(self.stage_layers) != self.pp or sum(self.stage_layers) != self.model.num_layers:
+            raise ValueError(
+                f"stage_layers {list(self.stage_layers)} must have pp={self.pp} entries summing to "
+                f"{self.model.num_layers} layers"
+            )
+        expected = 0
+        for run in self.layers:
+            if run.first != expected:
+                raise ValueError(f"layer runs must cover layers in order; run starts at {run.first}, "
+                                 f"expected {expected}")
+            expected = run.last + 1
+        if expected != self.model.num_layers + 2:
+            raise ValueError(f"layer runs cover {expected} layers, expected {self.model.num_layers + 2}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def layer_choice(self, layer: int) -> LayerChoice:
+        """The choices applying to ``layer`` (flat numbering)."""
+        for run in self.layers:
+            if run.first <= layer <= run.last:
+                return run
+        raise IndexError(f"layer {layer} is outside 0..{self.model.num_layers + 1}")
+
+    def checkpointed_layers(self) -> tuple[int, ...]:
+        """Transformer layers (1..L) that the plan checkpoints."""
+        return tuple(i for run in self.layers if run.checkpoint
+                     for i in range(run.first, run.last + 1) if 1 <= i <= self.model.num_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "the plan") -> Plan:
+        return from_dict(cls, data, where)

@@ -1,0 +1,99 @@
+"""Strict conversion between frozen dataclasses and plain dicts (for YAML and JSON).
+
+``from_dict`` refuses unknown keys, missing required keys and values of the wrong type, naming
+the offending key, so that a typo in a plan or spec file is reported instead of ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+from dsauto.errors import DsautoError
+
+T = TypeVar("T")
+
+
+def to_dict(obj: Any) -> Any:
+    """Converts a dataclass (recursively) into dicts, lists and scalars, in field order."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def from_dict(cls: type[T], data: Any, where: str) -> T:
+    """Builds ``cls`` from ``data``; ``where`` names the source in error messages."""
+    if not isinstance(data, dict):
+        raise DsautoError(f"{where} must be a mapping of keys to values, got {type(data).__name__}.")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise DsautoError(
+            f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; known keys are "
+            f"{', '.join(fields)}."
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, field in fields.items():
+        if name not in data:
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                raise DsautoError(f"{where} is missing the required key {name!r}.")
+            continue
+        kwargs[name] = _convert(hints[name], data[name], f"{where}: {name}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise DsautoError(f"{where} is invalid: {exc}") from None
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        return _convert(non_none[0], value, where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise DsautoError(f"{where} must be a list, got {value!r}.")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise DsautoError(f"{where} must have {len(args)} entries, got {len(value)}.")
+        return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise DsautoError(f"{where} must be a mapping, got {value!r}.")
+        return {str(k): _convert(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if origin is typing.Literal:
+        if value not in args:
+            raise DsautoError(f"{where} must be one of {', '.join(map(repr, args))}, got {value!r}.")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise DsautoError(f"{where} must be true or false, got {value!r}.")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise DsautoError(f"{where} must be a whole number, got {value!r}.")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DsautoError(f"{where} must be a number, got {value!r}.")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise DsautoError(f"{where} must be text, got {value!r}.")
+        return value
+    return value
