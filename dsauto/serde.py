@@ -32,7 +32,7 @@ def from_dict(cls: type[T], data: Any, where: str) -> T:
     if not isinstance(data, dict):
         raise DsautoError(f"{where} must be a mapping of keys to values, got {type(data).__name__}.")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         raise DsautoError(
             f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; known keys are "

@@ -68,6 +68,9 @@ class ModelSpec:
                      "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_heads < 0:
+            raise ValueError(f"num_kv_heads must be 0 (as many as attention heads) or positive, "
+                             f"got {self.num_kv_heads}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
@@ -133,8 +136,13 @@ class LayerGroup:
     """Forward FLOPs of QK^T and attention-times-V per token (4·s·h; full square, as in
     Narayanan et al. 2021, Appendix)."""
     elementwise_bytes_per_token: float
-    """Forward memory traffic of the bandwidth-bound operators (norms, activation functions,
-    residual adds, dropout, rotary embedding) per token; the eager softmax is separate."""
+    """Forward memory traffic per token of the bandwidth-bound operators on full-width tensors
+    (norms, residual adds, dropout), which tensor parallelism replicates unless sequence
+    parallelism splits them."""
+    elementwise_tp_bytes_per_token: float
+    """Forward memory traffic per token of the bandwidth-bound operators on tensor-parallel-split
+    tensors (activation function, rotary embedding, loss softmax); the eager attention softmax
+    is separate."""
     softmax_bytes_per_token: float
     """Forward memory traffic of an eager (non-fused) attention softmax per token; flash attention
     removes it."""
@@ -151,6 +159,13 @@ class LayerGroup:
     tp_comm_bytes_per_token: float
     """Bytes per token all-reduced across the tensor-parallel group in the forward pass
     (the backward pass moves as much again)."""
+    gemm_dim: int = 0
+    """Smallest dimension of the layer's matrix multiplies before tensor-parallel splitting (the
+    hidden size); sets how close to peak they run. 0 for layers without matrix multiplies."""
+    head_dim: int = 0
+    """Attention head dimension (the inner dimension of QK^T); 0 for layers without attention."""
+    causal: bool = False
+    """Causal attention: a fused kernel skips the masked half of the score matrix."""
     logits_bytes_per_token: float = 0.0
     """Head only: bytes per token of the logits and their fp32 softmax while the loss runs, split by
     TP; chunked (operator-split) loss divides it."""
@@ -182,8 +197,10 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     elementwise = (
         2 * 2 * h * b  # two norms, read and write
         + 2 * 3 * h * b  # two residual adds
-        + (3 if model.mlp == "swiglu" else 2) * f * b  # activation function
         + mask * 2 * (2 * h * b + h)  # two dropouts
+    )
+    elementwise_tp = (
+        (3 if model.mlp == "swiglu" else 2) * f * b  # activation function
         + (2 * (h + kvd) * b if model.position_embedding == "rope" else 0)
     )
     block = LayerGroup(
@@ -195,12 +212,18 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         matmul_flops_per_token=2.0 * weights,
         attention_flops_per_token=4.0 * s * h,
         elementwise_bytes_per_token=elementwise,
-        softmax_bytes_per_token=3 * 2 * a * s * b,  # scale-mask, softmax, dropout: read + write
+        elementwise_tp_bytes_per_token=elementwise_tp,
+        # Fused scale-mask-softmax reads and writes the scores once (Megatron's FusedScaleMaskSoftmax);
+        # dropout reads them, writes its output and a one-byte mask.
+        softmax_bytes_per_token=a * s * (2 * b + mask * (2 * b + 1)),
         act_tp_bytes_per_token=act_tp,
         act_replicated_bytes_per_token=act_repl,
         attention_score_bytes_per_token=scores,
         checkpoint_bytes_per_token=h * b,
         tp_comm_bytes_per_token=2 * h * b,  # two all-reduces: after attention and after the MLP
+        gemm_dim=h,
+        head_dim=model.head_dim,
+        causal=model.architecture == "decoder",
     )
 
     positions = model.max_position_embeddings * h if model.position_embedding == "learned" else 0
@@ -214,6 +237,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         matmul_flops_per_token=0.0,
         attention_flops_per_token=0.0,
         elementwise_bytes_per_token=3 * h * b + mask * (2 * h * b + h),
+        elementwise_tp_bytes_per_token=0.0,
         softmax_bytes_per_token=0.0,
         act_tp_bytes_per_token=0.0,
         act_replicated_bytes_per_token=mask * h,
@@ -233,13 +257,15 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         largest_op_params=vocab * h,
         matmul_flops_per_token=2.0 * vocab * h + 2.0 * (h * h if transform else 0),
         attention_flops_per_token=0.0,
-        elementwise_bytes_per_token=2 * h * b + 3 * vocab * 4,
+        elementwise_bytes_per_token=2 * h * b,
+        elementwise_tp_bytes_per_token=3 * vocab * 4,  # fp32 softmax and loss over the logits
         softmax_bytes_per_token=0.0,
         act_tp_bytes_per_token=0.0,
         act_replicated_bytes_per_token=2 * h * b + (2 * h * b if transform else 0),
         attention_score_bytes_per_token=0.0,
         checkpoint_bytes_per_token=h * b,
         tp_comm_bytes_per_token=h * b,  # gradient of the column-parallel head's input (backward)
+        gemm_dim=h,
         logits_bytes_per_token=vocab * (b + 4),  # logits, then their fp32 softmax for the loss
     )
     return embedding, block, head

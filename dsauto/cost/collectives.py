@@ -1,0 +1,84 @@
+"""Time of the collectives a plan issues, from the alpha-beta (latency + size / bandwidth) model.
+
+Ring algorithms (Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication
+Operations in MPICH"; the same bus-bandwidth factors as NCCL's performance notes):
+  all-reduce      2(n-1)/n · S / B + 2(n-1) · alpha
+  all-gather      (n-1)/n · S / B + (n-1) · alpha      (S: the gathered, full size)
+  reduce-scatter  (n-1)/n · S / B + (n-1) · alpha      (S: the full input size)
+  send/recv       S / B + alpha
+
+Placement: ranks are laid out tensor-parallel fastest, then data-parallel, then pipeline (the order of
+Megatron-core's default ``tp-cp-ep-dp-pp`` and of DeepSpeed's topology with Megatron's mpu). A group
+that spans nodes uses the hierarchical algorithm NCCL picks: with k group members per node, the
+inter-node phase moves 1/k of the data over each member's own NIC, so the group sees k times one NIC's
+bandwidth, capped by the intra-node link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsauto.spec.cluster import ClusterSpec
+
+
+@dataclass(frozen=True)
+class Group:
+    """A communication group as the cost model sees it: its size, bandwidth and latency."""
+
+    size: int
+    """Ranks in the group."""
+    bandwidth_bytes_per_second: float
+    """Effective bandwidth available to one member for large messages."""
+    latency_seconds: float
+    """Latency per ring step."""
+
+    def all_reduce(self, size_bytes: float) -> float:
+        if self.size <= 1 or size_bytes <= 0:
+            return 0.0
+        n = self.size
+        return 2 * (n - 1) / n * size_bytes / self.bandwidth_bytes_per_second + 2 * (n - 1) * self.latency_seconds
+
+    def all_gather(self, size_bytes: float) -> float:
+        if self.size <= 1 or size_bytes <= 0:
+            return 0.0
+        n = self.size
+        return (n - 1) / n * size_bytes / self.bandwidth_bytes_per_second + (n - 1) * self.latency_seconds
+
+    reduce_scatter = all_gather
+
+    def send_recv(self, size_bytes: float) -> float:
+        if self.size <= 1 or size_bytes <= 0:
+            return 0.0
+        return size_bytes / self.bandwidth_bytes_per_second + self.latency_seconds
+
+
+def _link(cluster: ClusterSpec, members_per_node: int, spans_nodes: bool) -> tuple[float, float]:
+    intra, inter = cluster.hardware.intra_node, cluster.hardware.inter_node
+    intra_bw = intra.bandwidth_gbps * 1e9 * intra.efficiency
+    if not spans_nodes:
+        return intra_bw, intra.latency_seconds
+    inter_bw = inter.bandwidth_gbps * 1e9 * inter.efficiency * max(1, members_per_node)
+    return min(intra_bw, inter_bw), inter.latency_seconds
+
+
+def tp_group(cluster: ClusterSpec, tp: int) -> Group:
+    """The tensor-parallel group: the ``tp`` consecutive ranks (inside a node when tp <= gpus per node)."""
+    per_node = cluster.devices_per_node
+    bw, lat = _link(cluster, min(tp, per_node), spans_nodes=tp > per_node)
+    return Group(tp, bw, lat)
+
+
+def dp_group(cluster: ClusterSpec, tp: int, dp: int) -> Group:
+    """The data-parallel group: ``dp`` ranks with stride ``tp``."""
+    per_node = cluster.devices_per_node
+    spans = tp * dp > per_node
+    members_per_node = max(1, min(dp, per_node // tp)) if tp <= per_node else 1
+    bw, lat = _link(cluster, members_per_node, spans)
+    return Group(dp, bw, lat)
+
+
+def pp_link(cluster: ClusterSpec, tp: int, dp: int) -> Group:
+    """The link between neighbouring pipeline stages (ranks ``tp * dp`` apart): one send at a time."""
+    spans = tp * dp >= cluster.devices_per_node
+    bw, lat = _link(cluster, 1, spans)
+    return Group(2, bw, lat)

@@ -1,0 +1,196 @@
+"""Time and memory of one layer under one strategy and one per-layer option.
+
+Compute is a roofline on the device spec: matrix multiplies at a size-dependent fraction of peak
+FLOP/s, bandwidth-bound kernels at a fraction of memory bandwidth (Williams, Waterman and Patterson
+2009, "Roofline"). Backward costs twice the forward FLOPs (the gradients with respect to inputs and
+to weights; Kaplan et al. 2020, Sec. 2.1) and twice the forward memory traffic.
+
+Memory per rank follows ZeRO (Rajbhandari et al. 2020, Sec. 3 and 5): mixed-precision Adam keeps
+2 bytes of parameters, 2 of gradients and 12 of optimizer state (fp32 master, momentum, variance)
+per parameter; stage 1 shards the 12 over the data-parallel ranks, stage 2 the gradients too, stage 3
+the parameters too. Activations per token follow :mod:`dsauto.spec.model` (Korthikanti et al. 2022).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsauto.cost.collectives import Group, dp_group, pp_link, tp_group
+from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.spec.cluster import ClusterSpec
+from dsauto.spec.model import LayerGroup
+from dsauto.spec.training import TrainSpec
+
+# Bytes the Adam update reads and writes per parameter it owns: fp32 master, momentum and variance
+# read and written (24), the gradient read (4 after up-casting) and the 16-bit copy written (2).
+ADAM_BYTES_PER_PARAM = 30.0
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Cost of one layer on one rank, for one micro-batch unless said otherwise."""
+
+    forward_seconds: float
+    """Forward time of one micro-batch, collectives not hidden by compute included."""
+    backward_seconds: float
+    """Backward time of one micro-batch, recomputation included."""
+    step_seconds: float
+    """Once per optimizer step, not hidden: gathering updated parameters that ZeRO sharded."""
+    params_bytes: float
+    """Resident parameter bytes."""
+    grads_bytes: float
+    """Gradient bytes."""
+    optimizer_bytes: float
+    """Optimizer-state bytes."""
+    activation_bytes: float
+    """Bytes kept for backward per micro-batch in flight."""
+    transient_bytes: float
+    """Short-lived peak while this layer runs: recomputed activations, gathered parameters, logits."""
+    grad_sync_bytes: float
+    """Gradient bytes this rank reduces over the data-parallel group once per step (ZeRO 0/1)."""
+    optimizer_seconds: float
+    """Time of this layer's share of the optimizer update."""
+
+    @property
+    def static_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+class CostModel:
+    """Prices layers for one cluster, workload and strategy; cheap to build, pure to call."""
+
+    def __init__(self, cluster: ClusterSpec, train: TrainSpec, strategy: Strategy, hidden_size: int):
+        self.cluster, self.train, self.strategy = cluster, train, strategy
+        self.hidden_size = hidden_size
+        device = cluster.device
+        self.peak_flops = device.flops(train.dtype)
+        self.matmul_efficiency = device.matmul_efficiency
+        self.half_dim = device.matmul_half_dim
+        self.bandwidth = device.memory_bandwidth_gbps * 1e9 * device.memory_bandwidth_efficiency
+        self.tp: Group = tp_group(cluster, strategy.tp)
+        self.dp: Group = dp_group(cluster, strategy.tp, strategy.dp)
+        self.pp: Group = pp_link(cluster, strategy.tp, strategy.dp)
+        self.tokens = strategy.micro_batch * train.seq_len
+        b = train.dtype_bytes
+        self.act_bytes = b
+        # Mixed precision: 16-bit params and grads, 12 bytes of fp32 optimizer state (ZeRO paper,
+        # Sec. 3.1). Pure fp32: 4-byte params and grads, 8 bytes of Adam moments, no master copy.
+        self.param_bytes, self.grad_bytes = (b, b)
+        self.optim_bytes = 12 if b < 4 else 8
+
+    def matmul_seconds(self, flops: float, dim: float) -> float:
+        """A GEMM of ``flops`` whose smallest dimension is ``dim``: efficiency saturates with size."""
+        if flops <= 0:
+            return 0.0
+        efficiency = self.matmul_efficiency * dim / (dim + self.half_dim)
+        return flops / (self.peak_flops * efficiency)
+
+    def memory_seconds(self, num_bytes: float) -> float:
+        return num_bytes / self.bandwidth
+
+    def layer(self, group: LayerGroup, option: LayerOption) -> LayerCost:
+        s, t = self.strategy, self.strategy.tp
+        sp = s.sequence_parallel and t > 1
+        tokens = self.tokens
+        replicated_div = t if sp else 1
+        flash = self.train.flash_attention
+
+        # Compute. Splitting a matrix into k slices shrinks the sliced dimension (OSDP, Jiang et al.
+        # 2023, Sec. 4.2), which costs matmul efficiency; the head splits over tokens instead.
+        gemm_dim = min(group.gemm_dim / t if group.gemm_dim else 0, tokens)
+        if option.split > 1:
+            gemm_dim = min(gemm_dim, tokens / option.split) if group.logits_bytes_per_token else gemm_dim / option.split
+        matmul = self.matmul_seconds(group.matmul_flops_per_token * tokens / t, gemm_dim)
+        attention_flops = group.attention_flops_per_token * tokens / t
+        if flash and group.causal:
+            attention_flops /= 2  # fused causal kernels skip the masked upper triangle
+        attention = self.matmul_seconds(attention_flops, group.head_dim)
+        elementwise_bytes = tokens * (
+            group.elementwise_bytes_per_token / replicated_div
+            + group.elementwise_tp_bytes_per_token / t
+            + (0.0 if flash else group.softmax_bytes_per_token / t)
+        )
+        elementwise = self.memory_seconds(elementwise_bytes)
+        # Megatron tensor parallelism: all-reduces in forward and as many in backward (Shoeybi et
+        # al. 2019, Fig. 4); with sequence parallelism all-gather + reduce-scatter of equal volume
+        # (Korthikanti et al. 2022, Sec. 4.2.2). Not overlapped with compute.
+        tp_comm = self.tp.all_reduce(group.tp_comm_bytes_per_token * tokens)
+        forward = matmul + attention + elementwise + tp_comm
+        backward = 2 * (matmul + attention + elementwise) + tp_comm
+        if option.checkpoint:
+            backward += forward  # recomputation: one more forward inside backward
+
+        # Parameters on this rank and their memory.
+        local_params = group.tp_params / t + (group.params - group.tp_params)
+        dp = s.dp
+        sharded = s.zero_stage == 3 and option.shard_params and dp > 1
+        params_bytes = local_params * self.param_bytes / (dp if sharded else 1)
+        grads_bytes = local_params * self.grad_bytes / (dp if s.zero_stage >= 2 else 1)
+        optimizer_bytes = local_params * self.optim_bytes / (dp if s.zero_stage >= 1 else 1)
+
+        # Data-parallel traffic. ZeRO-3 gathers sharded parameters before each use in forward and
+        # again in backward, and reduce-scatters gradients every micro-batch; ZeRO-2 reduce-scatters
+        # every micro-batch too; both overlap with the layer's compute (prefetch, overlap_comm), so a
+        # layer costs the larger of the two (ZeRO paper, Sec. 7: 1.5x the data-parallel volume).
+        param_volume = local_params * self.param_bytes
+        grad_volume = local_params * self.grad_bytes
+        split_latency = (option.split - 1) * self.dp.latency_seconds * max(0, dp - 1)
+        step_seconds, grad_sync = 0.0, 0.0
+        if dp > 1:
+            if sharded:
+                gather = self.dp.all_gather(param_volume) + split_latency
+                forward = max(forward, gather)
+                backward = max(backward, gather + self.dp.reduce_scatter(grad_volume))
+            elif s.zero_stage >= 2:
+                backward = max(backward, self.dp.reduce_scatter(grad_volume))
+                step_seconds = self.dp.all_gather(param_volume)  # updated shards back to every rank
+            elif s.zero_stage == 1:
+                grad_sync = grad_volume  # reduce-scattered once per step, like an all-reduce's half
+                step_seconds = self.dp.all_gather(param_volume)
+            else:
+                grad_sync = grad_volume
+            if s.zero_stage == 3 and not sharded:
+                step_seconds = self.dp.all_gather(param_volume)  # re-gather the persistent copy
+
+        # Activations (Korthikanti et al. 2022, Table 2, generalised in spec.model).
+        full_activation = tokens * (
+            group.act_tp_bytes_per_token / t
+            + group.act_replicated_bytes_per_token / replicated_div
+            + (0.0 if flash else group.attention_score_bytes_per_token / t)
+        )
+        if option.checkpoint:
+            activation = tokens * group.checkpoint_bytes_per_token / replicated_div
+            transient = full_activation  # the recomputed layer lives until its backward ends
+        else:
+            activation, transient = full_activation, 0.0
+        if sharded:
+            # The gathered largest matrix and the prefetched next one (stage3_prefetch_bucket).
+            transient += 2 * group.largest_op_params / t * self.param_bytes / option.split
+        if group.logits_bytes_per_token:
+            transient += tokens * group.logits_bytes_per_token / t / option.split
+
+        optimizer_params = local_params / (dp if s.zero_stage >= 1 else 1)
+        return LayerCost(
+            forward_seconds=forward,
+            backward_seconds=backward,
+            step_seconds=step_seconds,
+            params_bytes=params_bytes,
+            grads_bytes=grads_bytes,
+            optimizer_bytes=optimizer_bytes,
+            activation_bytes=activation,
+            transient_bytes=transient,
+            grad_sync_bytes=grad_sync,
+            optimizer_seconds=self.memory_seconds(optimizer_params * ADAM_BYTES_PER_PARAM),
+        )
+
+    def grad_sync_seconds(self, grad_bytes: float) -> float:
+        """Once-per-step gradient reduction of ZeRO 0 (all-reduce) or 1 (reduce-scatter)."""
+        if self.strategy.zero_stage == 1:
+            return self.dp.reduce_scatter(grad_bytes)
+        return self.dp.all_reduce(grad_bytes)
+
+    def p2p_seconds(self) -> float:
+        """Sending one micro-batch's boundary activation to the next stage (and its gradient back)."""
+        t = self.strategy.tp
+        boundary = self.tokens * self.hidden_size * self.act_bytes
+        return self.pp.send_recv(boundary / (t if self.strategy.sequence_parallel and t > 1 else 1))

@@ -1,0 +1,142 @@
+"""Time and memory of a whole training step: stages, the 1F1B pipeline, gradient sync, optimizer.
+
+1F1B (Narayanan et al. 2021, Sec. 2.2; PipeDream-Flush): with m micro-batches and stage times
+t_i = forward + backward of one micro-batch on stage i, the pipeline takes
+
+    sum_i t_i + (m - 1) * max_i t_i
+
+(the fill and drain of every stage once, then the slowest stage for the rest), which for equal stages
+is the familiar (m + p - 1) * t, a bubble fraction of (p - 1) / m. Stage i holds the activations of
+min(p - i, m) micro-batches at once (Narayanan et al. 2021, Sec. 2.2.1).
+
+After the last backward, each stage reduces the gradients ZeRO 0/1 kept whole (overlapped with the
+last micro-batch's backward when there is no pipeline: DeepSpeed's overlap_comm, PyTorch DDP's
+bucketing), gathers the parameters ZeRO sharded and updates its optimizer shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dsauto.cost.layer import CostModel, LayerCost
+from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.plan import Prediction, StagePrediction
+from dsauto.spec.cluster import ClusterSpec
+from dsauto.spec.model import LayerGroup, ModelSpec, layer_groups
+from dsauto.spec.training import TrainSpec
+
+
+def layer_group_of(groups: Sequence[LayerGroup], layer: int, num_layers: int) -> LayerGroup:
+    """The group descriptor of a layer in flat numbering (0 embedding, 1..L blocks, L+1 head)."""
+    embedding, block, head = groups
+    return embedding if layer == 0 else head if layer == num_layers + 1 else block
+
+
+def stage_bounds(stage_layers: Sequence[int]) -> list[tuple[int, int]]:
+    """First and last flat layer of each stage: the embedding joins stage 0, the head the last."""
+    bounds, start = [], 1
+    for i, n in enumerate(stage_layers):
+        first = 0 if i == 0 else start
+        last = start + n - 1 + (1 if i == len(stage_layers) - 1 else 0)
+        bounds.append((first, last))
+        start += n
+    return bounds
+
+
+def in_flight(stage: int, pp: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once under 1F1B."""
+    return min(pp - stage, micro_batches)
+
+
+def bucket_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int) -> int:
+    """Bucket size for gradient reduction and ZeRO-3 prefetch: one transformer layer's local
+    parameters, between 16 MiB and 1 GiB (DeepSpeed's default is 5e8 elements)."""
+    block = groups[1]
+    local = (block.tp_params / tp + block.params - block.tp_params) * dtype_bytes
+    return int(min(2**30, max(2**24, local)))
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """The prediction of one complete assignment."""
+
+    prediction: Prediction
+    stages: tuple[StagePrediction, ...]
+
+
+def stage_constant_bytes(strategy: Strategy, bucket: int) -> int:
+    """Memory every rank holds besides layers: the gradient reduction buckets (DeepSpeed keeps two
+    in flight with overlap_comm) when there is data parallelism to reduce over."""
+    return 2 * bucket if strategy.dp > 1 else 0
+
+
+def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: Strategy,
+                 stage_layers: Sequence[int], options: Sequence[LayerOption]) -> StepPrediction:
+    """Predicts a step of ``strategy`` with ``stage_layers`` transformer layers per stage and one
+    option per flat layer (``len(options) == num_layers + 2``)."""
+    num_layers = model.num_layers
+    if len(options) != num_layers + 2:
+        raise ValueError(f"{len(options)} options for {num_layers + 2} layers")
+    groups = layer_groups(model, train.seq_len, train.dtype_bytes, strategy.tp)
+    cost = CostModel(cluster, train, strategy, model.hidden_size)
+    m, pp = strategy.grad_accum, strategy.pp
+    p2p = cost.p2p_seconds() if pp > 1 else 0.0
+    bucket = bucket_bytes(groups, strategy.tp, train.dtype_bytes)
+
+    stages, tails, times = [], [], []
+    hardware_flops = 0.0
+    for i, (first, last) in enumerate(stage_bounds(stage_layers)):
+        costs: list[LayerCost] = [cost.layer(layer_group_of(groups, j, num_layers), options[j])
+                                  for j in range(first, last + 1)]
+        for j, c in zip(range(first, last + 1), costs):
+            g = layer_group_of(groups, j, num_layers)
+            forward = (g.matmul_flops_per_token + g.attention_flops_per_token) * cost.tokens
+            hardware_flops += forward * (4 if options[j].checkpoint else 3)
+        forward = sum(c.forward_seconds for c in costs) + p2p
+        backward = sum(c.backward_seconds for c in costs) + p2p
+        flight = in_flight(i, pp, m)
+        activation = sum(c.activation_bytes for c in costs) * flight
+        transient = max(c.transient_bytes for c in costs) + stage_constant_bytes(strategy, bucket)
+        params = sum(c.params_bytes for c in costs)
+        grads = sum(c.grads_bytes for c in costs)
+        optim = sum(c.optimizer_bytes for c in costs)
+        peak = params + grads + optim + activation + transient
+        stages.append(StagePrediction(
+            stage=i, first_layer=first, last_layer=last, micro_batches_in_flight=flight,
+            forward_seconds=forward, backward_seconds=backward, params_bytes=int(params),
+            grads_bytes=int(grads), optimizer_bytes=int(optim), activation_bytes=int(activation),
+            transient_bytes=int(transient), peak_bytes=int(peak),
+        ))
+        times.append(forward + backward)
+        sync = cost.grad_sync_seconds(sum(c.grad_sync_bytes for c in costs))
+        overlap = backward if pp == 1 else 0.0  # DeepSpeed's pipeline engine reduces after the flush
+        exposed = max(sync - overlap, 0.0) + sum(c.step_seconds for c in costs)
+        tails.append((exposed, sum(c.optimizer_seconds for c in costs)))
+
+    slowest = max(times)
+    compute = m * slowest
+    bubble = sum(times) - slowest
+    exposed, optimizer = max(tails, key=lambda e: e[0] + e[1])
+    step = compute + bubble + exposed + optimizer
+    # Per data-parallel replica the stages above run concurrently; scale FLOPs to the cluster.
+    # hardware_flops covers one micro-batch over all stages of one replica, split over tp ranks.
+    step_hardware_flops = hardware_flops * m * strategy.dp
+    tokens = train.global_batch * train.seq_len
+    model_flops = 3 * tokens * sum(g.count * (g.matmul_flops_per_token + g.attention_flops_per_token)
+                                   for g in layer_groups(model, train.seq_len, train.dtype_bytes, 1,
+                                                         pad_vocab=False))
+    world = cluster.world_size
+    peak_flops = cluster.device.flops(train.dtype)
+    prediction = Prediction(
+        step_seconds=step,
+        tokens_per_second=tokens / step,
+        mfu=model_flops / (step * world * peak_flops),
+        tflops_per_device=step_hardware_flops / (step * world) / 1e12,
+        peak_memory_bytes=max(s.peak_bytes for s in stages),
+        compute_seconds=compute,
+        bubble_seconds=bubble,
+        exposed_comm_seconds=exposed,
+        optimizer_seconds=optimizer,
+    )
+    return StepPrediction(prediction, tuple(stages))

@@ -1,0 +1,42 @@
+"""The choices the cost model prices: global ones (:class:`Strategy`) and per-layer ones (:class:`LayerOption`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """The global part of a plan: degrees, ZeRO stage and batch split."""
+
+    tp: int
+    """Tensor-parallel degree."""
+    pp: int
+    """Pipeline-parallel degree."""
+    dp: int
+    """Data-parallel degree."""
+    zero_stage: int
+    """ZeRO stage 0-3."""
+    micro_batch: int
+    """Sequences per micro-batch per data-parallel rank."""
+    grad_accum: int
+    """Micro-batches per step per data-parallel rank."""
+    sequence_parallel: bool
+    """Megatron sequence parallelism (only meaningful with tp > 1)."""
+
+    def describe(self) -> str:
+        sp = " sp" if self.sequence_parallel and self.tp > 1 else ""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero_stage}{sp} "
+                f"mb={self.micro_batch} accum={self.grad_accum}")
+
+
+@dataclass(frozen=True)
+class LayerOption:
+    """The per-layer part of a plan for one layer."""
+
+    checkpoint: bool
+    """Recompute the layer's activations in backward, keeping only its input."""
+    shard_params: bool
+    """ZeRO-3 only: keep the parameters sharded (gathered per use) rather than resident."""
+    split: int
+    """Operator-splitting factor for the layer's largest matrix (the head: loss chunks)."""

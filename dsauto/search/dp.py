@@ -1,0 +1,115 @@
+"""The per-stage dynamic program: one option per layer, minimum total time under a memory budget.
+
+A pure function over cost arrays (the shape of Alpa's stage DP and Galvatron's layer DP): for layers
+j = 1..n and options o, ``time[j, o]`` adds up, ``memory[j, o]`` (integer units) adds up, and
+``transient[j, o]`` (integer units) is a short-lived peak, so a choice is feasible when
+
+    sum_j memory[j, o_j] + max_j transient[j, o_j] <= budget.
+
+The max term is handled exactly by enumerating its value: for each distinct transient value c the
+knapsack runs over the options with transient <= c, with budget - c left for the sum. The knapsack
+keeps, for every memory amount m, the least time of a choice that uses at most m (0/1 knapsack with
+one item per layer chosen from a group; Kellerer, Pferschy and Pisinger 2004, Ch. 11, multiple-choice
+knapsack). Every prefix of the layers is answered in the same pass, which is what the pipeline
+layout search needs: the best time of a stage's first j layers, for every j, under its budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+INFEASIBLE = float("inf")
+
+
+@dataclass(frozen=True)
+class PrefixSolution:
+    """Best choices for every prefix of a layer sequence. ``best_time[j]`` is for layers 0..j-1."""
+
+    best_time: np.ndarray
+    """Shape (n + 1,): least total time of the first j layers, ``inf`` where nothing fits."""
+    _cap_index: np.ndarray
+    _caps: np.ndarray
+    _backpointers: list[np.ndarray]
+    _memory: np.ndarray
+    _budgets: np.ndarray
+
+    def choices(self, j: int) -> tuple[int, ...]:
+        """The option index of each of the first ``j`` layers in a best choice for that prefix."""
+        if not np.isfinite(self.best_time[j]):
+            raise ValueError(f"no feasible choice for the first {j} layers")
+        if j == 0:
+            return ()
+        k = int(self._cap_index[j])
+        back = self._backpointers[k]
+        m = int(self._budgets[j] - self._caps[k])
+        m = min(m, back.shape[1] - 1)
+        picked = []
+        for layer in range(j - 1, -1, -1):
+            option = int(back[layer, m])
+            picked.append(option)
+            m -= int(self._memory[layer, option])
+        return tuple(reversed(picked))
+
+
+def solve_prefixes(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
+                   budgets: np.ndarray) -> PrefixSolution:
+    """Least-time option per layer for every prefix, prefix j within ``budgets[j]``.
+
+    ``time`` is float (n, k) with ``inf`` marking an option a layer may not take; ``memory`` and
+    ``transient`` are non-negative integers (n, k); ``budgets`` is an integer array (n + 1,).
+    """
+    time = np.asarray(time, dtype=float)
+    memory = np.asarray(memory, dtype=np.int64)
+    transient = np.asarray(transient, dtype=np.int64)
+    budgets = np.asarray(budgets, dtype=np.int64)
+    n, k = time.shape
+    if memory.shape != (n, k) or transient.shape != (n, k) or budgets.shape != (n + 1,):
+        raise ValueError("time, memory and transient must be (n, k) and budgets (n + 1,)")
+    if (memory < 0).any() or (transient < 0).any():
+        raise ValueError("memory and transient must be non-negative")
+
+    allowed_any = np.isfinite(time)
+    caps = np.unique(np.concatenate([[0], transient[allowed_any]]))
+    best = np.full(n + 1, INFEASIBLE)
+    best_cap = np.zeros(n + 1, dtype=np.int64)
+    backpointers: list[np.ndarray] = []
+    # Beyond the largest possible sum of memory every budget is unconstrained.
+    most_memory = int(np.where(allowed_any, memory, 0).max(axis=1).sum()) if n else 0
+    for ci, cap in enumerate(caps):
+        allowed = allowed_any & (transient <= cap)
+        room = budgets - cap
+        size = int(min(max(room.max(), -1), most_memory)) + 1
+        back = np.zeros((n, max(size, 1)), dtype=np.int8 if k < 128 else np.int16)
+        backpointers.append(back)
+        if size <= 0:
+            continue
+        dp = np.zeros(size)  # least time using at most m units, for the empty prefix: 0
+        if room[0] >= 0 and best[0] > 0:
+            best[0], best_cap[0] = 0.0, ci
+        for j in range(n):
+            candidates = np.full((k, size), INFEASIBLE)
+            for o in range(k):
+                if not allowed[j, o]:
+                    continue
+                w = int(memory[j, o])
+                if w < size:
+                    candidates[o, w:] = dp[: size - w] + time[j, o]
+            back[j] = candidates.argmin(axis=0)
+            dp = candidates[back[j], np.arange(size)]
+            r = room[j + 1]
+            if r >= 0:
+                value = dp[min(int(r), size - 1)]
+                if value < best[j + 1]:
+                    best[j + 1], best_cap[j + 1] = value, ci
+    return PrefixSolution(best, best_cap, caps, backpointers, memory, budgets)
+
+
+def solve(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
+          budget: int) -> tuple[float, tuple[int, ...]]:
+    """Least total time and the option per layer for all layers within ``budget``."""
+    n = np.asarray(time).shape[0]
+    solution = solve_prefixes(time, memory, transient, np.full(n + 1, budget, dtype=np.int64))
+    value = float(solution.best_time[n])
+    return value, (solution.choices(n) if np.isfinite(value) else ())

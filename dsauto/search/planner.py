@@ -1,0 +1,249 @@
+"""The planner: global strategies by branch and bound, per-stage layer choices by the DP, layouts.
+
+For every global strategy (degrees, ZeRO stage, micro-batch) the cost model prices each layer group
+under each per-layer option once. A lower bound on the step time (every layer at its fastest option,
+perfectly balanced stages, no memory limit) orders the strategies; they are solved best bound first,
+and the search stops when the next bound cannot beat the K-th best plan found (branch and bound,
+as Galvatron's and Alpa's searches prune with bounds). Solving a strategy runs the stage DP for
+every pipeline position (the first stage with the embedding, the middle ones, the last with the
+head; each with its own number of micro-batches in flight), answering every possible layer count
+at once, then picks the layout (first, middle and last stage layer counts) with the least 1F1B
+step time. The result is exact for the cost model up to the memory rounding of the DP (memory is
+rounded up, so a plan never exceeds the budget).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsauto.cost.layer import CostModel
+from dsauto.cost.step import (bucket_bytes, in_flight, layer_group_of, predict_step,
+                              stage_constant_bytes)
+from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.errors import DsautoError
+from dsauto.plan import LayerChoice, Plan
+from dsauto.search.dp import solve_prefixes
+from dsauto.search.space import Constraints, allowed, explain_empty_space, layer_options, strategies
+from dsauto.spec.cluster import ClusterSpec
+from dsauto.spec.model import ModelSpec, layer_groups
+from dsauto.spec.training import TrainSpec
+from dsauto.units import format_bytes
+
+EMBEDDING, BLOCK, HEAD = 0, 1, 2
+
+MEMORY_STEPS = 4096
+"""Resolution of the DP's memory axis: each layer's memory above its smallest option is rounded up
+to 1/4096 of the stage's whole range of choice, so the rounding costs well under 1% of the budget."""
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """One strategy's per-group, per-option costs as arrays (groups x options)."""
+
+    strategy: Strategy
+    options: tuple[LayerOption, ...]
+    time: np.ndarray  # fwd + bwd per micro-batch, plus per-step costs spread over the micro-batches
+    static: np.ndarray
+    activation: np.ndarray
+    transient: np.ndarray
+    p2p_seconds: float
+    optimizer_seconds: float  # whole replica
+    budget_bytes: float  # for layers, after the per-rank constant
+
+    def lower_bound(self, num_layers: int) -> float:
+        s = self.strategy
+        fastest = self.time.min(axis=1)
+        total = fastest[EMBEDDING] + fastest[HEAD] + num_layers * fastest[BLOCK]
+        p2p = 2 * self.p2p_seconds if s.pp > 1 else 0.0
+        return (s.grad_accum + s.pp - 1) * (total / s.pp + p2p) + self.optimizer_seconds / s.pp
+
+    def least_memory(self, num_layers: int) -> float:
+        """A lower bound on the peak of the busiest rank, with an even layout."""
+        s = self.strategy
+        flight = min(s.pp, s.grad_accum)
+        smallest = np.where(np.isfinite(self.time), self.static + flight * self.activation, np.inf).min(axis=1)
+        least_transient = np.where(np.isfinite(self.time), self.transient, np.inf).min(axis=1).max()
+        per_stage = (smallest[BLOCK] * num_layers + smallest[EMBEDDING] + smallest[HEAD]) / s.pp
+        return per_stage + least_transient
+
+
+@dataclass(frozen=True)
+class _Solved:
+    strategy: Strategy
+    stage_layers: tuple[int, ...]
+    options: tuple[LayerOption, ...]  # per flat layer
+
+
+class Planner:
+    """Searches plans for one model, cluster and workload. Pure: same inputs, same plans."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
+                 pins: Constraints = Constraints()):
+        self.model, self.cluster, self.train, self.pins = model, cluster, train, pins
+
+    def _price(self, strategy: Strategy) -> _Priced:
+        groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
+        cost = CostModel(self.cluster, self.train, strategy, self.model.hidden_size)
+        options = layer_options(strategy)
+        shape = (3, len(options))
+        time, static, act, trans = (np.full(shape, np.inf), np.zeros(shape), np.zeros(shape),
+                                    np.zeros(shape))
+        optimizer = 0.0
+        for gi, group in enumerate(groups):
+            for oi, option in enumerate(options):
+                if not allowed(group.name, option, self.pins):
+                    continue
+                c = cost.layer(group, option)
+                time[gi, oi] = c.forward_seconds + c.backward_seconds + c.step_seconds / strategy.grad_accum
+                static[gi, oi] = c.static_bytes
+                act[gi, oi] = c.activation_bytes
+                trans[gi, oi] = c.transient_bytes
+            # The optimizer update does not depend on the per-layer option.
+            optimizer += group.count * cost.layer(group, options[0]).optimizer_seconds
+        constant = stage_constant_bytes(strategy, bucket_bytes(groups, strategy.tp, self.train.dtype_bytes))
+        return _Priced(strategy, options, time, static, act, trans,
+                       cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer,
+                       self.cluster.memory_budget_bytes - constant)
+
+    def _stage_dp(self, priced: _Priced, sequence: Sequence[int], flight: int):
+        """Prefix DP over the layer groups in ``sequence`` with ``flight`` micro-batches in flight."""
+        rows = np.asarray(sequence, dtype=np.int64)
+        time = priced.time[rows]
+        finite = np.isfinite(time)
+        memory = np.where(finite, priced.static[rows] + flight * priced.activation[rows], 0.0)
+        transient = np.where(finite, priced.transient[rows], 0.0)
+        baseline = np.where(finite, memory, np.inf).min(axis=1)
+        delta = np.where(finite, memory - baseline[:, None], 0.0)
+        unit = max(delta.max(axis=1).sum() / MEMORY_STEPS, 1.0)
+        q_memory = np.ceil(delta / unit - 1e-9).astype(np.int64)
+        q_transient = np.ceil(transient / unit - 1e-9).astype(np.int64)
+        room = priced.budget_bytes - np.concatenate([[0.0], np.cumsum(baseline)])
+        budgets = np.floor(np.maximum(room, -unit) / unit).astype(np.int64)
+        return solve_prefixes(time, q_memory, q_transient, budgets)
+
+    def _solve(self, priced: _Priced) -> _Solved | None:
+        s, L = priced.strategy, self.model.num_layers
+        m, p = s.grad_accum, s.pp
+        if p == 1:
+            sequence = [EMBEDDING, HEAD] + [BLOCK] * L
+            solution = self._stage_dp(priced, sequence, in_flight(0, 1, m))
+            if not np.isfinite(solution.best_time[L + 2]):
+                return None
+            picked = solution.choices(L + 2)
+            flat = [picked[0]] + list(picked[2:]) + [picked[1]]
+            return _Solved(s, (L,), tuple(priced.options[o] for o in flat))
+
+        # Candidate layouts: equal middle stages near L / p, the rest split between first and last.
+        layouts: list[tuple[int, int, int]] = []
+        if p == 2:
+            layouts = [(n, 0, L - n) for n in range(1, L)]
+        else:
+            for mid in range(max(1, L // p - 1), -(-L // p) + 2):
+                rest = L - (p - 2) * mid
+                layouts += [(n, mid, rest - n) for n in range(1, rest)]
+        if not layouts:
+            return None
+        most_first = max(f for f, _, _ in layouts)
+        most_last = max(last for _, _, last in layouts)
+        most_mid = max(mid for _, mid, _ in layouts)
+        first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * most_first, in_flight(0, p, m))
+        last = self._stage_dp(priced, [HEAD] + [BLOCK] * most_last, in_flight(p - 1, p, m))
+        middle = {}
+        for i in range(1, p - 1):
+            flight = in_flight(i, p, m)
+            if flight not in middle:
+                middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight)
+        p2p = 2 * priced.p2p_seconds
+        best, best_layout = math.inf, None
+        for n_first, mid, n_last in layouts:
+            times = [first.best_time[n_first + 1], last.best_time[n_last + 1]]
+            times += [middle[in_flight(i, p, m)].best_time[mid] for i in range(1, p - 1)]
+            if not all(np.isfinite(times)):
+                continue
+            times = [t + p2p for t in times]
+            makespan = sum(times) + (m - 1) * max(times)
+            if makespan < best:
+                best, best_layout = makespan, (n_first, mid, n_last)
+        if best_layout is None:
+            return None
+        n_first, mid, n_last = best_layout
+        stage_layers = (n_first,) + (mid,) * (p - 2) + (n_last,)
+        picked = list(first.choices(n_first + 1))
+        for i in range(1, p - 1):
+            picked += middle[in_flight(i, p, m)].choices(mid)
+        tail = last.choices(n_last + 1)
+        picked += list(tail[1:]) + [tail[0]]
+        return _Solved(s, stage_layers, tuple(priced.options[o] for o in picked))
+
+    def search(self, top_k: int = 1, progress: Progress | None = None) -> list[Plan]:
+        """The ``top_k`` fastest plans, best first. Raises DsautoError when nothing fits."""
+        space = strategies(self.model, self.cluster, self.train, self.pins)
+        if not space:
+            raise explain_empty_space(self.model, self.cluster, self.train, self.pins)
+        L = self.model.num_layers
+        priced = [self._price(s) for s in space]
+        order = sorted(range(len(priced)), key=lambda i: (priced[i].lower_bound(L), i))
+        kept: list[tuple[float, int, Plan]] = []  # max-heap by step time via negation
+        least_memory = min(p.least_memory(L) for p in priced)
+        for done, i in enumerate(order, 1):
+            if progress:
+                progress(done, len(order))
+            if len(kept) >= top_k and priced[i].lower_bound(L) >= -kept[0][0]:
+                if progress:
+                    progress(len(order), len(order))
+                break
+            solved = self._solve(priced[i])
+            if solved is None:
+                continue
+            plan = self.build_plan(solved.strategy, solved.stage_layers, solved.options)
+            item = (-plan.prediction.step_seconds, -i, plan)
+            if len(kept) < top_k:
+                heapq.heappush(kept, item)
+            elif item[0] > kept[0][0]:
+                heapq.heapreplace(kept, item)
+        if not kept:
+            raise DsautoError(
+                f"{self.model.name} does not fit on {self.cluster.world_size} x "
+                f"{self.cluster.device.name} with {format_bytes(self.cluster.memory_budget_bytes)} per "
+                f"device under any allowed setting: the smallest plan needs about "
+                f"{format_bytes(least_memory + self.cluster.memory_budget_bytes - priced[0].budget_bytes)}"
+                f" per device; add devices, raise --memory-limit or unpin choices."
+            )
+        return [plan for _, _, plan in sorted(kept, key=lambda e: (-e[0], -e[1]))]
+
+    def build_plan(self, strategy: Strategy, stage_layers: Sequence[int],
+                   options: Sequence[LayerOption]) -> Plan:
+        """The Plan of an explicit assignment, with its prediction (also used to price given configs)."""
+        step = predict_step(self.model, self.cluster, self.train, strategy, stage_layers, options)
+        groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
+        stage_of = [st.stage for st in step.stages for _ in range(st.first_layer, st.last_layer + 1)]
+        runs: list[LayerChoice] = []
+        for j, option in enumerate(options):
+            name = layer_group_of(groups, j, self.model.num_layers).name
+            key = (name, stage_of[j], option.checkpoint, option.shard_params, option.split)
+            if runs and (runs[-1].group, runs[-1].stage, runs[-1].checkpoint, runs[-1].shard_params,
+                         runs[-1].split) == key:
+                runs[-1] = LayerChoice(runs[-1].first, j, *key)
+            else:
+                runs.append(LayerChoice(j, j, *key))
+        bucket = bucket_bytes(groups, strategy.tp, self.train.dtype_bytes)
+        return Plan(
+            model=self.model, hardware=self.cluster.hardware.name, nodes=self.cluster.nodes,
+            gpus_per_node=self.cluster.devices_per_node,
+            memory_budget_bytes=self.cluster.memory_budget_bytes, dp=strategy.dp, tp=strategy.tp,
+            pp=strategy.pp, zero_stage=strategy.zero_stage,
+            sequence_parallel=strategy.sequence_parallel, micro_batch=strategy.micro_batch,
+            grad_accum=strategy.grad_accum, global_batch=self.train.global_batch,
+            seq_len=self.train.seq_len, dtype=self.train.dtype,
+            flash_attention=self.train.flash_attention,
+            padded_vocab_size=self.model.padded_vocab_size(strategy.tp),
+            stage_layers=tuple(stage_layers), reduce_bucket_bytes=bucket, prefetch_bucket_bytes=bucket,
+            layers=tuple(runs), stages=step.stages, prediction=step.prediction,
+        )

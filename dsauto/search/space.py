@@ -1,0 +1,137 @@
+"""The space of global strategies and per-layer options, with the rules the engines enforce."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.errors import DsautoError
+from dsauto.spec.cluster import ClusterSpec
+from dsauto.spec.model import ModelSpec
+from dsauto.spec.training import TrainSpec
+
+SPLITS = (1, 2, 4, 8, 16)
+"""Operator-splitting factors considered: the head's loss chunks; ZeRO-3 sharded layers use up to 4."""
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Choices the user pinned; None leaves a choice to the search."""
+
+    tp: int | None = None
+    """Tensor-parallel degree."""
+    pp: int | None = None
+    """Pipeline-parallel degree."""
+    zero_stage: int | None = None
+    """ZeRO stage."""
+    micro_batch: int | None = None
+    """Micro-batch size."""
+    sequence_parallel: bool | None = None
+    """Sequence parallelism when tp > 1 (default: on, it only saves memory and time)."""
+    checkpoint: bool | None = None
+    """Checkpoint every transformer layer (True), none (False), or let the search choose."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
+               pins: Constraints) -> list[Strategy]:
+    """Every global strategy the engines accept, in a fixed order.
+
+    Rules: tp divides the devices of a node (tensor parallelism stays on the fast links) and the
+    heads, key/value heads and MLP width; pp is at most the layer count; tp * pp * dp is the world
+    size; dp divides the global batch (train_batch = micro * accum * dp, DeepSpeed's batch
+    equation); DeepSpeed's pipeline engine accepts ZeRO stage 0 or 1 only
+    (deepspeed/runtime/pipe/engine.py asserts zero stage < 2); ZeRO stages above 0 need dp > 1.
+    """
+    world = cluster.world_size
+    per_node = cluster.devices_per_node
+    out = []
+    for tp in _divisors(per_node):
+        if pins.tp is not None and tp != pins.tp:
+            continue
+        if model.tp_problem(tp) or world % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if (pins.pp is not None and pp != pins.pp) or pp > model.num_layers:
+                continue
+            dp = world // (tp * pp)
+            if train.global_batch % dp:
+                continue
+            zero_stages = (0, 1) if pp > 1 else (0, 1, 2, 3)
+            if pins.zero_stage is not None:
+                if pins.zero_stage not in zero_stages:
+                    continue
+                zero_stages = (pins.zero_stage,)
+            elif dp == 1:
+                zero_stages = (0,)  # nothing to partition over
+            per_replica = train.global_batch // dp
+            for micro in _divisors(per_replica):
+                if pins.micro_batch is not None and micro != pins.micro_batch:
+                    continue
+                sp_values = (False,) if tp == 1 else (
+                    (pins.sequence_parallel,) if pins.sequence_parallel is not None else (True,))
+                for zero in zero_stages:
+                    for sp in sp_values:
+                        out.append(Strategy(tp=tp, pp=pp, dp=dp, zero_stage=zero, micro_batch=micro,
+                                            grad_accum=per_replica // micro, sequence_parallel=sp))
+    return out
+
+
+def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
+                        pins: Constraints) -> DsautoError:
+    """The error to show when no strategy satisfies the rules: names the first rule that fails."""
+    world = cluster.world_size
+    if pins.tp is not None:
+        problem = model.tp_problem(pins.tp)
+        if problem:
+            return DsautoError(f"Cannot use --tp {pins.tp} for {model.name}: {problem}; pin a TP degree "
+                               f"that divides them.")
+        if cluster.devices_per_node % pins.tp:
+            return DsautoError(f"--tp {pins.tp} does not divide the {cluster.devices_per_node} devices of a "
+                               f"node; tensor parallelism must stay inside a node.")
+    if pins.pp is not None and pins.pp > model.num_layers:
+        return DsautoError(f"--pp {pins.pp} exceeds the {model.num_layers} layers of {model.name}.")
+    tp, pp = pins.tp or 1, pins.pp or 1
+    if world % (tp * pp):
+        return DsautoError(f"tp({tp}) * pp({pp}) does not divide the world size {world} "
+                           f"({cluster.nodes} nodes x {cluster.devices_per_node} devices); change --tp, "
+                           f"--pp, --nodes or --gpus-per-node.")
+    if pins.zero_stage is not None and pins.zero_stage >= 2 and pins.pp is not None and pins.pp > 1:
+        return DsautoError(f"ZeRO stage {pins.zero_stage} cannot run with pipeline parallelism {pins.pp}: "
+                           f"DeepSpeed's pipeline engine supports ZeRO 0 and 1 only; pin --zero-stage 1 "
+                           f"or --pp 1.")
+    if pins.micro_batch is not None:
+        return DsautoError(f"No data-parallel degree allowed by the other settings divides the global "
+                           f"batch {train.global_batch} into micro-batches of {pins.micro_batch}; change "
+                           f"--micro-batch or --global-batch.")
+    return DsautoError(f"No data-parallel degree allowed by the other settings divides the global batch "
+                       f"{train.global_batch} on {world} devices; use a global batch divisible by the "
+                       f"data-parallel degree (world / (tp * pp)).")
+
+
+def layer_options(strategy: Strategy) -> tuple[LayerOption, ...]:
+    """Every per-layer option under ``strategy`` (the groups then restrict them, see ``allowed``)."""
+    shard_values = (True, False) if strategy.zero_stage == 3 and strategy.dp > 1 else (False,)
+    return tuple(LayerOption(checkpoint=c, shard_params=s, split=k)
+                 for c in (False, True) for s in shard_values for k in SPLITS)
+
+
+def allowed(group_name: str, option: LayerOption, pins: Constraints) -> bool:
+    """Which options a layer group may take.
+
+    Checkpointing applies to transformer layers (the embedding and head keep little and the head's
+    memory is cut by splitting instead). Splitting applies to the head's loss (OSDP's chunked
+    computation; the logits dominate its memory) and, up to 4 slices, to layers whose parameters
+    ZeRO-3 gathers (the gathered block shrinks); elsewhere it would cost time for nothing.
+    """
+    transformer = group_name not in ("embedding", "head")
+    if option.checkpoint and not transformer:
+        return False
+    if transformer and pins.checkpoint is not None and option.checkpoint != pins.checkpoint:
+        return False
+    if group_name == "head":
+        return True
+    return option.split == 1 or (option.shard_params and option.split <= 4)
