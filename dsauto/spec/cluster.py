@@ -19,12 +19,13 @@ class DeviceSpec:
     """Peak dense FLOP/s per dtype (``bf16``, ``fp16``, ``fp32``), without sparsity."""
     memory_bandwidth_gbps: float
     """Device memory bandwidth in GB/s (10^9 bytes per second)."""
-    matmul_efficiency: float = 0.75
-    """Fraction of peak FLOP/s that large matrix multiplies reach (fitted, see benchmarks/fidelity)."""
-    matmul_half_dim: float = 256.0
+    matmul_efficiency: float = 0.8
+    """Fraction of peak FLOP/s that large matrix multiplies reach. The defaults of this and the next
+    two fields are fitted to published A100 runs (benchmarks/fit_device.py, benchmarks/fidelity.py)."""
+    matmul_half_dim: float = 32.0
     """GEMM dimension at which matmul efficiency falls to half of ``matmul_efficiency``: small
     (e.g. tensor-parallel-sharded) matrices run further from peak."""
-    memory_bandwidth_efficiency: float = 0.7
+    memory_bandwidth_efficiency: float = 0.6
     """Fraction of peak memory bandwidth that bandwidth-bound kernels reach."""
     memory_reserve_bytes: int = 0
     """Memory kept back from every plan: runtime context, communication buffers, allocator

@@ -1,0 +1,199 @@
+"""The DeepSpeed config of a plan (``ds_config.json``), and its validation by DeepSpeed's own parser.
+
+Engine spellings live here. The config carries what DeepSpeed's keys can say (batch, precision, ZeRO
+stage and buckets, optimizer); the per-layer choices (which ZeRO-3 groups stay resident, which layers
+are checkpointed or split) and the pipeline layout ride along in the top-level ``"dsauto"`` block,
+which DeepSpeed ignores (``DeepSpeedConfig`` reads only the keys it knows at the top level) and the
+dsauto hook reads back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from dsauto.errors import DsautoError
+from dsauto.plan import Plan
+from dsauto.spec.training import DTYPE_BYTES
+
+PLAN_KEY = "dsauto"
+"""Top-level key of the config that holds the whole plan (``Plan.to_dict()``)."""
+
+# Optimizer hyperparameters are the user's, not the planner's: these are the usual GPT pre-training
+# values (Brown et al. 2020, Table 2.1 / Appendix B: betas 0.9 and 0.95, eps 1e-8, weight decay 0.1)
+# and are meant to be edited. "torch_adam" makes DeepSpeed build torch.optim.AdamW instead of its
+# fused CPU/GPU Adam, whose C++/CUDA extension otherwise compiles for minutes on first use
+# (deepspeed/runtime/engine.py, get_optimizer_configuration).
+OPTIMIZER_PARAMS: dict[str, Any] = {
+    "lr": 3e-4,
+    "betas": [0.9, 0.95],
+    "eps": 1e-8,
+    "weight_decay": 0.1,
+    "torch_adam": True,
+}
+
+GRADIENT_CLIPPING = 1.0
+STEPS_PER_PRINT = 10
+
+# ZeRO-3 knobs the plan does not choose. Parameters smaller than the persistence threshold stay
+# resident whatever the plan says (DeepSpeed's default, 1e5 elements: norms and biases, whose
+# per-use all-gathers would cost latency for no memory); which whole layer groups stay resident is
+# the plan's per-run ``shard_params`` and the hook applies it by setting ``ds_persist``. The live and
+# reuse limits are DeepSpeed's defaults (1e9 elements): the memory the plan predicts for gathered
+# parameters is bounded by the prefetch bucket and one layer, not by these.
+STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
+STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
+
+
+def dtype_bytes(plan: Plan) -> int:
+    """Bytes per element of the plan's training dtype."""
+    if plan.dtype not in DTYPE_BYTES:
+        raise DsautoError(
+            f"The plan's dtype {plan.dtype!r} is not one of {', '.join(DTYPE_BYTES)}; re-plan with a "
+            f"supported dtype."
+        )
+    return DTYPE_BYTES[plan.dtype]
+
+
+def ds_config(plan: Plan) -> dict[str, Any]:
+    """The DeepSpeed config of ``plan``, with the whole plan under the ``"dsauto"`` key."""
+    config: dict[str, Any] = {
+        # DeepSpeed checks train_batch_size == micro x accumulation x data-parallel world size
+        # (deepspeed/runtime/config.py, _batch_assertion); under pipeline or tensor parallelism its
+        # world size is the data-parallel size from the mpu, so dp is the right factor.
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "steps_per_print": STEPS_PER_PRINT,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "wall_clock_breakdown": False,
+    }
+    element_bytes = dtype_bytes(plan)
+    if plan.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif plan.dtype == "fp16":
+        # loss_scale 0 selects dynamic loss scaling (DeepSpeedFP16Config).
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    config["optimizer"] = {"type": "AdamW", "params": dict(OPTIMIZER_PARAMS)}
+    config["zero_optimization"] = _zero_section(plan, element_bytes)
+    if plan.pp > 1:
+        # Of the "pipeline" keys DeepSpeed parses (get_pipeline_config), only the uniform
+        # activation_checkpoint_interval and the partitioning of activations/gradients across TP
+        # ranks reach the PipelineEngine; "stages" and "partition" are parsed but unused (the
+        # PipelineModule takes them as arguments). The interval stays 0: the hook checkpoints the
+        # layers the plan chose, and the stage partition comes from the dsauto block.
+        config["pipeline"] = {"activation_checkpoint_interval": 0}
+    config[PLAN_KEY] = plan.to_dict()
+    return config
+
+
+def _zero_section(plan: Plan, element_bytes: int) -> dict[str, Any]:
+    # DeepSpeed's bucket sizes count elements, not bytes (deepspeed/runtime/zero/config.py); ZeRO
+    # reduces gradients and gathers parameters in the training dtype unless told otherwise
+    # (communication_data_type and grad_accum_dtype default to the model dtype).
+    reduce_bucket = max(1, plan.reduce_bucket_bytes // element_bytes)
+    section: dict[str, Any] = {"stage": plan.zero_stage}
+    if plan.zero_stage == 0:
+        # Without ZeRO the engine all-reduces in fixed-size buckets (MEMORY_OPT_ALLREDUCE_SIZE); the
+        # bucket keys below would be parsed and ignored.
+        return section
+    section.update({
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": reduce_bucket,
+    })
+    if plan.zero_stage < 3:
+        # Stages 1 and 2 all-gather the updated parameter partitions after the step in buckets.
+        section["allgather_bucket_size"] = reduce_bucket
+    else:
+        section.update({
+            "stage3_prefetch_bucket_size": max(0, plan.prefetch_bucket_bytes // element_bytes),
+            "stage3_param_persistence_threshold": STAGE3_PARAM_PERSISTENCE_THRESHOLD,
+            "stage3_max_live_parameters": STAGE3_MAX_LIVE_PARAMETERS,
+            "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
+        })
+    return section
+
+
+def ds_config_text(plan: Plan) -> str:
+    """``ds_config.json``'s text: the config as indented JSON, ending in a newline."""
+    return json.dumps(ds_config(plan), indent=2) + "\n"
+
+
+def write_ds_config(plan: Plan, path: Path | str) -> Path:
+    """Writes ``plan``'s DeepSpeed config to ``path`` (not validated; see :func:`validate_ds_config`)."""
+    path = Path(path)
+    path.write_text(ds_config_text(plan))
+    return path
+
+
+class _DataParallelView:
+    """Answers DeepSpeedConfig's two questions about the process group as rank 0 of ``dp`` ranks.
+
+    ``DeepSpeedConfig.__init__`` asks ``deepspeed.comm.get_rank()`` first and falls back to a world
+    size of 1 when that raises (it does whenever no process group exists), and only then asks the
+    ``mpu`` for the data-parallel world size. Standing in for both lets DeepSpeed's own batch check
+    run against ``dp`` without creating a process group.
+    """
+
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+
+    def get_rank(self, group: Any = None) -> int:
+        return 0
+
+    def get_world_size(self, group: Any = None) -> int:
+        return self.dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+
+def validate_ds_config(config: dict[str, Any], dp: int) -> None:
+    """Runs DeepSpeed's own config parser on ``config`` as if on ``dp`` data-parallel ranks.
+
+    Raises :class:`DsautoError` with DeepSpeed's message when it rejects the config, and when the
+    config combines pipeline parallelism with ZeRO 2 or 3, which DeepSpeed refuses later, when its
+    pipeline engine starts.
+    """
+    # Imported here: importing DeepSpeed takes seconds, and only validation needs it.
+    import deepspeed.runtime.config as ds_runtime_config
+
+    view = _DataParallelView(dp)
+    try:
+        # DeepSpeedConfig reads the rank from the module-level name ``dist`` (deepspeed.comm) of
+        # deepspeed/runtime/config.py; replacing that one name for the duration of the call makes
+        # it see rank 0 of dp ranks, with no process group and no global left changed afterwards.
+        with mock.patch.object(ds_runtime_config, "dist", view):
+            parsed = ds_runtime_config.DeepSpeedConfig(config, mpu=view)
+    except (AssertionError, ValueError, TypeError, KeyError, ds_runtime_config.DeepSpeedConfigError) as exc:
+        raise DsautoError(f"DeepSpeed rejects the config: {_one_line(exc)}.") from None
+    if parsed.world_size != dp:
+        # DeepSpeed swallows errors while finding its world size and falls back to 1; if it ever
+        # stops asking the names replaced above, its batch check would run against 1, silently.
+        raise RuntimeError(f"DeepSpeed parsed the config with world size {parsed.world_size}, "
+                           f"expected the data-parallel size {dp}")
+    plan_block = config.get(PLAN_KEY)
+    pp = plan_block.get("pp", 1) if isinstance(plan_block, dict) else 1
+    if pp > 1 and parsed.zero_optimization_stage >= 2:
+        # deepspeed/runtime/pipe/engine.py asserts zero stage < 2 in PipelineEngine.__init__.
+        raise DsautoError(
+            f"DeepSpeed's pipeline engine refuses ZeRO stage {parsed.zero_optimization_stage} with "
+            f"pipeline parallelism (pp={pp}); use ZeRO stage 0 or 1, or pp=1."
+        )
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line, without a trailing full stop."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        # A pydantic ValidationError (DeepSpeed's section models forbid unknown keys): name each
+        # offending key instead of repeating pydantic's multi-line report.
+        text = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in errors())
+        text = f"{getattr(exc, 'title', 'config')}: {text}"
+    else:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+    return text.rstrip(".")
