@@ -115,8 +115,10 @@ class CostModel:
         # al. 2019, Fig. 4); with sequence parallelism all-gather + reduce-scatter of equal volume
         # (Korthikanti et al. 2022, Sec. 4.2.2). Not overlapped with compute.
         tp_comm = self.tp.all_reduce(group.tp_comm_bytes_per_token * tokens)
-        forward = matmul + attention + elementwise + tp_comm
-        backward = 2 * (matmul + attention + elementwise) + tp_comm
+        # Each extra slice launches its matmul and the accumulation of partial results again.
+        launches = (option.split - 1) * 2 * self.cluster.device.kernel_launch_seconds
+        forward = matmul + attention + elementwise + tp_comm + launches
+        backward = 2 * (matmul + attention + elementwise + launches) + tp_comm
         if option.checkpoint:
             backward += forward  # recomputation: one more forward inside backward
 

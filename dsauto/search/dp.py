@@ -74,15 +74,18 @@ def solve_prefixes(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
     caps = np.unique(np.concatenate([[0], transient[allowed_any]]))
     best = np.full(n + 1, INFEASIBLE)
     best_cap = np.zeros(n + 1, dtype=np.int64)
-    backpointers: list[np.ndarray] = []
+    backpointers: list[np.ndarray] = [np.zeros((0, 0), dtype=np.int8)] * len(caps)
     # Beyond the largest possible sum of memory every budget is unconstrained.
     most_memory = int(np.where(allowed_any, memory, 0).max(axis=1).sum()) if n else 0
-    for ci, cap in enumerate(caps):
+    # Least constrained cap first: on equal time the plan keeps the options listed first (the
+    # simplest ones) rather than ones that only save memory nobody needs.
+    for ci in range(len(caps) - 1, -1, -1):
+        cap = caps[ci]
         allowed = allowed_any & (transient <= cap)
         room = budgets - cap
         size = int(min(max(room.max(), -1), most_memory)) + 1
         back = np.zeros((n, max(size, 1)), dtype=np.int8 if k < 128 else np.int16)
-        backpointers.append(back)
+        backpointers[ci] = back
         if size <= 0:
             continue
         dp = np.zeros(size)  # least time using at most m units, for the empty prefix: 0

@@ -192,14 +192,14 @@ class Planner:
         order = sorted(range(len(priced)), key=lambda i: (priced[i].lower_bound(L), i))
         kept: list[tuple[float, int, Plan]] = []  # max-heap by step time via negation
         least_memory = min(p.least_memory(L) for p in priced)
-        for done, i in enumerate(order, 1):
+        for done, i in enumerate(order):
             if progress:
                 progress(done, len(order))
             if len(kept) >= top_k and priced[i].lower_bound(L) >= -kept[0][0]:
-                if progress:
-                    progress(len(order), len(order))
-                break
+                break  # every remaining strategy is bounded out
             solved = self._solve(priced[i])
+            if progress:
+                progress(done + 1, len(order))
             if solved is None:
                 continue
             plan = self.build_plan(solved.strategy, solved.stage_layers, solved.options)

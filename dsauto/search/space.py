@@ -114,7 +114,7 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
 
 def layer_options(strategy: Strategy) -> tuple[LayerOption, ...]:
     """Every per-layer option under ``strategy`` (the groups then restrict them, see ``allowed``)."""
-    shard_values = (True, False) if strategy.zero_stage == 3 and strategy.dp > 1 else (False,)
+    shard_values = (False, True) if strategy.zero_stage == 3 and strategy.dp > 1 else (False,)
     return tuple(LayerOption(checkpoint=c, shard_params=s, split=k)
                  for c in (False, True) for s in shard_values for k in SPLITS)
 

@@ -27,6 +27,8 @@ class DeviceSpec:
     (e.g. tensor-parallel-sharded) matrices run further from peak."""
     memory_bandwidth_efficiency: float = 0.6
     """Fraction of peak memory bandwidth that bandwidth-bound kernels reach."""
+    kernel_launch_seconds: float = 5e-6
+    """Fixed cost of launching one kernel; operator splitting launches more of them."""
     memory_reserve_bytes: int = 0
     """Memory kept back from every plan: runtime context, communication buffers, allocator
     fragmentation. A plan's peak must fit in ``memory_bytes - memory_reserve_bytes``."""

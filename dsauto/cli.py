@@ -1,0 +1,180 @@
+"""dsauto's command line: ``dsauto tune | plan | explain | validate``.
+
+Every error a user can cause prints one sentence to stderr and exits with code 2; the search itself
+never writes partial artifacts (they are written to a temporary folder and moved into place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from dsauto.errors import DsautoError
+
+EXIT_USER_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one sentence with exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise DsautoError(f"{message[0].upper()}{message[1:]}; see 'dsauto {self.prog.split()[-1]} --help'.")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def _add_search_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt-tiny",
+                   help="preset name, a dsauto model YAML, or a Hugging Face config.json (default: gpt-tiny)")
+    p.add_argument("--hardware", default="cpu",
+                   help="hardware preset name or a cluster YAML (default: cpu)")
+    p.add_argument("--nodes", type=_positive_int, default=None, help="number of nodes (default: 1)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None,
+                   help="devices per node (default: the hardware's)")
+    p.add_argument("--global-batch", type=_positive_int, default=None,
+                   help="sequences per optimizer step (default: max(8, world size))")
+    p.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="tokens per sequence (default: min(2048, the model's maximum))")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="training dtype (default: the hardware's)")
+    p.add_argument("--no-flash-attention", action="store_true",
+                   help="price eager attention, which keeps the s x s scores")
+    p.add_argument("--tp", type=_positive_int, default=None, help="pin the tensor-parallel degree")
+    p.add_argument("--pp", type=_positive_int, default=None, help="pin the pipeline-parallel degree")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="pin the ZeRO stage")
+    p.add_argument("--micro-batch", type=_positive_int, default=None, help="pin the micro-batch size")
+    p.add_argument("--checkpoint", choices=("auto", "all", "none"), default="auto",
+                   help="activation checkpointing of transformer layers (default: chosen per layer)")
+    p.add_argument("--no-sequence-parallel", action="store_true",
+                   help="disable Megatron sequence parallelism when tp > 1")
+    p.add_argument("--memory-limit", default=None,
+                   help="per-device memory budget such as 60GiB (default: device memory minus reserve)")
+    p.add_argument("--top", type=int, default=0, metavar="K", help="also list the next K plans")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dsauto", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    tune = sub.add_parser("tune", help="search the best plan and write ds_config.json, megatron_args.txt, plan.yaml")
+    _add_search_args(tune)
+    tune.add_argument("--out", default="out", help="folder for the artifacts (default: out)")
+    plan = sub.add_parser("plan", help="search and print plans without writing anything")
+    _add_search_args(plan)
+    explain = sub.add_parser("explain", help="print a plan from plan.yaml or ds_config.json")
+    explain.add_argument("path")
+    validate = sub.add_parser("validate", help="check a ds_config.json with DeepSpeed's own parser")
+    validate.add_argument("path")
+    return parser
+
+
+def _problem(args: argparse.Namespace):
+    from dsauto.search.space import Constraints
+    from dsauto.spec.loaders import load_cluster, load_model
+    from dsauto.spec.training import TrainSpec
+
+    model = load_model(args.model)
+    cluster = load_cluster(args.hardware, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                           memory_limit=args.memory_limit)
+    seq_len = args.seq_len or min(2048, model.max_position_embeddings)
+    if seq_len > model.max_position_embeddings:
+        raise DsautoError(f"--seq-len {seq_len} exceeds the {model.max_position_embeddings} positions "
+                          f"{model.name} supports; use at most {model.max_position_embeddings}.")
+    train = TrainSpec(global_batch=args.global_batch or max(8, cluster.world_size), seq_len=seq_len,
+                      dtype=args.dtype or cluster.hardware.dtype,
+                      flash_attention=not args.no_flash_attention)
+    if args.tp is not None:
+        from dsauto.spec.model import require_tp
+        require_tp(model, args.tp)
+    pins = Constraints(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
+                       sequence_parallel=False if args.no_sequence_parallel else None,
+                       checkpoint={"auto": None, "all": True, "none": False}[args.checkpoint])
+    return model, cluster, train, pins
+
+
+def _search(args: argparse.Namespace):
+    from dsauto.report import SearchProgress
+    from dsauto.search.planner import Planner
+
+    model, cluster, train, pins = _problem(args)
+    if args.top < 0:
+        raise DsautoError(f"--top must be 0 or more, got {args.top}.")
+    started = time.perf_counter()
+    with SearchProgress() as progress:
+        plans = Planner(model, cluster, train, pins).search(top_k=1 + args.top, progress=progress.update)
+    return plans, time.perf_counter() - started
+
+
+def _cmd_tune(args: argparse.Namespace, write: bool) -> int:
+    from dsauto.report import describe_plan, describe_alternatives
+
+    plans, seconds = _search(args)
+    print(describe_plan(plans[0]))
+    if len(plans) > 1:
+        print(describe_alternatives(plans))
+    print(f"searched in {seconds:.2f} s")
+    if write:
+        from dsauto.emit.artifacts import write_artifacts
+
+        written = write_artifacts(plans[0], Path(args.out))
+        print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from dsauto.emit.plan_yaml import read_plan
+    from dsauto.report import describe_plan
+
+    print(describe_plan(read_plan(Path(args.path))))
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    import json
+
+    from dsauto.emit.ds_config import validate_ds_config
+
+    path = Path(args.path)
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DsautoError(f"{path} does not exist; pass the path of a ds_config.json.") from None
+    except (OSError, ValueError) as exc:
+        raise DsautoError(f"{path} is not valid JSON ({exc}); fix the file or regenerate it.") from None
+    if not isinstance(config, dict):
+        raise DsautoError(f"{path} must hold a JSON object, got {type(config).__name__}.")
+    block = config.get("dsauto", {})
+    dp = block.get("dp") if isinstance(block, dict) else None
+    validate_ds_config(config, dp=dp or 1)
+    print(f"{path}: DeepSpeed accepts this config (data-parallel size {dp or 1})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command in ("tune", "plan"):
+            return _cmd_tune(args, write=args.command == "tune")
+        if args.command == "explain":
+            return _cmd_explain(args)
+        return _cmd_validate(args)
+    except DsautoError as exc:
+        print(f"dsauto: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("dsauto: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

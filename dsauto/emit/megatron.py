@@ -1,0 +1,262 @@
+"""The Megatron-LM arguments of a plan (``megatron_args.txt``).
+
+Engine spellings live here. Flag names are Megatron-LM's (megatron/training/arguments.py and the
+dataclass fields it turns into flags); they were checked by parsing the emitted arguments with
+Megatron-LM's own parser. What the flags cannot say exactly (checkpointing that is not a per-stage
+prefix, checkpointing or splitting of the embedding and head, operator splitting, per-group ZeRO-3
+residency) is listed in ``# `` comment lines; the dsauto hook applies it from the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from dsauto.emit.ds_config import dtype_bytes
+from dsauto.plan import Plan
+from dsauto.spec.model import VOCAB_PAD_MULTIPLE
+
+COMMENT = "# "
+"""Prefix of the lines that explain rather than set something."""
+
+# ZeRO stage -> Megatron-FSDP sharding strategy (megatron/core/distributed/
+# distributed_data_parallel_config.py: data_parallel_sharding_strategy). Stage 1 is Megatron's
+# distributed optimizer alone; it shards optimizer states but keeps a full gradient buffer, so
+# stages 2 and 3 need Megatron-FSDP to shard gradients (and parameters) as the plan assumes.
+_FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
+
+
+def megatron_args(plan: Plan) -> list[str]:
+    """``plan`` as Megatron-LM arguments, one per line.
+
+    Each line is a flag, a flag and its value separated by one space, or a comment starting with
+    ``# `` that says what the flags do not express.
+    """
+    dtype_bytes(plan)  # refuses a dtype that neither engine knows
+    lines = _header(plan)
+    lines += _parallelism(plan)
+    lines += _model_shape(plan)
+    lines += _batch_and_precision(plan)
+    lines += _data_parallel(plan)
+    lines += _pipeline_layout(plan.stage_layers)
+    lines += _recompute(plan)
+    lines += _hook_only(plan)
+    return lines
+
+
+def megatron_argv(plan: Plan) -> list[str]:
+    """``plan``'s Megatron-LM arguments as an argv list (flags and values as separate items)."""
+    return [token for line in megatron_args(plan) if not line.startswith(COMMENT)
+            for token in line.split(" ", 1)]
+
+
+def write_megatron_args(plan: Plan, path: Path | str) -> Path:
+    """Writes :func:`megatron_args` to ``path``, one flag (with its value) per line."""
+    path = Path(path)
+    path.write_text("\n".join(megatron_args(plan)) + "\n")
+    return path
+
+
+def _header(plan: Plan) -> list[str]:
+    lines = [
+        f"{COMMENT}Megatron-LM arguments of the dsauto plan for {plan.model.name} on {plan.nodes} x "
+        f"{plan.gpus_per_node} {plan.hardware}.",
+        f"{COMMENT}Launch {plan.world_size} ranks: data parallel {plan.dp} = world size "
+        f"{plan.world_size} / (tp {plan.tp} x pp {plan.pp}).",
+    ]
+    if plan.model.architecture == "encoder":
+        lines.append(f"{COMMENT}Encoder (masked language) model: use these with Megatron-LM's "
+                     f"pretrain_bert.py.")
+    return lines
+
+
+def _parallelism(plan: Plan) -> list[str]:
+    lines = [f"--tensor-model-parallel-size {plan.tp}", f"--pipeline-model-parallel-size {plan.pp}"]
+    if plan.sequence_parallel:
+        lines.append("--sequence-parallel")
+    return lines
+
+
+def _model_shape(plan: Plan) -> list[str]:
+    model = plan.model
+    lines = [
+        f"--num-layers {model.num_layers}",
+        f"--hidden-size {model.hidden_size}",
+        f"--ffn-hidden-size {model.ffn_hidden_size}",
+        f"--num-attention-heads {model.num_attention_heads}",
+    ]
+    if model.kv_heads != model.num_attention_heads:
+        lines += ["--group-query-attention", f"--num-query-groups {model.kv_heads}"]
+    lines += [
+        f"--max-position-embeddings {model.max_position_embeddings}",
+        "--position-embedding-type " + ("rope" if model.position_embedding == "rope" else "learned_absolute"),
+        "--normalization " + ("RMSNorm" if model.norm == "rmsnorm" else "LayerNorm"),
+    ]
+    if model.mlp == "swiglu":
+        lines.append("--swiglu")  # --ffn-hidden-size is then the width of each branch, as in ModelSpec
+    if not model.tied_embeddings:
+        lines.append("--untie-embeddings-and-output-weights")
+    if not model.linear_bias:
+        lines.append("--disable-bias-linear")
+    if not model.dropout:
+        lines += ["--hidden-dropout 0.0", "--attention-dropout 0.0"]  # Megatron's defaults are 0.1
+    lines += [
+        f"{COMMENT}Vocabulary: {model.vocab_size} tokens from the tokenizer, padded to "
+        f"{plan.padded_vocab_size} (a multiple of {VOCAB_PAD_MULTIPLE} x tp {plan.tp}).",
+        f"--make-vocab-size-divisible-by {VOCAB_PAD_MULTIPLE}",
+    ]
+    return lines
+
+
+def _batch_and_precision(plan: Plan) -> list[str]:
+    # Megatron derives the number of micro-batches as global / (micro x dp), the plan's grad_accum.
+    lines = [
+        f"--seq-length {plan.seq_len}",
+        f"--micro-batch-size {plan.micro_batch}",
+        f"--global-batch-size {plan.global_batch}",
+    ]
+    if plan.dtype in ("bf16", "fp16"):
+        lines.append(f"--{plan.dtype}")
+    # --use-flash-attn is still defined but no longer read by Megatron-LM; the backend flag is.
+    # Flash attention keeps no s x s scores, as the plan's memory prediction assumes; "unfused" is
+    # the eager softmax whose scores the plan counts.
+    lines.append("--attention-backend " + ("flash" if plan.flash_attention else "unfused"))
+    return lines
+
+
+def _data_parallel(plan: Plan) -> list[str]:
+    lines = []
+    if plan.zero_stage >= 1:
+        lines.append("--use-distributed-optimizer")
+    if plan.zero_stage in _FSDP_STRATEGY:
+        lines += [
+            "--use-megatron-fsdp",
+            f"--data-parallel-sharding-strategy {_FSDP_STRATEGY[plan.zero_stage]}",
+            "--ckpt-format fsdp_dtensor",  # Megatron-LM's validate_args requires it with Megatron-FSDP
+        ]
+    lines.append("--overlap-grad-reduce")
+    if plan.zero_stage >= 1:
+        lines.append("--overlap-param-gather")  # needs the distributed optimizer or Megatron-FSDP
+    # --ddp-bucket-size counts parameters. Megatron-LM reduces gradients in fp32 under bf16
+    # (validate_args sets accumulate_allreduce_grads_in_fp32) and in the parameter dtype otherwise.
+    grad_bytes = 2 if plan.dtype == "fp16" else 4
+    lines.append(f"--ddp-bucket-size {max(1, plan.reduce_bucket_bytes // grad_bytes)}")
+    return lines
+
+
+def _pipeline_layout(stage_layers: tuple[int, ...]) -> list[str]:
+    """Flags placing the plan's layers per stage; none when Megatron's even split already does."""
+    if len(stage_layers) == 1 or len(set(stage_layers)) == 1:
+        return []
+    first, *middle, last = stage_layers
+    if first > 0 and last > 0 and len(set(middle)) <= 1:
+        # Megatron splits the remaining layers evenly over the middle stages
+        # (TransformerConfig.num_layers_in_first/last_pipeline_stage).
+        return [f"--decoder-first-pipeline-num-layers {first}", f"--decoder-last-pipeline-num-layers {last}"]
+    # Megatron's layout string (megatron/core/transformer/pipeline_parallel_layer_layout.py): stages
+    # split by "|", E the embedding, t a transformer layer, L the loss (head), x*n repeats x.
+    stages = []
+    for stage, count in enumerate(stage_layers):
+        text = "E" if stage == 0 else ""
+        text += "t" if count == 1 else f"t*{count}" if count > 1 else ""
+        text += "L" if stage == len(stage_layers) - 1 else ""
+        stages.append(text)
+    return [f"--pipeline-model-parallel-layout {'|'.join(stages)}"]
+
+
+def _stage_ranges(plan: Plan) -> list[range]:
+    """The transformer layers (flat numbering, 1..L) of each pipeline stage."""
+    ranges, start = [], 1
+    for count in plan.stage_layers:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def block_recompute_layers(plan: Plan) -> int | None:
+    """N for ``--recompute-method block --recompute-num-layers N``, 0 when nothing is checkpointed.
+
+    Megatron's block method checkpoints the first N transformer layers of every pipeline stage
+    (all of a stage's layers when it has N or fewer; megatron/core/transformer/transformer_block.py,
+    _checkpointed_forward). Returns None when the plan's checkpointed layers are not of that form.
+    """
+    checkpointed = set(plan.checkpointed_layers())
+    full: list[int] = []  # stages checkpointed entirely: their layer counts
+    partial: set[int] = set()  # stages checkpointed in part: the length of the checkpointed prefix
+    for layers in _stage_ranges(plan):
+        flags = [layer in checkpointed for layer in layers]
+        prefix = flags.index(False) if False in flags else len(flags)
+        if any(flags[prefix:]):
+            return None
+        if prefix == len(flags):
+            full.append(prefix)
+        else:
+            partial.add(prefix)
+    longest_full = max(full, default=0)
+    if not partial:
+        return longest_full
+    if len(partial) > 1:
+        return None
+    n = partial.pop()
+    # A fully checkpointed stage needs N >= its layer count; a partial one needs exactly N.
+    return n if n >= longest_full else None
+
+
+def _recompute(plan: Plan) -> list[str]:
+    n = block_recompute_layers(plan)
+    if n is None:
+        return [
+            f"{COMMENT}Not expressed: activation checkpointing of transformer "
+            f"{_spans(plan.checkpointed_layers())} is not the first N layers of every stage, which is "
+            f"all --recompute-method block can say; the dsauto hook checkpoints exactly these layers.",
+        ]
+    if n == 0:
+        return []
+    return ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {n}"]
+
+
+def _hook_only(plan: Plan) -> list[str]:
+    """Comments for the plan's choices that no Megatron flag expresses."""
+    lines = []
+    ends = [run for run in plan.layers if run.checkpoint and run.group in ("embedding", "head")]
+    if ends:
+        lines.append(f"{COMMENT}Not expressed: checkpointing of the {_groups(ends)} (Megatron's "
+                     f"recompute flags cover transformer layers only); the dsauto hook applies it.")
+    split = [run for run in plan.layers if run.split > 1]
+    if split:
+        what = ", ".join(f"{_span(run.first, run.last)} ({run.group}) in {run.split} slices" for run in split)
+        lines.append(f"{COMMENT}Not expressed: operator splitting of {what}; the dsauto hook "
+                     f"splits these operators.")
+    kept = [run for run in plan.layers if not run.shard_params]
+    if plan.zero_stage == 3 and kept:
+        lines.append(
+            f"{COMMENT}Not expressed: ZeRO-3 keeps the parameters of {_spans_of(kept)} resident on "
+            f"every data-parallel rank and shards the rest; Megatron-FSDP's optim_grads_params "
+            f"shards all of them, and the dsauto hook keeps these resident."
+        )
+    return lines
+
+
+def _span(first: int, last: int) -> str:
+    return f"layer {first}" if first == last else f"layers {first}-{last}"
+
+
+def _spans(layers: Iterable[int]) -> str:
+    """``[1, 2, 3, 6]`` as ``"layers 1-3, 6"``."""
+    spans: list[list[int]] = []
+    for layer in sorted(layers):
+        if spans and spans[-1][1] == layer - 1:
+            spans[-1][1] = layer
+        else:
+            spans.append([layer, layer])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return ("layer " if len(spans) == 1 and spans[0][0] == spans[0][1] else "layers ") + text
+
+
+def _spans_of(runs: list) -> str:
+    return _spans(layer for run in runs for layer in range(run.first, run.last + 1))
+
+
+def _groups(runs: list) -> str:
+    names = list(dict.fromkeys(run.group for run in runs))
+    return " and ".join(names)

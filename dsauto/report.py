@@ -1,0 +1,111 @@
+"""Human-readable output: the plan summary, the runner-up table and search progress."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+from dsauto.plan import LayerChoice, Plan
+from dsauto.units import format_bytes, format_count, format_seconds
+
+
+def _layer_range(run: LayerChoice) -> str:
+    return f"{run.first}" if run.first == run.last else f"{run.first}-{run.last}"
+
+
+def _choice_text(plan: Plan, run: LayerChoice) -> str:
+    parts = []
+    if plan.zero_stage == 3 and plan.dp > 1:
+        parts.append("params sharded" if run.shard_params else "params resident")
+    if run.group not in ("embedding", "head"):
+        parts.append("checkpointed" if run.checkpoint else "activations kept")
+    if run.split > 1:
+        parts.append(f"loss in {run.split} chunks" if run.group == "head" else f"split x{run.split}")
+    return ", ".join(parts) or "default"
+
+
+def describe_plan(plan: Plan) -> str:
+    """The plan as a short report: degrees, batch, layout, per-layer choices, prediction, memory."""
+    p, pred = plan.prediction, plan.prediction
+    zero = f"ZeRO-{plan.zero_stage}"
+    sp = ", sequence parallel" if plan.sequence_parallel and plan.tp > 1 else ""
+    lines = [
+        f"dsauto plan: {plan.model.name} on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} "
+        f"({plan.world_size} devices), global batch {plan.global_batch}, seq {plan.seq_len}, {plan.dtype}",
+        f"  degrees     tp={plan.tp} pp={plan.pp} dp={plan.dp}, {zero}{sp}",
+        f"  batch       micro-batch {plan.micro_batch} x accumulation {plan.grad_accum} x dp {plan.dp}"
+        f" = {plan.global_batch}",
+        f"  layout      {plan.pp} stage{'s' if plan.pp > 1 else ''}, transformer layers per stage "
+        f"{list(plan.stage_layers) if plan.pp <= 16 else _compact(plan.stage_layers)}",
+        "  layers      (0 = embedding, 1-{0} = {1} layers, {2} = head)".format(
+            plan.model.num_layers, plan.model.architecture, plan.model.num_layers + 1),
+    ]
+    for run in plan.layers:
+        lines.append(f"    {_layer_range(run):>9}  {run.group:<10} stage {run.stage:<3} {_choice_text(plan, run)}")
+    lines += [
+        f"  predicted   step {format_seconds(pred.step_seconds)}, {format_count(pred.tokens_per_second)} tokens/s, "
+        f"MFU {pred.mfu:.1%}, {pred.tflops_per_device:.1f} TFLOP/s per device ({pred.basis})",
+        f"              compute {format_seconds(p.compute_seconds)}, bubble {format_seconds(p.bubble_seconds)}, "
+        f"exposed comm {format_seconds(p.exposed_comm_seconds)}, optimizer {format_seconds(p.optimizer_seconds)}",
+        f"  memory per rank (budget {format_bytes(plan.memory_budget_bytes)}):",
+        "    stage  layers      params     grads  optimizer  activations  transient       peak",
+    ]
+    for st in plan.stages:
+        lines.append(
+            f"    {st.stage:>5}  {st.first_layer:>3}-{st.last_layer:<4} {format_bytes(st.params_bytes):>9} "
+            f"{format_bytes(st.grads_bytes):>9} {format_bytes(st.optimizer_bytes):>10} "
+            f"{format_bytes(st.activation_bytes):>12} {format_bytes(st.transient_bytes):>10} "
+            f"{format_bytes(st.peak_bytes):>10}"
+        )
+    return "\n".join(lines)
+
+
+def _compact(values: Sequence[int]) -> str:
+    return f"[{values[0]}, {values[1]} x {len(values) - 2}, {values[-1]}]" if len(set(values[1:-1])) == 1 \
+        else str(list(values))
+
+
+def describe_alternatives(plans: Sequence[Plan]) -> str:
+    """The runner-up plans, one line each, relative to the best."""
+    best = plans[0].prediction.step_seconds
+    lines = ["next plans:"]
+    for rank, plan in enumerate(plans[1:], 2):
+        pred = plan.prediction
+        lines.append(
+            f"  #{rank} tp={plan.tp} pp={plan.pp} dp={plan.dp} zero={plan.zero_stage} "
+            f"mb={plan.micro_batch} accum={plan.grad_accum} ckpt={len(plan.checkpointed_layers())}/"
+            f"{plan.model.num_layers}  step {format_seconds(pred.step_seconds)} "
+            f"(+{pred.step_seconds / best - 1:.1%})  peak {format_bytes(pred.peak_memory_bytes)}"
+        )
+    return "\n".join(lines)
+
+
+class SearchProgress:
+    """Search progress on stderr: a live bar on a terminal, one line at the end otherwise."""
+
+    def __init__(self) -> None:
+        self._bar = None
+        self._started = time.perf_counter()
+        self._total = self._done = 0
+
+    def __enter__(self) -> SearchProgress:
+        if sys.stderr.isatty():
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("searching strategies", total=None)
+        return self
+
+    def update(self, done: int, total: int) -> None:
+        self._done, self._total = done, total
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        if exc[0] is None:
+            print(f"dsauto: solved {self._done} of {self._total} strategies (the rest bounded out) in "
+                  f"{time.perf_counter() - self._started:.2f} s", file=sys.stderr)

@@ -1,0 +1,132 @@
+"""The planner: engine rules, the memory budget, determinism, and optimality against alternatives."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+from dsauto.cost.step import predict_step
+from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.errors import DsautoError
+from dsauto.search.planner import Planner
+from dsauto.search.space import Constraints, allowed, layer_options, strategies
+from dsauto.spec.cluster import ClusterSpec
+from dsauto.spec.loaders import load_hardware, load_model
+from dsauto.spec.training import TrainSpec
+
+
+def setup(model="llama2-7b", hardware="a100-80gb", nodes=2, per_node=8, batch=64, seq=4096,
+          memory_limit=0):
+    return (load_model(model),
+            ClusterSpec(load_hardware(hardware), nodes=nodes, gpus_per_node=per_node,
+                        memory_limit_bytes=memory_limit),
+            TrainSpec(global_batch=batch, seq_len=seq))
+
+
+def test_plans_obey_engine_rules_and_fit():
+    model, cluster, train = setup()
+    plans = Planner(model, cluster, train).search(top_k=8)
+    assert len(plans) == 8
+    times = [p.prediction.step_seconds for p in plans]
+    assert times == sorted(times)
+    for plan in plans:
+        assert plan.micro_batch * plan.grad_accum * plan.dp == train.global_batch
+        assert plan.dp * plan.tp * plan.pp == cluster.world_size
+        assert model.num_attention_heads % plan.tp == 0 and model.kv_heads % plan.tp == 0
+        assert plan.padded_vocab_size % plan.tp == 0
+        assert plan.pp == 1 or plan.zero_stage <= 1  # DeepSpeed's pipeline engine
+        assert plan.prediction.peak_memory_bytes <= cluster.memory_budget_bytes
+        assert all(st.peak_bytes <= cluster.memory_budget_bytes for st in plan.stages)
+
+
+def test_search_is_deterministic():
+    model, cluster, train = setup()
+    first = Planner(model, cluster, train).search(top_k=3)
+    second = Planner(model, cluster, train).search(top_k=3)
+    assert first == second
+
+
+def test_pins_are_respected():
+    model, cluster, train = setup()
+    plan = Planner(model, cluster, train, Constraints(tp=2, pp=2, zero_stage=1)).search()[0]
+    assert (plan.tp, plan.pp, plan.zero_stage) == (2, 2, 1)
+    plan = Planner(model, cluster, train, Constraints(micro_batch=1, checkpoint=True)).search()[0]
+    assert plan.micro_batch == 1
+    assert len(plan.checkpointed_layers()) == model.num_layers
+
+
+def test_a_tighter_budget_trades_time_for_memory():
+    model, _, train = setup()
+    roomy = Planner(model, *setup(memory_limit=70 * 2**30)[1:]).search()[0]
+    tight = Planner(model, *setup(memory_limit=12 * 2**30)[1:]).search()[0]
+    assert tight.prediction.peak_memory_bytes <= 12 * 2**30
+    assert tight.prediction.step_seconds >= roomy.prediction.step_seconds
+
+
+def test_impossible_budget_names_the_smallest_need():
+    model, cluster, train = setup(model="llama2-70b", nodes=1, per_node=2, batch=8,
+                                  memory_limit=4 * 2**30)
+    with pytest.raises(DsautoError, match=r"does not fit .* needs about [0-9.]+ GiB per device"):
+        Planner(model, cluster, train).search()
+
+
+def test_no_strategy_explains_the_rule():
+    model, cluster, train = setup(batch=7)  # 16 devices: no data-parallel degree divides 7 except 1
+    with pytest.raises(DsautoError, match="ZeRO stage 3 cannot run with pipeline"):
+        Planner(model, cluster, train, Constraints(zero_stage=3, pp=2)).search()
+
+
+def uniform_assignments(model, strategy, pins):
+    """Every plan that gives all transformer layers one option, the embedding and head one each."""
+    options = layer_options(strategy)
+    for emb, block, head in itertools.product(options, repeat=3):
+        if allowed("embedding", emb, pins) and allowed("decoder", block, pins) and allowed("head", head, pins):
+            yield [emb] + [block] * model.num_layers + [head]
+
+
+@pytest.mark.parametrize("zero, limit_gib", [(3, 40), (3, 20), (2, 30), (1, 60)])
+def test_single_stage_plan_beats_every_uniform_plan_that_fits(zero, limit_gib):
+    model, cluster, train = setup(nodes=1, batch=32, memory_limit=limit_gib * 2**30)
+    pins = Constraints(tp=1, pp=1, zero_stage=zero, micro_batch=2)
+    plan = Planner(model, cluster, train, pins).search()[0]
+    strategy = Strategy(tp=1, pp=1, dp=8, zero_stage=zero, micro_batch=2, grad_accum=2,
+                        sequence_parallel=False)
+    best_uniform = min(
+        (s.prediction.step_seconds for options in uniform_assignments(model, strategy, pins)
+         for s in [predict_step(model, cluster, train, strategy, (model.num_layers,), options)]
+         if s.prediction.peak_memory_bytes <= cluster.memory_budget_bytes),
+        default=float("inf"))
+    assert plan.prediction.step_seconds <= best_uniform * (1 + 1e-9)
+
+
+def test_pipeline_layout_beats_every_first_last_layout_by_brute_force():
+    model, cluster, train = setup(model="gpt2-xl", nodes=1, per_node=8, batch=32, seq=1024)
+    pins = Constraints(tp=1, pp=4, zero_stage=0, micro_batch=1, checkpoint=False)
+    planner = Planner(model, cluster, train, pins)
+    plan = planner.search()[0]
+    strategy = Strategy(tp=1, pp=4, dp=2, zero_stage=0, micro_batch=1, grad_accum=16,
+                        sequence_parallel=False)
+    plain = LayerOption(checkpoint=False, shard_params=False, split=1)
+    best = float("inf")
+    L = model.num_layers
+    for first in range(1, L):
+        for mid in range(1, L):
+            last = L - first - 2 * mid
+            if last < 1:
+                continue
+            # Plain options everywhere, but let the head pick its split: the only per-layer choice.
+            for split in (1, 2, 4, 8, 16):
+                options = [plain] * (L + 1) + [dataclasses.replace(plain, split=split)]
+                step = predict_step(model, cluster, train, strategy, (first, mid, mid, last), options)
+                if step.prediction.peak_memory_bytes <= cluster.memory_budget_bytes:
+                    best = min(best, step.prediction.step_seconds)
+    assert plan.prediction.step_seconds <= best * (1 + 1e-9)
+    assert sum(plan.stage_layers) == L and len(set(plan.stage_layers[1:-1])) == 1
+
+
+def test_strategy_space_rules():
+    model, cluster, train = setup(model="gpt2-xl")  # 25 heads: only TP 1 divides them
+    space = strategies(model, cluster, train, Constraints())
+    assert {s.tp for s in space} == {1}
+    assert all(s.zero_stage <= 1 for s in space if s.pp > 1)
+    assert all(s.micro_batch * s.grad_accum * s.dp == train.global_batch for s in space)
