@@ -7,6 +7,7 @@ never writes partial artifacts (they are written to a temporary folder and moved
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -161,6 +162,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The CLI uses DeepSpeed only to parse configs; its CPU accelerator spares the auto-detection
+    # (and its warning on machines without a GPU). Training processes choose their own.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         args = build_parser().parse_args(argv)
         if args.command in ("tune", "plan"):

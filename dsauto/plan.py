@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from dsauto.serde import from_dict, to_dict
 from dsauto.spec.model import ModelSpec
+from dsauto.spec.training import Dtype
 
 PLAN_VERSION = 1
 
@@ -139,7 +140,7 @@ class Plan:
     """Sequences per optimizer step: micro_batch x grad_accum x dp."""
     seq_len: int
     """Tokens per sequence."""
-    dtype: str
+    dtype: Dtype
     """Training dtype (bf16, fp16 or fp32)."""
     flash_attention: bool
     """Whether attention is fused (no s×s scores kept)."""
@@ -175,11 +176,21 @@ class Plan:
                 f"stage_layers {list(self.stage_layers)} must have pp={self.pp} entries summing to "
                 f"{self.model.num_layers} layers"
             )
+        if any(n < 0 for n in self.stage_layers):
+            raise ValueError(f"stage_layers {list(self.stage_layers)} must not be negative")
+        # Flat layer -> stage: the embedding joins stage 0, the head the last stage.
+        stage_of = [0] + [i for i, n in enumerate(self.stage_layers) for _ in range(n)] + [self.pp - 1]
         expected = 0
         for run in self.layers:
             if run.first != expected:
                 raise ValueError(f"layer runs must cover layers in order; run starts at {run.first}, "
                                  f"expected {expected}")
+            if run.last < len(stage_of) and {stage_of[run.first], stage_of[run.last]} != {run.stage}:
+                raise ValueError(f"layers {run.first}..{run.last} are not all on stage {run.stage} "
+                                 f"of the layout {list(self.stage_layers)}")
+            if run.shard_params and self.zero_stage != 3:
+                raise ValueError(f"layers {run.first}..{run.last} shard parameters, which needs ZeRO "
+                                 f"stage 3, not {self.zero_stage}")
             expected = run.last + 1
         if expected != self.model.num_layers + 2:
             raise ValueError(f"layer runs cover {expected} layers, expected {self.model.num_layers + 2}")

@@ -49,7 +49,7 @@ def from_dict(cls: type[T], data: Any, where: str) -> T:
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
-        raise DsautoError(f"{where} is invalid: {exc}") from None
+        raise DsautoError(f"{where} is invalid: {exc}; correct that value.") from None
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:

@@ -157,7 +157,8 @@ def validate_ds_config(config: dict[str, Any], dp: int) -> None:
 
     Raises :class:`DsautoError` with DeepSpeed's message when it rejects the config, and when the
     config combines pipeline parallelism with ZeRO 2 or 3, which DeepSpeed refuses later, when its
-    pipeline engine starts.
+    pipeline engine starts. Not thread-safe: during the call, one module-level name of DeepSpeed's
+    is replaced (see below).
     """
     # Imported here: importing DeepSpeed takes seconds, and only validation needs it.
     import deepspeed.runtime.config as ds_runtime_config

@@ -1,10 +1,11 @@
 """The Megatron-LM arguments of a plan (``megatron_args.txt``).
 
 Engine spellings live here. Flag names are Megatron-LM's (megatron/training/arguments.py and the
-dataclass fields it turns into flags); they were checked by parsing the emitted arguments with
-Megatron-LM's own parser. What the flags cannot say exactly (checkpointing that is not a per-stage
-prefix, checkpointing or splitting of the embedding and head, operator splitting, per-group ZeRO-3
-residency) is listed in ``# `` comment lines; the dsauto hook applies it from the plan.
+dataclass fields it turns into flags); emitted arguments were checked with Megatron-LM's own
+``parse_args`` and ``validate_args`` at commit d98e8a6 (August 2026). What the flags cannot say
+exactly (checkpointing that is not a per-stage prefix, checkpointing or splitting of the embedding
+and head, operator splitting, per-group ZeRO-3 residency) is listed in ``# `` comment lines; the
+dsauto hook applies it from the plan.
 """
 
 from __future__ import annotations

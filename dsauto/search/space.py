@@ -97,7 +97,7 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
     tp, pp = pins.tp or 1, pins.pp or 1
     if world % (tp * pp):
         return DsautoError(f"tp({tp}) * pp({pp}) does not divide the world size {world} "
-                           f"({cluster.nodes} nodes x {cluster.devices_per_node} devices); change --tp, "
+                           f"({cluster.nodes} node{'s' if cluster.nodes > 1 else ''} x {cluster.devices_per_node} devices); change --tp, "
                            f"--pp, --nodes or --gpus-per-node.")
     if pins.zero_stage is not None and pins.zero_stage >= 2 and pins.pp is not None and pins.pp > 1:
         return DsautoError(f"ZeRO stage {pins.zero_stage} cannot run with pipeline parallelism {pins.pp}: "

@@ -3,15 +3,12 @@ tensor- and pipeline-parallel plan with uneven stages; plus a builder for varian
 
 from __future__ import annotations
 
-import os
+from dataclasses import replace
 
 import pytest
 
 from dsauto.plan import LayerChoice, Plan, Prediction, StagePrediction
 from dsauto.spec.model import ModelSpec
-
-# DeepSpeed picks its accelerator on import; name the CPU one instead of letting it probe for GPUs.
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 MiB = 1024**2
 
@@ -51,6 +48,8 @@ def _make_plan(model: ModelSpec, *, dp: int, tp: int, pp: int, zero_stage: int,
               grad_accum: int = 4, **overrides) -> Plan:
     """A consistent plan around the given parallel layout and per-layer runs."""
     world = dp * tp * pp
+    if zero_stage != 3:  # below ZeRO-3 parameters are never sharded
+        layers = tuple(replace(run, shard_params=False) for run in layers)
     stages, first = [], 0
     for s, count in enumerate(stage_layers):
         last = first + count + (1 if s == 0 else 0) + (1 if s == pp - 1 else 0) - 1
