@@ -85,6 +85,12 @@ class CostModel:
         efficiency = self.matmul_efficiency * dim / (dim + self.half_dim)
         return flops / (self.peak_flops * efficiency)
 
+    def overlapped(self, compute_seconds: float, comm_seconds: float) -> float:
+        """Compute and communication issued together: the longer of the two, plus the part of the
+        shorter one that does not hide (see DeviceSpec.comm_overlap_efficiency)."""
+        hidden = self.cluster.device.comm_overlap_efficiency
+        return max(compute_seconds, comm_seconds) + (1 - hidden) * min(compute_seconds, comm_seconds)
+
     def memory_seconds(self, num_bytes: float) -> float:
         return num_bytes / self.bandwidth
 
@@ -133,7 +139,7 @@ class CostModel:
         # Data-parallel traffic. ZeRO-3 gathers sharded parameters before each use in forward and
         # again in backward, and reduce-scatters gradients every micro-batch; ZeRO-2 reduce-scatters
         # every micro-batch too; both overlap with the layer's compute (prefetch, overlap_comm), so a
-        # layer costs the larger of the two (ZeRO paper, Sec. 7: 1.5x the data-parallel volume).
+        # layer costs about the larger of the two (ZeRO paper, Sec. 7: 1.5x the data-parallel volume).
         param_volume = local_params * self.param_bytes
         grad_volume = local_params * self.grad_bytes
         split_latency = (option.split - 1) * self.dp.latency_seconds * max(0, dp - 1)
@@ -141,10 +147,10 @@ class CostModel:
         if dp > 1:
             if sharded:
                 gather = self.dp.all_gather(param_volume) + split_latency
-                forward = max(forward, gather)
-                backward = max(backward, gather + self.dp.reduce_scatter(grad_volume))
+                forward = self.overlapped(forward, gather)
+                backward = self.overlapped(backward, gather + self.dp.reduce_scatter(grad_volume))
             elif s.zero_stage >= 2:
-                backward = max(backward, self.dp.reduce_scatter(grad_volume))
+                backward = self.overlapped(backward, self.dp.reduce_scatter(grad_volume))
                 step_seconds = self.dp.all_gather(param_volume)  # updated shards back to every rank
             elif s.zero_stage == 1:
                 grad_sync = grad_volume  # reduce-scattered once per step, like an all-reduce's half

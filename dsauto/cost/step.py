@@ -110,8 +110,11 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         ))
         times.append(forward + backward)
         sync = cost.grad_sync_seconds(sum(c.grad_sync_bytes for c in costs))
-        overlap = backward if pp == 1 else 0.0  # DeepSpeed's pipeline engine reduces after the flush
-        exposed = max(sync - overlap, 0.0) + sum(c.step_seconds for c in costs)
+        if pp == 1:  # reduced in buckets during the last micro-batch's backward
+            exposed = cost.overlapped(backward, sync) - backward
+        else:  # DeepSpeed's pipeline engine reduces after the flush
+            exposed = sync
+        exposed += sum(c.step_seconds for c in costs)
         tails.append((exposed, sum(c.optimizer_seconds for c in costs)))
 
     slowest = max(times)

@@ -27,6 +27,10 @@ class DeviceSpec:
     (e.g. tensor-parallel-sharded) matrices run further from peak."""
     memory_bandwidth_efficiency: float = 0.6
     """Fraction of peak memory bandwidth that bandwidth-bound kernels reach."""
+    comm_overlap_efficiency: float = 0.8
+    """Fraction of communication that hides behind concurrent compute; the rest still shows,
+    because collectives and matrix multiplies contend for SMs and memory bandwidth (Pati et al.
+    2024, "T3", Sec. 2.3, measure 10-30% slowdowns of overlapped GEMMs)."""
     kernel_launch_seconds: float = 5e-6
     """Fixed cost of launching one kernel; operator splitting launches more of them."""
     memory_reserve_bytes: int = 0
