@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 
 from dsauto.plan import LayerChoice, Plan
-from dsauto.units import format_bytes, format_count, format_seconds
+from dsauto.units import format_bytes, format_count, format_flops, format_seconds
 
 
 def _layer_range(run: LayerChoice) -> str:
@@ -45,7 +45,7 @@ def describe_plan(plan: Plan) -> str:
         lines.append(f"    {_layer_range(run):>9}  {run.group:<10} stage {run.stage:<3} {_choice_text(plan, run)}")
     lines += [
         f"  predicted   step {format_seconds(pred.step_seconds)}, {format_count(pred.tokens_per_second)} tokens/s, "
-        f"MFU {pred.mfu:.1%}, {_flops(pred.tflops_per_device)} per device ({pred.basis})",
+        f"MFU {pred.mfu:.1%}, {format_flops(pred.tflops_per_device * 1e12)} per device ({pred.basis})",
         f"              compute {format_seconds(p.compute_seconds)}, bubble {format_seconds(p.bubble_seconds)}, "
         f"exposed comm {format_seconds(p.exposed_comm_seconds)}, optimizer {format_seconds(p.optimizer_seconds)}",
         f"  memory per rank (budget {format_bytes(plan.memory_budget_bytes)}):",
@@ -59,10 +59,6 @@ def describe_plan(plan: Plan) -> str:
             f"{format_bytes(st.peak_bytes):>10}"
         )
     return "\n".join(lines)
-
-
-def _flops(tflops: float) -> str:
-    return f"{tflops:.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.1f} GFLOP/s"
 
 
 def _compact(values: Sequence[int]) -> str:

@@ -63,3 +63,11 @@ def format_count(count: float) -> str:
         if abs(count) >= size:
             return f"{count / size:.1f}{unit}"
     return f"{count:.0f}"
+
+
+def format_flops(flops_per_second: float) -> str:
+    """Formats a FLOP rate, e.g. ``"189.0 TFLOP/s"`` or ``"31.3 GFLOP/s"``."""
+    for unit, size in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if flops_per_second >= size:
+            return f"{flops_per_second / size:.1f} {unit}"
+    return f"{flops_per_second / 1e6:.1f} MFLOP/s"

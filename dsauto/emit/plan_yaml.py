@@ -18,7 +18,7 @@ import yaml
 from dsauto.emit.ds_config import PLAN_KEY
 from dsauto.errors import DsautoError
 from dsauto.plan import PLAN_VERSION, Plan
-from dsauto.units import format_bytes, format_count, format_seconds
+from dsauto.units import format_bytes, format_count, format_flops, format_seconds
 
 
 class _Row(dict):
@@ -86,7 +86,7 @@ def summary(plan: Plan) -> list[str]:
         "",
         f"predicted ({pred.basis}): {format_seconds(pred.step_seconds)} per step, "
         f"{pred.tokens_per_second:,.0f} tokens/s, MFU {pred.mfu:.1%}, "
-        f"{pred.tflops_per_device:.1f} TFLOP/s per device",
+        f"{format_flops(pred.tflops_per_device * 1e12)} per device",
         f"step: compute {format_seconds(pred.compute_seconds)}, bubble {format_seconds(pred.bubble_seconds)}, "
         f"exposed communication {format_seconds(pred.exposed_comm_seconds)}, optimizer "
         f"{format_seconds(pred.optimizer_seconds)}",
