@@ -50,6 +50,7 @@ class _Priced:
     strategy: Strategy
     options: tuple[LayerOption, ...]
     time: np.ndarray  # fwd + bwd per micro-batch, plus per-step costs spread over the micro-batches
+    compute: np.ndarray  # fwd + bwd per micro-batch alone (for the lower bound)
     static: np.ndarray
     activation: np.ndarray
     transient: np.ndarray
@@ -59,7 +60,9 @@ class _Priced:
 
     def lower_bound(self, num_layers: int) -> float:
         s = self.strategy
-        fastest = self.time.min(axis=1)
+        # Valid because the predicted step is at least (m + p - 1) times the mean stage time plus
+        # the optimizer of its slowest stage; per-step gathers and gradient sync only add to it.
+        fastest = np.where(np.isfinite(self.time), self.compute, np.inf).min(axis=1)
         total = fastest[EMBEDDING] + fastest[HEAD] + num_layers * fastest[BLOCK]
         p2p = 2 * self.p2p_seconds if s.pp > 1 else 0.0
         return (s.grad_accum + s.pp - 1) * (total / s.pp + p2p) + self.optimizer_seconds / s.pp
@@ -93,22 +96,23 @@ class Planner:
         cost = CostModel(self.cluster, self.train, strategy, self.model.hidden_size)
         options = layer_options(strategy)
         shape = (3, len(options))
-        time, static, act, trans = (np.full(shape, np.inf), np.zeros(shape), np.zeros(shape),
-                                    np.zeros(shape))
+        time, compute, static, act, trans = (np.full(shape, np.inf), np.full(shape, np.inf),
+                                             np.zeros(shape), np.zeros(shape), np.zeros(shape))
         optimizer = 0.0
         for gi, group in enumerate(groups):
             for oi, option in enumerate(options):
                 if not allowed(group.name, option, self.pins):
                     continue
                 c = cost.layer(group, option)
-                time[gi, oi] = c.forward_seconds + c.backward_seconds + c.step_seconds / strategy.grad_accum
+                compute[gi, oi] = c.forward_seconds + c.backward_seconds
+                time[gi, oi] = compute[gi, oi] + c.step_seconds / strategy.grad_accum
                 static[gi, oi] = c.static_bytes
                 act[gi, oi] = c.activation_bytes
                 trans[gi, oi] = c.transient_bytes
             # The optimizer update does not depend on the per-layer option.
             optimizer += group.count * cost.layer(group, options[0]).optimizer_seconds
         constant = stage_constant_bytes(strategy, bucket_bytes(groups, strategy.tp, self.train.dtype_bytes))
-        return _Priced(strategy, options, time, static, act, trans,
+        return _Priced(strategy, options, time, compute, static, act, trans,
                        cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer,
                        self.cluster.memory_budget_bytes - constant)
 

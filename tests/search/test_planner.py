@@ -130,3 +130,31 @@ def test_strategy_space_rules():
     assert {s.tp for s in space} == {1}
     assert all(s.zero_stage <= 1 for s in space if s.pp > 1)
     assert all(s.micro_batch * s.grad_accum * s.dp == train.global_batch for s in space)
+
+
+@pytest.mark.parametrize("pins", [Constraints(), Constraints(pp=2), Constraints(pp=4, zero_stage=1),
+                                  Constraints(zero_stage=3, pp=1)])
+def test_lower_bound_never_exceeds_the_plan_it_bounds(pins):
+    # Branch and bound is only exact if every bound is below what solving the strategy predicts.
+    model, cluster, train = setup(nodes=1, batch=32)
+    planner = Planner(model, cluster, train, pins)
+    checked = 0
+    for strategy in strategies(model, cluster, train, pins):
+        priced = planner._price(strategy)
+        solved = planner._solve(priced)
+        if solved is None:
+            continue
+        plan = planner.build_plan(solved.strategy, solved.stage_layers, solved.options)
+        assert priced.lower_bound(model.num_layers) <= plan.prediction.step_seconds * (1 + 1e-12)
+        checked += 1
+    assert checked > 0
+
+
+def test_branch_and_bound_finds_the_same_best_as_solving_everything():
+    model, cluster, train = setup(model="gpt2-xl", nodes=1, batch=32, seq=1024, memory_limit=20 * 2**30)
+    planner = Planner(model, cluster, train)
+    best = min((planner.build_plan(s.strategy, s.stage_layers, s.options).prediction.step_seconds
+                for s in (planner._solve(planner._price(st))
+                          for st in strategies(model, cluster, train, Constraints())) if s),
+               default=None)
+    assert planner.search()[0].prediction.step_seconds == pytest.approx(best, rel=1e-12)
