@@ -34,11 +34,15 @@ class PrefixSolution:
     _backpointers: list[np.ndarray]
     _memory: np.ndarray
     _budgets: np.ndarray
+    _fastest: np.ndarray | None = None
+    """When every prefix fits with each layer at its fastest option: those options (no DP ran)."""
 
     def choices(self, j: int) -> tuple[int, ...]:
         """The option index of each of the first ``j`` layers in a best choice for that prefix."""
         if not np.isfinite(self.best_time[j]):
             raise ValueError(f"no feasible choice for the first {j} layers")
+        if self._fastest is not None:
+            return tuple(int(o) for o in self._fastest[:j])
         if j == 0:
             return ()
         k = int(self._cap_index[j])
@@ -71,6 +75,9 @@ def solve_prefixes(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
         raise ValueError("memory and transient must be non-negative")
 
     allowed_any = np.isfinite(time)
+    fast = _all_fastest_fit(time, memory, transient, budgets)
+    if fast is not None:
+        return fast
     caps = np.unique(np.concatenate([[0], transient[allowed_any]]))
     best = np.full(n + 1, INFEASIBLE)
     best_cap = np.zeros(n + 1, dtype=np.int64)
@@ -92,21 +99,44 @@ def solve_prefixes(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
         if room[0] >= 0 and best[0] > 0:
             best[0], best_cap[0] = 0.0, ci
         for j in range(n):
-            candidates = np.full((k, size), INFEASIBLE)
-            for o in range(k):
-                if not allowed[j, o]:
-                    continue
+            row = np.full(size, INFEASIBLE)
+            arg = back[j]
+            for o in np.flatnonzero(allowed[j]):
                 w = int(memory[j, o])
-                if w < size:
-                    candidates[o, w:] = dp[: size - w] + time[j, o]
-            back[j] = candidates.argmin(axis=0)
-            dp = candidates[back[j], np.arange(size)]
+                if w >= size:
+                    continue
+                candidate = dp[: size - w] + time[j, o]
+                current = row[w:]
+                better = candidate < current  # strict: on ties the earlier option stays
+                current[better] = candidate[better]
+                arg[w:][better] = o
+            dp = row
+            if not np.isfinite(dp[-1]):
+                break  # no choice of this prefix fits under this cap; longer ones cannot either
             r = room[j + 1]
             if r >= 0:
                 value = dp[min(int(r), size - 1)]
                 if value < best[j + 1]:
                     best[j + 1], best_cap[j + 1] = value, ci
     return PrefixSolution(best, best_cap, caps, backpointers, memory, budgets)
+
+
+def _all_fastest_fit(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
+                     budgets: np.ndarray) -> PrefixSolution | None:
+    """The exact answer without a DP when every prefix fits with each layer at its fastest option
+    (the common case when memory is not the binding constraint), else None."""
+    n = time.shape[0]
+    if n == 0 or not np.isfinite(time).any(axis=1).all():
+        return None
+    fastest = time.argmin(axis=1)  # first index among equal times, as the DP keeps
+    rows = np.arange(n)
+    used = np.concatenate([[0], np.cumsum(memory[rows, fastest])])
+    peak = np.concatenate([[0], np.maximum.accumulate(transient[rows, fastest])])
+    if (used + peak > budgets).any():
+        return None
+    best = np.concatenate([[0.0], np.cumsum(time[rows, fastest])])
+    empty = np.zeros(0, dtype=np.int64)
+    return PrefixSolution(best, empty, empty, [], memory, budgets, _fastest=fastest)
 
 
 def solve(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
