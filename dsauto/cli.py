@@ -67,7 +67,7 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dsauto", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    tune = sub.add_parser("tune", help="search the best plan and write ds_config.json, megatron_args.txt, plan.yaml")
+    tune = sub.add_parser("tune", help="search the best plan and write ds_config.json, megatron_args.txt, plan.yaml, plan.png")
     _add_search_args(tune)
     tune.add_argument("--out", default="out", help="folder for the artifacts (default: out)")
     plan = sub.add_parser("plan", help="search and print plans without writing anything")

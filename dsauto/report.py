@@ -37,7 +37,7 @@ def describe_plan(plan: Plan) -> str:
         f"  batch       micro-batch {plan.micro_batch} x accumulation {plan.grad_accum} x dp {plan.dp}"
         f" = {plan.global_batch}",
         f"  layout      {plan.pp} stage{'s' if plan.pp > 1 else ''}, transformer layers per stage "
-        f"{list(plan.stage_layers) if plan.pp <= 16 else _compact(plan.stage_layers)}",
+        f"{_run_lengths(plan.stage_layers)}",
         "  layers      (0 = embedding, 1-{0} = {1} layers, {2} = head)".format(
             plan.model.num_layers, plan.model.architecture, plan.model.num_layers + 1),
     ]
@@ -61,9 +61,15 @@ def describe_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _compact(values: Sequence[int]) -> str:
-    return f"[{values[0]}, {values[1]} x {len(values) - 2}, {values[-1]}]" if len(set(values[1:-1])) == 1 \
-        else str(list(values))
+def _run_lengths(values: Sequence[int]) -> str:
+    """``[1, 2, 2, 2, 1]`` as ``"1, 2 x3, 1"``."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return ", ".join(f"{v} x{n}" if n > 1 else f"{v}" for v, n in runs)
 
 
 def describe_alternatives(plans: Sequence[Plan]) -> str:

@@ -20,14 +20,15 @@ def run(capsys, *argv):
     return code, out, err
 
 
-def test_tune_prints_the_plan_and_writes_three_artifacts(tmp_path, capsys):
+def test_tune_prints_the_plan_and_writes_four_artifacts(tmp_path, capsys):
     out_dir = tmp_path / "out"
     code, out, err = run(capsys, "tune", *BIG, "--top", "2", "--out", str(out_dir))
     assert code == 0, err
     for needle in ("degrees", "micro-batch", "layout", "predicted", "tokens/s", "MFU", "memory per rank",
                    "next plans:", "#3"):
         assert needle in out
-    assert sorted(p.name for p in out_dir.iterdir()) == ["ds_config.json", "megatron_args.txt", "plan.yaml"]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["ds_config.json", "megatron_args.txt", "plan.png",
+                                                         "plan.yaml"]
     plan = read_plan(out_dir / "plan.yaml")
     assert plan == read_plan(out_dir / "ds_config.json")
     config = json.loads((out_dir / "ds_config.json").read_text())

@@ -1,13 +1,10 @@
 """Time and memory of a whole training step: stages, the 1F1B pipeline, gradient sync, optimizer.
 
 1F1B (Narayanan et al. 2021, Sec. 2.2; PipeDream-Flush): with m micro-batches and stage times
-t_i = forward + backward of one micro-batch on stage i, the pipeline takes
-
-    sum_i t_i + (m - 1) * max_i t_i
-
-(the fill and drain of every stage once, then the slowest stage for the rest), which for equal stages
-is the familiar (m + p - 1) * t, a bubble fraction of (p - 1) / m. Stage i holds the activations of
-min(p - i, m) micro-batches at once (Narayanan et al. 2021, Sec. 2.2.1).
+t_i = forward + backward of one micro-batch on stage i, the pipeline time is simulated operation by
+operation (dsauto.cost.pipeline); for equal stages it is the familiar (m + p - 1) * t, a bubble
+fraction of (p - 1) / m. The step reports m * max_i t_i as compute and the rest as bubble. Stage i
+holds the activations of min(p - i, m) micro-batches at once (Narayanan et al. 2021, Sec. 2.2.1).
 
 After the last backward, each stage reduces the gradients ZeRO 0/1 kept whole (overlapped with the
 last micro-batch's backward when there is no pipeline: DeepSpeed's overlap_comm, PyTorch DDP's
@@ -20,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dsauto.cost.layer import CostModel, LayerCost
+from dsauto.cost.pipeline import pipeline_seconds
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.plan import Prediction, StagePrediction
 from dsauto.spec.cluster import ClusterSpec
@@ -119,7 +117,9 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
 
     slowest = max(times)
     compute = m * slowest
-    bubble = sum(times) - slowest
+    makespan = pipeline_seconds([st.forward_seconds for st in stages],
+                                [st.backward_seconds for st in stages], m)
+    bubble = makespan - compute
     exposed, optimizer = max(tails, key=lambda e: e[0] + e[1])
     step = compute + bubble + exposed + optimizer
     # Per data-parallel replica the stages above run concurrently; scale FLOPs to the cluster.

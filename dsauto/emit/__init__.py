@@ -1,4 +1,4 @@
-"""Writers of the artifacts: ds_config.json, megatron_args.txt and plan.yaml.
+"""Writers of the artifacts: ds_config.json, megatron_args.txt, plan.yaml and plan.png.
 
 Engine spellings live in this package (and in the runtime hooks) only. DeepSpeed is imported
 lazily, by :func:`validate_ds_config`, so importing this package stays fast.

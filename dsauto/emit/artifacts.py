@@ -10,15 +10,18 @@ from pathlib import Path
 from dsauto.emit.ds_config import ds_config, validate_ds_config, write_ds_config
 from dsauto.emit.megatron import write_megatron_args
 from dsauto.emit.plan_yaml import write_plan_yaml
+from dsauto.emit.plot import plot_plan
 from dsauto.plan import Plan
 
 DS_CONFIG_NAME = "ds_config.json"
 MEGATRON_ARGS_NAME = "megatron_args.txt"
 PLAN_YAML_NAME = "plan.yaml"
+PLAN_PNG_NAME = "plan.png"
 
 
 def write_artifacts(plan: Plan, out_dir: Path | str) -> list[Path]:
-    """Writes ``ds_config.json``, ``megatron_args.txt`` and ``plan.yaml`` of ``plan`` into ``out_dir``.
+    """Writes ``ds_config.json``, ``megatron_args.txt``, ``plan.yaml`` and the picture ``plan.png`` of
+    ``plan`` into ``out_dir``.
 
     The DeepSpeed config is validated by DeepSpeed's parser first. The files are written into a
     temporary directory next to ``out_dir`` (same file system) and then renamed into place, so that
@@ -35,6 +38,7 @@ def write_artifacts(plan: Plan, out_dir: Path | str) -> list[Path]:
             write_ds_config(plan, staging / DS_CONFIG_NAME),
             write_megatron_args(plan, staging / MEGATRON_ARGS_NAME),
             write_plan_yaml(plan, staging / PLAN_YAML_NAME),
+            plot_plan(plan, staging / PLAN_PNG_NAME),
         ]
         out_dir.mkdir(exist_ok=True)
         written = []

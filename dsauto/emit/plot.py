@@ -7,22 +7,19 @@ so no global backend or figure registry of the calling process is touched.
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 
+from dsauto.cost.pipeline import Op, simulate_1f1b
 from dsauto.plan import Plan
 from dsauto.units import GiB, format_bytes, format_seconds
-
-Op = tuple[str, int, float, float]
-"""One operation of a pipeline stage: kind (``"F"`` forward, ``"B"`` backward), micro-batch, start and
-end in seconds."""
 
 MAX_DRAWN_OPS = 4000
 """Stages x micro-batches up to which the whole step is drawn; above it only the first micro-batches."""
 DRAWN_MICRO_BATCHES = 64
 """Micro-batches drawn when a step has more than :data:`MAX_DRAWN_OPS` operations."""
 MAX_LABELS = 3000
-"""Most micro-batch numbers written into the boxes (each is a text object, slow to draw)."""
+"""Most micro-batch numbers written into the boxes (each is a text object, slow to draw); with more,
+none are written."""
 
 # Memory components, bottom to top, with the StagePrediction field each comes from.
 _MEMORY = (
@@ -43,65 +40,6 @@ _TOP_IN, _BOTTOM_IN, _GAP_IN = 0.85, 0.55, 0.95
 _MEMORY_IN = 3.2
 _ROW_IN, _MIN_TIMELINE_IN, _MAX_TIMELINE_IN = 0.3, 1.4, 11.0
 _LABEL_FONT = 7
-
-
-def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The order in which stage ``stage`` of ``stages`` runs its operations under 1F1B.
-
-    PipeDream-Flush (Narayanan et al. 2021, Sec. 2.2): min(stages - stage, micro_batches) warm-up
-    forwards, then one backward and one forward in turn, then the remaining backwards (cool-down).
-    """
-    warmup = min(stages - stage, micro_batches)
-    order = [("F", j) for j in range(warmup)]
-    for j in range(micro_batches - warmup):
-        order += [("B", j), ("F", warmup + j)]
-    order += [("B", j) for j in range(micro_batches - warmup, micro_batches)]
-    return order
-
-
-def simulate_1f1b(forward: list[float], backward: list[float], micro_batches: int) -> list[list[Op]]:
-    """Simulates one step of a 1F1B pipeline; returns per stage its operations in execution order.
-
-    ``forward[i]`` and ``backward[i]`` are stage i's times for one micro-batch. Each stage runs its
-    operations in :func:`one_f_one_b_order`; an operation starts when its stage is free and its input
-    is ready: forward j on stage i after forward j on stage i - 1, backward j on stage i after backward
-    j on stage i + 1 (on the last stage, after its own forward j). The simulation is event-driven: the
-    end of an operation wakes the one stage that may wait on it, so it costs O(stages x micro_batches).
-    """
-    stages = len(forward)
-    if stages < 1 or len(backward) != stages:
-        raise ValueError(f"need one forward and one backward time per stage, got {len(forward)} "
-                         f"forward and {len(backward)} backward times")
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
-    if min(forward) < 0 or min(backward) < 0:
-        raise ValueError("stage times must not be negative")
-    orders = [one_f_one_b_order(i, stages, micro_batches) for i in range(stages)]
-    ends: dict[tuple[str, int, int], float] = {}
-    ops: list[list[Op]] = [[] for _ in range(stages)]
-    free = [0.0] * stages
-    woken = deque(range(stages))
-    while woken:
-        i = woken.popleft()
-        while len(ops[i]) < len(orders[i]):
-            kind, j = orders[i][len(ops[i])]
-            if kind == "F":
-                dependency = ("F", i - 1, j) if i > 0 else None
-            else:
-                dependency = ("B", i + 1, j) if i < stages - 1 else ("F", i, j)
-            if dependency is not None and dependency not in ends:
-                break  # woken again when the dependency ends
-            start = max(free[i], ends[dependency] if dependency is not None else 0.0)
-            end = start + (forward[i] if kind == "F" else backward[i])
-            ends[(kind, i, j)] = free[i] = end
-            ops[i].append((kind, j, start, end))
-            if kind == "F" and i + 1 < stages:
-                woken.append(i + 1)
-            elif kind == "B" and i > 0:
-                woken.append(i - 1)
-    if any(len(done) != len(order) for done, order in zip(ops, orders)):  # 1F1B cannot deadlock
-        raise RuntimeError("the 1F1B simulation stalled")
-    return ops
 
 
 def plot_plan(plan: Plan, path: Path | str) -> Path:
@@ -143,9 +81,12 @@ def plot_plan(plan: Plan, path: Path | str) -> Path:
     return path
 
 
-def _draw_memory(ax, plan: Plan) -> None:
-    from matplotlib.ticker import MaxNLocator
+def _stage_ticks(stages: int) -> range:
+    """Every stage up to 16 stages; beyond, about 16 evenly spaced ones, so that labels never overlap."""
+    return range(0, stages, -(-stages // 16))
 
+
+def _draw_memory(ax, plan: Plan) -> None:
     stages = range(plan.pp)
     # Thin bars without edges when there are many, so that the colours, not the outlines, show.
     width = 0.5 if plan.pp == 1 else 0.8
@@ -161,7 +102,7 @@ def _draw_memory(ax, plan: Plan) -> None:
                label=f"budget ({format_bytes(plan.memory_budget_bytes)})")
     ax.set_ylim(0, max(max(bottom), budget) * 1.12)
     ax.set_xlim(-1 if plan.pp == 1 else -0.6, 1 if plan.pp == 1 else plan.pp - 0.4)
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=min(plan.pp, 16), integer=True))
+    ax.set_xticks(_stage_ticks(plan.pp))
     ax.set_xlabel("pipeline stage")
     ax.set_ylabel("GiB per rank")
     peak = max(st.peak_bytes for st in plan.stages)
@@ -175,7 +116,6 @@ def _draw_memory(ax, plan: Plan) -> None:
 
 def _draw_timeline(ax, plan: Plan, height_in: float) -> None:
     from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
 
     pp, m = plan.pp, plan.grad_accum
     forward = [st.forward_seconds for st in plan.stages]
@@ -191,30 +131,38 @@ def _draw_timeline(ax, plan: Plan, height_in: float) -> None:
     else:
         ops = simulate_1f1b(forward, backward, m)
         horizon = max(stage[-1][3] for stage in ops)
+    horizon = max(horizon, 1e-9)  # a plan of zero-time stages still gets an axis
     scale, unit = (1e3, "ms") if horizon < 1 else (1.0, "s")
 
-    # Boxes: one broken_barh per stage and kind; stage 0 on top.
-    widths_px = []
+    # Boxes: one broken_barh per stage and kind; stage 0 on top. White outlines separate wide boxes;
+    # on narrow ones they would hide the colour.
     px_per_unit = _WIDTH_IN * (_RIGHT - _LEFT) * _DPI / (horizon * scale)
+    spans = {kind: [[(s * scale, (e - s) * scale) for k, _, s, e in stage if k == kind] for stage in ops]
+             for kind in "FB"}
+    widths = sorted(w for kind in "FB" for stage in spans[kind] for _, w in stage)
+    outline = 0.5 if widths[len(widths) // 2] * px_per_unit >= 4 else 0.0
     for kind, color in (("F", _FORWARD_COLOR), ("B", _BACKWARD_COLOR)):
-        spans = [[(s * scale, (e - s) * scale) for k, _, s, e in stage if k == kind] for stage in ops]
-        widths_px += [w * px_per_unit for stage in spans for _, w in stage]
-        thin = sorted(widths_px)[len(widths_px) // 2] < 4 if widths_px else True
-        for i, stage in enumerate(spans):
-            ax.broken_barh(stage, (i - 0.4, 0.8), facecolors=color, edgecolor="white",
-                           linewidth=0.0 if thin else 0.5)
+        for i, stage in enumerate(spans[kind]):
+            ax.broken_barh(stage, (i - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=outline)
 
-    # Micro-batch numbers where a box is wide and tall enough to hold one.
-    row_px = (height_in - 0.4) * _DPI / pp * 0.8
-    if row_px >= _LABEL_FONT * 1.4:
-        labels = [(i, j, s, e) for i, stage in enumerate(ops) for _, j, s, e in stage
-                  if (e - s) * scale * px_per_unit >= 0.62 * _LABEL_FONT * len(str(j)) + 4]
-        for i, j, s, e in labels[:MAX_LABELS]:
-            ax.text((s + e) / 2 * scale, i, str(j), ha="center", va="center", fontsize=_LABEL_FONT)
+    # Micro-batch numbers, for each kind of box only if every box of that kind can hold the longest
+    # number: a few labelled boxes among unlabelled ones of the same size read as a pattern.
+    labels = []
+    font_px = _LABEL_FONT * _DPI / 72
+    if height_in * _DPI / pp * 0.8 >= 1.3 * font_px:
+        for kind in "FB":
+            drawn = [(i, j, s, e) for i, stage in enumerate(ops) for k, j, s, e in stage if k == kind]
+            digits = len(str(max(j for _, j, _, _ in drawn)))
+            if min(e - s for _, _, s, e in drawn) * scale * px_per_unit >= 0.6 * font_px * digits + 3:
+                labels += drawn
+    if len(labels) > MAX_LABELS:
+        labels = []
+    for i, j, s, e in labels:
+        ax.text((s + e) / 2 * scale, i, str(j), ha="center", va="center", fontsize=_LABEL_FONT)
 
     ax.set_xlim(0, horizon * scale)
     ax.set_ylim(pp - 0.5, -0.5)
-    ax.yaxis.set_major_locator(MaxNLocator(nbins=min(pp, 16), integer=True))
+    ax.set_yticks(_stage_ticks(pp))
     ax.set_ylabel("pipeline stage")
     ax.set_xlabel(f"time in the step ({unit})")
     if capped:
@@ -225,9 +173,9 @@ def _draw_timeline(ax, plan: Plan, height_in: float) -> None:
         title = (f"1F1B schedule of one step, {m} micro-batch{'es' if m > 1 else ''}: "
                  f"pipeline {format_seconds(horizon)}")
         if pp > 1:
-            title += f", stages idle {1 - busy / (pp * horizon):.0%} of it (fill and drain)"
-    ax.set_title(title + " (numbers: micro-batch)" if row_px >= _LABEL_FONT * 1.4 else title,
-                 loc="left", fontsize=10)
+            # Idle time is fill and drain, plus waiting on slower neighbours when stages are uneven.
+            title += f", stages idle {1 - busy / (pp * horizon):.0%} of it"
+    ax.set_title(title + ("; numbers are micro-batches" if labels else ""), loc="left", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     ax.legend(handles=[Patch(color=_FORWARD_COLOR, label="forward"),

@@ -7,8 +7,8 @@ and the search stops when the next bound cannot beat the K-th best plan found (b
 as Galvatron's and Alpa's searches prune with bounds). Solving a strategy runs the stage DP for
 every pipeline position (the first stage with the embedding, the middle ones, the last with the
 head; each with its own number of micro-batches in flight), answering every possible layer count
-at once, then picks the layout (first, middle and last stage layer counts) with the least 1F1B
-step time. The result is exact for the cost model up to the memory rounding of the DP (memory is
+at once, then picks the layout (first and last stage layer counts, middle stages of q or q + 1
+layers) with the least 1F1B step time. The result is exact for the cost model up to the memory rounding of the DP (memory is
 rounded up, so a plan never exceeds the budget).
 """
 
@@ -144,21 +144,17 @@ class Planner:
             flat = [picked[0]] + list(picked[2:]) + [picked[1]]
             return _Solved(s, (L,), tuple(priced.options[o] for o in flat))
 
-        # Candidate layouts: equal middle stages near L / p, the rest split between first and last.
-        layouts: list[tuple[int, int, int]] = []
-        if p == 2:
-            layouts = [(n, 0, L - n) for n in range(1, L)]
-        else:
-            for mid in range(max(1, L // p - 1), -(-L // p) + 2):
-                rest = L - (p - 2) * mid
-                layouts += [(n, mid, rest - n) for n in range(1, rest)]
-        if not layouts:
+        # Layouts: middle stages of q or q + 1 layers, the extra ones on the last r middle stages
+        # (later stages hold fewer micro-batches in flight, so they have room to spare); the first
+        # and last stages take any split of the rest. Equal middle stages (r = 0) are Megatron's
+        # first/last-stage flags; the rest need its pipeline layout string.
+        mids = p - 2
+        q_values = [q for q in range(max(1, L // p - 1), -(-L // p) + 2) if mids * q <= L - 2] if mids else [0]
+        if not q_values:
             return None
-        most_first = max(f for f, _, _ in layouts)
-        most_last = max(last for _, _, last in layouts)
-        most_mid = max(mid for _, mid, _ in layouts)
-        first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * most_first, in_flight(0, p, m))
-        last = self._stage_dp(priced, [HEAD] + [BLOCK] * most_last, in_flight(p - 1, p, m))
+        first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * (L - 1), in_flight(0, p, m))
+        last = self._stage_dp(priced, [HEAD] + [BLOCK] * (L - 1), in_flight(p - 1, p, m))
+        most_mid = max(q_values) + 1
         middle = {}
         for i in range(1, p - 1):
             flight = in_flight(i, p, m)
@@ -166,22 +162,34 @@ class Planner:
                 middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight)
         p2p = 2 * priced.p2p_seconds
         best, best_layout = math.inf, None
-        for n_first, mid, n_last in layouts:
-            times = [first.best_time[n_first + 1], last.best_time[n_last + 1]]
-            times += [middle[in_flight(i, p, m)].best_time[mid] for i in range(1, p - 1)]
-            if not all(np.isfinite(times)):
-                continue
-            times = [t + p2p for t in times]
-            makespan = sum(times) + (m - 1) * max(times)
-            if makespan < best:
-                best, best_layout = makespan, (n_first, mid, n_last)
+        for q in q_values:
+            for r in range(mids if mids else 1):
+                counts = [q + (1 if i >= mids - r else 0) for i in range(mids)]
+                rest = L - sum(counts)
+                if rest < 2:
+                    continue
+                mid_times = np.array([middle[in_flight(i + 1, p, m)].best_time[c] + p2p
+                                      for i, c in enumerate(counts)])
+                if mids and not np.isfinite(mid_times).all():
+                    continue
+                n_first = np.arange(1, rest)
+                t_first = first.best_time[n_first + 1] + p2p
+                t_last = last.best_time[rest - n_first + 1] + p2p
+                mid_sum = mid_times.sum() if mids else 0.0
+                mid_max = mid_times.max() if mids else 0.0
+                # The closed form of 1F1B as the search objective (predictions simulate it).
+                slowest = np.maximum(np.maximum(t_first, t_last), mid_max)
+                makespan = t_first + t_last + mid_sum + ((m - 1) * slowest if m > 1 else 0.0)
+                k = int(np.argmin(makespan))
+                if np.isfinite(makespan[k]) and makespan[k] < best:
+                    best, best_layout = makespan[k], (int(n_first[k]), counts, rest - int(n_first[k]))
         if best_layout is None:
             return None
-        n_first, mid, n_last = best_layout
-        stage_layers = (n_first,) + (mid,) * (p - 2) + (n_last,)
+        n_first, counts, n_last = best_layout
+        stage_layers = (n_first, *counts, n_last)
         picked = list(first.choices(n_first + 1))
-        for i in range(1, p - 1):
-            picked += middle[in_flight(i, p, m)].choices(mid)
+        for i, c in enumerate(counts):
+            picked += middle[in_flight(i + 1, p, m)].choices(c)
         tail = last.choices(n_last + 1)
         picked += list(tail[1:]) + [tail[0]]
         return _Solved(s, stage_layers, tuple(priced.options[o] for o in picked))

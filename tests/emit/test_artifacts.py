@@ -1,4 +1,4 @@
-"""write_artifacts: validated first, all three files or none, other files untouched."""
+"""write_artifacts: validated first, all four files or none, other files untouched."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from dsauto.emit.megatron import megatron_args
 from dsauto.emit.plan_yaml import read_plan
 from dsauto.errors import DsautoError
 
-NAMES = ["ds_config.json", "megatron_args.txt", "plan.yaml"]
+NAMES = ["ds_config.json", "megatron_args.txt", "plan.yaml", "plan.png"]
 
 
 def listing(root):
     return sorted(str(path.relative_to(root)) for path in root.rglob("*"))
 
 
-def test_writes_the_three_artifacts(plan, tmp_path):
+def test_writes_the_four_artifacts(plan, tmp_path):
     out = tmp_path / "nested" / "out"
     written = write_artifacts(plan, out)
     assert [path.name for path in written] == NAMES
@@ -25,6 +25,7 @@ def test_writes_the_three_artifacts(plan, tmp_path):
     assert read_plan(out / "plan.yaml") == plan
     assert read_plan(out / "ds_config.json") == plan
     assert (out / "megatron_args.txt").read_text().splitlines() == megatron_args(plan)
+    assert (out / "plan.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     # Nothing is left next to out_dir but out_dir itself.
     assert [path.name for path in out.parent.iterdir()] == ["out"]
 
@@ -81,6 +82,17 @@ def test_failure_while_writing_leaves_no_partial_files(zero3_plan, populated, mo
 
     monkeypatch.setattr(artifacts, "write_plan_yaml", write_half)
     with pytest.raises(OSError):
+        write_artifacts(zero3_plan, populated)
+    assert_untouched(populated)
+
+
+def test_failure_while_plotting_leaves_no_partial_files(zero3_plan, populated, monkeypatch):
+    def plot_half(plan, path):
+        path.write_bytes(b"\x89PNG\r\n\x1a\n")  # the header, then matplotlib fails
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(artifacts, "plot_plan", plot_half)
+    with pytest.raises(RuntimeError, match="plotting failed"):
         write_artifacts(zero3_plan, populated)
     assert_untouched(populated)
 

@@ -1,0 +1,59 @@
+"""plan.png: the plan's picture is drawn for real plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsauto.cost.pipeline import simulate_1f1b
+from dsauto.emit import plot
+from dsauto.emit.plot import plot_plan
+from dsauto.search.planner import Planner
+from dsauto.search.space import Constraints
+from dsauto.spec.loaders import load_cluster, load_model
+from dsauto.spec.training import TrainSpec
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def gpt2_xl_plan(pp):
+    return Planner(load_model("gpt2-xl"), load_cluster("a100-80gb", nodes=1, gpus_per_node=8),
+                   TrainSpec(global_batch=32, seq_len=1024), Constraints(pp=pp)).search()[0]
+
+
+@pytest.mark.parametrize("pp", [1, 8])
+def test_plot_writes_a_png(pp, tmp_path):
+    plan = gpt2_xl_plan(pp)
+    assert plan.pp == pp
+    path = plot_plan(plan, tmp_path / "plan.png")
+    assert path == tmp_path / "plan.png"
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_many_micro_batches_are_simulated_only_as_far_as_drawn(make_plan, layer_runs, pipeline_plan,
+                                                               tmp_path, monkeypatch):
+    # pp=2 x m=4096 is over MAX_DRAWN_OPS: only the first DRAWN_MICRO_BATCHES are drawn, and the
+    # simulation needs no more than DRAWN_MICRO_BATCHES + pp micro-batches for them.
+    model = pipeline_plan.model
+    plan = make_plan(model, dp=2, tp=2, pp=2, zero_stage=1, stage_layers=(2, 4),
+                     layers=layer_runs(model, (2, 4)), micro_batch=1, grad_accum=4096)
+    simulated = []
+
+    def spy(forward, backward, micro_batches):
+        simulated.append(micro_batches)
+        return simulate_1f1b(forward, backward, micro_batches)
+
+    monkeypatch.setattr(plot, "simulate_1f1b", spy)
+    assert plot_plan(plan, tmp_path / "plan.png").read_bytes().startswith(PNG_MAGIC)
+    assert simulated == [plot.DRAWN_MICRO_BATCHES + 2]
+
+
+def test_the_truncated_simulation_agrees_with_the_whole_one():
+    # What the capped picture relies on: the first micro-batches of a long step do not depend on
+    # how many follow once there are at least DRAWN_MICRO_BATCHES + pp of them.
+    forward, backward, drawn = [0.2, 0.5, 0.3, 0.4], [0.6, 0.9, 0.5, 1.1], 8
+    whole = simulate_1f1b(forward, backward, 40)
+    short = simulate_1f1b(forward, backward, drawn + len(forward))
+    horizon = next(end for kind, j, _, end in whole[0] if kind == "B" and j == drawn - 1)
+    for long_stage, short_stage in zip(whole, short):
+        assert [op for op in long_stage if op[2] < horizon] == [op for op in short_stage if op[2] < horizon]
