@@ -87,10 +87,10 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     for i, (first, last) in enumerate(stage_bounds(stage_layers)):
         costs: list[LayerCost] = [cost.layer(layer_group_of(groups, j, num_layers), options[j])
                                   for j in range(first, last + 1)]
-        for j, c in zip(range(first, last + 1), costs):
+        for j in range(first, last + 1):
             g = layer_group_of(groups, j, num_layers)
-            forward = (g.matmul_flops_per_token + g.attention_flops_per_token) * cost.tokens
-            hardware_flops += forward * (4 if options[j].checkpoint else 3)
+            flops = (g.matmul_flops_per_token + g.attention_flops_per_token) * cost.tokens
+            hardware_flops += flops * (4 if options[j].checkpoint else 3)  # recompute: a 4th pass
         forward = sum(c.forward_seconds for c in costs) + p2p
         backward = sum(c.backward_seconds for c in costs) + p2p
         flight = in_flight(i, pp, m)

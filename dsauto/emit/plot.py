@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsauto.cost.pipeline import Op, simulate_1f1b
+from dsauto.cost.pipeline import simulate_1f1b
 from dsauto.plan import Plan
 from dsauto.units import GiB, format_bytes, format_seconds
 

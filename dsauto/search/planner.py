@@ -88,8 +88,9 @@ class Planner:
     """Searches plans for one model, cluster and workload. Pure: same inputs, same plans."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
-                 pins: Constraints = Constraints()):
-        self.model, self.cluster, self.train, self.pins = model, cluster, train, pins
+                 pins: Constraints | None = None):
+        self.model, self.cluster, self.train = model, cluster, train
+        self.pins = pins or Constraints()
 
     def _price(self, strategy: Strategy) -> _Priced:
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
