@@ -141,17 +141,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    import json
-
     from dsauto.emit.ds_config import validate_ds_config
+    from dsauto.serde import read_data
 
     path = Path(args.path)
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DsautoError(f"{path} does not exist; pass the path of a ds_config.json.") from None
-    except (OSError, ValueError) as exc:
-        raise DsautoError(f"{path} is not valid JSON ({exc}); fix the file or regenerate it.") from None
+    config = read_data(path, str(path))
     if not isinstance(config, dict):
         raise DsautoError(f"{path} must hold a JSON object, got {type(config).__name__}.")
     block = config.get("dsauto", {})

@@ -7,9 +7,14 @@ the offending key, so that a typo in a plan or spec file is reported instead of 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import types
 import typing
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import yaml
 
 from dsauto.errors import DsautoError
 
@@ -97,3 +102,48 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
             raise DsautoError(f"{where} must be text, got {value!r}.")
         return value
     return value
+
+
+class _Readable(Protocol):
+    """A file or a packaged resource (importlib.resources)."""
+
+    name: str
+
+    def read_text(self, encoding: str = ...) -> str: ...
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that also reads ``1e-5`` and ``312e12`` as numbers.
+
+    PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent (``1.0e-5``); plain
+    ``312e12`` would arrive as the text "312e12". YAML 1.2 and JSON read both as numbers.
+    """
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def read_data(source: Path | _Readable, where: str) -> Any:
+    """The plain data in a YAML or (by its suffix) JSON file; a file that cannot be read or parsed
+    raises DsautoError naming ``where`` and the line at fault."""
+    try:
+        text = source.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or "it is not UTF-8 text"
+        raise DsautoError(f"Cannot read {where} ({reason}); give a readable YAML or JSON file.") from None
+    try:
+        if source.name.endswith(".json"):
+            return json.loads(text)
+        return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader: builds plain data only
+    except json.JSONDecodeError as exc:
+        raise DsautoError(f"{where} is not valid JSON: {exc.msg} at line {exc.lineno}, column "
+                          f"{exc.colno}; fix the syntax there.") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "cannot be parsed"
+        raise DsautoError(f"{where} is not valid YAML: {problem}{at}; fix the syntax there.") from None

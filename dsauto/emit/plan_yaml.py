@@ -9,7 +9,6 @@ line each so that the per-layer choices read as a table. The round trip is stric
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import yaml
 from dsauto.emit.ds_config import PLAN_KEY
 from dsauto.errors import DsautoError
 from dsauto.plan import PLAN_VERSION, Plan
+from dsauto.serde import read_data
 from dsauto.units import format_bytes, format_count, format_flops, format_seconds
 
 
@@ -106,29 +106,12 @@ def summary(plan: Plan) -> list[str]:
 def read_plan(path: Path | str) -> Plan:
     """Reads a plan from ``plan.yaml``, or from the ``"dsauto"`` block of a ``ds_config.json``."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise DsautoError(f"Cannot read the plan file {path}: {exc.strerror or exc}.") from None
+    data, where = read_data(path, f"the plan file {path}"), str(path)
     if path.suffix == ".json":
-        try:
-            data: Any = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DsautoError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column "
-                              f"{exc.colno}.") from None
         if not isinstance(data, dict) or PLAN_KEY not in data:
             raise DsautoError(f"{path} has no {PLAN_KEY!r} block; write it with dsauto, or pass "
                               f"the plan.yaml written next to it.")
         data, where = data[PLAN_KEY], f"the {PLAN_KEY} block of {path}"
-    else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or "unreadable"
-            raise DsautoError(f"{path} is not valid YAML: {problem}{at}.") from None
-        where = str(path)
     if isinstance(data, dict) and data.get("version", PLAN_VERSION) != PLAN_VERSION:
         raise DsautoError(f"{where} is a version {data['version']!r} plan, but this dsauto reads version "
                           f"{PLAN_VERSION}; re-plan with this dsauto.")

@@ -26,17 +26,13 @@ an unknown key, a wrong type) raises DsautoError naming the file and what to cha
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from dsauto.errors import DsautoError
-from dsauto.serde import from_dict, to_dict
+from dsauto.serde import from_dict, read_data, to_dict
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.presets import PresetKind, list_presets, preset_file
@@ -200,21 +196,6 @@ def model_from_hf_config(config: dict[str, Any], where: str, default_name: str =
     return from_dict(ModelSpec, spec, where)
 
 
-class _YamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader that also reads ``1e-5`` and ``312e12`` as numbers.
-
-    PyYAML follows YAML 1.1, where a float needs a dot and a signed exponent (``1.0e-5``); plain
-    ``312e12`` would arrive as the text "312e12". YAML 1.2 and JSON read both as numbers.
-    """
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
 def _read(name_or_path: str, kind: PresetKind) -> tuple[dict[str, Any], str, Path | None]:
     """The mapping in the preset or file ``name_or_path``, how messages name it, and its path
     (None for a preset)."""
@@ -245,24 +226,7 @@ def _existing_file(name_or_path: str, kind: PresetKind) -> Path:
 
 def _parse(source: Path | Traversable, where: str) -> dict[str, Any]:
     """The mapping in a YAML or (by its suffix) JSON file."""
-    try:
-        text = source.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = getattr(exc, "strerror", None) or "it is not UTF-8 text"
-        raise DsautoError(f"Cannot read {where} ({reason}); give a readable YAML or JSON file.") from None
-    try:
-        if source.name.endswith(".json"):
-            data = json.loads(text)
-        else:
-            data = yaml.load(text, Loader=_YamlLoader)  # a SafeLoader: builds plain data only
-    except json.JSONDecodeError as exc:
-        raise DsautoError(f"{where} is not valid JSON: {exc.msg} at line {exc.lineno}, column "
-                          f"{exc.colno}; fix the syntax there.") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "cannot be parsed"
-        raise DsautoError(f"{where} is not valid YAML: {problem}{at}; fix the syntax there.") from None
+    data = read_data(source, where)
     if not isinstance(data, dict):
         got = "nothing" if data is None else f"a {type(data).__name__}"
         raise DsautoError(f"{where} must hold a mapping of keys to values, but holds {got}.")
