@@ -26,16 +26,21 @@ def _choice_text(plan: Plan, run: LayerChoice) -> str:
 
 
 def describe_plan(plan: Plan) -> str:
-    """The plan as a short report: degrees, batch, layout, per-layer choices, prediction, memory."""
-    p, pred = plan.prediction, plan.prediction
-    zero = f"ZeRO-{plan.zero_stage}"
+    """The plan as a short report: degrees, batch, layout, per-layer choices, prediction, memory.
+
+    The one rendering of a plan for people: printed by ``dsauto tune`` and ``dsauto explain`` and
+    written as the comment header of ``plan.yaml``.
+    """
+    pred = plan.prediction
     sp = ", sequence parallel" if plan.sequence_parallel and plan.tp > 1 else ""
+    attention = "flash attention" if plan.flash_attention else "eager attention"
     lines = [
         f"dsauto plan: {plan.model.name} on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} "
-        f"({plan.world_size} devices), global batch {plan.global_batch}, seq {plan.seq_len}, {plan.dtype}",
-        f"  degrees     tp={plan.tp} pp={plan.pp} dp={plan.dp}, {zero}{sp}",
-        f"  batch       micro-batch {plan.micro_batch} x accumulation {plan.grad_accum} x dp {plan.dp}"
-        f" = {plan.global_batch}",
+        f"({plan.world_size} devices), {format_count(plan.model.num_parameters())} parameters",
+        f"  degrees     tp={plan.tp} pp={plan.pp} dp={plan.dp}; {plan.world_size} devices = "
+        f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}, ZeRO stage {plan.zero_stage}{sp}",
+        f"  batch       micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation steps x dp "
+        f"{plan.dp} = {plan.global_batch} sequences of {plan.seq_len} tokens; {plan.dtype}, {attention}",
         f"  layout      {plan.pp} stage{'s' if plan.pp > 1 else ''}, transformer layers per stage "
         f"{_run_lengths(plan.stage_layers)}",
         "  layers      (0 = embedding, 1-{0} = {1} layers, {2} = head)".format(
@@ -44,19 +49,23 @@ def describe_plan(plan: Plan) -> str:
     for run in plan.layers:
         lines.append(f"    {_layer_range(run):>9}  {run.group:<10} stage {run.stage:<3} {_choice_text(plan, run)}")
     lines += [
-        f"  predicted   step {format_seconds(pred.step_seconds)}, {format_count(pred.tokens_per_second)} tokens/s, "
-        f"MFU {pred.mfu:.1%}, {format_flops(pred.tflops_per_device * 1e12)} per device ({pred.basis})",
-        f"              compute {format_seconds(p.compute_seconds)}, bubble {format_seconds(p.bubble_seconds)}, "
-        f"exposed comm {format_seconds(p.exposed_comm_seconds)}, optimizer {format_seconds(p.optimizer_seconds)}",
-        f"  memory per rank (budget {format_bytes(plan.memory_budget_bytes)}):",
-        "    stage  layers      params     grads  optimizer  activations  transient       peak",
+        f"  predicted ({pred.basis})  step {format_seconds(pred.step_seconds)}, "
+        f"{format_count(pred.tokens_per_second)} tokens/s, MFU {pred.mfu:.1%}, "
+        f"{format_flops(pred.tflops_per_device * 1e12)} per device",
+        f"              compute {format_seconds(pred.compute_seconds)}, bubble "
+        f"{format_seconds(pred.bubble_seconds)}, exposed comm {format_seconds(pred.exposed_comm_seconds)}, "
+        f"optimizer {format_seconds(pred.optimizer_seconds)}",
+        f"  memory per rank (budget {format_bytes(plan.memory_budget_bytes)}) and time per micro-batch:",
+        "    stage  layers      params     grads  optimizer  activations  transient       peak"
+        "    forward   backward",
     ]
     for st in plan.stages:
         lines.append(
             f"    {st.stage:>5}  {st.first_layer:>3}-{st.last_layer:<4} {format_bytes(st.params_bytes):>9} "
             f"{format_bytes(st.grads_bytes):>9} {format_bytes(st.optimizer_bytes):>10} "
             f"{format_bytes(st.activation_bytes):>12} {format_bytes(st.transient_bytes):>10} "
-            f"{format_bytes(st.peak_bytes):>10}"
+            f"{format_bytes(st.peak_bytes):>10} {format_seconds(st.forward_seconds):>10} "
+            f"{format_seconds(st.backward_seconds):>10}"
         )
     return "\n".join(lines)
 
