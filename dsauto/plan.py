@@ -10,6 +10,7 @@ transformer layers, L+1 is the head (final norm, LM head and loss).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,6 +21,17 @@ from dsauto.spec.training import Dtype
 PLAN_VERSION = 1
 
 Basis = Literal["analytic", "measured"]
+
+
+def stage_bounds(stage_layers: Sequence[int]) -> list[tuple[int, int]]:
+    """First and last flat layer of each stage: the embedding joins stage 0, the head the last."""
+    bounds, start = [], 1
+    for i, n in enumerate(stage_layers):
+        first = 0 if i == 0 else start
+        last = start + n - 1 + (1 if i == len(stage_layers) - 1 else 0)
+        bounds.append((first, last))
+        start += n
+    return bounds
 
 
 @dataclass(frozen=True)
@@ -178,8 +190,8 @@ class Plan:
             )
         if any(n < 0 for n in self.stage_layers):
             raise ValueError(f"stage_layers {list(self.stage_layers)} must not be negative")
-        # Flat layer -> stage: the embedding joins stage 0, the head the last stage.
-        stage_of = [0] + [i for i, n in enumerate(self.stage_layers) for _ in range(n)] + [self.pp - 1]
+        stage_of = [i for i, (first, last) in enumerate(stage_bounds(self.stage_layers))
+                    for _ in range(first, last + 1)]
         expected = 0
         for run in self.layers:
             if run.first != expected:

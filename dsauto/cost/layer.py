@@ -71,12 +71,12 @@ class CostModel:
         self.dp: Group = dp_group(cluster, strategy.tp, strategy.dp)
         self.pp: Group = pp_link(cluster, strategy.tp, strategy.dp)
         self.tokens = strategy.micro_batch * train.seq_len
-        b = train.dtype_bytes
-        self.act_bytes = b
-        # Mixed precision: 16-bit params and grads, 12 bytes of fp32 optimizer state (ZeRO paper,
-        # Sec. 3.1). Pure fp32: 4-byte params and grads, 8 bytes of Adam moments, no master copy.
-        self.param_bytes, self.grad_bytes = (b, b)
-        self.optim_bytes = 12 if b < 4 else 8
+        # Mixed precision: 16-bit activations, params and grads, 12 bytes of fp32 optimizer state
+        # (ZeRO paper, Sec. 3.1). Pure fp32: 4-byte params and grads, 8 bytes of Adam moments.
+        self.dtype_bytes = train.dtype_bytes
+        self.optim_bytes = 12 if self.dtype_bytes < 4 else 8
+        # Activations tensor parallelism replicates are split too under sequence parallelism.
+        self.replicated_div = strategy.tp if strategy.sequence_parallel and strategy.tp > 1 else 1
 
     def matmul_seconds(self, flops: float, dim: float) -> float:
         """A GEMM of ``flops`` whose smallest dimension is ``dim``: efficiency saturates with size."""
@@ -96,9 +96,7 @@ class CostModel:
 
     def layer(self, group: LayerGroup, option: LayerOption) -> LayerCost:
         s, t = self.strategy, self.strategy.tp
-        sp = s.sequence_parallel and t > 1
-        tokens = self.tokens
-        replicated_div = t if sp else 1
+        tokens, replicated_div = self.tokens, self.replicated_div
         flash = self.train.flash_attention
 
         # Compute. Splitting a matrix into k slices shrinks the sliced dimension (OSDP, Jiang et al.
@@ -132,16 +130,16 @@ class CostModel:
         local_params = group.tp_params / t + (group.params - group.tp_params)
         dp = s.dp
         sharded = s.zero_stage == 3 and option.shard_params and dp > 1
-        params_bytes = local_params * self.param_bytes / (dp if sharded else 1)
-        grads_bytes = local_params * self.grad_bytes / (dp if s.zero_stage >= 2 else 1)
+        params_bytes = local_params * self.dtype_bytes / (dp if sharded else 1)
+        grads_bytes = local_params * self.dtype_bytes / (dp if s.zero_stage >= 2 else 1)
         optimizer_bytes = local_params * self.optim_bytes / (dp if s.zero_stage >= 1 else 1)
 
         # Data-parallel traffic. ZeRO-3 gathers sharded parameters before each use in forward and
         # again in backward, and reduce-scatters gradients every micro-batch; ZeRO-2 reduce-scatters
         # every micro-batch too; both overlap with the layer's compute (prefetch, overlap_comm), so a
         # layer costs about the larger of the two (ZeRO paper, Sec. 7: 1.5x the data-parallel volume).
-        param_volume = local_params * self.param_bytes
-        grad_volume = local_params * self.grad_bytes
+        param_volume = local_params * self.dtype_bytes
+        grad_volume = local_params * self.dtype_bytes
         split_latency = (option.split - 1) * self.dp.latency_seconds * max(0, dp - 1)
         step_seconds, grad_sync = 0.0, 0.0
         if dp > 1:
@@ -173,7 +171,7 @@ class CostModel:
             activation, transient = full_activation, 0.0
         if sharded:
             # The gathered largest matrix and the prefetched next one (stage3_prefetch_bucket).
-            transient += 2 * group.largest_op_params / t * self.param_bytes / option.split
+            transient += 2 * group.largest_op_params / t * self.dtype_bytes / option.split
         if group.logits_bytes_per_token:
             transient += tokens * group.logits_bytes_per_token / t / option.split
 
@@ -199,6 +197,5 @@ class CostModel:
 
     def p2p_seconds(self) -> float:
         """Sending one micro-batch's boundary activation to the next stage (and its gradient back)."""
-        t = self.strategy.tp
-        boundary = self.tokens * self.hidden_size * self.act_bytes
-        return self.pp.send_recv(boundary / (t if self.strategy.sequence_parallel and t > 1 else 1))
+        boundary = self.tokens * self.hidden_size * self.dtype_bytes
+        return self.pp.send_recv(boundary / self.replicated_div)

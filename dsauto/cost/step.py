@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from dsauto.cost.layer import CostModel, LayerCost
 from dsauto.cost.pipeline import pipeline_seconds
 from dsauto.cost.strategy import LayerOption, Strategy
-from dsauto.plan import Prediction, StagePrediction
+from dsauto.plan import Prediction, StagePrediction, stage_bounds
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import LayerGroup, ModelSpec, layer_groups
 from dsauto.spec.training import TrainSpec
@@ -29,17 +29,6 @@ def layer_group_of(groups: Sequence[LayerGroup], layer: int, num_layers: int) ->
     """The group descriptor of a layer in flat numbering (0 embedding, 1..L blocks, L+1 head)."""
     embedding, block, head = groups
     return embedding if layer == 0 else head if layer == num_layers + 1 else block
-
-
-def stage_bounds(stage_layers: Sequence[int]) -> list[tuple[int, int]]:
-    """First and last flat layer of each stage: the embedding joins stage 0, the head the last."""
-    bounds, start = [], 1
-    for i, n in enumerate(stage_layers):
-        first = 0 if i == 0 else start
-        last = start + n - 1 + (1 if i == len(stage_layers) - 1 else 0)
-        bounds.append((first, last))
-        start += n
-    return bounds
 
 
 def in_flight(stage: int, pp: int, micro_batches: int) -> int:
@@ -85,12 +74,12 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     stages, tails, times = [], [], []
     hardware_flops = 0.0
     for i, (first, last) in enumerate(stage_bounds(stage_layers)):
-        costs: list[LayerCost] = [cost.layer(layer_group_of(groups, j, num_layers), options[j])
-                                  for j in range(first, last + 1)]
+        costs: list[LayerCost] = []
         for j in range(first, last + 1):
-            g = layer_group_of(groups, j, num_layers)
-            flops = (g.matmul_flops_per_token + g.attention_flops_per_token) * cost.tokens
-            hardware_flops += flops * (4 if options[j].checkpoint else 3)  # recompute: a 4th pass
+            group = layer_group_of(groups, j, num_layers)
+            costs.append(cost.layer(group, options[j]))
+            passes = 4 if options[j].checkpoint else 3  # forward, backward (2x), recomputation
+            hardware_flops += passes * group.forward_flops_per_token * cost.tokens
         forward = sum(c.forward_seconds for c in costs) + p2p
         backward = sum(c.backward_seconds for c in costs) + p2p
         flight = in_flight(i, pp, m)
@@ -121,12 +110,12 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                                 [st.backward_seconds for st in stages], m)
     bubble = makespan - compute
     exposed, optimizer = max(tails, key=lambda e: e[0] + e[1])
-    step = compute + bubble + exposed + optimizer
+    step = makespan + exposed + optimizer
     # Per data-parallel replica the stages above run concurrently; scale FLOPs to the cluster.
     # hardware_flops covers one micro-batch over all stages of one replica, split over tp ranks.
     step_hardware_flops = hardware_flops * m * strategy.dp
     tokens = train.global_batch * train.seq_len
-    model_flops = 3 * tokens * sum(g.count * (g.matmul_flops_per_token + g.attention_flops_per_token)
+    model_flops = 3 * tokens * sum(g.count * g.forward_flops_per_token
                                    for g in layer_groups(model, train.seq_len, train.dtype_bytes, 1,
                                                          pad_vocab=False))
     world = cluster.world_size

@@ -26,7 +26,7 @@ from dsauto.cost.step import (bucket_bytes, in_flight, layer_group_of, predict_s
                               stage_constant_bytes)
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.errors import DsautoError
-from dsauto.plan import LayerChoice, Plan
+from dsauto.plan import LayerChoice, Plan, stage_bounds
 from dsauto.search.dp import solve_prefixes
 from dsauto.search.space import Constraints, allowed, explain_empty_space, layer_options, strategies
 from dsauto.spec.cluster import ClusterSpec
@@ -236,7 +236,8 @@ class Planner:
         """The Plan of an explicit assignment, with its prediction (also used to price given configs)."""
         step = predict_step(self.model, self.cluster, self.train, strategy, stage_layers, options)
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
-        stage_of = [st.stage for st in step.stages for _ in range(st.first_layer, st.last_layer + 1)]
+        stage_of = [i for i, (first, last) in enumerate(stage_bounds(stage_layers))
+                    for _ in range(first, last + 1)]
         runs: list[LayerChoice] = []
         for j, option in enumerate(options):
             name = layer_group_of(groups, j, self.model.num_layers).name

@@ -170,6 +170,11 @@ class LayerGroup:
     """Head only: bytes per token of the logits and their fp32 softmax while the loss runs, split by
     TP; chunked (operator-split) loss divides it."""
 
+    @property
+    def forward_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the whole layer: linear layers and attention."""
+        return self.matmul_flops_per_token + self.attention_flops_per_token
+
 
 def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
                  pad_vocab: bool = True) -> tuple[LayerGroup, ...]:

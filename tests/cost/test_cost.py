@@ -6,7 +6,8 @@ import pytest
 
 from dsauto.cost.collectives import Group, dp_group, tp_group
 from dsauto.cost.layer import CostModel
-from dsauto.cost.step import predict_step, stage_bounds
+from dsauto.cost.step import predict_step
+from dsauto.plan import stage_bounds
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.loaders import load_hardware, load_model
