@@ -56,25 +56,26 @@ class _Priced:
     transient: np.ndarray
     p2p_seconds: float
     optimizer_seconds: float  # whole replica
-    budget_bytes: float  # for layers, after the per-rank constant
+    constant_bytes: float  # what every rank holds besides its layers (reduction buckets)
+    budget_bytes: float  # for layers: the device budget less constant_bytes
 
     def lower_bound(self, num_layers: int) -> float:
         s = self.strategy
         # Valid because the predicted step is at least (m + p - 1) times the mean stage time plus
         # the optimizer of its slowest stage; per-step gathers and gradient sync only add to it.
-        fastest = np.where(np.isfinite(self.time), self.compute, np.inf).min(axis=1)
+        fastest = self.compute.min(axis=1)  # inf marks the options a group may not take
         total = fastest[EMBEDDING] + fastest[HEAD] + num_layers * fastest[BLOCK]
         p2p = 2 * self.p2p_seconds if s.pp > 1 else 0.0
         return (s.grad_accum + s.pp - 1) * (total / s.pp + p2p) + self.optimizer_seconds / s.pp
 
     def least_memory(self, num_layers: int) -> float:
-        """A lower bound on the peak of the busiest rank, with an even layout."""
+        """A lower bound on the peak memory of the busiest rank, with an even layout."""
         s = self.strategy
         flight = min(s.pp, s.grad_accum)
         smallest = np.where(np.isfinite(self.time), self.static + flight * self.activation, np.inf).min(axis=1)
         least_transient = np.where(np.isfinite(self.time), self.transient, np.inf).min(axis=1).max()
         per_stage = (smallest[BLOCK] * num_layers + smallest[EMBEDDING] + smallest[HEAD]) / s.pp
-        return per_stage + least_transient
+        return per_stage + least_transient + self.constant_bytes
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Planner:
             optimizer += group.count * cost.layer(group, options[0]).optimizer_seconds
         constant = stage_constant_bytes(strategy, bucket_bytes(groups, strategy.tp, self.train.dtype_bytes))
         return _Priced(strategy, options, time, compute, static, act, trans,
-                       cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer,
+                       cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer, constant,
                        self.cluster.memory_budget_bytes - constant)
 
     def _stage_dp(self, priced: _Priced, sequence: Sequence[int], flight: int):
@@ -202,13 +203,13 @@ class Planner:
             raise explain_empty_space(self.model, self.cluster, self.train, self.pins)
         L = self.model.num_layers
         priced = [self._price(s) for s in space]
-        order = sorted(range(len(priced)), key=lambda i: (priced[i].lower_bound(L), i))
+        bounds = [p.lower_bound(L) for p in priced]
+        order = sorted(range(len(priced)), key=lambda i: (bounds[i], i))
         kept: list[tuple[float, int, Plan]] = []  # max-heap by step time via negation
-        least_memory = min(p.least_memory(L) for p in priced)
         for done, i in enumerate(order):
             if progress:
                 progress(done, len(order))
-            if len(kept) >= top_k and priced[i].lower_bound(L) >= -kept[0][0]:
+            if len(kept) >= top_k and bounds[i] >= -kept[0][0]:
                 break  # every remaining strategy is bounded out
             solved = self._solve(priced[i])
             if progress:
@@ -226,8 +227,8 @@ class Planner:
                 f"{self.model.name} does not fit on {self.cluster.world_size} x "
                 f"{self.cluster.device.name} with {format_bytes(self.cluster.memory_budget_bytes)} per "
                 f"device under any allowed setting: the smallest plan needs about "
-                f"{format_bytes(least_memory + self.cluster.memory_budget_bytes - priced[0].budget_bytes)}"
-                f" per device; add devices, raise --memory-limit or unpin choices."
+                f"{format_bytes(min(p.least_memory(L) for p in priced))} per device; add devices, "
+                f"raise --memory-limit or unpin choices."
             )
         return [plan for _, _, plan in sorted(kept, key=lambda e: (-e[0], -e[1]))]
 
