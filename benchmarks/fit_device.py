@@ -12,28 +12,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from benchmarks.fidelity import RUNS, SEQ, VOCAB, paper_flops
-from dsauto.search.planner import Planner
-from dsauto.search.space import Constraints
-from dsauto.spec.cluster import ClusterSpec
+from benchmarks.fidelity import RUNS, predicted_tflops, run_planner
 from dsauto.spec.loaders import load_hardware
-from dsauto.spec.model import ModelSpec
-from dsauto.spec.training import TrainSpec
 
 
 def errors(hardware) -> list[float]:
+    """Relative error of the predicted TFLOP/s per GPU of each published run."""
     out = []
-    for size, heads, hidden, layers, tp, pp, gpus, batch, published in RUNS:
-        model = ModelSpec(name=f"gpt-{size}b", architecture="decoder", num_layers=layers,
-                          hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=4 * hidden,
-                          vocab_size=VOCAB, max_position_embeddings=SEQ)
-        cluster = ClusterSpec(hardware, nodes=gpus // 8, gpus_per_node=8)
-        train = TrainSpec(global_batch=batch, seq_len=SEQ, dtype="fp16", flash_attention=False)
-        plan = Planner(model, cluster, train, Constraints(tp=tp, pp=pp, zero_stage=0,
-                                                          sequence_parallel=False,
-                                                          checkpoint=True)).search()[0]
-        predicted = paper_flops(batch, layers, hidden) / plan.prediction.step_seconds / gpus / 1e12
-        out.append(predicted / published - 1)
+    for run in RUNS:
+        planner, published = run_planner(hardware, run, pinned=True)
+        out.append(predicted_tflops(planner.search()[0]) / published - 1)
     return out
 
 
