@@ -94,9 +94,6 @@ def _problem(args: argparse.Namespace):
     train = TrainSpec(global_batch=args.global_batch or max(8, cluster.world_size), seq_len=seq_len,
                       dtype=args.dtype or cluster.hardware.dtype,
                       flash_attention=not args.no_flash_attention)
-    if args.tp is not None:
-        from dsauto.spec.model import require_tp
-        require_tp(model, args.tp)
     pins = Constraints(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
                        sequence_parallel=False if args.no_sequence_parallel else None,
                        checkpoint={"auto": None, "all": True, "none": False}[args.checkpoint])

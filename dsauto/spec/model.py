@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dsauto.errors import DsautoError
 
 Architecture = Literal["decoder", "encoder"]
 Mlp = Literal["gelu", "swiglu"]
@@ -274,11 +273,3 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         logits_bytes_per_token=vocab * (b + 4),  # logits, then their fp32 softmax for the loss
     )
     return embedding, block, head
-
-
-def require_tp(model: ModelSpec, tp: int) -> None:
-    """Raises a user-facing error when a pinned TP degree cannot split ``model``."""
-    problem = model.tp_problem(tp)
-    if problem:
-        raise DsautoError(f"Cannot use tensor parallelism {tp} for {model.name}: {problem}; "
-                          f"pin a TP degree that divides them.")
