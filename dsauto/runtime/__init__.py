@@ -1,0 +1,1 @@
+"""Applying a plan inside the stock engines: the DeepSpeed hook, the Megatron-core plugin, operator splitting."""
