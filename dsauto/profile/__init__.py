@@ -1,0 +1,1 @@
+"""Measured costs: layer times and memory, collective bandwidths, and the profile store."""
