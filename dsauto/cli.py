@@ -1,4 +1,4 @@
-"""dsauto's command line: ``dsauto tune | plan | explain | validate``.
+"""dsauto's command line: ``dsauto profile | tune | plan | explain | validate``.
 
 Every error a user can cause prints one sentence to stderr and exits with code 2; the search itself
 never writes partial artifacts (they are written to a temporary folder and moved into place).
@@ -62,11 +62,47 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-limit", default=None,
                    help="per-device memory budget such as 60GiB (default: device memory minus reserve)")
     p.add_argument("--top", type=int, default=0, metavar="K", help="also list the next K plans")
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help="a profile file or folder from `dsauto profile`: price layers from measurements")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _add_profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt-tiny",
+                   help="preset name, a dsauto model YAML, or a Hugging Face config.json (default: gpt-tiny)")
+    p.add_argument("--hardware", default=None,
+                   help="hardware preset or cluster YAML, for its default dtype (default: cpu, or h100-80gb on CUDA)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="dtype to measure in (default: the hardware's)")
+    p.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="tokens per sequence (default: min(2048, the model's maximum))")
+    p.add_argument("--micro-batches", type=_int_list, default=(1, 2, 4, 8), metavar="1,2,4,8",
+                   help="micro-batch sizes to time (others are interpolated)")
+    p.add_argument("--tp", type=_int_list, default=None, metavar="1,2,4,8",
+                   help="tensor-parallel shard shapes to time (default: every degree up to 8 the model allows)")
+    p.add_argument("--factory", default=None, metavar="package.module:function",
+                   help="build the model with your own function (called with the model spec) instead of "
+                        "dsauto's reference implementation")
+    p.add_argument("--warmup", type=_positive_int, default=2, help="untimed runs before timing (default: 2)")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs; the median is kept (default: 5)")
+    p.add_argument("--force", action="store_true", help="measure again even if a matching profile is stored")
+    p.add_argument("--out", default="profiles", help="folder of the profile store (default: profiles)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dsauto", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    profile = sub.add_parser("profile", help="measure the model's layers (and collectives on several ranks) into a profile store")
+    _add_profile_args(profile)
     tune = sub.add_parser("tune", help="search the best plan and write ds_config.json, megatron_args.txt, plan.yaml, plan.png")
     _add_search_args(tune)
     tune.add_argument("--out", default="out", help="folder for the artifacts (default: out)")
@@ -107,9 +143,15 @@ def _search(args: argparse.Namespace):
     model, cluster, train, pins = _problem(args)
     if args.top < 0:
         raise DsautoError(f"--top must be 0 or more, got {args.top}.")
+    profile = None
+    if args.profile is not None:
+        from dsauto.profile.store import find_profile
+
+        profile = find_profile(args.profile, model, train.dtype, train.seq_len)
     started = time.perf_counter()
     with SearchProgress() as progress:
-        plans = Planner(model, cluster, train, pins).search(top_k=1 + args.top, progress=progress.update)
+        plans = Planner(model, cluster, train, pins, profile).search(top_k=1 + args.top,
+                                                                    progress=progress.update)
     return plans, time.perf_counter() - started
 
 
@@ -126,6 +168,55 @@ def _cmd_tune(args: argparse.Namespace, write: bool) -> int:
 
         written = write_artifacts(plans[0], Path(args.out))
         print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from dsauto.profile.run import current_device, run_profile
+    from dsauto.spec.loaders import load_hardware, load_model
+
+    model = load_model(args.model)
+    device = current_device()
+    hardware = args.hardware or ("h100-80gb" if device.type == "cuda" else "cpu")
+    dtype = args.dtype or load_hardware(hardware).dtype
+    seq_len = args.seq_len or min(2048, model.max_position_embeddings)
+    if seq_len > model.max_position_embeddings:
+        raise DsautoError(f"--seq-len {seq_len} exceeds the {model.max_position_embeddings} positions "
+                          f"{model.name} supports; use at most {model.max_position_embeddings}.")
+    tps = args.tp or tuple(t for t in (1, 2, 4, 8) if model.tp_problem(t) is None)
+    for t in tps:
+        if (problem := model.tp_problem(t)) is not None:
+            raise DsautoError(f"Cannot profile TP {t}: {problem}; pick --tp from "
+                              f"{', '.join(str(d) for d in (1, 2, 4, 8) if model.tp_problem(d) is None)}.")
+
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if distributed:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+
+        def progress(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
+        if rank == 0:
+            progress(f"profiling {model.name} on {device} in {dtype}, sequences of {seq_len} tokens, "
+                     f"micro-batches {', '.join(map(str, args.micro_batches))}, TP shards "
+                     f"{', '.join(map(str, tps))}")
+        profile, path, reused = run_profile(model, dtype, seq_len, args.micro_batches, tps, args.out,
+                                            force=args.force, factory=args.factory, warmup=args.warmup,
+                                            repeats=args.repeats, progress=progress)
+        if rank == 0:
+            if reused:
+                print(f"reused {path} (measured earlier with the same model, device, dtype and "
+                      f"versions; --force measures again)")
+            else:
+                print(f"wrote {path}: {len(profile.layers)} layer measurements, "
+                      f"{len(profile.collectives)} collective fits")
+    finally:
+        if distributed:
+            dist.destroy_process_group()
     return 0
 
 
@@ -158,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "profile":
+            return _cmd_profile(args)
         if args.command in ("tune", "plan"):
             return _cmd_tune(args, write=args.command == "tune")
         if args.command == "explain":

@@ -20,7 +20,7 @@ from dsauto.spec.training import Dtype
 
 PLAN_VERSION = 1
 
-Basis = Literal["analytic", "measured"]
+Basis = Literal["analytic", "measured", "mixed"]
 
 
 def stage_bounds(stage_layers: Sequence[int]) -> list[tuple[int, int]]:
@@ -91,6 +91,9 @@ class StagePrediction:
     """Largest short-lived allocation: gathered ZeRO-3 parameters, a recomputed layer, the logits."""
     peak_bytes: int
     """Predicted peak memory of the stage's ranks: the sum of the above."""
+    basis: Basis = "analytic"
+    """Where the stage's layer times and activations came from: the analytic device model, a
+    measured profile, or both (layers the profile lacks were priced analytically)."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,9 @@ class Prediction:
     optimizer_seconds: float
     """Of the step: the optimizer update."""
     basis: Basis = "analytic"
-    """What the layer costs came from: the analytic device model or a measured profile."""
+    """What the layer costs came from: the analytic device model, a measured profile, or both."""
+    profile: str = ""
+    """The profile the measured costs came from (its file name), empty when analytic."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ bandwidth, capped by the intra-node link.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dsauto.spec.cluster import ClusterSpec
@@ -82,3 +83,37 @@ def pp_link(cluster: ClusterSpec, tp: int, dp: int) -> Group:
     spans = tp * dp >= cluster.devices_per_node
     bw, lat = _link(cluster, 1, spans)
     return Group(2, bw, lat)
+
+
+@dataclass(frozen=True)
+class MeasuredGroup(Group):
+    """A group whose collectives use latencies and bandwidths fitted to measurements
+    (:mod:`dsauto.profile.collectives`), one pair per operation; operations not measured fall back to
+    the group's own link figures."""
+
+    fitted: tuple[tuple[str, float, float], ...] = ()
+    """(operation, latency seconds per ring step, bus bandwidth bytes/s) per measured operation."""
+
+    def _with(self, op: str) -> Group:
+        for name, latency, bandwidth in self.fitted:
+            if name == op:
+                return Group(self.size, bandwidth, latency)
+        return Group(self.size, self.bandwidth_bytes_per_second, self.latency_seconds)
+
+    def all_reduce(self, size_bytes: float) -> float:
+        return self._with("all_reduce").all_reduce(size_bytes)
+
+    def all_gather(self, size_bytes: float) -> float:
+        return self._with("all_gather").all_gather(size_bytes)
+
+    def reduce_scatter(self, size_bytes: float) -> float:
+        return self._with("reduce_scatter").reduce_scatter(size_bytes)
+
+    def send_recv(self, size_bytes: float) -> float:
+        return self._with("send_recv").send_recv(size_bytes)
+
+
+def measured(group: Group, fits: Sequence[tuple[str, float, float]]) -> Group:
+    """``group`` with the fitted operations of its size and scope, or unchanged when none were."""
+    return MeasuredGroup(group.size, group.bandwidth_bytes_per_second, group.latency_seconds,
+                         tuple(fits)) if fits else group

@@ -15,11 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsauto.cost.collectives import Group, dp_group, pp_link, tp_group
+from typing import TYPE_CHECKING
+
+from dsauto.cost.collectives import Group, dp_group, measured, pp_link, tp_group
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import LayerGroup
 from dsauto.spec.training import TrainSpec
+
+if TYPE_CHECKING:  # the profile package imports the cost model's collectives
+    from dsauto.profile.store import Profile
 
 # Bytes the Adam update reads and writes per parameter it owns: fp32 master, momentum and variance
 # read and written (24), the gradient read (4 after up-casting) and the 16-bit copy written (2).
@@ -50,6 +55,8 @@ class LayerCost:
     """Gradient bytes this rank reduces over the data-parallel group once per step (ZeRO 0/1)."""
     optimizer_seconds: float
     """Time of this layer's share of the optimizer update."""
+    measured: bool = False
+    """Whether the compute times (and, for transformer layers, the activations) came from a profile."""
 
     @property
     def static_bytes(self) -> float:
@@ -59,8 +66,12 @@ class LayerCost:
 class CostModel:
     """Prices layers for one cluster, workload and strategy; cheap to build, pure to call."""
 
-    def __init__(self, cluster: ClusterSpec, train: TrainSpec, strategy: Strategy, hidden_size: int):
+    def __init__(self, cluster: ClusterSpec, train: TrainSpec, strategy: Strategy, hidden_size: int,
+                 profile: Profile | None = None):
         self.cluster, self.train, self.strategy = cluster, train, strategy
+        # A profile measured at another sequence length or dtype does not describe this workload.
+        usable = profile is not None and profile.seq_len == train.seq_len and profile.dtype == train.dtype
+        self.profile = profile if usable else None
         self.hidden_size = hidden_size
         device = cluster.device
         self.peak_flops = device.flops(train.dtype)
@@ -70,13 +81,35 @@ class CostModel:
         self.tp: Group = tp_group(cluster, strategy.tp)
         self.dp: Group = dp_group(cluster, strategy.tp, strategy.dp)
         self.pp: Group = pp_link(cluster, strategy.tp, strategy.dp)
+        if self.profile is not None and self.profile.collectives:
+            self.tp = measured(self.tp, self._fits(strategy.tp, strategy.tp > cluster.devices_per_node))
+            self.dp = measured(self.dp, self._fits(strategy.dp, strategy.tp * strategy.dp > cluster.devices_per_node))
+            self.pp = measured(self.pp, self._fits(2, strategy.tp * strategy.dp >= cluster.devices_per_node, ("send_recv",)))
         self.tokens = strategy.micro_batch * train.seq_len
         # Mixed precision: 16-bit activations, params and grads, 12 bytes of fp32 optimizer state
-        # (ZeRO paper, Sec. 3.1). Pure fp32: 4-byte params and grads, 8 bytes of Adam moments.
+        # (ZeRO paper, Sec. 3.1). Pure fp32 without ZeRO: 4-byte params and grads, 8 bytes of Adam
+        # moments. DeepSpeed's ZeRO optimizers keep an fp32 master copy of their partition even
+        # when the model is fp32 (``single_partition_of_fp32_groups`` in stage_1_and_2.py and
+        # ``fp32_partitioned_groups_flat`` in stage3.py are clones), so ZeRO 1-3 hold 12 bytes.
         self.dtype_bytes = train.dtype_bytes
-        self.optim_bytes = 12 if self.dtype_bytes < 4 else 8
+        self.optim_bytes = 12 if self.dtype_bytes < 4 or strategy.zero_stage >= 1 else 8
         # Activations tensor parallelism replicates are split too under sequence parallelism.
         self.replicated_div = strategy.tp if strategy.sequence_parallel and strategy.tp > 1 else 1
+
+    def _fits(self, size: int, spans_nodes: bool,
+              ops: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter")) -> list[tuple[str, float, float]]:
+        """The profile's fitted (op, latency, bytes/s) for groups of ``size`` ranks in this scope."""
+        assert self.profile is not None
+        scope = "inter_node" if spans_nodes else "intra_node"
+        fits = [self.profile.collective(op, size, scope) for op in ops]
+        return [(f.op, f.latency_seconds, f.bandwidth_gbps * 1e9) for f in fits if f is not None]
+
+    def optimizer_seconds(self, params: float) -> float:
+        """One optimizer update of ``params`` parameters on this rank: measured per parameter when
+        profiled, else the memory traffic of Adam over the device bandwidth."""
+        if self.profile is not None and self.profile.optimizer_seconds_per_param > 0:
+            return params * self.profile.optimizer_seconds_per_param
+        return self.memory_seconds(params * ADAM_BYTES_PER_PARAM)
 
     def matmul_seconds(self, flops: float, dim: float) -> float:
         """A GEMM of ``flops`` whose smallest dimension is ``dim``: efficiency saturates with size."""
@@ -125,6 +158,13 @@ class CostModel:
         backward = 2 * (matmul + attention + elementwise + launches) + tp_comm
         if option.checkpoint:
             backward += forward  # recomputation: one more forward inside backward
+        # Measured compute replaces the roofline where the profile has the layer (interpolated in
+        # the micro-batch); the collectives and the slicing overheads stay priced as above.
+        sample = (self.profile.estimate(group.name, t, s.micro_batch, option.checkpoint)
+                  if self.profile is not None else None)
+        if sample is not None:
+            forward = sample.forward_seconds + tp_comm + launches
+            backward = sample.backward_seconds + tp_comm + 2 * launches
 
         # Parameters on this rank and their memory.
         local_params = group.tp_params / t + (group.params - group.tp_params)
@@ -164,8 +204,19 @@ class CostModel:
             + group.act_replicated_bytes_per_token / replicated_div
             + (0.0 if flash else group.attention_score_bytes_per_token / t)
         )
+        checkpoint_activation = tokens * group.checkpoint_bytes_per_token / replicated_div
+        # A transformer layer's kept bytes are measured too (the profile's shards have no sequence
+        # parallelism, so it applies without SP only); the embedding and head keep the analytic
+        # counts, whose logits term is exact.
+        transformer = group.name not in ("embedding", "head")
+        if sample is not None and transformer and replicated_div == 1:
+            full = self.profile.estimate(group.name, t, s.micro_batch, False)
+            if full is not None:
+                full_activation = full.activation_bytes
+            if option.checkpoint:
+                checkpoint_activation = sample.activation_bytes
         if option.checkpoint:
-            activation = tokens * group.checkpoint_bytes_per_token / replicated_div
+            activation = checkpoint_activation
             transient = full_activation  # the recomputed layer lives until its backward ends
         else:
             activation, transient = full_activation, 0.0
@@ -186,7 +237,8 @@ class CostModel:
             activation_bytes=activation,
             transient_bytes=transient,
             grad_sync_bytes=grad_sync,
-            optimizer_seconds=self.memory_seconds(optimizer_params * ADAM_BYTES_PER_PARAM),
+            optimizer_seconds=self.optimizer_seconds(optimizer_params),
+            measured=sample is not None,
         )
 
     def grad_sync_seconds(self, grad_bytes: float) -> float:

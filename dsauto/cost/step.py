@@ -15,14 +15,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dsauto.cost.layer import CostModel, LayerCost
 from dsauto.cost.pipeline import pipeline_seconds
 from dsauto.cost.strategy import LayerOption, Strategy
-from dsauto.plan import Prediction, StagePrediction, stage_bounds
+from dsauto.plan import Basis, Prediction, StagePrediction, stage_bounds
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import LayerGroup, ModelSpec, layer_groups
 from dsauto.spec.training import TrainSpec
+
+if TYPE_CHECKING:
+    from dsauto.profile.store import Profile
+
+
+def profile_name(profile: Profile) -> str:
+    """How a plan names the profile its measured costs came from: the profile's store key."""
+    from dsauto.profile.store import profile_key
+
+    return profile_key(profile.model, profile.device, profile.dtype, profile.seq_len, profile.versions)
 
 
 def layer_group_of(groups: Sequence[LayerGroup], layer: int, num_layers: int) -> LayerGroup:
@@ -52,21 +63,36 @@ class StepPrediction:
     stages: tuple[StagePrediction, ...]
 
 
-def stage_constant_bytes(strategy: Strategy, bucket: int) -> int:
-    """Memory every rank holds besides layers: the gradient reduction buckets (DeepSpeed keeps two
-    in flight with overlap_comm) when there is data parallelism to reduce over."""
-    return 2 * bucket if strategy.dp > 1 else 0
+def stage_constant_bytes(strategy: Strategy, bucket: int, grads_bytes: float) -> int:
+    """Memory a rank holds besides its layers at the peak of a step, when there is data parallelism
+    to reduce over (``grads_bytes``: the stage's gradients on this rank).
+
+    DeepSpeed's buffers differ by ZeRO stage:
+    - ZeRO-0 all-reduces the gradients flattened into one copy per bucket of up to 5e8 elements
+      (``DeepSpeedEngine.allreduce_bucket``), so a second copy of the gradients exists meanwhile;
+    - ZeRO-1/2 with ``overlap_comm`` fill two reduction buckets alternately during backward
+      (``ipg_buffer`` in stage_1_and_2.py);
+    - ZeRO-3 keeps one contiguous gradient bucket for the whole run (``__ipg_bucket_flat_buffer``
+      in stage3.py).
+    """
+    if strategy.dp <= 1:
+        return 0
+    if strategy.zero_stage == 0:
+        return int(grads_bytes)
+    return (2 if strategy.zero_stage < 3 else 1) * bucket
 
 
 def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: Strategy,
-                 stage_layers: Sequence[int], options: Sequence[LayerOption]) -> StepPrediction:
+                 stage_layers: Sequence[int], options: Sequence[LayerOption],
+                 profile: Profile | None = None) -> StepPrediction:
     """Predicts a step of ``strategy`` with ``stage_layers`` transformer layers per stage and one
-    option per flat layer (``len(options) == num_layers + 2``)."""
+    option per flat layer (``len(options) == num_layers + 2``), from measured layer costs where
+    ``profile`` has them."""
     num_layers = model.num_layers
     if len(options) != num_layers + 2:
         raise ValueError(f"{len(options)} options for {num_layers + 2} layers")
     groups = layer_groups(model, train.seq_len, train.dtype_bytes, strategy.tp)
-    cost = CostModel(cluster, train, strategy, model.hidden_size)
+    cost = CostModel(cluster, train, strategy, model.hidden_size, profile)
     m, pp = strategy.grad_accum, strategy.pp
     p2p = cost.p2p_seconds() if pp > 1 else 0.0
     bucket = bucket_bytes(groups, strategy.tp, train.dtype_bytes)
@@ -84,16 +110,16 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         backward = sum(c.backward_seconds for c in costs) + p2p
         flight = in_flight(i, pp, m)
         activation = sum(c.activation_bytes for c in costs) * flight
-        transient = max(c.transient_bytes for c in costs) + stage_constant_bytes(strategy, bucket)
         params = sum(c.params_bytes for c in costs)
         grads = sum(c.grads_bytes for c in costs)
+        transient = max(c.transient_bytes for c in costs) + stage_constant_bytes(strategy, bucket, grads)
         optim = sum(c.optimizer_bytes for c in costs)
         peak = params + grads + optim + activation + transient
         stages.append(StagePrediction(
             stage=i, first_layer=first, last_layer=last, micro_batches_in_flight=flight,
             forward_seconds=forward, backward_seconds=backward, params_bytes=int(params),
             grads_bytes=int(grads), optimizer_bytes=int(optim), activation_bytes=int(activation),
-            transient_bytes=int(transient), peak_bytes=int(peak),
+            transient_bytes=int(transient), peak_bytes=int(peak), basis=_basis(costs),
         ))
         times.append(forward + backward)
         sync = cost.grad_sync_seconds(sum(c.grad_sync_bytes for c in costs))
@@ -130,5 +156,14 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         bubble_seconds=bubble,
         exposed_comm_seconds=exposed,
         optimizer_seconds=optimizer,
+        basis=_basis([st for st in stages]),
+        profile=profile_name(profile) if cost.profile is not None else "",
     )
     return StepPrediction(prediction, tuple(stages))
+
+
+def _basis(parts: Sequence[LayerCost] | Sequence[StagePrediction]) -> Basis:
+    """``measured`` when every part was, ``analytic`` when none was, else ``mixed``."""
+    kinds = {("measured" if p.measured else "analytic") if isinstance(p, LayerCost) else p.basis
+             for p in parts}
+    return kinds.pop() if len(kinds) == 1 else "mixed"

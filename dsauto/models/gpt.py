@@ -60,22 +60,29 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer layer: attention and MLP, each with a residual connection."""
+    """One pre-norm transformer layer: attention and MLP, each with a residual connection.
 
-    def __init__(self, model: ModelSpec):
+    ``tp > 1`` builds the per-rank shard of a Megatron tensor-parallel layer (Shoeybi et al. 2019,
+    Sec. 3): 1/tp of the heads and of the MLP width, full-width norms, without the all-reduces, so
+    the profiler can time one rank's compute on one device.
+    """
+
+    def __init__(self, model: ModelSpec, tp: int = 1):
         super().__init__()
         h, bias = model.hidden_size, model.linear_bias
-        self.heads, self.kv_heads, self.head_dim = model.num_attention_heads, model.kv_heads, model.head_dim
+        self.heads, self.kv_heads = model.num_attention_heads // tp, model.kv_heads // tp
+        self.head_dim = model.head_dim
+        ffn = model.ffn_hidden_size // tp
         self.causal = model.architecture == "decoder"
         self.rope = model.position_embedding == "rope"
         self.swiglu = model.mlp == "swiglu"
         p = 0.1 if model.dropout else 0.0
         self.attention_norm = _norm(model)
-        self.qkv = nn.Linear(h, h + 2 * self.kv_heads * self.head_dim, bias=bias)
-        self.proj = nn.Linear(h, h, bias=bias)
+        self.qkv = nn.Linear(h, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=bias)
+        self.proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
         self.mlp_norm = _norm(model)
-        self.mlp_in = nn.Linear(h, (2 if self.swiglu else 1) * model.ffn_hidden_size, bias=bias)
-        self.mlp_out = nn.Linear(model.ffn_hidden_size, h, bias=bias)
+        self.mlp_in = nn.Linear(h, (2 if self.swiglu else 1) * ffn, bias=bias)
+        self.mlp_out = nn.Linear(ffn, h, bias=bias)
         self.attention_dropout, self.dropout = p, nn.Dropout(p)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:

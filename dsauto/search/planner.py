@@ -18,6 +18,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import ModelSpec, layer_groups
 from dsauto.spec.training import TrainSpec
 from dsauto.units import format_bytes
+
+if TYPE_CHECKING:
+    from dsauto.profile.store import Profile
 
 EMBEDDING, BLOCK, HEAD = 0, 1, 2
 
@@ -89,13 +93,14 @@ class Planner:
     """Searches plans for one model, cluster and workload. Pure: same inputs, same plans."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
-                 pins: Constraints | None = None):
+                 pins: Constraints | None = None, profile: Profile | None = None):
         self.model, self.cluster, self.train = model, cluster, train
         self.pins = pins or Constraints()
+        self.profile = profile
 
     def _price(self, strategy: Strategy) -> _Priced:
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
-        cost = CostModel(self.cluster, self.train, strategy, self.model.hidden_size)
+        cost = CostModel(self.cluster, self.train, strategy, self.model.hidden_size, self.profile)
         options = layer_options(strategy)
         shape = (3, len(options))
         time, compute, static, act, trans = (np.full(shape, np.inf), np.full(shape, np.inf),
@@ -113,7 +118,9 @@ class Planner:
                 trans[gi, oi] = c.transient_bytes
             # The optimizer update does not depend on the per-layer option.
             optimizer += group.count * cost.layer(group, options[0]).optimizer_seconds
-        constant = stage_constant_bytes(strategy, bucket_bytes(groups, strategy.tp, self.train.dtype_bytes))
+        # Gradients of the whole replica bound any one stage's (ZeRO-0's flattened copy).
+        grads = sum(g.count * cost.layer(g, options[0]).grads_bytes for g in groups)
+        constant = stage_constant_bytes(strategy, bucket_bytes(groups, strategy.tp, self.train.dtype_bytes), grads)
         return _Priced(strategy, options, time, compute, static, act, trans,
                        cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer, constant,
                        self.cluster.memory_budget_bytes - constant)
@@ -235,7 +242,8 @@ class Planner:
     def build_plan(self, strategy: Strategy, stage_layers: Sequence[int],
                    options: Sequence[LayerOption]) -> Plan:
         """The Plan of an explicit assignment, with its prediction (also used to price given configs)."""
-        step = predict_step(self.model, self.cluster, self.train, strategy, stage_layers, options)
+        step = predict_step(self.model, self.cluster, self.train, strategy, stage_layers, options,
+                            self.profile)
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
         stage_of = [i for i, (first, last) in enumerate(stage_bounds(stage_layers))
                     for _ in range(first, last + 1)]

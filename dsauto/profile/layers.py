@@ -1,0 +1,185 @@
+"""Measure one rank's cost of each distinct layer: forward and backward time, activation and peak bytes.
+
+Each layer group of the model (embedding, one transformer layer, head) is built from the reference
+implementation (:mod:`dsauto.models`), or taken from a user's model, at the per-rank shapes of every
+tensor-parallel degree asked for (a TP-t layer's shard runs on one device; its collectives are priced
+from the bandwidth table), and timed for every micro-batch size, with and without recomputation.
+
+Forward and backward are timed separately (Galvatron's profiler times forward only and assumes
+backward = 2 x forward; that ratio drifts with the layer's shape and the kernels). Timing follows
+the usual discipline: warm-up runs, then repeats, the median, and a device synchronisation before
+each clock read. Activation bytes are those autograd keeps for backward (``saved_tensors_hooks``,
+each storage counted once, parameters excluded); peak bytes come from :class:`MemoryTracker`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as recompute
+
+from dsauto.models.gpt import Block, Embedding, Head
+from dsauto.profile.memory import MemoryTracker
+from dsauto.spec.model import ModelSpec
+
+GROUPS = ("embedding", "block", "head")
+
+
+@dataclass(frozen=True)
+class LayerMeasurement:
+    """Measured cost of one layer on one rank, for one micro-batch."""
+
+    group: str
+    """``embedding``, ``decoder`` / ``encoder`` (one transformer layer) or ``head``."""
+    tp: int
+    """Tensor-parallel degree whose per-rank shard was measured."""
+    micro_batch: int
+    """Sequences in the micro-batch."""
+    checkpoint: bool
+    """Whether the layer ran under activation checkpointing (backward then includes recomputation)."""
+    forward_seconds: float
+    """Median forward time."""
+    backward_seconds: float
+    """Median backward time (gradients of the input and of the parameters)."""
+    activation_bytes: int
+    """Bytes autograd keeps for backward after the forward pass (parameters excluded)."""
+    peak_bytes: int
+    """Most live bytes above the parameters during forward and backward (activations, temporaries,
+    the input and output gradients and the parameter gradients)."""
+    params_bytes: int
+    """Bytes of the layer's parameters on this rank."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _saved_bytes(run: Callable[[], torch.Tensor], params: set[int]) -> tuple[torch.Tensor, int]:
+    """Run a forward pass and count the distinct storages autograd saves for backward."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, sum(storages.values())
+
+
+def measure_layer(module: nn.Module, make_input: Callable[[], tuple[torch.Tensor, ...]],
+                  checkpoint: bool, device: torch.device, warmup: int = 2,
+                  repeats: int = 5) -> tuple[float, float, int, int]:
+    """(forward seconds, backward seconds, activation bytes, peak bytes) of ``module`` on fresh inputs.
+
+    ``make_input`` returns the positional inputs; the module's output must be a scalar loss or a
+    tensor, whose backward is seeded with ones.
+    """
+    param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def forward(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if checkpoint:
+            return recompute(module, *inputs, use_reentrant=False)
+        return module(*inputs)
+
+    def once() -> tuple[float, float]:
+        inputs = make_input()
+        _sync(device)
+        start = time.perf_counter()
+        out = forward(inputs)
+        _sync(device)
+        middle = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        _sync(device)
+        end = time.perf_counter()
+        module.zero_grad(set_to_none=True)
+        return middle - start, end - middle
+
+    for _ in range(warmup):
+        once()
+    forward_times, backward_times = zip(*(once() for _ in range(repeats)))
+
+    inputs = make_input()
+    tracker = MemoryTracker(device)
+    with tracker:
+        with tracker.region("layer"):
+            out, activation = _saved_bytes(lambda: forward(inputs), param_ptrs)
+            out.backward(torch.ones_like(out))
+            del out
+    module.zero_grad(set_to_none=True)
+    return (statistics.median(forward_times), statistics.median(backward_times), activation,
+            tracker.peak_bytes("layer"))
+
+
+def reference_layer(model: ModelSpec, group: str, tp: int, vocab_size: int) -> nn.Module:
+    """The per-rank shard of one layer of the reference implementation."""
+    if group == "embedding":
+        return Embedding(model, vocab_size // tp)
+    if group == "head":
+        return Head(model, vocab_size // tp, tied_weight=None)
+    return Block(model, tp=tp)
+
+
+class _HeadWithLabels(nn.Module):
+    """The head as a module of its hidden input only (labels fixed), so it can be timed like a layer."""
+
+    def __init__(self, head: nn.Module, labels: torch.Tensor):
+        super().__init__()
+        self.head, self.labels = head, labels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x, self.labels)
+
+
+def profile_layers(model: ModelSpec, seq_len: int, micro_batches: Sequence[int], tps: Iterable[int],
+                   dtype: torch.dtype, device: torch.device, warmup: int = 2, repeats: int = 5,
+                   progress: Callable[[str], None] | None = None) -> tuple[LayerMeasurement, ...]:
+    """Every (group, tp, micro-batch, checkpoint) measurement of the reference layers of ``model``.
+
+    Transformer layers are measured with and without checkpointing; the embedding and head only
+    without (the planner never checkpoints them). The vocabulary is padded for each TP degree as
+    Megatron pads it, as the plans are.
+    """
+    tps = tuple(tps)
+    jobs = [(g, t, b, c) for t in tps for g in GROUPS for b in micro_batches
+            for c in ((False, True) if g == "block" else (False,))]
+    results = []
+    for n, (group, tp, micro_batch, ckpt) in enumerate(jobs, 1):
+        torch.manual_seed(0)
+        vocab_size = model.padded_vocab_size(tp)
+        layer = reference_layer(model, group, tp, vocab_size).to(device=device, dtype=dtype)
+        shape = (micro_batch, seq_len)
+        width = model.hidden_size
+
+        if group == "embedding":
+            def make_input(shape=shape, vocab=vocab_size // tp):
+                return (torch.randint(0, vocab, shape, device=device),)
+            timed: nn.Module = layer
+        else:
+            def make_input(shape=shape, width=width):
+                return (torch.randn(*shape, width, device=device, dtype=dtype, requires_grad=True),)
+            if group == "head":
+                labels = torch.randint(0, vocab_size // tp, shape, device=device)
+                timed = _HeadWithLabels(layer, labels)
+            else:
+                timed = layer
+        fwd, bwd, activation, peak = measure_layer(timed, make_input, ckpt, device, warmup, repeats)
+        name = model.architecture if group == "block" else group
+        params_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+        results.append(LayerMeasurement(
+            group=name, tp=tp, micro_batch=micro_batch, checkpoint=ckpt, forward_seconds=fwd,
+            backward_seconds=bwd, activation_bytes=activation, peak_bytes=peak,
+            params_bytes=params_bytes))
+        if progress is not None:
+            progress(f"[{n}/{len(jobs)}] {name} tp={tp} micro-batch {micro_batch}"
+                     f"{' recomputed' if ckpt else ''}: forward {fwd * 1e3:.2f} ms, "
+                     f"backward {bwd * 1e3:.2f} ms, kept {activation / 2**20:.1f} MiB")
+    return tuple(results)

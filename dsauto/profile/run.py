@@ -1,0 +1,152 @@
+"""``dsauto profile``: measure a model's layers (and, on several ranks, the collectives) and store them.
+
+On one process it profiles the layers on the current device (CUDA when present, else CPU). Launched
+on several ranks (``torchrun`` or the deepspeed launcher), rank 0 profiles the layers while the
+others wait, then every rank takes part in the collective measurements; rank 0 writes the profile.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from dsauto.errors import DsautoError
+from dsauto.profile.layers import LayerMeasurement, measure_layer, profile_layers
+from dsauto.profile.store import Profile, load_profile, profile_path, save_profile, software_versions
+from dsauto.spec.model import ModelSpec
+from dsauto.spec.training import Dtype
+
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+Report = Callable[[str], None]
+
+
+def current_device() -> torch.device:
+    """The device this process profiles: its CUDA device when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def measure_optimizer(num_params: int, dtype: torch.dtype, device: torch.device,
+                      warmup: int = 2, repeats: int = 5) -> float:
+    """Seconds per parameter of one torch AdamW step over a flat fp32 tensor of ``num_params``
+    (DeepSpeed's ZeRO optimizers step one flat fp32 partition; the emitted config asks for torch's
+    AdamW). Capped at 2^24 elements: the update is bandwidth-bound, so the rate holds beyond it."""
+    n = max(1, min(num_params, 2**24))
+    param = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32, device=device))
+    param.grad = torch.randn(n, dtype=torch.float32, device=device)
+    optimizer = torch.optim.AdamW([param], lr=1e-4)
+    times = []
+    for i in range(warmup + repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) / n
+
+
+def load_factory(spec: str) -> Callable[[ModelSpec], torch.nn.Module]:
+    """A user's model factory ``package.module:function`` (called with the ModelSpec)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise DsautoError(f"--factory {spec!r} must look like package.module:function.")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise DsautoError(f"Cannot load the model factory {spec!r}: {exc}; check the module is on "
+                          f"PYTHONPATH and defines {attr}.") from None
+
+
+def profile_factory_layers(model: ModelSpec, factory: Callable[[ModelSpec], torch.nn.Module],
+                           seq_len: int, micro_batches: Sequence[int], dtype: torch.dtype,
+                           device: torch.device, warmup: int, repeats: int,
+                           progress: Report | None) -> tuple[LayerMeasurement, ...]:
+    """Measure the user's own layers (TP 1 only: an arbitrary module cannot be sharded here). The
+    model must expose an embedding, a list of identical transformer blocks and a head the way
+    :func:`dsauto.runtime.layers.find_layers` finds them; the first block stands for all of them."""
+    from dsauto.runtime.layers import find_layers
+
+    net = factory(model).to(device=device, dtype=dtype)
+    layers = find_layers(net, model.num_layers)
+    block = layers.blocks[0]
+    results = []
+    for n, micro_batch in enumerate(micro_batches, 1):
+        for ckpt in (False, True):
+            def make_input(micro_batch=micro_batch):
+                return (torch.randn(micro_batch, seq_len, model.hidden_size, device=device, dtype=dtype,
+                                    requires_grad=True),)
+            fwd, bwd, act, peak = measure_layer(block, make_input, ckpt, device, warmup, repeats)
+            results.append(LayerMeasurement(
+                group=model.architecture, tp=1, micro_batch=micro_batch, checkpoint=ckpt,
+                forward_seconds=fwd, backward_seconds=bwd, activation_bytes=act, peak_bytes=peak,
+                params_bytes=sum(p.numel() * p.element_size() for p in block.parameters())))
+            if progress is not None:
+                progress(f"[{n}/{len(micro_batches)}] {model.architecture} micro-batch {micro_batch}"
+                         f"{' recomputed' if ckpt else ''}: forward {fwd * 1e3:.2f} ms, backward {bwd * 1e3:.2f} ms")
+    return tuple(results)
+
+
+def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Sequence[int],
+                tps: Sequence[int], out_dir: Path | str, force: bool = False, factory: str | None = None,
+                warmup: int = 2, repeats: int = 5, progress: Report | None = None) -> tuple[Profile, Path, bool]:
+    """Profile ``model`` (reusing a stored profile with the same key unless ``force``).
+
+    Returns the profile, its path, and whether it was reused. Call on every rank when launched on
+    several; only rank 0 writes.
+    """
+    import torch.distributed as dist
+
+    device = current_device()
+    torch_dtype = TORCH_DTYPES[dtype]
+    versions = software_versions()
+    path = profile_path(out_dir, model, device_name(device), dtype, seq_len, versions)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank = dist.get_rank() if distributed else 0
+    if path.exists() and not force:
+        return load_profile(path), path, True
+    say = progress if rank == 0 else None
+
+    layers: tuple[LayerMeasurement, ...] = ()
+    optimizer_rate = 0.0
+    if rank == 0:
+        if factory is not None:
+            layers = profile_factory_layers(model, load_factory(factory), seq_len, micro_batches,
+                                            torch_dtype, device, warmup, repeats, say)
+        else:
+            layers = profile_layers(model, seq_len, micro_batches, tps, torch_dtype, device, warmup,
+                                    repeats, say)
+        optimizer_rate = measure_optimizer(model.num_parameters(), torch_dtype, device)
+        if say:
+            say(f"optimizer: {optimizer_rate * 1e9:.2f} ns per parameter (AdamW)")
+
+    collectives: tuple = ()
+    world = 1
+    if distributed:
+        from dsauto.profile.collectives import measure_collectives
+
+        world = dist.get_world_size()
+        dist.barrier()
+        collectives = measure_collectives(device=device, progress=say)
+
+    profile = Profile(model=model, device=device_name(device), dtype=dtype, seq_len=seq_len,
+                      threads=torch.get_num_threads(), versions=versions, layers=layers,
+                      optimizer_seconds_per_param=optimizer_rate, collectives=tuple(collectives),
+                      world_size=world)
+    if rank == 0:
+        save_profile(profile, out_dir)
+    return profile, path, False

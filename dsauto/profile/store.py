@@ -1,0 +1,201 @@
+"""The profile: what was measured for one model on one device, and where it is kept on disk.
+
+A profile is keyed by the model's shape, the device, the dtype, the sequence length and the software
+versions (torch, DeepSpeed, dsauto): a new torch or a new device can change every number, so a
+profile made under other versions is not reused. Profiles are JSON files in a folder
+(``profiles/`` by default), one per key, written atomically; ``dsauto profile`` reuses a matching
+one unless told ``--force``, and ``dsauto tune --profile DIR`` loads the one matching its workload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsauto.errors import DsautoError
+from dsauto.profile.collectives import CollectiveFit
+from dsauto.profile.layers import LayerMeasurement
+from dsauto.serde import from_dict, read_data, to_dict
+from dsauto.spec.model import ModelSpec
+from dsauto.spec.training import Dtype
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured costs of one model's layers on one device, and of the collectives of one cluster."""
+
+    model: ModelSpec
+    """The model measured."""
+    device: str
+    """The device measured on (``cpu`` or the CUDA device name)."""
+    dtype: Dtype
+    """Training dtype of the measurements."""
+    seq_len: int
+    """Tokens per sequence of every measured micro-batch."""
+    threads: int
+    """CPU threads per process while measuring (timings on CPU depend on it)."""
+    versions: dict[str, str]
+    """Software versions measured with (torch, deepspeed, dsauto)."""
+    layers: tuple[LayerMeasurement, ...]
+    """One entry per (layer group, TP degree, micro-batch, checkpointing)."""
+    optimizer_seconds_per_param: float
+    """Measured time of one AdamW update per parameter (torch's implementation, as the emitted
+    config asks for), on one rank."""
+    collectives: tuple[CollectiveFit, ...] = ()
+    """Fitted collective costs, when the profile ran on several ranks; empty otherwise."""
+    world_size: int = 1
+    """Ranks the profile ran on."""
+    version: int = PROFILE_VERSION
+    """Profile format version."""
+    _index: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for m in self.layers:
+            self._index[(m.group, m.tp, m.micro_batch, m.checkpoint)] = m
+
+    def to_dict(self) -> dict[str, Any]:
+        data = to_dict(self)
+        data.pop("_index")
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "the profile") -> Profile:
+        return from_dict(cls, data, where)
+
+    def measurement(self, group: str, tp: int, micro_batch: int, checkpoint: bool) -> LayerMeasurement | None:
+        """The measurement of exactly this layer setting, if it was measured."""
+        return self._index.get((group, tp, micro_batch, checkpoint))
+
+    def micro_batches(self, group: str, tp: int, checkpoint: bool) -> list[int]:
+        """Micro-batch sizes measured for a layer setting, ascending."""
+        return sorted(b for (g, t, b, c) in self._index if (g, t, c) == (group, tp, checkpoint))
+
+    def estimate(self, group: str, tp: int, micro_batch: int, checkpoint: bool) -> LayerMeasurement | None:
+        """The layer's cost at ``micro_batch``: measured, or interpolated linearly in the micro-batch
+        between (or beyond) the two nearest measured sizes. None when the setting was not measured.
+
+        Times are affine in the batch once kernels are past their fixed overheads; bytes are
+        proportional to it. Extrapolating beyond the measured range keeps the last segment's slope.
+        """
+        exact = self.measurement(group, tp, micro_batch, checkpoint)
+        if exact is not None:
+            return exact
+        sizes = self.micro_batches(group, tp, checkpoint)
+        if not sizes:
+            return None
+        if len(sizes) == 1:
+            only = self._index[(group, tp, sizes[0], checkpoint)]
+            return _scaled(only, micro_batch, micro_batch / sizes[0], micro_batch / sizes[0])
+        below = [b for b in sizes if b < micro_batch]
+        above = [b for b in sizes if b > micro_batch]
+        lo, hi = ((below[-1], above[0]) if below and above else
+                  (sizes[-2], sizes[-1]) if below else (sizes[0], sizes[1]))
+        a, b = self._index[(group, tp, lo, checkpoint)], self._index[(group, tp, hi, checkpoint)]
+        w = (micro_batch - lo) / (hi - lo)
+
+        def line(x: float, y: float) -> float:
+            return max(x + w * (y - x), 0.0)
+
+        return LayerMeasurement(
+            group=group, tp=tp, micro_batch=micro_batch, checkpoint=checkpoint,
+            forward_seconds=line(a.forward_seconds, b.forward_seconds),
+            backward_seconds=line(a.backward_seconds, b.backward_seconds),
+            activation_bytes=round(a.activation_bytes * micro_batch / lo),
+            peak_bytes=round(line(a.peak_bytes, b.peak_bytes)),
+            params_bytes=a.params_bytes,
+        )
+
+    def collective(self, op: str, group_size: int, scope: str) -> CollectiveFit | None:
+        """The fit of ``op`` on groups of ``group_size`` ranks in ``scope``, if measured."""
+        for fit in self.collectives:
+            if (fit.op, fit.group_size, fit.scope) == (op, group_size, scope):
+                return fit
+        return None
+
+
+def software_versions() -> dict[str, str]:
+    """The versions a profile depends on."""
+    import torch
+
+    import dsauto
+
+    versions = {"torch": torch.__version__, "dsauto": getattr(dsauto, "__version__", "0")}
+    try:
+        import deepspeed
+
+        versions["deepspeed"] = deepspeed.__version__
+    except ImportError:  # profiling layers needs only torch
+        pass
+    return versions
+
+
+def profile_key(model: ModelSpec, device: str, dtype: str, seq_len: int, versions: dict[str, str]) -> str:
+    """File stem of a profile: readable parts, then a hash of everything that keys it."""
+    digest = hashlib.sha256(json.dumps([to_dict(model), device, dtype, seq_len, versions],
+                                       sort_keys=True).encode()).hexdigest()[:10]
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{model.name}-{device}-{dtype}-s{seq_len}".lower()).strip("-")
+    return f"{slug}-{digest}"
+
+
+def profile_path(directory: Path | str, model: ModelSpec, device: str, dtype: str, seq_len: int,
+                 versions: dict[str, str] | None = None) -> Path:
+    """Where the profile with this key lives in ``directory``."""
+    key = profile_key(model, device, dtype, seq_len, versions or software_versions())
+    return Path(directory) / f"{key}.json"
+
+
+def save_profile(profile: Profile, directory: Path | str) -> Path:
+    """Write ``profile`` into ``directory`` under its key (atomically) and return the path."""
+    path = profile_path(directory, profile.model, profile.device, profile.dtype, profile.seq_len,
+                        profile.versions)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_profile(path: Path | str) -> Profile:
+    """Read one profile file."""
+    path = Path(path)
+    return Profile.from_dict(read_data(path, str(path)), str(path))
+
+
+def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int) -> Profile:
+    """The profile for this workload: ``source`` is a profile file, or a folder searched for one
+    measured on ``model`` with ``dtype`` and ``seq_len`` under the current software versions."""
+    source = Path(source)
+    if source.is_file():
+        profile = load_profile(source)
+        candidates = [profile]
+    elif source.is_dir():
+        candidates = [load_profile(p) for p in sorted(source.glob("*.json"))]
+    else:
+        raise DsautoError(f"The profile {source} does not exist; run `dsauto profile --out {source}` first.")
+    versions = software_versions()
+    matching = [p for p in candidates if p.model == model and p.dtype == dtype and p.seq_len == seq_len]
+    current = [p for p in matching if p.versions == versions]
+    if current:
+        return current[0]
+    if matching:
+        return matching[0]  # other versions: still the best measurement there is; the plan says so
+    have = ", ".join(f"{p.model.name} {p.dtype} seq {p.seq_len}" for p in candidates) or "none"
+    raise DsautoError(
+        f"No profile in {source} matches {model.name} in {dtype} with sequences of {seq_len} tokens "
+        f"(found: {have}); run `dsauto profile --model {model.name} --dtype {dtype} --seq-len {seq_len} "
+        f"--out {source}`."
+    )
+
+
+def _scaled(m: LayerMeasurement, micro_batch: int, time_factor: float, bytes_factor: float) -> LayerMeasurement:
+    return LayerMeasurement(
+        group=m.group, tp=m.tp, micro_batch=micro_batch, checkpoint=m.checkpoint,
+        forward_seconds=m.forward_seconds * time_factor, backward_seconds=m.backward_seconds * time_factor,
+        activation_bytes=round(m.activation_bytes * bytes_factor), peak_bytes=round(m.peak_bytes * bytes_factor),
+        params_bytes=m.params_bytes)
