@@ -82,7 +82,10 @@ def profile_factory_layers(model: ModelSpec, factory: Callable[[ModelSpec], torc
     from dsauto.runtime.layers import find_layers
 
     net = factory(model).to(device=device, dtype=dtype)
-    layers = find_layers(net, model.num_layers)
+    layers = find_layers(net)
+    if layers.num_layers != model.num_layers:
+        raise DsautoError(f"The factory's model has {layers.num_layers} blocks in {layers.blocks_name}, "
+                          f"but {model.name} has {model.num_layers} layers; profile the model the factory builds.")
     block = layers.blocks[0]
     results = []
     for n, micro_batch in enumerate(micro_batches, 1):
