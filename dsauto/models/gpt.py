@@ -17,6 +17,9 @@ from torch import nn
 
 from dsauto.spec.model import ModelSpec
 
+# scaled_dot_product_attention takes enable_gqa from torch 2.5 on.
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
 
 def _norm(model: ModelSpec) -> nn.Module:
     if model.norm == "rmsnorm":
@@ -24,14 +27,32 @@ def _norm(model: ModelSpec) -> nn.Module:
     return nn.LayerNorm(model.hidden_size, eps=1e-5)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class _Rope(torch.autograd.Function):
+    """Rotary position embedding (Su et al. 2021, Eq. 34). A rotation's gradient is the inverse
+    rotation, so, like Megatron's fused RoPE kernel, it keeps nothing but the angles for backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
+
+
 def _rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021, Eq. 34) on ``x`` of shape (b, heads, s, d)."""
+    """Rotary position embedding on ``x`` of shape (b, heads, s, d)."""
     s, d = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
     angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv_freq)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return _Rope.apply(x, angles.cos().to(x.dtype), angles.sin().to(x.dtype))
 
 
 class Embedding(nn.Module):
@@ -94,11 +115,15 @@ class Block(nn.Module):
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.rope:
             q, k = _rope(q), _rope(k)
+        gqa = {}
         if self.kv_heads != self.heads:  # grouped-query attention: each KV head serves a group of queries
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            if _SDPA_GQA:  # the kernel broadcasts the KV heads, keeping no expanded copies
+                gqa = {"enable_gqa": True}
+            else:
+                k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+                v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
-                                             dropout_p=self.attention_dropout if self.training else 0.0)
+                                             dropout_p=self.attention_dropout if self.training else 0.0, **gqa)
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:

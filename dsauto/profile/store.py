@@ -53,7 +53,7 @@ class Profile:
     """Ranks the profile ran on."""
     version: int = PROFILE_VERSION
     """Profile format version."""
-    _index: dict = field(default_factory=dict, repr=False, compare=False)
+    _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for m in self.layers:
