@@ -48,11 +48,17 @@ def in_flight(stage: int, pp: int, micro_batches: int) -> int:
 
 
 def bucket_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int) -> int:
-    """Bucket size for gradient reduction and ZeRO-3 prefetch: one transformer layer's local
+    """Bucket size for gradient reduction: one transformer layer's local
     parameters, between 16 MiB and 1 GiB (DeepSpeed's default is 5e8 elements)."""
     block = groups[1]
     local = (block.tp_params / tp + block.params - block.tp_params) * dtype_bytes
     return int(min(2**30, max(2**24, local)))
+
+
+def prefetch_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int) -> int:
+    """ZeRO-3 prefetch bucket: the transformer layer's largest local matrix, so that one matrix is
+    gathered ahead of the one in use (the transient the cost model prices)."""
+    return int(groups[1].largest_op_params / tp * dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -112,9 +118,21 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         activation = sum(c.activation_bytes for c in costs) * flight
         params = sum(c.params_bytes for c in costs)
         grads = sum(c.grads_bytes for c in costs)
-        transient = max(c.transient_bytes for c in costs) + stage_constant_bytes(strategy, bucket, grads)
         optim = sum(c.optimizer_bytes for c in costs)
-        peak = params + grads + optim + activation + transient
+        layer_transient = max(c.transient_bytes for c in costs)
+        transient = layer_transient + stage_constant_bytes(strategy, bucket, grads)
+        if strategy.zero_stage == 0 and strategy.dp > 1:
+            # Without ZeRO, autograd creates each gradient as backward reaches its layer, and the
+            # flattened copy for the all-reduce exists only after backward, when the activations
+            # are gone: the peak is the larger of the two moments. Gradients already exist during
+            # a forward when micro-batches accumulate, and during a recomputation (measured on two
+            # CPU ranks: benchmarks/results/accuracy.md).
+            recomputes = any(options[j].checkpoint for j in range(first, last + 1))
+            early = activation + layer_transient + (grads if m > 1 or recomputes else 0.0)
+            peak = params + optim + max(early, 2 * grads)
+            transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
+        else:
+            peak = params + grads + optim + activation + transient
         stages.append(StagePrediction(
             stage=i, first_layer=first, last_layer=last, micro_batches_in_flight=flight,
             forward_seconds=forward, backward_seconds=backward, params_bytes=int(params),

@@ -24,7 +24,7 @@ import numpy as np
 
 from dsauto.cost.layer import CostModel
 from dsauto.cost.step import (bucket_bytes, in_flight, layer_group_of, predict_step,
-                              stage_constant_bytes)
+                              prefetch_bytes, stage_constant_bytes)
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.errors import DsautoError
 from dsauto.plan import LayerChoice, Plan, stage_bounds
@@ -267,6 +267,7 @@ class Planner:
             seq_len=self.train.seq_len, dtype=self.train.dtype,
             flash_attention=self.train.flash_attention,
             padded_vocab_size=self.model.padded_vocab_size(strategy.tp),
-            stage_layers=tuple(stage_layers), reduce_bucket_bytes=bucket, prefetch_bucket_bytes=bucket,
+            stage_layers=tuple(stage_layers), reduce_bucket_bytes=bucket,
+            prefetch_bucket_bytes=prefetch_bytes(groups, strategy.tp, self.train.dtype_bytes),
             layers=tuple(runs), stages=step.stages, prediction=step.prediction,
         )
