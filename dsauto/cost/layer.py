@@ -31,6 +31,13 @@ if TYPE_CHECKING:  # the profile package imports the cost model's collectives
 ADAM_BYTES_PER_PARAM = 30.0
 
 
+def gathered_unit_params(group: LayerGroup, option: LayerOption, tp: int) -> float:
+    """Parameters ZeRO-3 gathers at once for a sharded layer: its largest matrix, or one slice of it
+    when split (OSDP). The head's split chunks its loss, not its matrix, which is gathered whole."""
+    split = 1 if group.logits_bytes_per_token else option.split
+    return group.largest_op_params / tp / split
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """Cost of one layer on one rank, for one micro-batch unless said otherwise."""
@@ -171,6 +178,11 @@ class CostModel:
         dp = s.dp
         sharded = s.zero_stage == 3 and option.shard_params and dp > 1
         params_bytes = local_params * self.dtype_bytes / (dp if sharded else 1)
+        if s.zero_stage == 3 and not sharded and dp > 1:
+            # A resident (ds_persist) group keeps its ZeRO-3 partition too: the optimizer updates the
+            # partition and re-gathers the full copy from it after each step (measured in
+            # benchmarks/results/hook_memory.md: (1 + 1/dp) x its parameters).
+            params_bytes += local_params * self.dtype_bytes / dp
         grads_bytes = local_params * self.dtype_bytes / (dp if s.zero_stage >= 2 else 1)
         optimizer_bytes = local_params * self.optim_bytes / (dp if s.zero_stage >= 1 else 1)
 
@@ -221,8 +233,9 @@ class CostModel:
         else:
             activation, transient = full_activation, 0.0
         if sharded:
-            # The gathered largest matrix and the prefetched next one (stage3_prefetch_bucket).
-            transient += 2 * group.largest_op_params / t * self.dtype_bytes / option.split
+            # The gathered unit in use and the next one prefetched; the emitted config bounds the
+            # gathered parameters to two units (stage3_max_live_parameters, see emit.ds_config).
+            transient += 2 * gathered_unit_params(group, option, t) * self.dtype_bytes
         if group.logits_bytes_per_token:
             transient += tokens * group.logits_bytes_per_token / t / option.split
 

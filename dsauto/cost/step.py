@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dsauto.cost.layer import CostModel, LayerCost
+from dsauto.cost.layer import CostModel, LayerCost, gathered_unit_params
 from dsauto.cost.pipeline import pipeline_seconds
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.plan import Basis, Prediction, StagePrediction, stage_bounds
@@ -55,10 +55,14 @@ def bucket_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int) -> int
     return int(min(2**30, max(2**24, local)))
 
 
-def prefetch_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int) -> int:
-    """ZeRO-3 prefetch bucket: the transformer layer's largest local matrix, so that one matrix is
-    gathered ahead of the one in use (the transient the cost model prices)."""
-    return int(groups[1].largest_op_params / tp * dtype_bytes)
+def prefetch_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int,
+                   options: Sequence[LayerOption], num_layers: int) -> int:
+    """ZeRO-3 prefetch bucket: the largest unit any sharded layer gathers at once, so that one unit
+    is gathered ahead of the one in use (the transient the cost model prices); 0 when nothing is
+    sharded."""
+    units = [gathered_unit_params(layer_group_of(groups, j, num_layers), option, tp)
+             for j, option in enumerate(options) if option.shard_params]
+    return int(max(units, default=0) * dtype_bytes)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,6 @@ STEPS_PER_PRINT = 10
 # +16 MiB, the whole model, on a 4M-parameter GPT); a reuse distance of 0 releases each module's
 # parameters after use, as priced (PartitionedParameterCoordinator.release_sub_module).
 STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
-STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
 STAGE3_MAX_REUSE_DISTANCE = 0
 
 
@@ -116,7 +115,11 @@ def _zero_section(plan: Plan, element_bytes: int) -> dict[str, Any]:
         section.update({
             "stage3_prefetch_bucket_size": max(0, plan.prefetch_bucket_bytes // element_bytes),
             "stage3_param_persistence_threshold": STAGE3_PARAM_PERSISTENCE_THRESHOLD,
-            "stage3_max_live_parameters": STAGE3_MAX_LIVE_PARAMETERS,
+            # Prefetching piles gathered parameters up to this bound (every module fetch, even of a
+            # module without parameters, prefetches another bucket: PartitionedParameterCoordinator.
+            # fetch_sub_module), so it is what holds the gathered parameters to the unit in use plus
+            # the prefetched one, as priced (measured in benchmarks/results/hook_memory.md).
+            "stage3_max_live_parameters": max(1, 2 * plan.prefetch_bucket_bytes // element_bytes),
             "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
         })
     return section

@@ -268,6 +268,7 @@ class Planner:
             flash_attention=self.train.flash_attention,
             padded_vocab_size=self.model.padded_vocab_size(strategy.tp),
             stage_layers=tuple(stage_layers), reduce_bucket_bytes=bucket,
-            prefetch_bucket_bytes=prefetch_bytes(groups, strategy.tp, self.train.dtype_bytes),
+            prefetch_bucket_bytes=prefetch_bytes(groups, strategy.tp, self.train.dtype_bytes, options,
+                                                 self.model.num_layers),
             layers=tuple(runs), stages=step.stages, prediction=step.prediction,
         )
