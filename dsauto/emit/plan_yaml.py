@@ -68,6 +68,12 @@ def read_plan(path: Path | str) -> Plan:
             raise DsautoError(f"{path} has no {PLAN_KEY!r} block; write it with dsauto, or pass "
                               f"the plan.yaml written next to it.")
         data, where = data[PLAN_KEY], f"the {PLAN_KEY} block of {path}"
+    return plan_from_data(data, where)
+
+
+def plan_from_data(data: Any, where: str) -> Plan:
+    """The plan in ``data`` (``Plan.to_dict()`` as read back), refusing other plan format versions;
+    ``where`` names the source in error messages."""
     if isinstance(data, dict) and data.get("version", PLAN_VERSION) != PLAN_VERSION:
         raise DsautoError(f"{where} is a version {data['version']!r} plan, but this dsauto reads version "
                           f"{PLAN_VERSION}; re-plan with this dsauto.")

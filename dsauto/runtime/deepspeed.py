@@ -1,0 +1,230 @@
+"""The DeepSpeed hook: applies the per-layer part of a plan around ``deepspeed.initialize``.
+
+The global part of a plan (batch, precision, ZeRO stage, buckets) is plain DeepSpeed config. The
+per-layer part has no DeepSpeed key, so the hook applies it to the model:
+
+1. before the engine is built (:func:`prepare_model`): the plan is checked against the model (block
+   count, shape, layer names); operator splitting re-parameterises the layers it names
+   (:mod:`dsauto.runtime.split`); the blocks the plan checkpoints are wrapped
+   (:mod:`dsauto.runtime.checkpointing`). Both must happen first: ZeRO-3 converts and partitions
+   the parameters and hooks every submodule while the engine is built, and the optimizer is built
+   over the parameters that exist then;
+2. after the engine is built (:func:`apply_persistence`): under ZeRO-3 the parameters of the layer
+   groups the plan replicates are made persistent.
+
+Persistence under ZeRO-3. DeepSpeed keeps a parameter resident when ``param.ds_persist`` is set:
+the coordinator never releases it after use (``PartitionedParameterCoordinator.__params_to_release``
+in deepspeed/runtime/zero/partitioned_param_coordinator.py) and the ZeRO-3 optimizer all-gathers
+every parameter of its ``persistent_parameters`` list after each optimizer step
+(``DeepSpeedZeroOptimizer_Stage3._post_step`` in deepspeed/runtime/zero/stage3.py). That list is
+built once, by ``DeepSpeedZeRoOffload.mark_persistent_parameters`` (parameter_offload.py), from
+``stage3_param_persistence_threshold``; the stage-3 optimizer holds the same list object. The hook
+sets ``ds_persist`` from the plan and rewrites that list in place, so the plan's resident
+parameters are re-gathered after every step. Gradients and optimizer states are untouched: ZeRO-3
+still reduce-scatters every gradient to its owner and keeps fp32 master weights and Adam moments
+for its partition only, persistent or not. Like DeepSpeed's own persistent parameters, they are
+resident from the end of the first optimizer step (during the first forward the coordinator records
+its trace and releases everything it gathered).
+
+The rule for the threshold: the plan decides for every matrix (a parameter of two or more
+dimensions): resident if its layer group is replicated, partitioned if sharded, whatever its size.
+DeepSpeed's threshold still keeps vectors (norm weights, biases) of at most
+``stage3_param_persistence_threshold`` elements resident in sharded groups too, as DeepSpeed would:
+gathering each tiny vector per use costs a collective's latency for a negligible saving.
+``stage3_model_persistence_threshold`` is not applied to the plan's choices.
+
+Tested with DeepSpeed 0.19.8 (torch 2.13.0+cpu, gloo backend, ``DS_ACCELERATOR=cpu``). The hook
+reads these internals, which a DeepSpeed release may change: ``engine.optimizer.parameter_offload``
+(``DeepSpeedZeroOptimizer_Stage3``), its ``persistent_parameters`` list and
+``param_numel_persistence_threshold``, and the ZeRO parameter attributes ``ds_persist``,
+``ds_shape``, ``ds_numel`` and ``ds_id`` (deepspeed/runtime/zero/partition_parameters.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from dsauto.emit.ds_config import PLAN_KEY
+from dsauto.emit.plan_yaml import plan_from_data
+from dsauto.errors import DsautoError
+from dsauto.plan import Plan
+from dsauto.runtime.checkpointing import checkpoint_module
+from dsauto.runtime.layers import ModelLayers, check_plan_matches, find_layers
+from dsauto.runtime.split import (Replacements, chunk_head_loss, require_chunkable, split_block,
+                                  split_embedding)
+
+TESTED_DEEPSPEED_VERSIONS = ("0.19.8",)
+"""DeepSpeed releases the hook's tests pass with (it reads engine internals, see the module doc)."""
+
+_PREPARED = "_dsauto_prepared"
+
+
+@dataclass
+class AppliedPlan:
+    """What the hook did to one model; the engine carries it as ``engine.dsauto_plan``."""
+
+    plan: Plan
+    """The plan applied."""
+    layers: ModelLayers
+    """Where the plan's layers are in the model."""
+    checkpointed: tuple[int, ...] = ()
+    """Flat layers (1..L) wrapped in activation checkpointing."""
+    splits: dict[int, int] = field(default_factory=dict)
+    """Flat layer -> number of slices (head: token chunks), for the layers split."""
+    replacements: Replacements = field(default_factory=dict)
+    """Parameters replaced by splitting: old -> new slices."""
+    resident: tuple[int, ...] = ()
+    """Under ZeRO-3: flat layers whose parameters are persistent (replicated groups)."""
+
+
+def warn_if_untested(version: str) -> None:
+    """Warns when the running DeepSpeed is not one the hook was tested with."""
+    if version.split("+")[0] not in TESTED_DEEPSPEED_VERSIONS:
+        warnings.warn(f"dsauto's DeepSpeed hook is tested with DeepSpeed {', '.join(TESTED_DEEPSPEED_VERSIONS)} "
+                      f"and this is {version}; it reads ZeRO-3 internals (see dsauto.runtime.deepspeed) "
+                      f"that another release may have changed.", stacklevel=3)
+
+
+def plan_from_config(config: dict[str, Any]) -> Plan | None:
+    """The plan in the config's ``"dsauto"`` block, or None when there is none."""
+    if PLAN_KEY not in config:
+        return None
+    return plan_from_data(config[PLAN_KEY], f"the {PLAN_KEY!r} block of the DeepSpeed config")
+
+
+def check_config(plan: Plan, config: dict[str, Any]) -> None:
+    """Refuses a config whose DeepSpeed keys contradict the plan, or a plan this hook cannot apply."""
+    if plan.tp > 1 or plan.pp > 1:
+        raise DsautoError(
+            f"The DeepSpeed hook applies data-parallel plans (tp=1, pp=1), but this plan has tp={plan.tp} "
+            f"and pp={plan.pp}; run it with the Megatron-core plugin, or re-plan with --tp 1 --pp 1."
+        )
+    stage = int(config.get("zero_optimization", {}).get("stage", 0))
+    if stage != plan.zero_stage:
+        raise DsautoError(
+            f"The config's zero_optimization.stage is {stage} but its {PLAN_KEY!r} plan was made for "
+            f"ZeRO stage {plan.zero_stage}; re-plan with --zero-stage {stage}, or restore the stage."
+        )
+
+
+def prepare_model(plan: Plan, model: nn.Module) -> AppliedPlan:
+    """Checks the plan against ``model`` and applies splitting and checkpointing (before the engine)."""
+    if getattr(model, _PREPARED, False):
+        raise DsautoError(f"This {type(model).__name__} was already prepared by dsauto.deepspeed.initialize "
+                          f"(its layers are split or wrapped); build a fresh model for another engine.")
+    layers = find_layers(model)
+    check_plan_matches(plan, layers)
+    head = layers.num_layers + 1
+    if plan.layer_choice(head).split > 1:
+        require_chunkable(layers.head, plan.layer_choice(head).split)
+    applied = AppliedPlan(plan=plan, layers=layers)
+    for run in plan.layers:
+        if run.split == 1:
+            continue
+        for layer in range(run.first, run.last + 1):
+            applied.splits[layer] = run.split
+            if layer == 0:
+                embedding = layers.embedding if layers.embedding is not None else model
+                applied.replacements.update(split_embedding(model, embedding, run.split))
+            elif layer == head:
+                chunk_head_loss(layers.head, run.split)
+            else:
+                applied.replacements.update(split_block(layers.block(layer), run.split))
+    applied.checkpointed = plan.checkpointed_layers()
+    for layer in applied.checkpointed:
+        checkpoint_module(layers.block(layer))
+    setattr(model, _PREPARED, True)
+    return applied
+
+
+def repoint_parameters(model_parameters: Any, replacements: Replacements) -> Any:
+    """``model_parameters`` (tensors, or param-group dicts) with replaced parameters swapped for
+    their slices, in place of each; a lazy iterable is left as is (it yields the new ones)."""
+    if not replacements or model_parameters is None or not isinstance(model_parameters, (list, tuple)):
+        return model_parameters
+    if model_parameters and isinstance(model_parameters[0], dict):
+        return [{**group, "params": _swap(group["params"], replacements)} for group in model_parameters]
+    return _swap(model_parameters, replacements)
+
+
+def repoint_optimizer(optimizer: Any, replacements: Replacements) -> None:
+    """Re-points a torch optimizer built before splitting at the slices (each in its source's group).
+
+    An optimizer that already holds state for a replaced parameter cannot be re-pointed (the state
+    has the old shape) and is refused. Callables and config-built optimizers are built later by
+    DeepSpeed over the new parameters and need nothing.
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    if not replacements or groups is None:
+        return
+    stale = [p for p in getattr(optimizer, "state", {}) if p in replacements]
+    if stale:
+        raise DsautoError(
+            f"The optimizer passed to dsauto.deepspeed.initialize already has state for {len(stale)} "
+            f"parameter(s) that the plan's operator splitting replaces; build the optimizer before "
+            f"training, or give it as a callable or in the DeepSpeed config."
+        )
+    for group in groups:
+        group["params"] = _swap(group["params"], replacements)
+
+
+def _swap(params: Iterable[Any], replacements: Replacements) -> list[Any]:
+    out: list[Any] = []
+    for p in params:
+        out.extend(replacements.get(p, (p,)) if isinstance(p, nn.Parameter) else (p,))
+    return out
+
+
+def check_engine(engine: Any, plan: Plan) -> None:
+    """Refuses an engine whose data-parallel size is not the plan's."""
+    dp = getattr(engine, "dp_world_size", plan.dp)
+    if dp != plan.dp:
+        raise DsautoError(
+            f"The plan is for {plan.dp} data-parallel ranks but DeepSpeed runs {dp}; launch "
+            f"{plan.world_size} processes or re-plan for {dp} devices."
+        )
+
+
+def apply_persistence(engine: Any, applied: AppliedPlan) -> None:
+    """Under ZeRO-3, makes the plan's replicated layer groups persistent (see the module doc)."""
+    if engine.zero_optimization_stage() != 3:
+        return
+    offload = _parameter_offload(engine)
+    threshold = int(offload.param_numel_persistence_threshold)
+    plan, resident = applied.plan, []
+    for layer, params in enumerate(applied.layers.parameters_by_layer()):
+        replicated = not plan.layer_choice(layer).shard_params
+        if replicated:
+            resident.append(layer)
+        for p in params:
+            p.ds_persist = replicated or (len(p.ds_shape) < 2 and p.ds_numel <= threshold)
+    # In place: the stage-3 optimizer holds the same list object (stage3.py, __init__:
+    # self.persistent_parameters = self.parameter_offload.persistent_parameters).
+    offload.persistent_parameters[:] = [p for p in engine.module.parameters() if p.ds_persist]
+    applied.resident = tuple(resident)
+
+
+def _parameter_offload(engine: Any) -> Any:
+    # DeepSpeedZeroOptimizer_Stage3 owns a DeepSpeedZeRoOffload; without an optimizer the engine
+    # holds the DeepSpeedZeRoOffload itself (engine.py, _configure_zero_optimizer).
+    optimizer = engine.optimizer
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    persistent = getattr(offload, "persistent_parameters", None)
+    if not isinstance(persistent, list) or not hasattr(offload, "param_numel_persistence_threshold"):
+        import deepspeed
+
+        raise RuntimeError(
+            f"DeepSpeed {deepspeed.__version__}'s ZeRO-3 optimizer {type(optimizer).__name__} has no "
+            f"parameter_offload.persistent_parameters list; the dsauto hook is tested with DeepSpeed "
+            f"{', '.join(TESTED_DEEPSPEED_VERSIONS)}."
+        )
+    if getattr(optimizer, "persistent_parameters", persistent) is not persistent:
+        raise RuntimeError("DeepSpeed's ZeRO-3 optimizer and parameter offload hold different "
+                           "persistent_parameters lists; the dsauto hook cannot register persistent "
+                           f"parameters (tested with DeepSpeed {', '.join(TESTED_DEEPSPEED_VERSIONS)}).")
+    return offload

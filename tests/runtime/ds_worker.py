@@ -1,0 +1,115 @@
+"""One rank of the DeepSpeed hook tests: trains every case of a cases file and records what it saw.
+
+Launched by tests/runtime/test_deepspeed.py on 2 ranks (gloo, CPU accelerator)::
+
+    DS_ACCELERATOR=cpu LOCAL_SIZE=2 deepspeed --include localhost:0,1 tests/runtime/ds_worker.py \
+        --cases cases.json --out results.json
+
+A case is ``{"name", "config", "plan", "api", "optimizer", "steps", "seed", "seq_len",
+"vocab_size"}``: ``config`` is a DeepSpeed config (with or without a ``"dsauto"`` block), ``api``
+is ``"dsauto"`` (dsauto.deepspeed.initialize) or ``"deepspeed"`` (deepspeed.initialize),
+``optimizer`` is ``"config"`` or ``"client"`` (a torch.optim.AdamW built before initialize over
+``model.parameters()``). Rank 0 writes, per case, the data-parallel mean loss of every step, which
+layers the hook checkpointed and split, and, under ZeRO-3, the parameter and optimizer elements
+rank 0 holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+from typing import Any
+
+import deepspeed
+import deepspeed.comm as dist
+import torch
+
+import dsauto.deepspeed
+from dsauto.emit.ds_config import PLAN_KEY
+from dsauto.models import build_model
+from dsauto.models.data import synthetic_batch
+from dsauto.plan import Plan
+from dsauto.runtime.checkpointing import is_checkpointed
+from dsauto.spec.model import ModelSpec
+
+
+def run_case(case: dict[str, Any], spec: ModelSpec, rank: int) -> dict[str, Any]:
+    config = case["config"]
+    model = build_model(spec, seed=case["seed"], vocab_size=case["vocab_size"])
+    optimizer = None
+    if case["optimizer"] == "client":
+        params = config["optimizer"]["params"]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=tuple(params["betas"]),
+                                      eps=params["eps"], weight_decay=params["weight_decay"])
+        config = {k: v for k, v in config.items() if k != "optimizer"}
+    initialize = dsauto.deepspeed.initialize if case["api"] == "dsauto" else deepspeed.initialize
+    engine, *_ = initialize(model=model, optimizer=optimizer, config=config)
+    micro, seq_len, vocab = config["train_micro_batch_size_per_gpu"], case["seq_len"], case["vocab_size"]
+    losses = []
+    for step in range(case["steps"]):
+        for micro_step in range(engine.gradient_accumulation_steps()):
+            tokens, labels = synthetic_batch(vocab, micro, seq_len, step * 100 + micro_step, rank,
+                                             seed=case["seed"])
+            loss = engine(tokens, labels)
+            engine.backward(loss)
+            engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    applied = getattr(engine, "dsauto_plan", None)
+    result: dict[str, Any] = {
+        "losses": losses,
+        "hook": applied is not None,
+        "forward_patched": any("forward" in vars(m) for m in engine.module.modules()),
+        "checkpointed": [i + 1 for i, block in enumerate(engine.module.layers) if is_checkpointed(block)],
+        "splits": applied.splits if applied else {},
+    }
+    if engine.zero_optimization_stage() == 3:
+        result.update(zero3_holdings(engine))
+    engine.destroy()
+    return result
+
+
+def zero3_holdings(engine: Any) -> dict[str, Any]:
+    """Elements this rank holds after the last step: gathered parameters per flat layer, the ZeRO
+    partitions, and the fp32 optimizer partition."""
+    applied = getattr(engine, "dsauto_plan", None)
+    layers = applied.layers.parameters_by_layer() if applied else [list(engine.module.parameters())]
+    return {
+        "gathered_per_layer": [sum(p.data.numel() for p in params) for params in layers],
+        "full_per_layer": [sum(p.ds_numel for p in params) for params in layers],
+        "resident_layers": list(applied.resident) if applied else [],
+        "optimizer_partition": sum(t.numel() for t in engine.optimizer.fp32_partitioned_groups_flat),
+        "total_params": sum(p.ds_numel for p in engine.module.parameters()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    with open(args.cases) as f:
+        cases = json.load(f)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    results: dict[str, Any] = {}
+    for case in cases:
+        block = case["config"].get(PLAN_KEY) or case["plan"]
+        spec = Plan.from_dict(block).model
+        try:
+            results[case["name"]] = run_case(case, spec, rank)
+        except Exception as exc:  # recorded for the test to show, then the next case runs
+            results[case["name"]] = {"error": f"{type(exc).__name__}: {exc}",
+                                     "traceback": traceback.format_exc()}
+        dist.barrier()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
