@@ -64,10 +64,7 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
     """Train ``plan`` for ``memory_steps`` tracked steps, ``warmup`` more, then ``steps`` timed ones."""
     import deepspeed.comm as dist
 
-    try:
-        from dsauto.deepspeed import initialize
-    except ImportError:
-        from deepspeed import initialize
+    from dsauto.deepspeed import initialize
     from dsauto.emit.ds_config import ds_config
     from dsauto.models import build_model
 
