@@ -2,51 +2,81 @@
 
 Process RSS counts the Python heap, shared libraries and freed-but-cached pages, so it says little
 about what a plan needs. What the cost model predicts is the bytes of live tensors. On CUDA the
-caching allocator counts them (``torch.cuda.max_memory_allocated``). On CPU nothing counts them by
-default, but the profiler does: with ``profile_memory=True`` every allocation and free of the CPU
-allocator is reported as a ``[memory]`` event with its size (c10's ``ProfiledCPUMemoryReporter``,
-enabled by the profiler for the profiling thread and the threads it propagates to). Summing those
-events in time order gives the live bytes at every moment, hence the peak.
+caching allocator counts them (``torch.cuda.max_memory_allocated``). On CPU nothing counts them, so
+the tracker does, at the tensor level: a ``TorchDispatchMode`` sees every tensor an operator
+creates, and a weak reference to each new storage says when the storage is freed (PyTorch keeps a
+storage's Python object alive exactly as long as the storage, so the callback fires on the free,
+whichever thread drops the last reference; the same technique as
+``torch.distributed._tools.mem_tracker``). Counting allocator events through the profiler instead
+misses frees made on gloo's worker threads, which drifted by tens of MiB in DeepSpeed runs.
 
-On CPU only tensors allocated while the tracker runs are counted, so start it before building the
-model and the engine. Regions (``tracker.region("step")``) mark the spans whose peak you want,
-e.g. the training steps without the engine's start-up.
+Only tensors created while the tracker runs are counted, so start it before building the model and
+the engine. Regions (``tracker.region("step")``) mark the spans whose peak you want, e.g. the
+training steps without the engine's start-up.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import tempfile
+import threading
+import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
-# Regions are marked by allocating and freeing a byte buffer of an odd size no real tensor has.
-_MARKER_BYTES = 7_777_777
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
-@dataclass
+class _StorageCounter(TorchDispatchMode):
+    """Counts the bytes of live storages created under it, and the peak of every open region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.open_regions: dict[str, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._lock = threading.Lock()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                self._track(tensor.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key, size = id(storage), storage.nbytes()
+        if key in self._refs or size == 0:
+            return  # an in-place result or a view of a storage already counted
+
+        def freed(_ref: weakref.ref, key: int = key, size: int = size) -> None:
+            with self._lock:
+                if self._refs.pop(key, None) is not None:
+                    self.live_bytes -= size
+
+        with self._lock:
+            self._refs[key] = weakref.ref(storage, freed)
+            self.live_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            for name, peak in self.open_regions.items():
+                self.open_regions[name] = max(peak, self.live_bytes)
+
+
 class MemoryTracker:
-    """Counts the bytes of live tensors on ``device`` while active; ``peak_bytes`` once it stops.
+    """Counts the bytes of live tensors on ``device`` while active.
 
     Bytes are relative to the start of tracking (tensors that existed before are not counted).
     """
 
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    _profiler: profile | None = None
-    _cuda_regions: dict[str, int] = field(default_factory=dict)
-    _cuda_start: int = 0
-    _cuda_peak: int = 0
-    _timeline: list[int] = field(default_factory=list)
-    _marker_sizes: dict[str, int] = field(default_factory=dict)
-    _region_peaks: dict[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.device = torch.device(self.device)
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._counter: _StorageCounter | None = None
+        self._regions: dict[str, int] = {}
+        self._start = 0
+        self._peak = 0
+        self._final = 0
 
     @property
     def _cuda(self) -> bool:
@@ -56,69 +86,21 @@ class MemoryTracker:
         if self._cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._cuda_start = torch.cuda.memory_allocated(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
         else:
-            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._profiler.__enter__()
+            self._counter = _StorageCounter()
+            self._counter.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         if self._cuda:
             torch.cuda.synchronize(self.device)
-            self._cuda_peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_start
+            self._peak = max(self._peak, torch.cuda.max_memory_allocated(self.device) - self._start)
+            self._final = torch.cuda.memory_allocated(self.device) - self._start
             return
-        assert self._profiler is not None
-        self._profiler.__exit__(*exc)
-        events = self._cpu_memory_events(self._profiler)
-        self._profiler = None
-        # Replay the allocations in order. A region's bounds are marker allocations of a size no
-        # tensor has (see ``region``); they are matched by size, so no clock is needed, and they are
-        # left out of the live bytes.
-        markers = {size: name for name, size in self._marker_sizes.items()}
-        live, open_regions = 0, {}
-        self._timeline, self._region_peaks = [], {}
-        for delta in events:
-            if delta in markers:
-                name = markers[delta]
-                if name in open_regions:
-                    peak = max(open_regions.pop(name), live)
-                    self._region_peaks[name] = max(self._region_peaks.get(name, 0), peak)
-                else:
-                    open_regions[name] = live
-                continue
-            if -delta in markers:
-                continue
-            live += delta
-            self._timeline.append(live)
-            for name in open_regions:
-                open_regions[name] = max(open_regions[name], live)
-
-    @staticmethod
-    def _cpu_memory_events(prof: profile) -> list[int]:
-        """Byte deltas of the CPU allocations and frees seen while profiling, in time order.
-
-        A free is kept only when its allocation was seen too: the CPU allocator's reporter also
-        reports frees of blocks allocated under an earlier profiling session of the process. Only
-        the Chrome trace carries the block address that pairs them, so it is written and read back.
-        """
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(path))
-            trace = json.loads(path.read_text())
-        events = sorted((e["ts"], e["args"]) for e in trace["traceEvents"]
-                        if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
-        seen: set[int] = set()
-        deltas = []
-        for _, args in events:
-            size, address = int(args["Bytes"]), args["Addr"]
-            if size > 0:
-                seen.add(address)
-            elif address in seen:
-                seen.discard(address)
-            else:
-                continue
-            deltas.append(size)
-        return deltas
+        assert self._counter is not None
+        self._counter.__exit__(*exc)
+        self._peak, self._final = self._counter.peak_bytes, self._counter.live_bytes
 
     @contextlib.contextmanager
     def region(self, name: str) -> Iterator[None]:
@@ -128,26 +110,26 @@ class MemoryTracker:
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_start
-            self._cuda_regions[name] = max(self._cuda_regions.get(name, 0), peak)
-            self._cuda_peak = max(self._cuda_peak, peak)
-            return
-        size = self._marker_sizes.setdefault(name, _MARKER_BYTES + len(self._marker_sizes))
-        torch.empty(size, dtype=torch.uint8)  # allocated and freed at once: marks the start
-        yield
-        torch.empty(size, dtype=torch.uint8)  # and the end
+            peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            self._peak = max(self._peak, peak)
+        else:
+            assert self._counter is not None, "regions are marked while the tracker runs"
+            counter = self._counter
+            with counter._lock:
+                counter.open_regions[name] = counter.live_bytes
+            yield
+            with counter._lock:
+                peak = counter.open_regions.pop(name)
+        self._regions[name] = max(self._regions.get(name, 0), peak)
 
     def peak_bytes(self, region: str | None = None) -> int:
         """Most live tensor bytes at any moment (inside the spans called ``region``, if given)."""
-        peaks = self._cuda_regions if self._cuda else self._region_peaks
         if region is None:
-            return self._cuda_peak if self._cuda else max(self._timeline, default=0)
-        if region not in peaks:
+            return self._peak
+        if region not in self._regions:
             raise KeyError(f"no memory region called {region!r} was recorded")
-        return peaks[region]
+        return self._regions[region]
 
     def final_bytes(self) -> int:
-        """Live tensor bytes when tracking stopped (CPU), or allocated now (CUDA)."""
-        if self._cuda:
-            return torch.cuda.memory_allocated(self.device) - self._cuda_start
-        return self._timeline[-1] if self._timeline else 0
+        """Live tensor bytes when tracking stopped."""
+        return self._final
