@@ -30,6 +30,10 @@ if TYPE_CHECKING:  # the profile package imports the cost model's collectives
 # read and written (24), the gradient read (4 after up-casting) and the 16-bit copy written (2).
 ADAM_BYTES_PER_PARAM = 30.0
 
+# Weight matrices of a transformer layer as Megatron and the reference model fuse them: QKV, the
+# attention output projection, the MLP input (gate and up fused for SwiGLU) and the MLP output.
+MATRICES_PER_LAYER = 4
+
 
 def gathered_unit_params(group: LayerGroup, option: LayerOption, tp: int) -> float:
     """Parameters ZeRO-3 gathers at once for a sharded layer: its largest matrix, or one slice of it
@@ -192,7 +196,11 @@ class CostModel:
         # layer costs about the larger of the two (ZeRO paper, Sec. 7: 1.5x the data-parallel volume).
         param_volume = local_params * self.dtype_bytes
         grad_volume = local_params * self.dtype_bytes
-        split_latency = (option.split - 1) * self.dp.latency_seconds * max(0, dp - 1)
+        # DeepSpeed gathers each submodule's parameters with its own all-gather (a transformer
+        # layer's four matrices, each of its k slices when split), so the latency is paid per
+        # matrix, not once per layer (PartitionedParameterCoordinator.fetch_sub_module).
+        gathers = (MATRICES_PER_LAYER if group.gemm_dim and not group.logits_bytes_per_token else 1) * option.split
+        split_latency = (gathers - 1) * self.dp.latency_seconds * max(0, dp - 1)
         step_seconds, grad_sync = 0.0, 0.0
         if dp > 1:
             if sharded:
