@@ -127,7 +127,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         params = sum(c.params_bytes for c in costs)
         grads = sum(c.grads_bytes for c in costs)
         optim = sum(c.optimizer_bytes for c in costs)
-        layer_transient = max(c.transient_bytes for c in costs)
+        layer_transient = max((c.transient_bytes for c in costs), default=0.0)  # a stage may be empty
         transient = layer_transient + stage_constant_bytes(strategy, bucket, grads)
         if strategy.zero_stage == 0 and strategy.dp > 1:
             # Without ZeRO, autograd creates each gradient as backward reaches its layer, and the
@@ -192,4 +192,6 @@ def _basis(parts: Sequence[LayerCost] | Sequence[StagePrediction]) -> Basis:
     """``measured`` when every part was, ``analytic`` when none was, else ``mixed``."""
     kinds = {("measured" if p.measured else "analytic") if isinstance(p, LayerCost) else p.basis
              for p in parts}
+    if not kinds:
+        return "analytic"  # an empty pipeline stage prices nothing
     return kinds.pop() if len(kinds) == 1 else "mixed"

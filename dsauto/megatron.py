@@ -1,0 +1,38 @@
+"""dsauto in a Megatron-core training script: a few lines added to the script a user already has.
+
+    import dsauto.megatron as dm
+    plan = dm.load_plan("out/plan.yaml")            # or the ds_config.json with its "dsauto" block
+    dm.initialize_model_parallel(plan)              # TP / PP / DP process groups from the plan
+    config = dm.apply(plan, TransformerConfig(...)) # recompute per layer, pipeline layout, sequence parallel
+    ddp_config = dm.ddp_config(plan)                # distributed optimizer / sharding strategy
+
+The batch shape is ``plan.micro_batch`` sequences of ``plan.seq_len`` tokens, ``plan.grad_accum``
+micro-batches per step (``num_microbatches`` of ``get_forward_backward_func()``).
+:func:`optimizer_config` matches the optimizer to ``ddp_config``; :func:`deepspeed_mpu` lets
+DeepSpeed ZeRO drive a Megatron-core tensor-parallel model. What Megatron-core cannot express is
+logged as a warning by ``apply`` and ``ddp_config``. On a machine without CUDA, enable
+:mod:`dsauto.compat.megatron_cpu` first. The implementation is :mod:`dsauto.runtime.megatron`.
+"""
+
+from dsauto.runtime.megatron import (
+    apply,
+    ddp_config,
+    gpt_model_kwargs,
+    initialize_model_parallel,
+    load_plan,
+    optimizer_config,
+    transformer_config_kwargs,
+)
+from dsauto.runtime.mpu import MegatronCoreMpu, deepspeed_mpu
+
+__all__ = [
+    "MegatronCoreMpu",
+    "apply",
+    "ddp_config",
+    "deepspeed_mpu",
+    "gpt_model_kwargs",
+    "initialize_model_parallel",
+    "load_plan",
+    "optimizer_config",
+    "transformer_config_kwargs",
+]

@@ -1,0 +1,386 @@
+"""A dsauto plan applied inside a Megatron-core training script.
+
+Megatron-core takes its parallel layout from three objects a training script already builds: the
+process groups (``parallel_state.initialize_model_parallel``), the model's ``TransformerConfig`` and
+the ``DistributedDataParallelConfig`` (with its ``OptimizerConfig``). This module fills each of them
+from the plan:
+
+=====================================  ==========================================================
+plan                                    Megatron-core (0.16)
+=====================================  ==========================================================
+dp, tp, pp                              ``initialize_model_parallel``; ``tensor_/pipeline_model_
+                                        parallel_size``
+sequence_parallel                       ``sequence_parallel``
+stage_layers                            even split, ``num_layers_in_first/last_pipeline_stage``,
+                                        or ``pipeline_model_parallel_layout``
+per-layer checkpoint                    ``recompute_granularity="full"``, ``recompute_method=
+                                        "block"``, ``recompute_num_layers``
+flash attention on unfused attention    ``recompute_granularity="selective"`` of ``core_attn``
+dtype                                   ``params_dtype``, ``bf16`` / ``fp16``, ``pipeline_dtype``
+zero_stage 1                            distributed optimizer
+zero_stage 2 / 3                        Megatron-FSDP ``optim_grads`` / ``optim_grads_params``
+reduce_bucket_bytes, prefetch           ``bucket_size``, ``suggested_communication_unit_size``
+micro_batch, grad_accum, seq_len        the schedule's ``micro_batch_size``, ``num_microbatches``,
+                                        ``seq_length`` (read from the plan by the training loop)
+=====================================  ==========================================================
+
+What Megatron-core cannot say (checkpointed sets other than the first N layers of every stage,
+checkpointing of the embedding or head, operator splitting, ZeRO-3 residency per layer group, a
+recompute granularity per layer) is reported as one warning each, naming the layers, and the
+nearest safe setting is applied: never silently dropped. Megatron-core is imported lazily, so
+``import dsauto`` stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+# The emitter's helpers: the Megatron-LM flags and this runtime must read the plan the same way.
+from dsauto.emit.megatron import (
+    _FSDP_STRATEGY,
+    _span,
+    _spans,
+    _spans_of,
+    _stage_ranges,
+    block_recompute_layers,
+)
+from dsauto.emit.plan_yaml import read_plan
+from dsauto.errors import DsautoError
+from dsauto.plan import Plan
+from dsauto.spec.model import ModelSpec
+from dsauto.units import format_bytes
+
+if TYPE_CHECKING:
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def load_plan(path: Path | str) -> Plan:
+    """The plan in ``path``: a ``plan.yaml``, or a ``ds_config.json`` with its ``"dsauto"`` block."""
+    return read_plan(path)
+
+
+def initialize_model_parallel(plan: Plan, **kwargs: Any) -> None:
+    """Creates Megatron-core's process groups for the plan's tp x pp x dp layout.
+
+    ``torch.distributed`` must be initialised with exactly ``plan.world_size`` ranks. ``kwargs`` go
+    to ``megatron.core.parallel_state.initialize_model_parallel`` (e.g. ``order``,
+    ``distributed_timeout_minutes``); the parallel sizes come from the plan. dsauto plans the
+    non-interleaved 1F1B schedule, so no virtual pipeline size is set.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise DsautoError("torch.distributed is not initialised; call torch.distributed."
+                          "init_process_group() (torchrun sets its environment) before "
+                          "initialize_model_parallel(plan).")
+    world = dist.get_world_size()
+    if world != plan.world_size:
+        raise DsautoError(
+            f"The plan is for {plan.world_size} ranks (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) "
+            f"but torch.distributed has {world}; launch {plan.world_size} processes or re-plan for "
+            f"{world} devices."
+        )
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "virtual_pipeline_model_parallel_size"):
+        if name in kwargs:
+            raise DsautoError(f"initialize_model_parallel(plan) takes {name} from the plan; drop the "
+                              f"{name}={kwargs[name]!r} argument.")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp, **kwargs)
+    dp = parallel_state.get_data_parallel_world_size()
+    if dp != plan.dp:  # only possible with context or expert parallelism passed in kwargs
+        raise DsautoError(f"Megatron-core formed data-parallel groups of {dp} ranks but the plan has "
+                          f"dp {plan.dp}; drop the context/expert parallel arguments.")
+
+
+def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
+    """``config`` with the plan's parallel layout, recomputation and precision.
+
+    The model shape in ``config`` must be the plan's model (layers, width, heads, MLP width, key/value
+    heads); everything else in it is kept. Sets the tensor / pipeline sizes, sequence parallelism,
+    the pipeline layout (:func:`pipeline_layout_fields`), activation recomputation
+    (:func:`recompute_fields`) and the dtype, and warns about what Megatron-core cannot express.
+    A pure function: it needs no process group.
+    """
+    _check_model(plan.model, config)
+    dtype = _torch_dtype(plan)
+    fields: dict[str, Any] = dict(
+        tensor_model_parallel_size=plan.tp,
+        pipeline_model_parallel_size=plan.pp,
+        # Megatron refuses sequence parallelism without tensor parallelism (model_parallel_config.py).
+        sequence_parallel=plan.sequence_parallel and plan.tp > 1,
+        params_dtype=dtype,
+        bf16=plan.dtype == "bf16",
+        fp16=plan.dtype == "fp16",
+        # Dtype of the activations sent between stages; Megatron requires it when pp > 1.
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+    )
+    if config.virtual_pipeline_model_parallel_size is not None:
+        _report(f"The plan was made for the non-interleaved 1F1B schedule, so dsauto drops the "
+                f"config's virtual_pipeline_model_parallel_size="
+                f"{config.virtual_pipeline_model_parallel_size}.")
+        fields["virtual_pipeline_model_parallel_size"] = None
+    # Fields TransformerConfig.__post_init__ derives from the sizes when left unset; replace() would
+    # otherwise keep the values derived from the old sizes.
+    if config.expert_tensor_parallel_size == config.tensor_model_parallel_size:
+        fields["expert_tensor_parallel_size"] = plan.tp
+    if config.microbatch_group_size_per_vp_stage == config.pipeline_model_parallel_size:
+        fields["microbatch_group_size_per_vp_stage"] = plan.pp
+    fields.update(pipeline_layout_fields(plan.stage_layers))
+    fields.update(recompute_fields(plan, config))
+    _report_unsplit(plan)
+    applied = dataclasses.replace(config, **fields)
+    logger.info("dsauto: applied the plan to the TransformerConfig: tp %d, pp %d, sequence parallel "
+                "%s, stages %s, recompute %s/%s/%s, %s", plan.tp, plan.pp, fields["sequence_parallel"],
+                list(plan.stage_layers), applied.recompute_granularity, applied.recompute_method,
+                applied.recompute_num_layers, plan.dtype)
+    return applied
+
+
+def pipeline_layout_fields(stage_layers: Iterable[int]) -> dict[str, Any]:
+    """TransformerConfig fields that place ``stage_layers`` transformer layers on each stage.
+
+    Megatron splits layers evenly when nothing is set. First and last stage counts
+    (``num_layers_in_first/last_pipeline_stage``) cover layouts whose middle stages are equal and
+    whose ends are not empty; any other layout, stages without transformer layers included, is a
+    ``pipeline_model_parallel_layout`` string (transformer/pipeline_parallel_layer_layout.py:
+    stages split by ``|``, ``E`` the embedding, ``t`` a transformer layer, ``L`` the loss,
+    ``x*n`` n times x). The same choice as ``megatron_args.txt`` makes for its flags.
+    """
+    stages = list(stage_layers)
+    fields: dict[str, Any] = dict(num_layers_in_first_pipeline_stage=None,
+                                  num_layers_in_last_pipeline_stage=None,
+                                  pipeline_model_parallel_layout=None,
+                                  account_for_embedding_in_pipeline_split=False,
+                                  account_for_loss_in_pipeline_split=False)
+    if len(stages) == 1 or len(set(stages)) == 1:
+        return fields
+    first, *middle, last = stages
+    if first > 0 and last > 0 and len(set(middle)) <= 1:
+        fields.update(num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+        return fields
+    parts = []
+    for stage, count in enumerate(stages):
+        text = "E" if stage == 0 else ""
+        text += "t" if count == 1 else f"t*{count}" if count > 1 else ""
+        text += "L" if stage == len(stages) - 1 else ""
+        parts.append(text)
+    fields["pipeline_model_parallel_layout"] = "|".join(parts)
+    return fields
+
+
+def recompute_fields(plan: Plan, config: TransformerConfig) -> dict[str, Any]:
+    """TransformerConfig recompute fields for the plan's per-layer checkpointing.
+
+    Megatron-core has one recompute setting for all transformer layers:
+
+    - ``full`` / ``block`` / N checkpoints the first N layers of every pipeline stage
+      (transformer/transformer_block.py, _checkpointed_forward). A plan whose checkpointed layers
+      are of that form is applied exactly. Any other set is widened to the smallest N that covers
+      it, which checkpoints more layers than planned (more recomputation, never more memory), and
+      the extra layers are reported.
+    - ``selective`` recomputes parts of every layer; its ``core_attn`` part drops the s x s attention
+      scores (Korthikanti et al. 2022, Sec. 5). A plan made for flash attention counts no scores, but
+      Megatron-core's own DotProductAttention (``attention_backend`` ``local``) and Transformer
+      Engine's ``unfused`` backend keep them; when the plan checkpoints no layer, the scores are
+      recomputed instead, which is what the plan's memory assumed. With full recomputation of some
+      layers the others keep their scores, since the granularity is one for all layers: reported.
+    """
+    from megatron.core.transformer.enums import AttnBackend
+
+    keeps_scores = config.attention_backend in (AttnBackend.local, AttnBackend.unfused)
+    checkpointed = plan.checkpointed_layers()
+    fields: dict[str, Any] = dict(recompute_granularity=None, recompute_method=None,
+                                  recompute_num_layers=None)
+    ends = [run for run in plan.layers if run.checkpoint and run.group in ("embedding", "head")]
+    if ends:
+        _report(f"Megatron-core recomputes transformer layers only, so the plan's checkpointing of the "
+                f"{_spans_of(ends)} ({' and '.join(dict.fromkeys(r.group for r in ends))}) is not "
+                f"applied and they keep their activations.")
+    if checkpointed:
+        n = block_recompute_layers(plan)
+        if n is None:
+            n = _covering_block(plan)
+            covered = {layer for layers in _stage_ranges(plan) for layer in list(layers)[:n]}
+            _report(f"Megatron-core checkpoints the first N transformer layers of every pipeline stage, "
+                    f"and the plan checkpoints {_spans(checkpointed)} of stages "
+                    f"{list(plan.stage_layers)}; dsauto sets recompute_num_layers={n}, which also "
+                    f"checkpoints {_spans(covered - set(checkpointed))} (more recomputation than "
+                    f"planned, no more memory).")
+        fields.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=n)
+        kept = plan.model.num_layers - len(checkpointed)
+        if plan.flash_attention and keeps_scores and kept:
+            _report(f"attention_backend {config.attention_backend.name} keeps the attention scores that "
+                    f"the plan, made for flash attention, does not count, and Megatron-core cannot add "
+                    f"selective recomputation to full recomputation, so the {kept} transformer layers "
+                    f"not checkpointed keep them; use a fused attention backend.")
+        if config.recompute_granularity == "selective":
+            _report("The plan checkpoints whole layers, so dsauto replaces the config's selective "
+                    "recomputation with full recomputation (Megatron-core has one granularity).")
+    elif plan.flash_attention and keeps_scores:
+        modules = list(dict.fromkeys([*(config.recompute_modules or []), "core_attn"]))
+        fields.update(recompute_granularity="selective", recompute_modules=modules)
+        _report(f"attention_backend {config.attention_backend.name} keeps the s x s attention scores "
+                f"that the plan, made for flash attention, does not count; dsauto recomputes core "
+                f"attention (selective recomputation) to keep memory as planned, at the cost of "
+                f"recomputing it in the backward pass.")
+    return fields
+
+
+def ddp_config(plan: Plan, *, megatron_fsdp: bool = True, **overrides: Any) -> DistributedDataParallelConfig:
+    """The DistributedDataParallelConfig of the plan's data parallelism.
+
+    ZeRO-1 is Megatron's distributed optimizer (optimizer states sharded over data-parallel ranks).
+    ZeRO-2 and 3 are Megatron-FSDP with the sharding strategy of the same reach: wrap the model in
+    ``megatron.core.distributed.fsdp.mcore_fsdp_adapter.FullyShardedDataParallel`` when
+    ``use_megatron_fsdp`` is set, as Megatron-LM does for ``--use-megatron-fsdp``. Megatron-FSDP
+    needs CUDA (streams) and, in 0.16, Transformer Engine; with ``megatron_fsdp=False`` ZeRO-2 and 3
+    fall back to the distributed optimizer, and the memory that then stays unsharded is reported.
+    Gradient reduction overlaps the backward pass (the plan's cost model hides it there), which needs
+    the training loop to set ``config.no_sync_func`` and ``config.finalize_model_grads_func`` as
+    Megatron-LM's does. ``overrides`` replace any field.
+    """
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    zero = plan.zero_stage
+    # bucket_size counts parameters. Megatron-LM reduces gradients in fp32 under bf16
+    # (validate_args sets accumulate_allreduce_grads_in_fp32) and in the parameter dtype otherwise.
+    grad_bytes = 2 if plan.dtype == "fp16" else 4
+    fields: dict[str, Any] = dict(
+        use_distributed_optimizer=zero >= 1,
+        overlap_grad_reduce=True,
+        overlap_param_gather=zero >= 1,  # needs the distributed optimizer or Megatron-FSDP
+        bucket_size=max(1, plan.reduce_bucket_bytes // grad_bytes),
+        grad_reduce_in_fp32=plan.dtype == "bf16",
+    )
+    if zero in _FSDP_STRATEGY and megatron_fsdp:
+        fields.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=_FSDP_STRATEGY[zero])
+        if zero == 3:
+            # ZeRO-3's prefetch bucket bounds the parameters gathered ahead; Megatron-FSDP's unit of
+            # communication (elements) also sets how far it prefetches.
+            param_bytes = 4 if plan.dtype == "fp32" else 2
+            fields["suggested_communication_unit_size"] = max(1, plan.prefetch_bucket_bytes // param_bytes)
+            resident = [run for run in plan.layers if not run.shard_params]
+            if resident:
+                _report(f"Megatron-FSDP's optim_grads_params shards the parameters of every layer, and "
+                        f"the plan keeps those of {_spans_of(resident)} resident on every data-parallel "
+                        f"rank; they are sharded and gathered per use (less memory, more communication "
+                        f"than planned).")
+    elif zero in _FSDP_STRATEGY:
+        extra = max(stage.grads_bytes for stage in plan.stages) * (plan.dp - 1)
+        _report(f"Without Megatron-FSDP the plan's ZeRO-{zero} runs as Megatron's distributed optimizer, "
+                f"which shards optimizer states only: gradients{' and parameters' if zero == 3 else ''} "
+                f"stay whole on every data-parallel rank, at least {format_bytes(extra)} more per rank "
+                f"than planned.")
+    fields.update(overrides)
+    return DistributedDataParallelConfig(**fields)
+
+
+def optimizer_config(plan: Plan, **overrides: Any) -> OptimizerConfig:
+    """An OptimizerConfig consistent with :func:`ddp_config` and the plan's dtype; ``overrides``
+    (``lr``, ``weight_decay``, ``clip_grad``, ...) are the script's own choices."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    fields: dict[str, Any] = dict(
+        use_distributed_optimizer=plan.zero_stage >= 1,
+        overlap_param_gather=plan.zero_stage >= 1,
+        bf16=plan.dtype == "bf16",
+        fp16=plan.dtype == "fp16",
+        params_dtype=_torch_dtype(plan),
+    )
+    fields.update(overrides)
+    return OptimizerConfig(**fields)
+
+
+def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
+    """TransformerConfig arguments for the shape of ``model``, for scripts that build their model
+    from the plan's ModelSpec (``TransformerConfig(**transformer_config_kwargs(plan.model), ...)``)."""
+    import torch.nn.functional as F
+
+    kwargs: dict[str, Any] = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.kv_heads,
+        ffn_hidden_size=model.ffn_hidden_size,  # per branch for SwiGLU, in both
+        normalization="RMSNorm" if model.norm == "rmsnorm" else "LayerNorm",
+        add_bias_linear=model.linear_bias,
+        # Megatron's defaults are 0.1; ModelSpec.dropout is all-or-nothing.
+        hidden_dropout=0.1 if model.dropout else 0.0,
+        attention_dropout=0.1 if model.dropout else 0.0,
+    )
+    if model.mlp == "swiglu":
+        kwargs.update(gated_linear_unit=True, activation_func=F.silu)
+    else:
+        kwargs.update(gated_linear_unit=False, activation_func=F.gelu)
+    return kwargs
+
+
+def gpt_model_kwargs(plan: Plan) -> dict[str, Any]:
+    """GPTModel arguments (besides config, layer spec and pre/post process) for the plan's model."""
+    model = plan.model
+    if model.architecture != "decoder":
+        raise DsautoError(f"{model.name} is an {model.architecture} model, and GPTModel builds decoders; "
+                          f"build it with Megatron-core's BertModel.")
+    return dict(
+        vocab_size=plan.padded_vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        position_embedding_type="rope" if model.position_embedding == "rope" else "learned_absolute",
+        share_embeddings_and_output_weights=model.tied_embeddings,
+    )
+
+
+def _torch_dtype(plan: Plan) -> torch.dtype:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.dtype]
+
+
+def _check_model(model: ModelSpec, config: TransformerConfig) -> None:
+    """Refuses a config whose model is not the one planned: the plan's layout would not fit it."""
+    expected = dict(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                    num_attention_heads=model.num_attention_heads,
+                    ffn_hidden_size=model.ffn_hidden_size,
+                    num_query_groups=model.kv_heads)
+    for name, want in expected.items():
+        got = getattr(config, name)
+        if name == "num_query_groups" and got is None:
+            got = config.num_attention_heads  # Megatron's default: one group per head
+        if got != want:
+            raise DsautoError(f"The TransformerConfig has {name}={got} but the plan was made for "
+                              f"{model.name} with {name}={want}; build the model the plan describes "
+                              f"or re-plan for this one.")
+
+
+def _report_unsplit(plan: Plan) -> None:
+    split = [run for run in plan.layers if run.split > 1]
+    if split:
+        what = ", ".join(f"{_span(run.first, run.last)} ({run.group}) in {run.split} slices" for run in split)
+        _report(f"Megatron-core has no operator splitting, so the plan's splitting of {what} is not "
+                f"applied and those operators run whole (more transient memory than planned).")
+
+
+def _report(message: str) -> None:
+    """One warning per thing the plan says and Megatron-core cannot, from rank 0 only."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        logger.warning("dsauto: %s", message)
+
+
+def _covering_block(plan: Plan) -> int:
+    """The smallest N whose first N layers of every stage include all checkpointed layers."""
+    checkpointed = set(plan.checkpointed_layers())
+    return max((i + 1 for layers in _stage_ranges(plan) for i, layer in enumerate(layers)
+                if layer in checkpointed), default=0)

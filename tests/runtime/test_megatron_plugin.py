@@ -1,0 +1,298 @@
+"""dsauto.megatron: the plan mapped onto Megatron-core, checked by Megatron-core itself.
+
+The first tests call the mapping in this process (it needs no process group). The others train the
+GPT of examples/megatron/train_gpt.py with real Megatron-core modules on CPU ranks (gloo, through
+dsauto.compat.megatron_cpu) under several plans, all on the same weights and global batch, and
+compare with a TP=1, PP=1 run.
+
+Tolerance of the loss comparisons: 1e-5 relative (6e-5 at these losses of about 6). The runs compute
+the same fp32 arithmetic in a different order only: tensor parallelism sums partial matmuls and
+all-reduces them, data parallelism reduce-scatters gradients, a pipeline all-reduces the gradients
+of the tied embedding across its end stages. Each reordering changes a sum by a few units in the last
+place (fp32 has 24 bits; one ulp of a loss of 6 is 4.8e-7), and over 4 or 5 Adam steps the measured
+differences stay at one or two ulps (at most 9.5e-7, TP=2 x PP=2 and DeepSpeed ZeRO over TP=2). Any real fault (a wrong shard, a gradient not
+reduced, a layer on the wrong stage, a recomputation that replays other values) changes the update,
+and the loss moves by 1e-2 to 1e-1 per step here, so it shows up 100 times above the tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from megatron_launch import MICRO_BATCH, SEQ_LEN, TINY, launch, make_plan
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from megatron.core.transformer.enums import AttnBackend, LayerType
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+import dsauto.megatron as dm
+from dsauto.emit.ds_config import write_ds_config
+from dsauto.emit.plan_yaml import write_plan_yaml
+from dsauto.errors import DsautoError
+from dsauto.runtime.megatron import pipeline_layout_fields
+from dsauto.spec.model import ModelSpec
+
+pytestmark = [
+    # TransformerConfig warns about a CUDA-graph default that has nothing to do with these tests,
+    pytest.mark.filterwarnings("ignore:full scope is deprecated:UserWarning"),
+    # and on every selective recomputation of core_attn, in case the attention is a fused one.
+    pytest.mark.filterwarnings("ignore:If you are using transformer_engine:UserWarning"),
+]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "train_gpt.py"
+
+RTOL = 1e-5
+"""Relative tolerance of loss comparisons between parallel layouts; see the module docstring."""
+
+
+def config_for(model: ModelSpec = TINY, **kwargs) -> TransformerConfig:
+    return TransformerConfig(**dm.transformer_config_kwargs(model), **kwargs)
+
+
+def layers_per_stage(config: TransformerConfig) -> list[int]:
+    """Transformer layers Megatron-core builds on each pipeline stage for ``config``."""
+    if config.pipeline_model_parallel_layout is not None:
+        return [stage[0].count(LayerType.decoder) for stage in config.pipeline_model_parallel_layout.layout]
+    return [get_num_layers_to_build(config, pp_rank=s) for s in range(config.pipeline_model_parallel_size)]
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("dsauto")]
+
+
+# --- the mapping, in this process ------------------------------------------------------------------
+
+def test_apply_sets_the_parallel_layout_and_dtype():
+    plan = make_plan(tp=2, pp=2)
+    config = dm.apply(plan, config_for())
+    assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (2, 2)
+    assert config.sequence_parallel and plan.sequence_parallel
+    assert config.params_dtype == config.pipeline_dtype and str(config.params_dtype) == "torch.float32"
+    assert not dm.apply(make_plan(tp=2, sequence_parallel=False), config_for()).sequence_parallel
+
+
+@pytest.mark.parametrize("stages", [(1, 3), (3, 1), (0, 4), (4, 0), (2, 2), (1, 2, 1), (1, 1, 2),
+                                    (0, 2, 2), (2, 0, 1, 1), (1, 1, 1, 1)])
+def test_pipeline_layout_builds_exactly_the_planned_layers(stages):
+    # The layout fields alone: dsauto's cost model does not price a middle stage without layers yet.
+    config = dataclasses.replace(config_for(), pipeline_model_parallel_size=len(stages),
+                                 pipeline_dtype=torch.float32, **pipeline_layout_fields(stages))
+    assert layers_per_stage(config) == list(stages)
+
+
+def test_first_and_last_stage_counts_when_they_suffice_else_the_layout_string():
+    config = dm.apply(make_plan(pp=2, stage_layers=(1, 3)), config_for())
+    assert (config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage) == (1, 3)
+    assert layers_per_stage(config) == [1, 3]
+    config = dm.apply(make_plan(pp=2, stage_layers=(0, 4)), config_for())
+    assert layers_per_stage(config) == [0, 4]
+    assert dm.apply(make_plan(pp=2), config_for()).num_layers_in_first_pipeline_stage is None
+    assert pipeline_layout_fields((0, 4))["pipeline_model_parallel_layout"] == "E|t*4L"
+    assert pipeline_layout_fields((2, 0, 1, 1))["pipeline_model_parallel_layout"] == "Et*2||t|tL"
+
+
+def test_checkpointing_the_first_layers_of_each_stage_is_applied_exactly(caplog):
+    plan = make_plan(pp=2, checkpoint=(1, 3))  # the first layer of each stage of (2, 2)
+    config = dm.apply(plan, config_for())
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 1)
+    assert warnings_of(caplog) == []
+
+
+def test_other_checkpointed_sets_are_widened_and_reported(caplog):
+    config = dm.apply(make_plan(checkpoint=(2, 4)), config_for())
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 4)
+    [message] = warnings_of(caplog)
+    assert "the plan checkpoints layers 2, 4" in message and "also checkpoints layers 1, 3" in message
+
+
+def test_flash_attention_plan_on_unfused_attention_recomputes_core_attention(caplog):
+    plan = make_plan(flash_attention=True)
+    config = dm.apply(plan, config_for(attention_backend=AttnBackend.local))
+    assert config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules
+    assert "attention scores" in warnings_of(caplog)[0]
+    caplog.clear()
+    # A fused backend keeps no scores: nothing to recompute, nothing to report.
+    assert dm.apply(plan, config_for(attention_backend=AttnBackend.flash)).recompute_granularity is None
+    assert dm.apply(make_plan(), config_for(attention_backend=AttnBackend.local)).recompute_granularity is None
+    assert warnings_of(caplog) == []
+
+
+def test_full_and_selective_cannot_mix_and_this_is_reported(caplog):
+    plan = make_plan(checkpoint=(1, 2), flash_attention=True)
+    config = dm.apply(plan, config_for(attention_backend=AttnBackend.local))
+    assert config.recompute_granularity == "full"
+    assert any("2 transformer layers not checkpointed keep them" in m for m in warnings_of(caplog))
+
+
+def test_what_megatron_cannot_express_is_reported(caplog):
+    dm.apply(make_plan(checkpoint=(0, 5), split={1: 2, 5: 4}), config_for())
+    text = "\n".join(warnings_of(caplog))
+    assert "checkpointing of the layers 0, 5 (embedding and head) is not applied" in text
+    assert "splitting of layer 1 (decoder) in 2 slices, layer 5 (head) in 4 slices is not applied" in text
+
+
+def test_a_config_for_another_model_is_refused():
+    with pytest.raises(DsautoError, match=r"num_layers=6 but the plan was made for gpt-test with num_layers=4"):
+        dm.apply(make_plan(), config_for(ModelSpec(**{**TINY.__dict__, "num_layers": 6})))
+    with pytest.raises(DsautoError, match=r"hidden_size=128 .* hidden_size=64"):
+        dm.apply(make_plan(), config_for(ModelSpec(**{**TINY.__dict__, "hidden_size": 128})))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_ddp_and_optimizer_configs_follow_the_zero_stage(zero_stage, caplog):
+    plan = make_plan(dp=2, zero_stage=zero_stage, resident=(1, 2))
+    ddp, opt = dm.ddp_config(plan), dm.optimizer_config(plan, lr=1e-3)
+    assert ddp.use_distributed_optimizer == opt.use_distributed_optimizer == (zero_stage >= 1)
+    assert ddp.overlap_grad_reduce and ddp.overlap_param_gather == (zero_stage >= 1)
+    assert ddp.bucket_size == plan.reduce_bucket_bytes // 4  # fp32 gradients
+    assert ddp.use_megatron_fsdp == (zero_stage >= 2)
+    assert ddp.data_parallel_sharding_strategy == {2: "optim_grads", 3: "optim_grads_params"}.get(zero_stage, "no_shard")
+    resident = [m for m in warnings_of(caplog) if "resident" in m]
+    assert (resident != []) == (zero_stage == 3)
+    if zero_stage == 3:
+        assert "layers 1-2 resident" in resident[0]
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_without_megatron_fsdp_zero_2_and_3_fall_back_to_the_distributed_optimizer(zero_stage, caplog):
+    plan = make_plan(dp=2, zero_stage=zero_stage)
+    ddp = dm.ddp_config(plan, megatron_fsdp=False)
+    assert ddp.use_distributed_optimizer and not ddp.use_megatron_fsdp
+    [message] = warnings_of(caplog)
+    assert f"ZeRO-{zero_stage} runs as Megatron's distributed optimizer" in message
+    assert ("parameters" in message) == (zero_stage == 3)
+
+
+def test_load_plan_reads_plan_yaml_and_the_ds_config_block(tmp_path):
+    plan = make_plan(tp=2, pp=2, checkpoint=(1,))
+    assert dm.load_plan(write_plan_yaml(plan, tmp_path / "plan.yaml")) == plan
+    assert dm.load_plan(write_ds_config(plan, tmp_path / "ds_config.json")) == plan
+
+
+def test_initialize_model_parallel_needs_torch_distributed():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("another test initialised torch.distributed in this process")
+    with pytest.raises(DsautoError, match="torch.distributed is not initialised"):
+        dm.initialize_model_parallel(make_plan())
+
+
+def test_gpt_model_arguments_and_encoders():
+    kwargs = dm.gpt_model_kwargs(make_plan(tp=2))
+    assert kwargs == dict(vocab_size=512, max_sequence_length=64, position_embedding_type="learned_absolute",
+                          share_embeddings_and_output_weights=True)
+    encoder = ModelSpec(**{**TINY.__dict__, "architecture": "encoder"})
+    with pytest.raises(DsautoError, match="encoder model, and GPTModel builds decoders"):
+        dm.gpt_model_kwargs(make_plan(model=encoder))
+
+
+# --- training on CPU ranks -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict[str, dict]:
+    """TP=1, PP=1: the reference, and the same plan with full and with selective recomputation,
+    each measuring the bytes kept for backward."""
+    return launch(1, {
+        "reference": {"plan": make_plan(), "measure": True},
+        "full": {"plan": make_plan(checkpoint=(1, 2)), "measure": True},
+        "selective": {"plan": make_plan(flash_attention=True), "measure": True},
+    }, tmp_path_factory.mktemp("one_rank"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, dict]:
+    return launch(2, {
+        "tp2": {"plan": make_plan(tp=2)},
+        "pp2": {"plan": make_plan(pp=2, checkpoint=(1, 3)), "measure": True},
+        "dp2_zero1": {"plan": make_plan(dp=2, zero_stage=1)},
+        "uneven_1_3": {"plan": make_plan(pp=2, stage_layers=(1, 3), checkpoint=(1, 2, 3))},
+        "layout_0_4": {"plan": make_plan(pp=2, stage_layers=(0, 4))},
+        "four_rank_plan": {"plan": make_plan(tp=2, pp=2), "expect_error": True},
+    }, tmp_path_factory.mktemp("two_ranks"))
+
+
+def assert_same_losses(losses: list[float], reference: list[float]) -> None:
+    assert losses == pytest.approx(reference, rel=RTOL)
+
+
+@pytest.mark.parametrize("run", ["tp2", "pp2", "dp2_zero1", "uneven_1_3", "layout_0_4"])
+def test_two_rank_layouts_train_like_one_rank(two_ranks, one_rank, run):
+    reference = one_rank["reference"]["losses"]
+    assert reference[-1] < reference[0]  # it trains
+    assert_same_losses(two_ranks[run]["losses"], reference)
+
+
+@pytest.mark.parametrize(("run", "stages"), [("pp2", [[1, 2], [3, 4]]), ("uneven_1_3", [[1], [2, 3, 4]]),
+                                             ("layout_0_4", [[], [1, 2, 3, 4]])])
+def test_each_stage_builds_the_planned_layers(two_ranks, run, stages):
+    # Megatron's layer_number is 1-based over the whole model, as the plan's transformer layers.
+    assert two_ranks[run]["stage_layers"] == stages
+
+
+def test_pipeline_recomputes_as_planned(two_ranks):
+    assert two_ranks["pp2"]["recompute"] == ["full", "block", 1]
+    # Stage 0's one layer and stage 1's first two: the first 2 layers of every stage.
+    assert two_ranks["uneven_1_3"]["recompute"] == ["full", "block", 2]
+
+
+def test_a_plan_for_another_world_size_is_refused(two_ranks):
+    assert two_ranks["four_rank_plan"]["error"] == (
+        "The plan is for 4 ranks (dp 1 x tp 2 x pp 2) but torch.distributed has 2; launch 4 processes "
+        "or re-plan for 2 devices.")
+
+
+def test_recomputation_keeps_losses_and_saves_activation_memory(one_rank):
+    none, full, selective = (one_rank[name] for name in ("reference", "full", "selective"))
+    assert full["recompute"] == ["full", "block", 2] and selective["recompute"][0] == "selective"
+    # Recomputation replays the same arithmetic: the same losses, bit for bit.
+    assert full["losses"] == none["losses"] and selective["losses"] == none["losses"]
+    [none_bytes], [full_bytes], [selective_bytes] = none["saved_bytes"], full["saved_bytes"], selective["saved_bytes"]
+    # Selective recomputation drops each layer's fp32 attention probabilities, b x a x s x s x 4 bytes
+    # (Korthikanti et al. 2022, Sec. 5; no dropout here, so no mask).
+    scores = MICRO_BATCH * TINY.num_attention_heads * SEQ_LEN**2 * 4
+    assert none_bytes - selective_bytes >= TINY.num_layers * scores
+    # A checkpointed layer keeps only its input (b x s x h x 4 bytes) instead of its activations,
+    # which include at least those probabilities: two such layers save at least this much.
+    layer_input = MICRO_BATCH * SEQ_LEN * TINY.hidden_size * 4
+    assert none_bytes - full_bytes >= 2 * (scores - layer_input)
+    print(f"bytes kept for backward per micro-batch: none {none_bytes}, full recompute of layers 1-2 "
+          f"{full_bytes}, selective {selective_bytes}")
+
+
+def test_pipeline_stages_with_recomputation_keep_less(two_ranks, one_rank):
+    # pp2 checkpoints the first layer of each stage; each stage keeps less than the whole model.
+    assert max(two_ranks["pp2"]["saved_bytes"]) < one_rank["reference"]["saved_bytes"][0]
+
+
+@pytest.mark.slow
+def test_tensor_and_pipeline_parallel_together_train_like_one_rank(tmp_path, one_rank):
+    results = launch(4, {"tp2_pp2": {"plan": make_plan(tp=2, pp=2, checkpoint=(1, 2, 3, 4))}}, tmp_path)
+    assert results["tp2_pp2"]["stage_layers"] == [[1, 2], [3, 4]]
+    assert_same_losses(results["tp2_pp2"]["losses"], one_rank["reference"]["losses"])
+
+
+
+@pytest.mark.slow
+def test_the_example_trains_under_a_tuned_plan(tmp_path):
+    """The commands of examples/megatron/train_gpt.py, as its docstring gives them (3 steps)."""
+    subprocess.run([sys.executable, "-m", "dsauto", "tune", "--model", "gpt-tiny", "--hardware", "cpu",
+                    "--nodes", "1", "--gpus-per-node", "4", "--tp", "2", "--pp", "2", "--out", str(tmp_path)],
+                   check=True, capture_output=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                             str(EXAMPLE), "--plan", str(tmp_path / "plan.yaml"), "--steps", "3"],
+                            capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-5000:]
+    losses = [float(m.group(2)) for m in re.finditer(r"^step (\d+) loss (\S+)$", result.stdout, re.MULTILINE)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
