@@ -34,6 +34,10 @@ ADAM_BYTES_PER_PARAM = 30.0
 # attention output projection, the MLP input (gate and up fused for SwiGLU) and the MLP output.
 MATRICES_PER_LAYER = 4
 
+# Modules of the embedding (tables, dropout and the container) and of the head (norm, LM head and
+# the container) in the reference implementation, hooked by ZeRO-3 like any other.
+EDGE_LAYER_MODULES = 4
+
 
 def gathered_unit_params(group: LayerGroup, option: LayerOption, tp: int) -> float:
     """Parameters ZeRO-3 gathers at once for a sharded layer: its largest matrix, or one slice of it
@@ -114,6 +118,18 @@ class CostModel:
         scope = "inter_node" if spans_nodes else "intra_node"
         fits = [self.profile.collective(op, size, scope) for op in ops]
         return [(f.op, f.latency_seconds, f.bandwidth_gbps * 1e9) for f in fits if f is not None]
+
+    def _zero3_hooks_seconds(self, group: LayerGroup, option: LayerOption) -> float:
+        """ZeRO-3's per-module hook time for one micro-batch of this layer, when the profile measured
+        it: every module is hooked, resident or not; a split adds its slices (profile.engine)."""
+        profile = self.profile
+        if self.strategy.zero_stage != 3 or profile is None or not profile.zero3_module_seconds:
+            return 0.0
+        if group.logits_bytes_per_token or not group.gemm_dim:
+            modules = EDGE_LAYER_MODULES  # the embedding and the head
+        else:
+            modules = profile.modules_per_layer + (MATRICES_PER_LAYER * option.split if option.split > 1 else 0)
+        return modules * profile.zero3_module_seconds
 
     def optimizer_seconds(self, params: float) -> float:
         """One optimizer update of ``params`` parameters on this rank: measured per parameter when
@@ -199,8 +215,14 @@ class CostModel:
         # DeepSpeed gathers each submodule's parameters with its own all-gather (a transformer
         # layer's four matrices, each of its k slices when split), so the latency is paid per
         # matrix, not once per layer (PartitionedParameterCoordinator.fetch_sub_module).
-        gathers = (MATRICES_PER_LAYER if group.gemm_dim and not group.logits_bytes_per_token else 1) * option.split
+        transformer = group.gemm_dim and not group.logits_bytes_per_token
+        gathers = (MATRICES_PER_LAYER if transformer else 1) * option.split
         split_latency = (gathers - 1) * self.dp.latency_seconds * max(0, dp - 1)
+        hooks = self._zero3_hooks_seconds(group, option)
+        if hooks:
+            split_latency = 0.0  # the measured per-module cost includes launching the gathers
+            forward += hooks / 2
+            backward += hooks / 2 * (2 if option.checkpoint else 1)  # recomputation runs the forward hooks again
         step_seconds, grad_sync = 0.0, 0.0
         if dp > 1:
             if sharded:

@@ -146,10 +146,42 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
         dist.barrier()
         collectives = measure_collectives(device=device, progress=say)
 
+    zero3_seconds, modules = 0.0, 0
+    if factory is None:  # the per-module cost of ZeRO-3 is measured on the reference layer
+        from dsauto.profile.engine import measure_zero3_module_seconds, modules_per_layer
+
+        zero3_seconds = measure_zero3_module_seconds(
+            model, seq_len, torch_dtype, device,
+            bandwidth_seconds=_zero3_bandwidth_seconds(model, dtype, collectives, world))
+        modules = modules_per_layer(model)
+        if say:
+            say(f"ZeRO-3: {zero3_seconds * 1e3:.3f} ms per hooked module per micro-batch "
+                f"({modules} modules per layer)")
+
     profile = Profile(model=model, device=device_name(device), dtype=dtype, seq_len=seq_len,
                       threads=torch.get_num_threads(), versions=versions, layers=layers,
                       optimizer_seconds_per_param=optimizer_rate, collectives=tuple(collectives),
-                      world_size=world)
+                      world_size=world, zero3_module_seconds=zero3_seconds, modules_per_layer=modules)
     if rank == 0:
         save_profile(profile, out_dir)
     return profile, path, False
+
+
+def _zero3_bandwidth_seconds(model: ModelSpec, dtype: str, collectives: Sequence, world: int) -> float:
+    """The bandwidth part of gathering one layer's parameters twice (forward, backward) and
+    reduce-scattering its gradients over ``world`` ranks, from the fitted collectives."""
+    if world <= 1:
+        return 0.0
+    from dsauto.spec.model import layer_groups
+    from dsauto.spec.training import DTYPE_BYTES
+
+    volume = layer_groups(model, 1, DTYPE_BYTES[dtype], 1)[1].params * DTYPE_BYTES[dtype]
+    share = (world - 1) / world
+    seconds = 0.0
+    for fit in collectives:
+        if fit.group_size == world and fit.scope == "intra_node":
+            if fit.op == "all_gather":
+                seconds += 2 * share * volume / (fit.bandwidth_gbps * 1e9)
+            elif fit.op == "reduce_scatter":
+                seconds += share * volume / (fit.bandwidth_gbps * 1e9)
+    return seconds

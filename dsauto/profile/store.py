@@ -49,6 +49,11 @@ class Profile:
     config asks for), on one rank."""
     collectives: tuple[CollectiveFit, ...] = ()
     """Fitted collective costs, when the profile ran on several ranks; empty otherwise."""
+    zero3_module_seconds: float = 0.0
+    """What ZeRO-3's per-module hooks add to one micro-batch's forward and backward, per hooked
+    module, beyond the collectives' bandwidth time (:mod:`dsauto.profile.engine`); 0 if not measured."""
+    modules_per_layer: int = 0
+    """Modules ZeRO-3 hooks in one transformer layer of the profiled implementation."""
     world_size: int = 1
     """Ranks the profile ran on."""
     version: int = PROFILE_VERSION

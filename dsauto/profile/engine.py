@@ -1,0 +1,119 @@
+"""What DeepSpeed's ZeRO-3 machinery costs per module, measured on this machine.
+
+ZeRO-3 hooks every submodule (``DeepSpeedZeRoOffload`` registers pre- and post-forward and
+-backward hooks): before a module runs its parameters are fetched through the partitioned-parameter
+coordinator, afterwards they are released, and the gradients go to the reduction bucket. On a GPU
+those hooks hide behind the kernels; on a CPU, or with small layers, their Python time is a real part
+of the step. It does not follow from any device spec, so the profile measures it: one transformer
+layer trained through a ZeRO-3 engine against the same layer trained plainly, on the ranks of the
+current job. The difference, less the collectives' bandwidth time the cost model prices anyway, is
+divided by the layer's modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from dsauto.models.gpt import Block
+from dsauto.spec.model import ModelSpec
+
+
+class _Loss(nn.Module):
+    """A transformer layer with a scalar loss, so that an engine can train it alone."""
+
+    def __init__(self, model: ModelSpec):
+        super().__init__()
+        self.block = Block(model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x).float().pow(2).mean()
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """The current distributed job, or a one-rank gloo group for the measurement."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _median_seconds(run, device: torch.device, warmup: int, repeats: int) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def modules_per_layer(model: ModelSpec) -> int:
+    """Modules ZeRO-3 hooks in one transformer layer of the reference implementation."""
+    with torch.device("meta"):
+        return len(list(Block(model).modules()))
+
+
+def measure_zero3_module_seconds(model: ModelSpec, seq_len: int, dtype: torch.dtype,
+                                 device: torch.device, bandwidth_seconds: float = 0.0,
+                                 warmup: int = 2, repeats: int = 5) -> float:
+    """Seconds ZeRO-3 adds per hooked module to one micro-batch's forward and backward.
+
+    ``bandwidth_seconds``: what the cost model already prices for gathering the layer's parameters
+    and reduce-scattering its gradients on this job, subtracted from the measured difference.
+    Every rank of the current job must call it.
+    """
+    import deepspeed
+
+    with _process_group():
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        torch.manual_seed(0)
+        plain = _Loss(model).to(device=device, dtype=dtype)
+        x = torch.randn(1, seq_len, model.hidden_size, device=device, dtype=dtype)
+
+        def plain_step() -> None:
+            plain(x).backward()
+            plain.zero_grad(set_to_none=True)
+
+        plain_seconds = _median_seconds(plain_step, device, warmup, repeats)
+        largest = max(p.numel() for p in plain.parameters())
+        config = {
+            "train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+            # As dsauto emits ZeRO-3: parameters released after use, one matrix prefetched.
+            "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0,
+                                  "stage3_prefetch_bucket_size": largest,
+                                  "stage3_max_live_parameters": 2 * largest},
+        }
+        if dtype == torch.bfloat16:
+            config["bf16"] = {"enabled": True}
+        engine, *_ = deepspeed.initialize(model=_Loss(model).to(device=device, dtype=dtype),
+                                          config=config, dist_init_required=False)
+
+        def engine_step() -> None:
+            engine.backward(engine(x))
+
+        engine_seconds = _median_seconds(engine_step, device, warmup, repeats)
+        modules = len(list(engine.module.modules()))
+        engine.destroy()
+    return max(0.0, engine_seconds - plain_seconds - bandwidth_seconds) / modules
