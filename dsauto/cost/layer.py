@@ -128,7 +128,8 @@ class CostModel:
         if group.logits_bytes_per_token or not group.gemm_dim:
             modules = EDGE_LAYER_MODULES  # the embedding and the head
         else:
-            modules = profile.modules_per_layer + (MATRICES_PER_LAYER * option.split if option.split > 1 else 0)
+            unsplit = profile.layer_modules.get("1", 0)
+            modules = profile.layer_modules.get(str(option.split), unsplit + MATRICES_PER_LAYER * (option.split - 1))
         return modules * profile.zero3_module_seconds
 
     def optimizer_seconds(self, params: float) -> float:

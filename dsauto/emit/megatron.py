@@ -10,7 +10,7 @@ dsauto hook applies it from the plan.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from dsauto.emit.ds_config import dtype_bytes
@@ -154,15 +154,19 @@ def _pipeline_layout(stage_layers: tuple[int, ...]) -> list[str]:
         # Megatron splits the remaining layers evenly over the middle stages
         # (TransformerConfig.num_layers_in_first/last_pipeline_stage).
         return [f"--decoder-first-pipeline-num-layers {first}", f"--decoder-last-pipeline-num-layers {last}"]
-    # Megatron's layout string (megatron/core/transformer/pipeline_parallel_layer_layout.py): stages
-    # split by "|", E the embedding, t a transformer layer, L the loss (head), x*n repeats x.
+    return [f"--pipeline-model-parallel-layout {layout_string(stage_layers)}"]
+
+
+def layout_string(stage_layers: Sequence[int]) -> str:
+    """Megatron's pipeline layout string (megatron/core/transformer/pipeline_parallel_layer_layout.py):
+    stages split by "|", E the embedding, t a transformer layer, L the loss (head), x*n repeats x."""
     stages = []
     for stage, count in enumerate(stage_layers):
         text = "E" if stage == 0 else ""
         text += "t" if count == 1 else f"t*{count}" if count > 1 else ""
         text += "L" if stage == len(stage_layers) - 1 else ""
         stages.append(text)
-    return [f"--pipeline-model-parallel-layout {'|'.join(stages)}"]
+    return "|".join(stages)
 
 
 def _stage_ranges(plan: Plan) -> list[range]:

@@ -12,11 +12,11 @@ divided by the layer's modules.
 
 from __future__ import annotations
 
-import contextlib
+import atexit
+import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -36,20 +36,24 @@ class _Loss(nn.Module):
         return self.block(x).float().pow(2).mean()
 
 
-@contextlib.contextmanager
-def _process_group() -> Iterator[None]:
-    """The current distributed job, or a one-rank gloo group for the measurement."""
+def _ensure_process_group() -> None:
+    """Use the current distributed job, or start a one-rank gloo group for the measurement.
+
+    The one-rank group lives until the process exits: DeepSpeed caches the groups it derives from
+    the world group (deepspeed/utils/groups.py), so a second group would not match them.
+    """
     import torch.distributed as dist
 
     if dist.is_initialized():
-        yield
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+    # DeepSpeed reads the launcher's variables even for one rank (DeepSpeedEngine._set_distributed_vars).
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(name, value)
+    store = tempfile.NamedTemporaryFile(prefix="dsauto-store-", delete=False)
+    store.close()
+    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+    atexit.register(dist.destroy_process_group)
+    atexit.register(os.unlink, store.name)
 
 
 def _median_seconds(run, device: torch.device, warmup: int, repeats: int) -> float:
@@ -66,10 +70,19 @@ def _median_seconds(run, device: torch.device, warmup: int, repeats: int) -> flo
     return statistics.median(times)
 
 
-def modules_per_layer(model: ModelSpec) -> int:
-    """Modules ZeRO-3 hooks in one transformer layer of the reference implementation."""
+def modules_per_layer(model: ModelSpec, splits: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict[str, int]:
+    """Modules ZeRO-3 hooks in one transformer layer of the reference implementation, by operator
+    splitting factor (the hook replaces each large Linear by its slices: dsauto.runtime.split)."""
+    from dsauto.runtime.split import split_block
+
+    counts = {}
     with torch.device("meta"):
-        return len(list(Block(model).modules()))
+        for split in splits:
+            block = Block(model)
+            if split > 1:
+                split_block(block, split)
+            counts[str(split)] = len(list(block.modules()))
+    return counts
 
 
 def measure_zero3_module_seconds(model: ModelSpec, seq_len: int, dtype: torch.dtype,
@@ -82,38 +95,38 @@ def measure_zero3_module_seconds(model: ModelSpec, seq_len: int, dtype: torch.dt
     Every rank of the current job must call it.
     """
     import deepspeed
+    import torch.distributed as dist
 
-    with _process_group():
-        import torch.distributed as dist
+    _ensure_process_group()
 
-        world = dist.get_world_size()
-        torch.manual_seed(0)
-        plain = _Loss(model).to(device=device, dtype=dtype)
-        x = torch.randn(1, seq_len, model.hidden_size, device=device, dtype=dtype)
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    plain = _Loss(model).to(device=device, dtype=dtype)
+    x = torch.randn(1, seq_len, model.hidden_size, device=device, dtype=dtype)
 
-        def plain_step() -> None:
-            plain(x).backward()
-            plain.zero_grad(set_to_none=True)
+    def plain_step() -> None:
+        plain(x).backward()
+        plain.zero_grad(set_to_none=True)
 
-        plain_seconds = _median_seconds(plain_step, device, warmup, repeats)
-        largest = max(p.numel() for p in plain.parameters())
-        config = {
-            "train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-            # As dsauto emits ZeRO-3: parameters released after use, one matrix prefetched.
-            "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0,
-                                  "stage3_prefetch_bucket_size": largest,
-                                  "stage3_max_live_parameters": 2 * largest},
-        }
-        if dtype == torch.bfloat16:
-            config["bf16"] = {"enabled": True}
-        engine, *_ = deepspeed.initialize(model=_Loss(model).to(device=device, dtype=dtype),
-                                          config=config, dist_init_required=False)
+    plain_seconds = _median_seconds(plain_step, device, warmup, repeats)
+    largest = max(p.numel() for p in plain.parameters())
+    config = {
+        "train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        # As dsauto emits ZeRO-3: parameters released after use, one matrix prefetched.
+        "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0,
+                              "stage3_prefetch_bucket_size": largest,
+                              "stage3_max_live_parameters": 2 * largest},
+    }
+    if dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=_Loss(model).to(device=device, dtype=dtype),
+                                      config=config, dist_init_required=False)
 
-        def engine_step() -> None:
-            engine.backward(engine(x))
+    def engine_step() -> None:
+        engine.backward(engine(x))
 
-        engine_seconds = _median_seconds(engine_step, device, warmup, repeats)
-        modules = len(list(engine.module.modules()))
-        engine.destroy()
+    engine_seconds = _median_seconds(engine_step, device, warmup, repeats)
+    modules = len(list(engine.module.modules()))
+    engine.destroy()
     return max(0.0, engine_seconds - plain_seconds - bandwidth_seconds) / modules

@@ -146,7 +146,7 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
         dist.barrier()
         collectives = measure_collectives(device=device, progress=say)
 
-    zero3_seconds, modules = 0.0, 0
+    zero3_seconds, modules = 0.0, {}
     if factory is None:  # the per-module cost of ZeRO-3 is measured on the reference layer
         from dsauto.profile.engine import measure_zero3_module_seconds, modules_per_layer
 
@@ -156,12 +156,12 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
         modules = modules_per_layer(model)
         if say:
             say(f"ZeRO-3: {zero3_seconds * 1e3:.3f} ms per hooked module per micro-batch "
-                f"({modules} modules per layer)")
+                f"({modules['1']} modules per layer)")
 
     profile = Profile(model=model, device=device_name(device), dtype=dtype, seq_len=seq_len,
                       threads=torch.get_num_threads(), versions=versions, layers=layers,
                       optimizer_seconds_per_param=optimizer_rate, collectives=tuple(collectives),
-                      world_size=world, zero3_module_seconds=zero3_seconds, modules_per_layer=modules)
+                      world_size=world, zero3_module_seconds=zero3_seconds, layer_modules=modules)
     if rank == 0:
         save_profile(profile, out_dir)
     return profile, path, False

@@ -52,8 +52,9 @@ class Profile:
     zero3_module_seconds: float = 0.0
     """What ZeRO-3's per-module hooks add to one micro-batch's forward and backward, per hooked
     module, beyond the collectives' bandwidth time (:mod:`dsauto.profile.engine`); 0 if not measured."""
-    modules_per_layer: int = 0
-    """Modules ZeRO-3 hooks in one transformer layer of the profiled implementation."""
+    layer_modules: dict[str, int] = field(default_factory=dict)
+    """Modules ZeRO-3 hooks in one transformer layer of the profiled implementation, by operator
+    splitting factor (``"1"``, ``"2"``, ...)."""
     world_size: int = 1
     """Ranks the profile ran on."""
     version: int = PROFILE_VERSION

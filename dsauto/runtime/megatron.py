@@ -47,6 +47,7 @@ from dsauto.emit.megatron import (
     _spans_of,
     _stage_ranges,
     block_recompute_layers,
+    layout_string,
 )
 from dsauto.emit.plan_yaml import read_plan
 from dsauto.errors import DsautoError
@@ -170,13 +171,7 @@ def pipeline_layout_fields(stage_layers: Iterable[int]) -> dict[str, Any]:
     if first > 0 and last > 0 and len(set(middle)) <= 1:
         fields.update(num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
         return fields
-    parts = []
-    for stage, count in enumerate(stages):
-        text = "E" if stage == 0 else ""
-        text += "t" if count == 1 else f"t*{count}" if count > 1 else ""
-        text += "L" if stage == len(stages) - 1 else ""
-        parts.append(text)
-    fields["pipeline_model_parallel_layout"] = "|".join(parts)
+    fields["pipeline_model_parallel_layout"] = layout_string(stages)
     return fields
 
 

@@ -116,3 +116,16 @@ def test_the_planner_searches_with_measured_costs(tiny):
     train = TrainSpec(global_batch=8, seq_len=SEQ, dtype="fp32")
     plan = Planner(tiny, cluster, train, profile=_profile(tiny)).search()[0]
     assert plan.prediction.basis == "measured"
+
+
+def test_zero3_pays_the_measured_hook_cost_per_module_and_again_when_recomputing(tiny):
+    base = _profile(tiny)
+    hooked = dataclasses.replace(base, zero3_module_seconds=1e-3, layer_modules={"1": 8})
+    plain3, hooked3 = _predict(tiny, base, zero=3), _predict(tiny, hooked, zero=3)
+    modules = tiny.num_layers * 8 + 2 * 4  # transformer layers, then the embedding and the head
+    assert hooked3.stages[0].forward_seconds - plain3.stages[0].forward_seconds == pytest.approx(modules * 1e-3 / 2, rel=0.02)
+    ckpt_plain, ckpt_hooked = _predict(tiny, base, zero=3, checkpoint=True), _predict(tiny, hooked, zero=3, checkpoint=True)
+    extra_backward = ckpt_hooked.stages[0].backward_seconds - ckpt_plain.stages[0].backward_seconds
+    assert extra_backward == pytest.approx((tiny.num_layers * 8 * 2 + 2 * 4) * 1e-3 / 2, rel=0.02)
+    # Below ZeRO-3 nothing is hooked.
+    assert _predict(tiny, hooked, zero=2).prediction.step_seconds == _predict(tiny, base, zero=2).prediction.step_seconds
