@@ -168,7 +168,7 @@ def write_results(rows, summary: str, wall: float, args) -> None:
         f"(wall {wall:.0f} s; gloo, one thread per rank, DeepSpeed through `dsauto.deepspeed.initialize`).",
         "Predictions use the profile measured in the same run (`dsauto profile` on 2 ranks: layer times and",
         "activations on rank 0, gloo collectives fitted on both); memory is the peak of live tensor bytes",
-        "per rank during a step (profiler allocator events), not RSS.",
+        "per rank during a step (tensor-level: every storage an operator creates, until it is freed), not RSS.",
         "",
         "| model | plan | predicted step | measured step | time error | predicted peak | measured peak | memory error |",
         "|---|---|---|---|---|---|---|---|",
