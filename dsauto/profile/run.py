@@ -121,7 +121,10 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     if path.exists() and not force:
-        return load_profile(path), path, True
+        stored = load_profile(path)
+        world = dist.get_world_size() if distributed else 1
+        if stored.world_size >= world:  # a run on more ranks than the stored one adds collectives
+            return stored, path, True
     say = progress if rank == 0 else None
 
     layers: tuple[LayerMeasurement, ...] = ()

@@ -246,7 +246,7 @@ BAD_FILES = [
      r"tied_embeddings must be true or false"),
     ("cluster.yaml", GOOD_CLUSTER + "node: 2\n", load_cluster,
      r"unknown key\(s\) 'node'; known keys are .*, nodes, memory_limit_bytes"),
-    ("cluster.yaml", GOOD_CLUSTER.replace("bandwidth_gbps: 5.0", "bandwidth_gbps: fast"), load_hardware,
+    ("cluster.yaml", GOOD_CLUSTER.replace("bandwidth_gbps: 1.5", "bandwidth_gbps: fast"), load_hardware,
      r"intra_node: bandwidth_gbps must be a number, got 'fast'"),
     ("cluster.yaml", GOOD_CLUSTER + "memory_limit_bytes: 9GiB\n", load_cluster,
      r"memory_limit_bytes must be a whole number, got '9GiB'"),
