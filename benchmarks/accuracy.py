@@ -28,10 +28,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.plan import Plan
 from dsauto.profile.store import find_profile
 from dsauto.search.planner import Planner
+from dsauto.serde import to_dict
 from dsauto.spec.loaders import load_cluster
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import TrainSpec
@@ -126,9 +129,6 @@ def main() -> None:
     rows = []
     for model in SHAPES:
         model_file = work / f"{model.name}.yaml"
-        import yaml
-
-        from dsauto.serde import to_dict
         model_file.write_text(yaml.safe_dump(to_dict(model), sort_keys=False))
         print(f"{model.name}: profiling on 2 ranks", file=sys.stderr, flush=True)
         _launch(["-m", "dsauto.cli", "profile", "--model", str(model_file), "--hardware", "cpu",

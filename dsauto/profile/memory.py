@@ -41,9 +41,15 @@ class _StorageCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # A view or an in-place result shares an input's storage: nothing new was allocated (and the
+        # input may predate the tracker, like a weight whose transpose a linear layer takes).
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
-                self._track(tensor.untyped_storage())
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in inputs:
+                    self._track(storage)
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:

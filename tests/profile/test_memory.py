@@ -54,3 +54,13 @@ def test_autograd_activations_show_in_the_peak():
             y = layer(x)  # output 64 x 1024 fp32 = 256 KiB, kept
     assert tracker.peak_bytes("forward") >= 64 * 1024 * 4
     del y
+
+
+def test_views_of_tensors_from_before_tracking_are_not_counted():
+    layer = torch.nn.Linear(1024, 1024)  # 4 MiB of weight, made before tracking
+    x = torch.randn(8, 1024)
+    with MemoryTracker() as tracker:
+        view = layer.weight.t()  # no new storage
+        y = layer(x)  # only the 8 x 1024 output is new
+    assert tracker.peak_bytes() == 8 * 1024 * 4
+    del view, y
