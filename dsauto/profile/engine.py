@@ -87,7 +87,7 @@ def modules_per_layer(model: ModelSpec, splits: tuple[int, ...] = (1, 2, 4, 8, 1
 
 def measure_zero3_module_seconds(model: ModelSpec, seq_len: int, dtype: torch.dtype,
                                  device: torch.device, bandwidth_seconds: float = 0.0,
-                                 warmup: int = 2, repeats: int = 5) -> float:
+                                 warmup: int = 3, repeats: int = 15) -> float:
     """Seconds ZeRO-3 adds per hooked module to one micro-batch's forward and backward.
 
     ``bandwidth_seconds``: what the cost model already prices for gathering the layer's parameters
