@@ -297,9 +297,8 @@ def report(persistence: dict[str, dict[str, Any]], splits: list[dict[str, Any]],
         "",
         "A replicated group under ZeRO-3 holds its full copy *and* its partition (DeepSpeed keeps "
         "`ds_tensor`, which the optimizer updates and re-gathers from after each step): its resident "
-        "bytes are (1 + 1/dp) x its parameters, where the cost model counts 1 x. That offset is the "
-        "same in every ZeRO-3 row, so the proportion above is unaffected; the absolute ZeRO-3 rows "
-        "exceed the prediction by the partitions of the replicated groups. Vectors (norms, biases) "
+        "bytes are (1 + 1/dp) x its parameters, which the cost model counts. The small remaining "
+        "differences are the vectors: norms and biases "
         "of sharded groups stay resident under DeepSpeed's `stage3_param_persistence_threshold` "
         "(see dsauto/runtime/deepspeed.py).",
         "",
@@ -360,13 +359,15 @@ def report(persistence: dict[str, dict[str, Any]], splits: list[dict[str, Any]],
     lines += [
         "",
         "Without prefetch the peak is the matrix in use, and splitting cuts it by k: DeepSpeed "
-        "gathers each slice's parameter on its own. With the emitted config the peak is most of the "
-        "model whatever k is: every module fetch, including modules without parameters (the block "
-        "itself, dropout), lets the coordinator prefetch up to another `stage3_prefetch_bucket_size` "
-        "elements (PartitionedParameterCoordinator.fetch_sub_module), bounded only by "
-        "`stage3_max_live_parameters`, so prefetched parameters pile up ahead of their use. The cost "
-        "model's `2 x largest / k` holds only when `stage3_max_live_parameters` bounds the gathered "
-        "parameters to about that.",
+        "gathers each slice's parameter on its own. Every module fetch, including modules without "
+        "parameters (the block itself, dropout), lets the coordinator prefetch up to another "
+        "`stage3_prefetch_bucket_size` elements "
+        "(PartitionedParameterCoordinator.fetch_sub_module), bounded only by "
+        "`stage3_max_live_parameters`; the emitted config sets that bound to twice the largest "
+        "unit any sharded layer gathers. Here the sharded embedding and head (8192 x 512, 16 MiB) "
+        "set the unit, so the blocks gather up to about that bound ahead whatever their own k: "
+        "one global bound cannot give each layer its own, and a block's split pays off only when "
+        "blocks are the largest sharded units (the prefetch-off column).",
         "",
     ]
     return "\n".join(lines)
