@@ -71,8 +71,8 @@ def _median_seconds(run, device: torch.device, warmup: int, repeats: int) -> flo
 
 
 def modules_per_layer(model: ModelSpec, splits: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict[str, int]:
-    """Modules ZeRO-3 hooks in one transformer layer of the reference implementation, by operator
-    splitting factor (the hook replaces each large Linear by its slices: dsauto.runtime.split)."""
+    """Modules whose ZeRO-3 hooks run in one transformer layer of the reference implementation, by
+    operator splitting factor (the hook replaces each large Linear by its slices: dsauto.runtime.split)."""
     from dsauto.runtime.split import split_block
 
     counts = {}
@@ -81,8 +81,14 @@ def modules_per_layer(model: ModelSpec, splits: tuple[int, ...] = (1, 2, 4, 8, 1
             block = Block(model)
             if split > 1:
                 split_block(block, split)
-            counts[str(split)] = len(list(block.modules()))
+            counts[str(split)] = _hooked(block)
     return counts
+
+
+def _hooked(module: nn.Module) -> int:
+    """Modules whose forward runs, so that ZeRO-3's hooks fire: containers that are only indexed
+    (ModuleList, ModuleDict) are hooked but never called."""
+    return sum(1 for m in module.modules() if not isinstance(m, (nn.ModuleList, nn.ModuleDict)))
 
 
 def measure_zero3_module_seconds(model: ModelSpec, seq_len: int, dtype: torch.dtype,
@@ -127,6 +133,6 @@ def measure_zero3_module_seconds(model: ModelSpec, seq_len: int, dtype: torch.dt
         engine.backward(engine(x))
 
     engine_seconds = _median_seconds(engine_step, device, warmup, repeats)
-    modules = len(list(engine.module.modules()))
+    modules = _hooked(engine.module)
     engine.destroy()
     return max(0.0, engine_seconds - plain_seconds - bandwidth_seconds) / modules
