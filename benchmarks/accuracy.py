@@ -1,6 +1,6 @@
 """Predicted vs measured step time and peak memory of real DeepSpeed steps, on two CPU ranks.
 
-    python benchmarks/accuracy.py                 # profiles, plans, measures; about 10 minutes
+    python benchmarks/accuracy.py                 # profiles, plans, measures; about 6 minutes
     python benchmarks/accuracy.py --quick         # fewer steps, for a smoke run
 
 For each of two model shapes it (1) profiles the layers with ``dsauto profile`` launched on two ranks
@@ -119,7 +119,8 @@ def _launch(args: list[str], log: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 timed steps instead of 7")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 timed steps instead of 15, 3 profiling repeats instead of 11")
     parser.add_argument("--work", type=Path, default=None, help="folder for profiles and logs (default: a temporary one)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="dsauto-accuracy-"))
@@ -133,14 +134,14 @@ def main() -> None:
         print(f"{model.name}: profiling on 2 ranks", file=sys.stderr, flush=True)
         _launch(["-m", "dsauto.cli", "profile", "--model", str(model_file), "--hardware", "cpu",
                  "--seq-len", str(SEQ_LEN), "--micro-batches", "1,2,4,8", "--tp", "1",
-                 "--out", str(work / "profiles")], log)
+                 "--repeats", "3" if args.quick else "11", "--out", str(work / "profiles")], log)
         plans = build_plans(model, work / "profiles")
         plans_file = work / f"{model.name}-plans.json"
         plans_file.write_text(json.dumps([plan.to_dict() for _, plan in plans]))
         measured_file = work / f"{model.name}-measured.json"
         print(f"{model.name}: measuring {len(plans)} plans on 2 ranks", file=sys.stderr, flush=True)
         _launch(["-m", "dsauto.profile.steps", "--plans", str(plans_file), "--out", str(measured_file),
-                 "--steps", "3" if args.quick else "7", "--warmup", "2"], log)
+                 "--steps", "3" if args.quick else "15", "--warmup", "3"], log)
         for (case, plan), measured in zip(plans, json.loads(measured_file.read_text())):
             rows.append((model.name, case.label(), plan.prediction.step_seconds, measured["step_seconds"],
                          plan.prediction.peak_memory_bytes, measured["peak_bytes"]))
