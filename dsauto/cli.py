@@ -193,6 +193,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if distributed:
         import torch.distributed as dist
 
+        from dsauto.profile.run import bind_cpu_rank
+
+        bind_cpu_rank()
+
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         rank = int(os.environ.get("RANK", "0"))

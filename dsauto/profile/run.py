@@ -38,6 +38,18 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def bind_cpu_rank() -> None:
+    """On a CPU, pin this rank to one core (its local rank), as DeepSpeed's launcher does with
+    ``--bind_cores_to_rank``: ranks that migrate between cores time unevenly from run to run."""
+    if torch.cuda.is_available() or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    if local_size > 1 and len(cores) >= local_size:
+        os.sched_setaffinity(0, {cores[local_rank]})
+
+
 def measure_optimizer(num_params: int, dtype: torch.dtype, device: torch.device,
                       warmup: int = 2, repeats: int = 5) -> float:
     """Seconds per parameter of one torch AdamW step over a flat fp32 tensor of ``num_params``

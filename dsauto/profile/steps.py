@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     import deepspeed
     import deepspeed.comm as dist
 
+    from dsauto.profile.run import bind_cpu_rank
+
+    bind_cpu_rank()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     plans = [Plan.from_dict(p, f"{args.plans} entry {i}") for i, p in enumerate(json.loads(args.plans.read_text()))]
