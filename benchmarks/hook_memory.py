@@ -7,12 +7,10 @@ batch 4 x 256 tokens, fp32, written to benchmarks/results/hook_memory.md:
    layer group replicated (ZeRO-2-like parameters), with a mixed plan, and with every group sharded,
    plus a real ZeRO-2 run. Measured after two optimizer steps as the bytes of the tensors that hold
    parameters on rank 0: gathered full copies (``param.data``) and ZeRO partitions
-   (``param.ds_tensor``). These are exact tensor accounting; the allocator-event tracker
-   (dsauto.profile.memory.MemoryTracker) is not used for them because in these multi-threaded
-   gloo runs it misses some frees and its live bytes drift by tens of MiB from run to run.
+   (``param.ds_tensor``), which separates the two kinds of resident parameter bytes.
 2. Peak memory of the head (final norm, LM head, cross-entropy) in forward and in forward + backward,
-   with the loss in 1, 2, 4 and 8 token chunks (dsauto.runtime.split.chunk_head_loss), from the
-   allocator's events (dsauto.profile.memory.MemoryTracker).
+   with the loss in 1, 2, 4 and 8 token chunks (dsauto.runtime.split.chunk_head_loss), counted
+   tensor by tensor (dsauto.profile.memory.MemoryTracker).
 3. Activation memory kept by the 4 blocks after the forward pass, and the forward + backward peak,
    with and without activation checkpointing (dsauto.runtime.checkpointing), from MemoryTracker.
 

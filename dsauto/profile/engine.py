@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import atexit
 import os
-import statistics
 import tempfile
-import time
 
 import torch
 from torch import nn
 
 from dsauto.models.gpt import Block
+from dsauto.profile.layers import median_seconds
 from dsauto.spec.model import ModelSpec
 
 
@@ -54,20 +53,6 @@ def _ensure_process_group() -> None:
     dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
     atexit.register(dist.destroy_process_group)
     atexit.register(os.unlink, store.name)
-
-
-def _median_seconds(run, device: torch.device, warmup: int, repeats: int) -> float:
-    times = []
-    for i in range(warmup + repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def modules_per_layer(model: ModelSpec, splits: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict[str, int]:
@@ -114,7 +99,7 @@ def measure_zero3_module_seconds(model: ModelSpec, seq_len: int, dtype: torch.dt
         plain(x).backward()
         plain.zero_grad(set_to_none=True)
 
-    plain_seconds = _median_seconds(plain_step, device, warmup, repeats)
+    plain_seconds = median_seconds(plain_step, device, warmup, repeats)
     largest = max(p.numel() for p in plain.parameters())
     config = {
         "train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
@@ -132,7 +117,7 @@ def measure_zero3_module_seconds(model: ModelSpec, seq_len: int, dtype: torch.dt
     def engine_step() -> None:
         engine.backward(engine(x))
 
-    engine_seconds = _median_seconds(engine_step, device, warmup, repeats)
+    engine_seconds = median_seconds(engine_step, device, warmup, repeats)
     modules = _hooked(engine.module)
     engine.destroy()
     return max(0.0, engine_seconds - plain_seconds - bandwidth_seconds) / modules

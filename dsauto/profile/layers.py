@@ -55,9 +55,23 @@ class LayerMeasurement:
     """Bytes of the layer's parameters on this rank."""
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a clock read after it is honest."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_seconds(run: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median wall time of ``run`` over ``repeats`` calls after ``warmup`` untimed ones."""
+    times = []
+    for i in range(warmup + repeats):
+        sync(device)
+        start = time.perf_counter()
+        run()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _saved_bytes(run: Callable[[], torch.Tensor], params: set[int]) -> tuple[torch.Tensor, int]:
@@ -92,13 +106,13 @@ def measure_layer(module: nn.Module, make_input: Callable[[], tuple[torch.Tensor
 
     def once() -> tuple[float, float]:
         inputs = make_input()
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         out = forward(inputs)
-        _sync(device)
+        sync(device)
         middle = time.perf_counter()
         out.backward(torch.ones_like(out))
-        _sync(device)
+        sync(device)
         end = time.perf_counter()
         module.zero_grad(set_to_none=True)
         return middle - start, end - middle

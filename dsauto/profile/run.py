@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import importlib
 import os
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from dsauto.errors import DsautoError
-from dsauto.profile.layers import LayerMeasurement, measure_layer, profile_layers
+from dsauto.profile.layers import LayerMeasurement, measure_layer, median_seconds, profile_layers
 from dsauto.profile.store import Profile, load_profile, profile_path, save_profile, software_versions
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype
@@ -59,17 +57,7 @@ def measure_optimizer(num_params: int, dtype: torch.dtype, device: torch.device,
     param = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32, device=device))
     param.grad = torch.randn(n, dtype=torch.float32, device=device)
     optimizer = torch.optim.AdamW([param], lr=1e-4)
-    times = []
-    for i in range(warmup + repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) / n
+    return median_seconds(optimizer.step, device, warmup, repeats) / n
 
 
 def load_factory(spec: str) -> Callable[[ModelSpec], torch.nn.Module]:
@@ -191,19 +179,31 @@ def _zero3_bandwidth_seconds(model: ModelSpec, dtype: str, collectives: Sequence
     reduce-scattering its gradients over ``world`` ranks, from the fitted collectives."""
     if world <= 1:
         return 0.0
+    from dsauto.cost.collectives import Group
     from dsauto.spec.model import layer_groups
     from dsauto.spec.training import DTYPE_BYTES
 
     volume = layer_groups(model, 1, DTYPE_BYTES[dtype], 1)[1].params * DTYPE_BYTES[dtype]
-    share = (world - 1) / world
     seconds = 0.0
     for fit in collectives:
         if fit.group_size == world and fit.scope == "intra_node":
+            # The cost model's ring formulas with the fitted bandwidth and no latency: the latency
+            # of each gather is part of the per-module cost being measured.
+            bandwidth_only = Group(world, fit.bandwidth_gbps * 1e9, 0.0)
             if fit.op == "all_gather":
-                seconds += 2 * share * volume / (fit.bandwidth_gbps * 1e9)
+                seconds += 2 * bandwidth_only.all_gather(volume)
             elif fit.op == "reduce_scatter":
-                seconds += share * volume / (fit.bandwidth_gbps * 1e9)
+                seconds += bandwidth_only.reduce_scatter(volume)
     return seconds
+
+
+def max_over_ranks(values: Sequence[float], device: torch.device) -> list[float]:
+    """Each value replaced by its maximum over the ranks of the current job."""
+    import torch.distributed as dist
+
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
 
 
 def _slowest_rank(layers: tuple[LayerMeasurement, ...], optimizer_rate: float,
@@ -211,12 +211,8 @@ def _slowest_rank(layers: tuple[LayerMeasurement, ...], optimizer_rate: float,
     """Each measured time replaced by its maximum over the ranks (all measured the same layers)."""
     import dataclasses
 
-    import torch.distributed as dist
-
-    times = torch.tensor([t for m in layers for t in (m.forward_seconds, m.backward_seconds)]
-                         + [optimizer_rate], dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    values = times.tolist()
+    values = max_over_ranks([t for m in layers for t in (m.forward_seconds, m.backward_seconds)]
+                            + [optimizer_rate], device)
     slowest = tuple(dataclasses.replace(m, forward_seconds=values[2 * i], backward_seconds=values[2 * i + 1])
                     for i, m in enumerate(layers))
     return slowest, values[-1]

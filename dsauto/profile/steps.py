@@ -26,6 +26,7 @@ import torch
 
 from dsauto.plan import Plan
 from dsauto.profile.memory import MemoryTracker
+from dsauto.profile.run import bind_cpu_rank, current_device, max_over_ranks
 from dsauto.serde import to_dict
 
 
@@ -45,20 +46,6 @@ class StepMeasurement:
     """Loss of each measured step (rank 0), a sanity check that training ran."""
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def _max_over_ranks(values: list[float]) -> list[float]:
-    import deepspeed.comm as dist
-
-    tensor = torch.tensor(values, dtype=torch.float64, device=_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
-
-
 def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int = 2,
                  seed: int = 0) -> StepMeasurement:
     """Train ``plan`` for ``memory_steps`` tracked steps, ``warmup`` more, then ``steps`` timed ones."""
@@ -68,7 +55,7 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
     from dsauto.emit.ds_config import ds_config
     from dsauto.models import build_model
 
-    device = _device()
+    device = current_device()
     rank = dist.get_rank()
     config = ds_config(plan)
     generator = torch.Generator().manual_seed(seed + rank)
@@ -114,7 +101,7 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
         sync()
         times.append(time.perf_counter() - start)
     peak, static = tracker.peak_bytes("step"), tracker.peak_bytes("static")
-    reduced = _max_over_ranks([*times, peak, static])
+    reduced = max_over_ranks([*times, peak, static], device)
     engine.destroy()
     del engine, model
     gc.collect()
@@ -135,8 +122,6 @@ def main(argv: list[str] | None = None) -> None:
 
     import deepspeed
     import deepspeed.comm as dist
-
-    from dsauto.profile.run import bind_cpu_rank
 
     bind_cpu_rank()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
