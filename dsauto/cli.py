@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,6 +68,33 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
                    help="a profile file or folder from `dsauto profile`: price layers from measurements")
 
 
+def _add_trial_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("refining with measured steps (--trials)")
+    g.add_argument("--trials", type=int, default=0, metavar="N",
+                   help="measure real training steps of up to N candidate plans (an Optuna study) and "
+                        "write the fastest measured one; 0 writes the best predicted plan (default)")
+    g.add_argument("--top-plans", type=_positive_int, default=4, metavar="K",
+                   help="strategies of the search the trials start from (default: 4)")
+    g.add_argument("--script", default=None, metavar="train.py",
+                   help="measure with your own DeepSpeed script (it must call dsauto.deepspeed.initialize) "
+                        "instead of the built-in harness")
+    g.add_argument("--script-args", default="", metavar='"..."', help="arguments of --script, one string")
+    g.add_argument("--launcher", choices=("torchrun", "deepspeed"), default=None,
+                   help="launcher of each trial (default: deepspeed with --script, else torchrun)")
+    g.add_argument("--storage", default=None, metavar="URL",
+                   help="Optuna storage of the study, e.g. postgresql://host/db to share it between "
+                        "machines (default: sqlite in --out)")
+    g.add_argument("--study-name", default=None, help="study name (default: derived from the problem, so a "
+                                                      "rerun resumes it)")
+    g.add_argument("--trial-steps", type=_positive_int, default=5, help="timed steps per trial (default: 5)")
+    g.add_argument("--trial-warmup", type=int, default=2, help="untimed steps per trial (default: 2)")
+    g.add_argument("--trial-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a trial with no result after this long is killed as hung (default: 600)")
+    g.add_argument("--profile-dir", default="profiles", metavar="DIR",
+                   help="with --trials and no --profile: the profile store, profiled first if needed "
+                        "(default: profiles)")
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
@@ -106,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="search the best plan and write ds_config.json, megatron_args.txt, plan.yaml, plan.png")
     _add_search_args(tune)
     tune.add_argument("--out", default="out", help="folder for the artifacts (default: out)")
+    _add_trial_args(tune)
     plan = sub.add_parser("plan", help="search and print plans without writing anything")
     _add_search_args(plan)
     explain = sub.add_parser("explain", help="print a plan from plan.yaml or ds_config.json")
@@ -155,9 +185,63 @@ def _search(args: argparse.Namespace):
     return plans, time.perf_counter() - started
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _cmd_refine(args: argparse.Namespace) -> int:
+    """``dsauto tune --trials N``: profile if needed, search, measure candidates, write the winner."""
+    import shlex
+
+    from dsauto.emit.artifacts import write_artifacts, write_trials
+    from dsauto.profile.run import launch_profile
+    from dsauto.profile.store import find_profile, store_calibration
+    from dsauto.refine.runner import TrialSettings
+    from dsauto.refine.study import TuneSettings, refine
+    from dsauto.report import describe_plan, describe_trials
+    from dsauto.search.planner import Planner
+
+    if args.trial_warmup < 0:
+        raise DsautoError(f"--trial-warmup must be 0 or more, got {args.trial_warmup}.")
+    model, cluster, train, pins = _problem(args)
+    source = Path(args.profile or args.profile_dir)
+    if args.profile is None:
+        try:
+            find_profile(source, model, train.dtype, train.seq_len)
+        except DsautoError:
+            tps = (pins.tp,) if pins.tp else tuple(t for t in (1, 2, 4, 8) if t <= cluster.devices_per_node
+                                                     and model.tp_problem(t) is None)
+            _say(f"profiling {model.name} on {cluster.devices_per_node} ranks into {source} first "
+                 f"(once; later tunes reuse it)")
+            launch_profile(args.model, train.dtype, train.seq_len, tps, cluster.devices_per_node, source, _say)
+    profile = find_profile(source, model, train.dtype, train.seq_len)
+    if profile.calibration is not None:
+        _say(f"the profile's calibration applies: {profile.calibration.describe()}")
+    settings = TuneSettings(
+        trials=args.trials, top_plans=args.top_plans, storage=args.storage, study_name=args.study_name,
+        trial=TrialSettings(steps=args.trial_steps, warmup_steps=args.trial_warmup,
+                            timeout_seconds=args.trial_timeout, script=args.script,
+                            script_args=tuple(shlex.split(args.script_args)),
+                            launcher=args.launcher or ("deepspeed" if args.script else "torchrun")))
+    planner = Planner(model, cluster, train, pins, profile)
+    result = refine(planner, Path(args.out), settings, _say)
+    print(describe_plan(result.plan))
+    print(describe_trials(result.records, winner=result.plan.measured.trial))
+    print(f"study {result.study_name} in {result.storage}: {len(result.records)} trials "
+          f"({result.new_trials} run now) over {result.candidates} candidates")
+    stored = store_calibration(profile, result.calibration, source)
+    print(f"calibration: {result.calibration.describe()}; saved with the profile {stored}")
+    written = write_artifacts(result.plan, Path(args.out))
+    written += write_trials(result.records, result.plan, Path(args.out))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
 def _cmd_tune(args: argparse.Namespace, write: bool) -> int:
     from dsauto.report import describe_plan, describe_alternatives
 
+    if write and args.trials:
+        return _cmd_refine(args)
     plans, seconds = _search(args)
     print(describe_plan(plans[0]))
     if len(plans) > 1:
@@ -251,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The CLI uses DeepSpeed only to parse configs; its CPU accelerator spares the auto-detection
     # (and its warning on machines without a GPU). Training processes choose their own.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         args = build_parser().parse_args(argv)
         if args.command == "profile":
@@ -266,6 +352,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dsauto: interrupted", file=sys.stderr)
         return 130
+
+
+def _terminate(signum: int, frame) -> None:
+    # A terminated tune stops like an interrupted one: the running trial's processes are killed and
+    # the trial is marked interrupted, so a rerun measures it again.
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -126,6 +126,24 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class Measurement:
+    """What real training steps of the plan measured (``dsauto tune --trials``)."""
+
+    step_seconds: float
+    """Median time of one optimizer step over the timed steps, the slowest rank's."""
+    tokens_per_second: float
+    """Training throughput over the whole cluster at that step time."""
+    peak_memory_bytes: int
+    """Most live tensor bytes on any rank during a step."""
+    steps: int
+    """Timed steps behind the median."""
+    trial: int
+    """Number of the study's trial that measured it."""
+    study: str
+    """The study (name in its storage) that ran the trial."""
+
+
+@dataclass(frozen=True)
 class Plan:
     """A complete training configuration for one model on one cluster, and its predicted cost."""
 
@@ -175,6 +193,8 @@ class Plan:
     """Per-stage predictions."""
     prediction: Prediction
     """Whole-step prediction."""
+    measured: Measurement | None = None
+    """Real steps of this plan, when the refiner measured them; None for a plan only predicted."""
     version: int = PLAN_VERSION
     """Plan format version."""
 

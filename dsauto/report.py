@@ -5,9 +5,13 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dsauto.plan import LayerChoice, Plan
 from dsauto.units import format_bytes, format_count, format_flops, format_seconds
+
+if TYPE_CHECKING:
+    from dsauto.refine.study import TrialRecord
 
 
 def _layer_range(run: LayerChoice) -> str:
@@ -55,6 +59,15 @@ def describe_plan(plan: Plan) -> str:
         f"              compute {format_seconds(pred.compute_seconds)}, bubble "
         f"{format_seconds(pred.bubble_seconds)}, exposed comm {format_seconds(pred.exposed_comm_seconds)}, "
         f"optimizer {format_seconds(pred.optimizer_seconds)}",
+    ]
+    if plan.measured is not None:
+        got = plan.measured
+        lines.append(
+            f"  measured    step {format_seconds(got.step_seconds)} ({_relative(pred.step_seconds, got.step_seconds)} "
+            f"predicted), {format_count(got.tokens_per_second)} tokens/s, peak "
+            f"{format_bytes(got.peak_memory_bytes)} per rank ({_relative(pred.peak_memory_bytes, got.peak_memory_bytes)} "
+            f"predicted); median of {got.steps} steps, trial {got.trial} of study {got.study}")
+    lines += [
         f"  memory per rank (budget {format_bytes(plan.memory_budget_bytes)}) and time per micro-batch:",
         "    stage  layers      params     grads  optimizer  activations  transient       peak"
         "    forward   backward",
@@ -68,6 +81,11 @@ def describe_plan(plan: Plan) -> str:
             f"{format_seconds(st.backward_seconds):>10}"
         )
     return "\n".join(lines)
+
+
+def _relative(predicted: float, measured: float) -> str:
+    """How far off a prediction was, as the prediction's signed error: ``+12%`` is 12% too high."""
+    return f"{(predicted - measured) / measured:+.0%}" if measured else "n/a"
 
 
 def _run_lengths(values: Sequence[int]) -> str:
@@ -94,6 +112,27 @@ def describe_alternatives(plans: Sequence[Plan]) -> str:
             f"(+{pred.step_seconds / best - 1:.1%})  peak {format_bytes(pred.peak_memory_bytes)}"
         )
     return "\n".join(lines)
+
+
+def describe_trials(records: Sequence[TrialRecord], winner: int | None = None) -> str:
+    """The study's trials as a table: candidate, predicted and measured step and peak, status."""
+    header = (f"{'trial':>5}  {'candidate':<44} {'predicted':>10} {'measured':>10} {'pred. peak':>10} "
+              f"{'meas. peak':>10}  status")
+    lines = ["trials:", header]
+    for r in sorted(records, key=lambda r: r.number):
+        mark = " *" if r.number == winner else ""
+        lines.append(
+            f"{r.number:>5}  {r.label[:44]:<44} {_maybe(r.predicted_seconds, format_seconds):>10} "
+            f"{_maybe(r.measured_seconds, format_seconds):>10} {_maybe(r.predicted_peak_bytes, format_bytes):>10} "
+            f"{_maybe(r.measured_peak_bytes, format_bytes):>10}  {r.status}{mark}"
+            + (f" ({r.reason})" if r.reason else ""))
+    if winner is not None:
+        lines.append("  * the fastest measured plan within the budget: the one written")
+    return "\n".join(lines)
+
+
+def _maybe(value, fmt) -> str:
+    return "-" if value is None else fmt(value)
 
 
 class SearchProgress:

@@ -17,7 +17,7 @@ bandwidth, capped by the intra-node link.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dsauto.spec.cluster import ClusterSpec
 
@@ -117,3 +117,15 @@ def measured(group: Group, fits: Sequence[tuple[str, float, float]]) -> Group:
     """``group`` with the fitted operations of its size and scope, or unchanged when none were."""
     return MeasuredGroup(group.size, group.bandwidth_bytes_per_second, group.latency_seconds,
                          tuple(fits)) if fits else group
+
+
+def scaled(group: Group, factor: float) -> Group:
+    """``group`` with every collective taking ``factor`` times as long (a calibration factor):
+    bandwidths divided and latencies multiplied by it."""
+    if factor == 1.0:
+        return group
+    fitted = tuple((op, latency * factor, bandwidth / factor)
+                   for op, latency, bandwidth in getattr(group, "fitted", ()))
+    extra = {"fitted": fitted} if isinstance(group, MeasuredGroup) else {}
+    return replace(group, bandwidth_bytes_per_second=group.bandwidth_bytes_per_second / factor,
+                   latency_seconds=group.latency_seconds * factor, **extra)

@@ -14,10 +14,10 @@ the parameters too. Activations per token follow :mod:`dsauto.spec.model` (Korth
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
-from dsauto.cost.collectives import Group, dp_group, measured, pp_link, tp_group
+from dsauto.cost.calibration import IDENTITY, Calibration
+from dsauto.cost.collectives import Group, dp_group, measured, pp_link, scaled, tp_group
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import LayerGroup
@@ -82,11 +82,14 @@ class CostModel:
     """Prices layers for one cluster, workload and strategy; cheap to build, pure to call."""
 
     def __init__(self, cluster: ClusterSpec, train: TrainSpec, strategy: Strategy, hidden_size: int,
-                 profile: Profile | None = None):
+                 profile: Profile | None = None, calibration: Calibration | None = None):
+        """``calibration`` overrides the factors stored with the profile (the identity without one)."""
         self.cluster, self.train, self.strategy = cluster, train, strategy
         # A profile measured at another sequence length or dtype does not describe this workload.
         usable = profile is not None and profile.seq_len == train.seq_len and profile.dtype == train.dtype
         self.profile = profile if usable else None
+        stored = self.profile.calibration if self.profile is not None else None
+        self.calibration = calibration or stored or IDENTITY
         self.hidden_size = hidden_size
         device = cluster.device
         self.peak_flops = device.flops(train.dtype)
@@ -100,6 +103,8 @@ class CostModel:
             self.tp = measured(self.tp, self._fits(strategy.tp, strategy.tp > cluster.devices_per_node))
             self.dp = measured(self.dp, self._fits(strategy.dp, strategy.tp * strategy.dp > cluster.devices_per_node))
             self.pp = measured(self.pp, self._fits(2, strategy.tp * strategy.dp >= cluster.devices_per_node, ("send_recv",)))
+        comm = self.calibration.communication
+        self.tp, self.dp, self.pp = scaled(self.tp, comm), scaled(self.dp, comm), scaled(self.pp, comm)
         self.tokens = strategy.micro_batch * train.seq_len
         # Mixed precision: 16-bit activations, params and grads, 12 bytes of fp32 optimizer state
         # (ZeRO paper, Sec. 3.1). Pure fp32 without ZeRO: 4-byte params and grads, 8 bytes of Adam
@@ -130,14 +135,16 @@ class CostModel:
         else:
             unsplit = profile.layer_modules.get("1", 0)
             modules = profile.layer_modules.get(str(option.split), unsplit + MATRICES_PER_LAYER * (option.split - 1))
-        return modules * profile.zero3_module_seconds
+        return modules * profile.zero3_module_seconds * self.calibration.zero3_hooks
 
     def optimizer_seconds(self, params: float) -> float:
         """One optimizer update of ``params`` parameters on this rank: measured per parameter when
         profiled, else the memory traffic of Adam over the device bandwidth."""
         if self.profile is not None and self.profile.optimizer_seconds_per_param > 0:
-            return params * self.profile.optimizer_seconds_per_param
-        return self.memory_seconds(params * ADAM_BYTES_PER_PARAM)
+            seconds = params * self.profile.optimizer_seconds_per_param
+        else:
+            seconds = self.memory_seconds(params * ADAM_BYTES_PER_PARAM)
+        return seconds * self.calibration.optimizer
 
     def matmul_seconds(self, flops: float, dim: float) -> float:
         """A GEMM of ``flops`` whose smallest dimension is ``dim``: efficiency saturates with size."""
@@ -182,8 +189,9 @@ class CostModel:
         tp_comm = self.tp.all_reduce(group.tp_comm_bytes_per_token * tokens)
         # Each extra slice launches its matmul and the accumulation of partial results again.
         launches = (option.split - 1) * 2 * self.cluster.device.kernel_launch_seconds
-        forward = matmul + attention + elementwise + tp_comm + launches
-        backward = 2 * (matmul + attention + elementwise + launches) + tp_comm
+        speed = self.calibration.compute
+        forward = speed * (matmul + attention + elementwise) + tp_comm + launches
+        backward = 2 * (speed * (matmul + attention + elementwise) + launches) + tp_comm
         if option.checkpoint:
             backward += forward  # recomputation: one more forward inside backward
         # Measured compute replaces the roofline where the profile has the layer (interpolated in
@@ -191,8 +199,8 @@ class CostModel:
         sample = (self.profile.estimate(group.name, t, s.micro_batch, option.checkpoint)
                   if self.profile is not None else None)
         if sample is not None:
-            forward = sample.forward_seconds + tp_comm + launches
-            backward = sample.backward_seconds + tp_comm + 2 * launches
+            forward = speed * sample.forward_seconds + tp_comm + launches
+            backward = speed * sample.backward_seconds + tp_comm + 2 * launches
 
         # Parameters on this rank and their memory.
         local_params = group.tp_params / t + (group.params - group.tp_params)
@@ -271,6 +279,10 @@ class CostModel:
             transient += tokens * group.logits_bytes_per_token / t / option.split
 
         optimizer_params = local_params / (dp if s.zero_stage >= 1 else 1)
+        static, dynamic = self.calibration.static_memory, self.calibration.activation_memory
+        params_bytes, grads_bytes, optimizer_bytes = (static * params_bytes, static * grads_bytes,
+                                                      static * optimizer_bytes)
+        activation, transient = dynamic * activation, dynamic * transient
         return LayerCost(
             forward_seconds=forward,
             backward_seconds=backward,

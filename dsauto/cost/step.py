@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dsauto.cost.calibration import Calibration
 from dsauto.cost.layer import CostModel, LayerCost, gathered_unit_params
 from dsauto.cost.pipeline import pipeline_seconds
 from dsauto.cost.strategy import LayerOption, Strategy
@@ -98,18 +99,26 @@ def stage_constant_bytes(strategy: Strategy, bucket: int, grads_bytes: float) ->
 
 def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: Strategy,
                  stage_layers: Sequence[int], options: Sequence[LayerOption],
-                 profile: Profile | None = None) -> StepPrediction:
+                 profile: Profile | None = None, calibration: Calibration | None = None,
+                 reduce_bucket: int | None = None, prefetch_bucket: int | None = None) -> StepPrediction:
     """Predicts a step of ``strategy`` with ``stage_layers`` transformer layers per stage and one
     option per flat layer (``len(options) == num_layers + 2``), from measured layer costs where
-    ``profile`` has them."""
+    ``profile`` has them, corrected by ``calibration`` (default: the profile's).
+
+    ``reduce_bucket`` and ``prefetch_bucket`` (bytes) price other buffer sizes than the ones the
+    search picks (:func:`bucket_bytes`, :func:`prefetch_bytes`): the refiner tries both."""
     num_layers = model.num_layers
     if len(options) != num_layers + 2:
         raise ValueError(f"{len(options)} options for {num_layers + 2} layers")
     groups = layer_groups(model, train.seq_len, train.dtype_bytes, strategy.tp)
-    cost = CostModel(cluster, train, strategy, model.hidden_size, profile)
+    cost = CostModel(cluster, train, strategy, model.hidden_size, profile, calibration)
     m, pp = strategy.grad_accum, strategy.pp
     p2p = cost.p2p_seconds() if pp > 1 else 0.0
-    bucket = bucket_bytes(groups, strategy.tp, train.dtype_bytes)
+    bucket = bucket_bytes(groups, strategy.tp, train.dtype_bytes) if reduce_bucket is None else reduce_bucket
+    # The emitted config lets ZeRO-3 hold two prefetch units gathered (stage3_max_live_parameters);
+    # a larger unit than the search's own holds that much more at once.
+    default_prefetch = prefetch_bytes(groups, strategy.tp, train.dtype_bytes, options, num_layers)
+    extra_gathered = 2 * max(0, (prefetch_bucket or default_prefetch) - default_prefetch)
 
     stages, tails, times = [], [], []
     hardware_flops = 0.0
@@ -129,6 +138,8 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         optim = sum(c.optimizer_bytes for c in costs)
         layer_transient = max((c.transient_bytes for c in costs), default=0.0)  # a stage may be empty
         transient = layer_transient + stage_constant_bytes(strategy, bucket, grads)
+        if any(options[j].shard_params for j in range(first, last + 1)):
+            transient += extra_gathered * cost.calibration.activation_memory
         if strategy.zero_stage == 0 and strategy.dp > 1:
             # Without ZeRO, autograd creates each gradient as backward reaches its layer, and the
             # flattened copy for the all-reduce exists only after backward, when the activations

@@ -5,13 +5,18 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsauto.emit.ds_config import ds_config, validate_ds_config, write_ds_config
 from dsauto.emit.megatron import write_megatron_args
 from dsauto.emit.plan_yaml import write_plan_yaml
-from dsauto.emit.plot import plot_plan
+from dsauto.emit.plot import plot_plan, plot_trials
 from dsauto.plan import Plan
+
+if TYPE_CHECKING:
+    from dsauto.refine.study import TrialRecord  # noqa: F401 (annotations)
 
 DS_CONFIG_NAME = "ds_config.json"
 MEGATRON_ARGS_NAME = "megatron_args.txt"
@@ -46,6 +51,39 @@ def write_artifacts(plan: Plan, out_dir: Path | str) -> list[Path]:
             target = out_dir / path.name
             os.replace(path, target)  # atomic on one file system: never a partial file at target
             written.append(target)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+TRIALS_PNG_NAME = "trials.png"
+TRIALS_CSV_NAME = "trials.csv"
+
+
+def write_trials(records: Sequence[TrialRecord], plan: Plan, out_dir: Path | str) -> list[Path]:
+    """Writes ``trials.csv`` (one row per trial) and ``trials.png`` (measured against predicted)
+    into ``out_dir``, each atomically."""
+    import csv
+    import dataclasses
+    import io
+
+    from dsauto.refine.study import TrialRecord
+
+    out_dir = Path(out_dir)
+    winner = plan.measured.trial if plan.measured is not None else None
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=[f.name for f in dataclasses.fields(TrialRecord)])
+    writer.writeheader()
+    for record in sorted(records, key=lambda r: r.number):
+        writer.writerow(dataclasses.asdict(record))
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-dsauto-", dir=out_dir.parent))
+    try:
+        (staging / TRIALS_CSV_NAME).write_text(text.getvalue())
+        plot_trials(records, plan.memory_budget_bytes, staging / TRIALS_PNG_NAME, winner)
+        written = []
+        for name in (TRIALS_CSV_NAME, TRIALS_PNG_NAME):
+            os.replace(staging / name, out_dir / name)
+            written.append(out_dir / name)
         return written
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -7,11 +7,16 @@ so no global backend or figure registry of the calling process is touched.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsauto.cost.pipeline import simulate_1f1b
 from dsauto.plan import Plan
 from dsauto.units import GiB, format_bytes, format_seconds
+
+if TYPE_CHECKING:
+    from dsauto.refine.study import TrialRecord
 
 MAX_DRAWN_OPS = 4000
 """Stages x micro-batches up to which the whole step is drawn; above it only the first micro-batches."""
@@ -181,3 +186,53 @@ def _draw_timeline(ax, plan: Plan, height_in: float) -> None:
     ax.legend(handles=[Patch(color=_FORWARD_COLOR, label="forward"),
                        Patch(color=_BACKWARD_COLOR, label="backward")],
               loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+
+
+_STATUS_STYLE = {
+    "complete": ("o", "#4c72b0"),
+    "infeasible": ("x", "#c44e52"),
+    "failed": ("s", "#8c8c8c"),
+}
+
+
+def plot_trials(records: Sequence[TrialRecord], budget_bytes: int, path: Path | str,
+                winner: int | None = None) -> Path:
+    """``trials.png``: measured against predicted step time and peak memory of every measured trial
+    (the diagonal is a perfect prediction; the red line is the memory budget)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.6), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    time_ax, memory_ax = fig.subplots(1, 2)
+    measured = [r for r in records if r.measured_seconds is not None and r.predicted_seconds is not None]
+    for status, (marker, color) in _STATUS_STYLE.items():
+        rows = [r for r in measured if r.status == status]
+        if not rows:
+            continue
+        time_ax.scatter([r.predicted_seconds * 1e3 for r in rows], [r.measured_seconds * 1e3 for r in rows],
+                        marker=marker, color=color, label=status)
+        memory_ax.scatter([r.predicted_peak_bytes / GiB for r in rows], [r.measured_peak_bytes / GiB for r in rows],
+                          marker=marker, color=color, label=status)
+    for r in measured:
+        time_ax.annotate(str(r.number), (r.predicted_seconds * 1e3, r.measured_seconds * 1e3), fontsize=7,
+                         xytext=(3, 3), textcoords="offset points")
+        if r.number == winner:
+            time_ax.scatter([r.predicted_seconds * 1e3], [r.measured_seconds * 1e3], s=160,
+                            facecolors="none", edgecolors="black", label="written plan")
+    for ax, values, unit in ((time_ax, [v for r in measured for v in (r.predicted_seconds * 1e3, r.measured_seconds * 1e3)], "ms"),
+                             (memory_ax, [v for r in measured for v in (r.predicted_peak_bytes / GiB, r.measured_peak_bytes / GiB)], "GiB")):
+        if values:
+            low, high = min(values) * 0.9, max(values) * 1.1
+            ax.plot([low, high], [low, high], color="#999999", linewidth=0.8, linestyle="--")
+        ax.set_xlabel(f"predicted ({unit})")
+        ax.set_ylabel(f"measured ({unit})")
+    memory_ax.axhline(budget_bytes / GiB, color="#c44e52", linewidth=1.0, label=f"budget {format_bytes(budget_bytes)}")
+    time_ax.set_title("step time per trial")
+    memory_ax.set_title("peak memory per rank")
+    time_ax.legend(fontsize=8)
+    memory_ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    return path

@@ -216,3 +216,30 @@ def _slowest_rank(layers: tuple[LayerMeasurement, ...], optimizer_rate: float,
     slowest = tuple(dataclasses.replace(m, forward_seconds=values[2 * i], backward_seconds=values[2 * i + 1])
                     for i, m in enumerate(layers))
     return slowest, values[-1]
+
+
+def launch_profile(model: str, dtype: Dtype, seq_len: int, tps: Sequence[int], ranks: int,
+                   out_dir: Path | str, progress: Report | None = None) -> None:
+    """Run ``dsauto profile`` on ``ranks`` local processes (torchrun), so that the collectives and the
+    ZeRO-3 hook cost are measured too; ``model`` is what ``--model`` takes. Raises DsautoError with
+    the last lines of its output when it fails."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "-m",
+               "dsauto.cli", "profile", "--model", model, "--dtype", dtype, "--seq-len", str(seq_len),
+               "--tp", ",".join(map(str, tps)), "--out", str(out_dir)]
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("OMP_NUM_THREADS", "1")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    tail: list[str] = []
+    assert process.stdout is not None
+    for line in process.stdout:
+        tail = (tail + [line.rstrip()])[-5:]
+        if progress and (line.startswith("[") or line.startswith("wrote") or line.startswith("reused")):
+            progress(line.rstrip())
+    if process.wait() != 0:
+        raise DsautoError(f"Profiling {model} on {ranks} ranks failed (exit code {process.returncode}): "
+                          f"{' / '.join(tail)}; run `{' '.join(command[1:])}` to see why.")

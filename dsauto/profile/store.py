@@ -9,6 +9,7 @@ one unless told ``--force``, and ``dsauto tune --profile DIR`` loads the one mat
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsauto.cost.calibration import Calibration
 from dsauto.errors import DsautoError
 from dsauto.profile.collectives import CollectiveFit
 from dsauto.profile.layers import LayerMeasurement
@@ -57,6 +59,9 @@ class Profile:
     splitting factor (``"1"``, ``"2"``, ...)."""
     world_size: int = 1
     """Ranks the profile ran on."""
+    calibration: Calibration | None = None
+    """Correction factors fitted to measured training steps by ``dsauto tune --trials``; every
+    search that uses this profile applies them. None until a tune has measured steps."""
     version: int = PROFILE_VERSION
     """Profile format version."""
     _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -161,10 +166,22 @@ def save_profile(profile: Profile, directory: Path | str) -> Path:
     path = profile_path(directory, profile.model, profile.device, profile.dtype, profile.seq_len,
                         profile.versions)
     path.parent.mkdir(parents=True, exist_ok=True)
+    return _write(profile, path)
+
+
+def _write(profile: Profile, path: Path) -> Path:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
     tmp.replace(path)
     return path
+
+
+def store_calibration(profile: Profile, calibration: Calibration, source: Path | str) -> Path:
+    """Save ``profile`` with ``calibration`` where it was found: the file ``source``, or its keyed
+    file in the folder ``source`` (atomically). Later searches that use the profile apply it."""
+    source = Path(source)
+    calibrated = dataclasses.replace(profile, calibration=calibration)
+    return _write(calibrated, source) if source.is_file() else save_profile(calibrated, source)
 
 
 def load_profile(path: Path | str) -> Profile:

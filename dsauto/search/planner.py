@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dsauto.cost.calibration import Calibration
 from dsauto.cost.layer import CostModel
 from dsauto.cost.step import (bucket_bytes, in_flight, layer_group_of, predict_step,
                               prefetch_bytes, stage_constant_bytes)
@@ -93,14 +94,18 @@ class Planner:
     """Searches plans for one model, cluster and workload. Pure: same inputs, same plans."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
-                 pins: Constraints | None = None, profile: Profile | None = None):
+                 pins: Constraints | None = None, profile: Profile | None = None,
+                 calibration: Calibration | None = None):
+        """``calibration`` overrides the correction factors stored with ``profile``."""
         self.model, self.cluster, self.train = model, cluster, train
         self.pins = pins or Constraints()
         self.profile = profile
+        self.calibration = calibration
 
     def _price(self, strategy: Strategy) -> _Priced:
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
-        cost = CostModel(self.cluster, self.train, strategy, self.model.hidden_size, self.profile)
+        cost = CostModel(self.cluster, self.train, strategy, self.model.hidden_size, self.profile,
+                         self.calibration)
         options = layer_options(strategy)
         shape = (3, len(options))
         time, compute, static, act, trans = (np.full(shape, np.inf), np.full(shape, np.inf),
@@ -240,10 +245,12 @@ class Planner:
         return [plan for _, _, plan in sorted(kept, key=lambda e: (-e[0], -e[1]))]
 
     def build_plan(self, strategy: Strategy, stage_layers: Sequence[int],
-                   options: Sequence[LayerOption]) -> Plan:
-        """The Plan of an explicit assignment, with its prediction (also used to price given configs)."""
+                   options: Sequence[LayerOption], reduce_bucket: int | None = None,
+                   prefetch_bucket: int | None = None) -> Plan:
+        """The Plan of an explicit assignment, with its prediction (also used to price given configs);
+        ``reduce_bucket`` and ``prefetch_bucket`` (bytes) replace the buffer sizes the search picks."""
         step = predict_step(self.model, self.cluster, self.train, strategy, stage_layers, options,
-                            self.profile)
+                            self.profile, self.calibration, reduce_bucket, prefetch_bucket)
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
         stage_of = [i for i, (first, last) in enumerate(stage_bounds(stage_layers))
                     for _ in range(first, last + 1)]
@@ -267,8 +274,10 @@ class Planner:
             seq_len=self.train.seq_len, dtype=self.train.dtype,
             flash_attention=self.train.flash_attention,
             padded_vocab_size=self.model.padded_vocab_size(strategy.tp),
-            stage_layers=tuple(stage_layers), reduce_bucket_bytes=bucket,
-            prefetch_bucket_bytes=prefetch_bytes(groups, strategy.tp, self.train.dtype_bytes, options,
-                                                 self.model.num_layers),
+            stage_layers=tuple(stage_layers),
+            reduce_bucket_bytes=bucket if reduce_bucket is None else reduce_bucket,
+            prefetch_bucket_bytes=(prefetch_bytes(groups, strategy.tp, self.train.dtype_bytes, options,
+                                                  self.model.num_layers)
+                                   if prefetch_bucket is None else prefetch_bucket),
             layers=tuple(runs), stages=step.stages, prediction=step.prediction,
         )

@@ -1,0 +1,58 @@
+"""Correction factors that measured training steps fit to the cost model (:mod:`dsauto.refine.calibrate`).
+
+Each factor scales one part of the model as a whole: a factor of 1.0 leaves it as priced. They are
+stored with the profile (:class:`dsauto.profile.store.Profile`), so every later search that prices
+layers from that profile uses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Multipliers on the parts of the cost model, fitted to measured steps."""
+
+    compute: float = 1.0
+    """Layer forward and backward compute (measured layer times or the roofline)."""
+    communication: float = 1.0
+    """Every collective: ZeRO gathers and reductions, gradient all-reduce, tensor-parallel and
+    pipeline transfers."""
+    zero3_hooks: float = 1.0
+    """ZeRO-3's per-module hook time."""
+    optimizer: float = 1.0
+    """The optimizer update."""
+    static_memory: float = 1.0
+    """Parameters, gradients and optimizer states."""
+    activation_memory: float = 1.0
+    """Activations kept for backward and per-layer transients (gathered parameters, logits)."""
+    trials: int = 0
+    """Measured steps the factors were fitted to (0: not fitted)."""
+    time_error_before: float = 0.0
+    """RMS relative error of the step-time predictions on those steps without the factors."""
+    time_error_after: float = 0.0
+    """The same with the factors."""
+    memory_error_before: float = 0.0
+    """RMS relative error of the peak-memory predictions on those steps without the factors."""
+    memory_error_after: float = 0.0
+    """The same with the factors."""
+
+    def __post_init__(self) -> None:
+        for name in TIME_FACTORS + MEMORY_FACTORS:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"calibration factor {name} must be positive, got {getattr(self, name)}")
+
+    def describe(self) -> str:
+        factors = ", ".join(f"{name.replace('_', ' ')} x{getattr(self, name):.2f}"
+                            for name in TIME_FACTORS + MEMORY_FACTORS)
+        return (f"{factors} (fitted to {self.trials} measured steps: time error "
+                f"{self.time_error_before:.1%} -> {self.time_error_after:.1%}, memory error "
+                f"{self.memory_error_before:.1%} -> {self.memory_error_after:.1%})")
+
+
+TIME_FACTORS = ("compute", "communication", "zero3_hooks", "optimizer")
+MEMORY_FACTORS = ("static_memory", "activation_memory")
+FACTORS = tuple(f.name for f in fields(Calibration) if f.name in TIME_FACTORS + MEMORY_FACTORS)
+
+IDENTITY = Calibration()

@@ -1,0 +1,201 @@
+"""Running one trial: real training steps of one plan, in fresh processes, with a timeout.
+
+Two harnesses measure the same things (:class:`dsauto.profile.steps.StepMeasurement`):
+
+- the built-in one trains dsauto's reference implementation of the model on random tokens,
+  launched with torchrun (``-m dsauto.profile.steps``);
+- the user's own DeepSpeed script, launched with the DeepSpeed launcher (or torchrun) with
+  ``DSAUTO_TRIAL`` pointing at the trial's request: ``dsauto.deepspeed.initialize`` in the script
+  then trains the trial's config, measures the steps and ends the script
+  (:mod:`dsauto.refine.trial_hook`).
+
+The outcome is ``complete``, ``infeasible`` (the measured peak is over the memory budget), or
+``failed`` with the reason: out of memory, killed, a crash (its last error line), or a hang (no
+result within the timeout: the whole process group is killed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from dsauto.emit.ds_config import ds_config
+from dsauto.errors import DsautoError
+from dsauto.plan import Plan
+from dsauto.profile.steps import StepMeasurement
+from dsauto.serde import from_dict
+from dsauto.units import format_bytes
+
+Status = Literal["complete", "infeasible", "failed"]
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """How every trial of a tune runs."""
+
+    steps: int = 5
+    """Timed optimizer steps (their median is the trial's step time)."""
+    warmup_steps: int = 2
+    """Untimed steps before timing."""
+    memory_steps: int = 2
+    """First steps, with the memory tracker on (not timed: tracking slows steps down)."""
+    timeout_seconds: float = 600.0
+    """A trial with no result after this long is killed and counted as hung."""
+    script: str | None = None
+    """The user's training script; None runs the built-in harness."""
+    script_args: tuple[str, ...] = ()
+    """Arguments of the user's script."""
+    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+    """Launcher of the trial's processes (one per rank, on this machine)."""
+    launcher_args: tuple[str, ...] = ()
+    """Extra launcher arguments (e.g. ``--hostfile`` for the DeepSpeed launcher)."""
+
+    def __post_init__(self) -> None:
+        if min(self.steps, self.warmup_steps + 1, self.memory_steps + 1) < 1:
+            raise DsautoError(f"Trials need at least 1 timed step and no negative warm-up or memory "
+                              f"steps, got {self.steps}, {self.warmup_steps} and {self.memory_steps}.")
+        if self.timeout_seconds <= 0:
+            raise DsautoError(f"The trial timeout must be positive, got {self.timeout_seconds} s.")
+        if self.script is not None and not Path(self.script).is_file():
+            raise DsautoError(f"The training script {self.script} does not exist; pass the path of "
+                              f"your DeepSpeed script to --script.")
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """What one trial gave."""
+
+    status: Status
+    """``complete``, ``infeasible`` (over the memory budget) or ``failed``."""
+    reason: str
+    """Why it was infeasible or failed; empty when complete."""
+    measurement: StepMeasurement | None
+    """The measured steps (also for an infeasible trial); None when it failed."""
+    wall_seconds: float
+    """Wall time of the whole trial, start-up included."""
+    log: str
+    """Path of the trial's combined output."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_env(ranks: int, extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    import torch
+
+    if not torch.cuda.is_available():
+        # DeepSpeed on CPU: its CPU accelerator, and its launcher counts LOCAL_SIZE "devices".
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env["LOCAL_SIZE"] = str(ranks)
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def trial_command(settings: TrialSettings, ranks: int, plans_path: Path, out_path: Path) -> list[str]:
+    """The command line of a trial on ``ranks`` local processes."""
+    port = str(_free_port())
+    if settings.launcher == "deepspeed":
+        launch = ["deepspeed", "--include", "localhost:" + ",".join(map(str, range(ranks))),
+                  "--master_port", port, *settings.launcher_args]
+        if settings.script is None:
+            launch.append("--module")
+    else:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                  "--master_port", port, *settings.launcher_args]
+        if settings.script is None:
+            launch.append("-m")
+    if settings.script is not None:
+        return [*launch, settings.script, *settings.script_args]
+    return [*launch, "dsauto.profile.steps", "--plans", str(plans_path), "--out", str(out_path),
+            "--steps", str(settings.steps), "--warmup", str(settings.warmup_steps)]
+
+
+def _failure_reason(returncode: int, log_text: str) -> str:
+    lowered = log_text.lower()
+    if "out of memory" in lowered or "outofmemoryerror" in lowered:
+        return "out of memory"
+    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or "signal 9" in lowered or "sigkill" in lowered:
+        return "killed by SIGKILL (the machine may have run out of host memory)"
+    errors = re.findall(r"^\s*(?:\[rank\d+\]: )?([A-Za-z_.]*(?:Error|Exception)\b.*)$", log_text, re.MULTILINE)
+    errors = [e for e in errors if "ChildFailedError" not in e]
+    if errors:
+        return f"crashed: {errors[-1].strip()[:300]}"
+    return f"exited with code {returncode} without a result"
+
+
+def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | str,
+              budget_bytes: int | None = None) -> TrialOutcome:
+    """Train ``plan`` for the trial's steps on ``ranks`` local processes and judge the result
+    against ``budget_bytes`` (default: the plan's memory budget). Files go to ``work_dir``."""
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    out_path, log_path = work / "measured.json", work / "log.txt"
+    out_path.unlink(missing_ok=True)
+    extra_env: dict[str, str] = {}
+    plans_path = work / "plan.json"
+    plans_path.write_text(json.dumps([plan.to_dict()]))
+    if settings.script is not None:
+        from dsauto.refine.trial_hook import TRIAL_ENV, TrialRequest, write_request
+
+        request = work / "request.json"
+        write_request(TrialRequest(config=ds_config(plan), out=str(out_path.resolve()), steps=settings.steps,
+                                   warmup_steps=settings.warmup_steps, memory_steps=settings.memory_steps),
+                      request)
+        extra_env[TRIAL_ENV] = str(request.resolve())
+    command = trial_command(settings, ranks, plans_path, out_path)
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        # A session of its own: on a timeout or an interrupt the launcher and every rank are killed.
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=_launch_env(ranks, extra_env))
+        try:
+            returncode = process.wait(timeout=settings.timeout_seconds)
+        except subprocess.TimeoutExpired:
+            _kill_group(process)
+            return TrialOutcome("failed", f"hung: no result after {settings.timeout_seconds:.0f} s",
+                                None, time.perf_counter() - started, str(log_path))
+        except BaseException:
+            _kill_group(process)
+            raise
+    wall = time.perf_counter() - started
+    text = log_path.read_text(errors="replace")
+    if returncode != 0 or not out_path.exists():
+        return TrialOutcome("failed", _failure_reason(returncode, text), None, wall, str(log_path))
+    data = json.loads(out_path.read_text())
+    measured = from_dict(StepMeasurement, data[0] if isinstance(data, list) else data, str(out_path))
+    budget = plan.memory_budget_bytes if budget_bytes is None else budget_bytes
+    if measured.peak_bytes > budget:
+        return TrialOutcome("infeasible", f"peak {format_bytes(measured.peak_bytes)} per rank is over the "
+                            f"{format_bytes(budget)} budget", measured, wall, str(log_path))
+    return TrialOutcome("complete", "", measured, wall, str(log_path))
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """Terminate the trial's whole process group, then kill what is left."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+

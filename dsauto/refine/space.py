@@ -1,0 +1,203 @@
+"""The refiner's search space: the search's best plans and the knobs around them.
+
+The dynamic program ranks whole plans by the cost model. What the model is least sure of is left
+for real steps to settle:
+
+- which of the top plans is truly fastest (the top-K strategies, plus the best plans at the
+  neighbouring micro-batch sizes of the winner);
+- how many layers to checkpoint (one more or one fewer than the plan), where memory is close to
+  the budget and the model's activation estimate decides feasibility;
+- the reduction bucket size (ZeRO 1-3) and the ZeRO-3 prefetch size, which the model prices only
+  roughly (latency per bucket, overlap) but which change both time and memory.
+
+Every point of the space is a :class:`Candidate`: a complete, priced plan. The Optuna parameters of
+a candidate are its :class:`Knobs` (``plan``, ``checkpoint_delta``, ``bucket_scale``,
+``prefetch_scale``); a knob that does not apply to a plan is absent from its trial.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dsauto.cost.calibration import Calibration
+from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.errors import DsautoError
+from dsauto.plan import Plan, stage_bounds
+from dsauto.search.planner import Planner
+
+CHECKPOINT_DELTAS = (-1, 0, 1)
+"""Checkpointed transformer layers relative to the plan's choice."""
+BUCKET_SCALES = (0.5, 1.0, 2.0)
+"""Reduction (and ZeRO 1-2 all-gather) bucket size relative to the search's choice."""
+PREFETCH_SCALES = (1.0, 2.0)
+"""ZeRO-3 prefetch bucket (and with it the live-parameter bound) relative to the search's choice."""
+MEMORY_SLACK = 0.15
+"""Candidates predicted up to this fraction over the budget stay in the space: the memory model is
+least sure near the limit, and a measured step settles it (over the limit counts as infeasible)."""
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """A point of the space, as the study's trial parameters."""
+
+    plan: str
+    """Label of the base plan (one of the search's top plans or a micro-batch neighbour)."""
+    checkpoint_delta: int = 0
+    """Transformer layers checkpointed beyond (or, negative, below) the base plan."""
+    bucket_scale: float | None = None
+    """Reduction bucket relative to the base plan's; None where there are no buckets (ZeRO-0, dp 1)."""
+    prefetch_scale: float | None = None
+    """ZeRO-3 prefetch bucket relative to the base plan's; None where nothing is sharded."""
+
+    def params(self) -> dict[str, Any]:
+        """The Optuna parameters of this point (knobs that do not apply are left out)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> Knobs:
+        return cls(**{f.name: params.get(f.name, f.default) for f in dataclasses.fields(cls)})
+
+    def is_base(self) -> bool:
+        """The base plan itself, every knob at its search-chosen value."""
+        return self.checkpoint_delta == 0 and self.bucket_scale in (None, 1.0) and self.prefetch_scale in (None, 1.0)
+
+    def describe(self) -> str:
+        parts = [self.plan]
+        if self.checkpoint_delta:
+            parts.append(f"ckpt{self.checkpoint_delta:+d}")
+        if self.bucket_scale not in (None, 1.0):
+            parts.append(f"bucket x{self.bucket_scale:g}")
+        if self.prefetch_scale not in (None, 1.0):
+            parts.append(f"prefetch x{self.prefetch_scale:g}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One complete plan of the space, with the choices that price it again under a calibration."""
+
+    knobs: Knobs
+    """Where it sits in the space."""
+    strategy: Strategy
+    """Global choices."""
+    stage_layers: tuple[int, ...]
+    """Transformer layers per pipeline stage."""
+    options: tuple[LayerOption, ...]
+    """Per flat layer (embedding, blocks, head)."""
+    plan: Plan
+    """The plan, priced by the search's cost model."""
+
+    def price(self, planner: Planner) -> Plan:
+        """The same plan priced by ``planner`` (its profile and calibration)."""
+        return planner.build_plan(self.strategy, self.stage_layers, self.options,
+                                  self.plan.reduce_bucket_bytes, self.plan.prefetch_bucket_bytes)
+
+
+def plan_label(plan: Plan) -> str:
+    """A short name of a plan's global choices and per-layer counts, unique among the search's plans."""
+    layers = plan.model.num_layers
+    parts = [f"z{plan.zero_stage}"]
+    if plan.tp > 1 or plan.pp > 1:
+        parts.append(f"tp{plan.tp}pp{plan.pp}")
+    parts.append(f"mb{plan.micro_batch}x{plan.grad_accum}")
+    parts.append(f"ckpt{len(plan.checkpointed_layers())}/{layers}")
+    if plan.zero_stage == 3 and plan.dp > 1:
+        sharded = sum(r.last - r.first + 1 for r in plan.layers if r.shard_params)
+        parts.append(f"shard{sharded}/{layers + 2}")
+    splits = sorted({r.split for r in plan.layers if r.split > 1})
+    if splits:
+        parts.append("split" + "+".join(map(str, splits)))
+    return "-".join(parts)
+
+
+def strategy_of(plan: Plan) -> Strategy:
+    return Strategy(tp=plan.tp, pp=plan.pp, dp=plan.dp, zero_stage=plan.zero_stage,
+                    micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+                    sequence_parallel=plan.sequence_parallel)
+
+
+def options_of(plan: Plan) -> tuple[LayerOption, ...]:
+    return tuple(LayerOption(checkpoint=c.checkpoint, shard_params=c.shard_params, split=c.split)
+                 for c in (plan.layer_choice(j) for j in range(plan.model.num_layers + 2)))
+
+
+def base_plans(planner: Planner, top_k: int, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
+    """The search's ``top_k`` plans, then the best plans at half and twice the winner's micro-batch
+    (when such a micro-batch divides the batch and fits); duplicates removed, best predicted first."""
+    plans = planner.search(top_k=top_k, progress=progress)
+    best = plans[0]
+    per_replica = best.global_batch // best.dp
+    for micro_batch in (best.micro_batch // 2, best.micro_batch * 2):
+        if micro_batch < 1 or per_replica % micro_batch or planner.pins.micro_batch is not None:
+            continue
+        pins = dataclasses.replace(planner.pins, micro_batch=micro_batch, zero_stage=best.zero_stage)
+        try:
+            plans += Planner(planner.model, planner.cluster, planner.train, pins, planner.profile,
+                             planner.calibration).search(top_k=1)
+        except DsautoError:
+            continue  # nothing fits at that micro-batch
+    unique: dict[str, Plan] = {}
+    for plan in plans:
+        unique.setdefault(plan_label(plan), plan)
+    return sorted(unique.values(), key=lambda p: p.prediction.step_seconds)
+
+
+def _with_checkpoint_delta(plan: Plan, delta: int) -> tuple[LayerOption, ...] | None:
+    """The plan's options with ``delta`` more (or fewer) checkpointed transformer layers; None when
+    impossible. Layers are added in the stage with the highest predicted peak (its first layer not
+    yet checkpointed) and removed from the stage with the most room (its last checkpointed layer)."""
+    options = list(options_of(plan))
+    if delta == 0:
+        return tuple(options)
+    stages = sorted(range(plan.pp), key=lambda i: plan.stages[i].peak_bytes, reverse=delta > 0)
+    for _ in range(abs(delta)):
+        for i in stages:
+            first, last = stage_bounds(plan.stage_layers)[i]
+            blocks = [j for j in range(max(first, 1), min(last, plan.model.num_layers) + 1)]
+            pick = ([j for j in blocks if not options[j].checkpoint][:1] if delta > 0
+                    else [j for j in blocks if options[j].checkpoint][-1:])
+            if pick:
+                options[pick[0]] = dataclasses.replace(options[pick[0]], checkpoint=delta > 0)
+                break
+        else:
+            return None
+    return tuple(options)
+
+
+def candidates(planner: Planner, plans: Sequence[Plan],
+               checkpoint_deltas: Sequence[int] = CHECKPOINT_DELTAS,
+               bucket_scales: Sequence[float] = BUCKET_SCALES,
+               prefetch_scales: Sequence[float] = PREFETCH_SCALES,
+               memory_slack: float = MEMORY_SLACK) -> list[Candidate]:
+    """Every point of the space around ``plans`` that the cost model does not rule out (predicted
+    peak within ``memory_slack`` of the budget), priced by ``planner``; base plans first."""
+    budget = planner.cluster.memory_budget_bytes * (1 + memory_slack)
+    found: list[Candidate] = []
+    for plan in plans:
+        label, strategy = plan_label(plan), strategy_of(plan)
+        zero_buckets = plan.zero_stage >= 1 and plan.dp > 1
+        sharded = plan.prefetch_bucket_bytes > 0 and plan.zero_stage == 3 and plan.dp > 1
+        for delta in checkpoint_deltas:
+            options = _with_checkpoint_delta(plan, delta)
+            if options is None:
+                continue
+            for bucket_scale in (bucket_scales if zero_buckets else (None,)):
+                for prefetch_scale in (prefetch_scales if sharded else (None,)):
+                    reduce_bucket = round(plan.reduce_bucket_bytes * (bucket_scale or 1.0))
+                    prefetch_bucket = round(plan.prefetch_bucket_bytes * (prefetch_scale or 1.0))
+                    priced = planner.build_plan(strategy, plan.stage_layers, options, reduce_bucket,
+                                                prefetch_bucket)
+                    if priced.prediction.peak_memory_bytes > budget:
+                        continue
+                    knobs = Knobs(label, delta, bucket_scale, prefetch_scale)
+                    found.append(Candidate(knobs, strategy, plan.stage_layers, options, priced))
+    found.sort(key=lambda c: not c.knobs.is_base())  # stable: the base plans, then their knobs
+    return found
+
+
+def calibrated_planner(planner: Planner, calibration: Calibration | None) -> Planner:
+    """``planner`` with other correction factors."""
+    return Planner(planner.model, planner.cluster, planner.train, planner.pins, planner.profile, calibration)

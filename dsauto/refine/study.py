@@ -1,0 +1,297 @@
+"""``dsauto tune --trials N``: an Optuna study that measures real steps of the search's best plans.
+
+The study lives in persistent storage (SQLite in the output folder by default, or any Optuna RDB
+URL), named after the problem (model, cluster, workload, pins, trial settings), so that
+
+- a rerun after an interruption continues the same study: finished trials are kept and never run
+  again; the trial that was cut off is marked ``interrupted`` and its candidate is free again;
+- several machines pointed at one storage share the study: each runs trials on its own ranks, the
+  sampler never proposes a candidate another machine is measuring, and ``--trials`` is the total
+  over all of them (heartbeats fail the trials of a machine that died).
+
+The first run stores the space (the base plans and the candidates' knobs) in the study, so that
+every later run, on any machine, refines exactly the same space even though calibration changes the
+search's own ranking. When the budget is spent, the measured steps calibrate the cost model (saved
+with the profile) and the fastest feasible measured plan is the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from dsauto.cost.calibration import Calibration
+from dsauto.errors import DsautoError
+from dsauto.plan import Measurement, Plan
+from dsauto.refine.calibrate import fit_calibration
+from dsauto.refine.runner import TrialOutcome, TrialSettings, run_trial
+from dsauto.refine.sampler import (
+    PEAK,
+    STATUS,
+    STEP,
+    CostModelSampler,
+    key_of,
+    knob_rules,
+    suggest,
+)
+from dsauto.refine.space import Candidate, Knobs, base_plans, candidates, plan_label
+from dsauto.search.planner import Planner
+from dsauto.serde import to_dict
+from dsauto.units import format_bytes, format_seconds
+
+STUDY_FILE = "dsauto-study.db"
+"""Default storage: an SQLite file in the output folder."""
+FINISHED = ("complete", "infeasible", "failed")
+"""Trial statuses that count towards the budget (``interrupted`` and ``outside`` do not)."""
+HEARTBEAT_SECONDS = 30
+"""A running trial's machine writes a heartbeat this often (RDB storages) ..."""
+GRACE_SECONDS = 120
+"""... and after this long without one, any machine may fail the trial as stale."""
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """What ``dsauto tune --trials`` spends and where it keeps the study."""
+
+    trials: int
+    """Finished trials the study should have in total (over every run and machine)."""
+    top_plans: int = 4
+    """Strategies of the search the space starts from (micro-batch neighbours of the best are added)."""
+    storage: str | None = None
+    """Optuna storage URL; None: SQLite in the output folder."""
+    study_name: str | None = None
+    """None: named after the problem, so reruns resume it."""
+    trial: TrialSettings = field(default_factory=TrialSettings)
+    """How each trial runs."""
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One trial of the study, for the table and the plot."""
+
+    number: int
+    label: str
+    """The candidate (base plan and knobs)."""
+    status: str
+    """``complete``, ``infeasible``, ``failed``, ``interrupted``, ``running`` or ``outside``."""
+    reason: str
+    predicted_seconds: float | None
+    predicted_peak_bytes: int | None
+    measured_seconds: float | None
+    measured_peak_bytes: int | None
+    wall_seconds: float | None
+    host: str
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The outcome of a refined tune."""
+
+    plan: Plan
+    """The fastest feasible measured plan, with its prediction and measurement."""
+    records: tuple[TrialRecord, ...]
+    calibration: Calibration
+    """Correction factors fitted to every measured step of the study."""
+    study_name: str
+    storage: str
+    new_trials: int
+    """Trials this run measured (the rest were in the study already)."""
+    candidates: int
+    """Size of the space."""
+
+
+def study_name_for(planner: Planner, settings: TuneSettings) -> str:
+    """A name that is the same for the same problem and trial settings, and differs otherwise."""
+    trial = settings.trial
+    key = json.dumps([to_dict(planner.model), to_dict(planner.cluster), to_dict(planner.train),
+                      to_dict(planner.pins), settings.top_plans, trial.steps, trial.warmup_steps,
+                      trial.memory_steps, trial.script, list(trial.script_args)], sort_keys=True, default=str)
+    return f"dsauto-{planner.model.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    """An Optuna storage for ``url`` with heartbeats (RDB URLs), or a clear error."""
+    try:
+        return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_SECONDS, grace_period=GRACE_SECONDS)
+    except Exception as exc:  # SQLAlchemy reports bad URLs and unreachable servers in many ways
+        raise DsautoError(f"Cannot open the study storage {url}: {str(exc).splitlines()[0]}; pass an "
+                          f"Optuna RDB URL such as sqlite:///study.db or postgresql://host/db to --storage.") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _free_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage, say: Say) -> None:
+    """Trials left running by a tune on this machine that is gone: fail them as interrupted."""
+    host = socket.gethostname()
+    study_id = storage.get_study_id_from_name(study.study_name)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if t.user_attrs.get("host") == host and not _alive(int(t.user_attrs.get("pid", -1))):
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
+            storage.set_trial_user_attr(trial_id, STATUS, "interrupted")
+            storage.set_trial_state_values(trial_id, TrialState.FAIL)
+            say(f"trial {t.number} was cut off by an earlier run; its candidate will be measured again")
+
+
+def _space(study: optuna.Study, planner: Planner, settings: TuneSettings, say: Say) -> list[Candidate]:
+    """The study's space: stored by its first run, else searched now and stored."""
+    stored = study.user_attrs.get("base_plans")
+    if stored is not None:
+        plans = [Plan.from_dict(p, f"the base plans of study {study.study_name}") for p in stored]
+        keys = set(study.user_attrs.get("candidates", []))
+        space = [c for c in candidates(planner, plans, memory_slack=float("inf")) if key_of(c.knobs) in keys]
+        say(f"resuming study {study.study_name}: {len(space)} candidates around {len(plans)} plans")
+        return space
+    plans = base_plans(planner, settings.top_plans)
+    space = candidates(planner, plans)
+    study.set_user_attr("base_plans", [p.to_dict() for p in plans])
+    study.set_user_attr("candidates", [key_of(c.knobs) for c in space])
+    say(f"space: {len(space)} candidates around {len(plans)} plans "
+        f"({', '.join(plan_label(p) for p in plans)})")
+    return space
+
+
+def _finished(study: optuna.Study) -> int:
+    return sum(t.user_attrs.get(STATUS) in FINISHED for t in study.get_trials(deepcopy=False))
+
+
+def _record(t: optuna.trial.FrozenTrial) -> TrialRecord:
+    a = t.user_attrs
+    status = a.get(STATUS, "running" if t.state == TrialState.RUNNING else "interrupted")
+    return TrialRecord(
+        number=t.number, label=Knobs.from_params(t.params).describe() if "plan" in t.params else "?",
+        status=status, reason=a.get("reason", ""), predicted_seconds=a.get("predicted_seconds"),
+        predicted_peak_bytes=a.get("predicted_peak_bytes"), measured_seconds=a.get(STEP),
+        measured_peak_bytes=a.get(PEAK), wall_seconds=a.get("wall_seconds"), host=a.get("host", ""))
+
+
+def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: Say = print) -> TuneResult:
+    """Run the study until it has ``settings.trials`` finished trials (or no promising candidate is
+    left) and return the fastest feasible measured plan. ``say`` gets one line per event."""
+    if settings.trials < 1:
+        raise DsautoError(f"--trials must be at least 1, got {settings.trials}.")
+    cluster = planner.cluster
+    if cluster.nodes > 1:
+        raise DsautoError(f"Trials launch their ranks on this machine, so they need --nodes 1 (got "
+                          f"{cluster.nodes}); run `dsauto tune --trials` on each machine with a shared "
+                          f"--storage, or plan without --trials.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    url = settings.storage or f"sqlite:///{(out / STUDY_FILE).resolve()}"
+    storage = open_storage(url)
+    name = settings.study_name or study_name_for(planner, settings)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # progress is ours, one line per trial
+    study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True)
+    _free_interrupted(study, storage, say)
+    space = _space(study, planner, settings, say)
+    if not space:
+        raise DsautoError(f"No plan of the search fits the {format_bytes(cluster.memory_budget_bytes)} "
+                          f"budget closely enough to measure; raise --memory-limit.")
+    sampler = CostModelSampler(space, planner)
+    study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+    by_key = {key_of(c.knobs): c for c in space}
+    rules = knob_rules(space)
+    host, pid = socket.gethostname(), os.getpid()
+    new_trials = 0
+
+    def objective(trial: optuna.Trial) -> float:
+        trial.set_user_attr("host", host)
+        trial.set_user_attr("pid", pid)
+        try:
+            knobs = suggest(trial, rules)
+            candidate = by_key.get(key_of(knobs))
+            if candidate is None:  # another sampler may propose combinations outside the space
+                trial.set_user_attr(STATUS, "outside")
+                raise optuna.TrialPruned()
+            pred = candidate.plan.prediction
+            trial.set_user_attr("predicted_seconds", pred.step_seconds)
+            trial.set_user_attr("predicted_peak_bytes", pred.peak_memory_bytes)
+            done = _finished(study) + 1
+            say(f"trial {trial.number} ({done}/{settings.trials}) {knobs.describe()}: predicted "
+                f"{format_seconds(pred.step_seconds)}, {format_bytes(pred.peak_memory_bytes)}; measuring "
+                f"{settings.trial.memory_steps}+{settings.trial.warmup_steps}+{settings.trial.steps} steps "
+                f"on {cluster.world_size} ranks")
+            outcome = run_trial(candidate.plan, cluster.world_size, settings.trial,
+                                out / "trials" / f"trial-{trial.number}", cluster.memory_budget_bytes)
+        except BaseException as exc:
+            if not isinstance(exc, optuna.TrialPruned):
+                trial.set_user_attr(STATUS, "interrupted")
+            raise
+        _store(trial, outcome)
+        say("  " + _outcome_line(outcome, pred.step_seconds, pred.peak_memory_bytes))
+        if outcome.status == "complete":
+            return outcome.measurement.step_seconds
+        if outcome.status == "infeasible":
+            raise optuna.TrialPruned()
+        raise TrialFailed(outcome.reason)
+
+    while _finished(study) < settings.trials:
+        if sampler.propose(study) is None:
+            say(f"no candidate left that is likely to fit and beat the best measured step "
+                f"({_finished(study)} of {settings.trials} trials used)")
+            break
+        study.optimize(objective, n_trials=1, catch=(TrialFailed,))
+        new_trials += 1
+
+    trials = study.get_trials(deepcopy=False)
+    records = tuple(_record(t) for t in trials if t.user_attrs.get(STATUS) != "outside")
+    observed = sampler.observations(study)
+    calibration = fit_calibration(planner, observed) if observed else (planner.calibration or Calibration())
+    feasible = [t for t in trials if t.user_attrs.get(STATUS) == "complete" and t.state == TrialState.COMPLETE]
+    if not feasible:
+        counts = {s: sum(r.status == s for r in records) for s in ("infeasible", "failed")}
+        raise DsautoError(f"None of the {len(records)} trials measured a plan within the "
+                          f"{format_bytes(cluster.memory_budget_bytes)} budget ({counts['infeasible']} over it, "
+                          f"{counts['failed']} failed; logs in {out / 'trials'}); raise --memory-limit or "
+                          f"fix the failures and rerun.")
+    best = min(feasible, key=lambda t: t.value)
+    winner = by_key[key_of(Knobs.from_params(best.params))]
+    tokens = winner.plan.global_batch * winner.plan.seq_len
+    measured = Measurement(step_seconds=best.value, tokens_per_second=tokens / best.value,
+                           peak_memory_bytes=int(best.user_attrs[PEAK]), steps=settings.trial.steps,
+                           trial=best.number, study=name)
+    return TuneResult(plan=replace(winner.plan, measured=measured), records=records, calibration=calibration,
+                      study_name=name, storage=url, new_trials=new_trials, candidates=len(space))
+
+
+class TrialFailed(Exception):
+    """A trial that crashed, ran out of memory or hung (the reason is in the trial's attributes)."""
+
+
+def _store(trial: optuna.Trial, outcome: TrialOutcome) -> None:
+    trial.set_user_attr(STATUS, outcome.status)
+    trial.set_user_attr("reason", outcome.reason)
+    trial.set_user_attr("wall_seconds", outcome.wall_seconds)
+    trial.set_user_attr("log", outcome.log)
+    if outcome.measurement is not None:
+        trial.set_user_attr(STEP, outcome.measurement.step_seconds)
+        trial.set_user_attr(PEAK, outcome.measurement.peak_bytes)
+
+
+def _outcome_line(outcome: TrialOutcome, predicted_seconds: float, predicted_peak: int) -> str:
+    wall = f"{outcome.wall_seconds:.0f} s"
+    if outcome.measurement is None:
+        return f"{outcome.status}: {outcome.reason} ({wall}; log {outcome.log})"
+    m = outcome.measurement
+    text = (f"{outcome.status}: step {format_seconds(m.step_seconds)} "
+            f"({(predicted_seconds - m.step_seconds) / m.step_seconds:+.0%} predicted), peak "
+            f"{format_bytes(m.peak_bytes)} ({(predicted_peak - m.peak_bytes) / m.peak_bytes:+.0%} predicted), {wall}")
+    return text + (f"; {outcome.reason}" if outcome.reason else "")
+
