@@ -138,9 +138,14 @@ def _failure_reason(returncode: int, log_text: str) -> str:
 
 
 def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | str,
-              budget_bytes: int | None = None) -> TrialOutcome:
+              budget_bytes: int | None = None, config: dict | None = None) -> TrialOutcome:
     """Train ``plan`` for the trial's steps on ``ranks`` local processes and judge the result
-    against ``budget_bytes`` (default: the plan's memory budget). Files go to ``work_dir``."""
+    against ``budget_bytes`` (default: the plan's memory budget). Files go to ``work_dir``.
+
+    ``config`` (the user-script harness only) sends another DeepSpeed config than the plan's, e.g.
+    a plain one without the ``"dsauto"`` block, to measure DeepSpeed's own behaviour."""
+    if config is not None and settings.script is None:
+        raise ValueError("a config other than the plan's needs a training script to run it")
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     out_path, log_path = work / "measured.json", work / "log.txt"
@@ -152,7 +157,7 @@ def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | 
         from dsauto.refine.trial_hook import TRIAL_ENV, TrialRequest, write_request
 
         request = work / "request.json"
-        write_request(TrialRequest(config=ds_config(plan), out=str(out_path.resolve()), steps=settings.steps,
+        write_request(TrialRequest(config=config or ds_config(plan), out=str(out_path.resolve()), steps=settings.steps,
                                    warmup_steps=settings.warmup_steps, memory_steps=settings.memory_steps),
                       request)
         extra_env[TRIAL_ENV] = str(request.resolve())

@@ -192,6 +192,13 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
         raise DsautoError(f"Trials launch their ranks on this machine, so they need --nodes 1 (got "
                           f"{cluster.nodes}); run `dsauto tune --trials` on each machine with a shared "
                           f"--storage, or plan without --trials.")
+    pins = planner.pins
+    if (pins.tp or 1) > 1 or (pins.pp or 1) > 1:
+        raise DsautoError(f"Trials measure plans through DeepSpeed's data-parallel engine, which the dsauto "
+                          f"hook runs with tp=1 and pp=1, but --tp {pins.tp or 1} --pp {pins.pp or 1} were "
+                          f"pinned; unpin them, or plan without --trials.")
+    planner = Planner(planner.model, cluster, planner.train, replace(pins, tp=1, pp=1), planner.profile,
+                      planner.calibration)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     url = settings.storage or f"sqlite:///{(out / STUDY_FILE).resolve()}"
