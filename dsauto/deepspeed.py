@@ -8,6 +8,9 @@ choices are applied (see :mod:`dsauto.runtime.deepspeed`): which ZeRO-3 layer gr
 parameters resident, which blocks are checkpointed, which operators are split. A config without
 the block is passed through untouched, and the call is exactly ``deepspeed.initialize``.
 
+Under ``dsauto tune --script`` (``$DSAUTO_TRIAL`` set) the call runs the trial's config instead of
+the script's and measures the steps that follow (see :mod:`dsauto.refine.trial_hook`).
+
 The config itself reaches DeepSpeed as given: DeepSpeed reads only the top-level keys it knows
 (deepspeed/runtime/config.py), so the ``"dsauto"`` block rides along unread.
 """
@@ -20,6 +23,7 @@ import deepspeed
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from torch import nn
 
+from dsauto.refine.trial_hook import requested_trial, start_trial
 from dsauto.runtime import deepspeed as hook
 
 
@@ -52,7 +56,16 @@ def initialize(
     )
     if mesh_param is not None:  # forwarded only when given: older DeepSpeed releases lack it
         forwarded["mesh_param"] = mesh_param
-    resolved = _config_dict(args, config, config_params)
+    request = requested_trial()
+    if request is not None:  # launched by `dsauto tune --script`: run and measure the trial's plan
+        return start_trial(request, forwarded, _initialize)
+    return _initialize(forwarded)
+
+
+def _initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """``deepspeed.initialize(**forwarded)``, applying the plan of the config it is given."""
+    model, model_parameters, optimizer = forwarded["model"], forwarded["model_parameters"], forwarded["optimizer"]
+    resolved = _config_dict(forwarded["args"], forwarded["config"], forwarded["config_params"])
     plan = hook.plan_from_config(resolved) if resolved is not None and model is not None else None
     if plan is None:
         return deepspeed.initialize(**forwarded)

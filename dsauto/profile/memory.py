@@ -11,8 +11,9 @@ whichever thread drops the last reference; the same technique as
 misses frees made on gloo's worker threads, which drifted by tens of MiB in DeepSpeed runs.
 
 Only tensors created while the tracker runs are counted, so start it before building the model and
-the engine. Regions (``tracker.region("step")``) mark the spans whose peak you want, e.g. the
-training steps without the engine's start-up.
+the engine, or hand it the tensors that already exist (``tracker.adopt(model.parameters())``).
+Regions (``tracker.region("step")``) mark the spans whose peak you want, e.g. the training steps
+without the engine's start-up.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -52,6 +53,12 @@ class _StorageCounter(TorchDispatchMode):
                     self._track(storage)
         return out
 
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count the storages of tensors created before the counter started, each once, until freed."""
+        for tensor in tensors:
+            if tensor.device.type == "cpu":
+                self._track(tensor.untyped_storage())
+
     def _track(self, storage: torch.UntypedStorage) -> None:
         key, size = id(storage), storage.nbytes()
         if key in self._refs or size == 0:
@@ -73,7 +80,8 @@ class _StorageCounter(TorchDispatchMode):
 class MemoryTracker:
     """Counts the bytes of live tensors on ``device`` while active.
 
-    Bytes are relative to the start of tracking (tensors that existed before are not counted).
+    Bytes are relative to the start of tracking (tensors that existed before are not counted,
+    unless :meth:`adopt` is given them).
     """
 
     def __init__(self, device: torch.device | str = "cpu"):
@@ -83,6 +91,7 @@ class MemoryTracker:
         self._start = 0
         self._peak = 0
         self._final = 0
+        self._adopted_cuda: set[int] = set()
 
     @property
     def _cuda(self) -> bool:
@@ -107,6 +116,26 @@ class MemoryTracker:
         assert self._counter is not None
         self._counter.__exit__(*exc)
         self._peak, self._final = self._counter.peak_bytes, self._counter.live_bytes
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors that existed before tracking started (a model's parameters and buffers, an
+        optimizer's states) as live from now until their storage is freed; a storage shared by
+        several of them (views, tied weights) counts once. Call while the tracker runs.
+
+        On CPU each storage is tracked like a new one (a weak reference notices its free). On CUDA
+        the allocator already counts them and will notice their frees, but the bytes are reported
+        relative to the start of tracking, so the start is lowered by their bytes instead.
+        """
+        if self._cuda:
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                on_device = tensor.is_cuda and self.device.index in (None, tensor.device.index)
+                if on_device and storage.data_ptr() not in self._adopted_cuda:
+                    self._adopted_cuda.add(storage.data_ptr())
+                    self._start -= storage.nbytes()
+            return
+        assert self._counter is not None, "tensors are adopted while the tracker runs"
+        self._counter.adopt(tensors)
 
     @contextlib.contextmanager
     def region(self, name: str) -> Iterator[None]:

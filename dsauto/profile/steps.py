@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,11 +76,6 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
             engine.step()
         return float(loss.detach())
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dist.barrier()
-
     tracker = MemoryTracker(device)
     with tracker:
         model = build_model(plan.model, seed=seed, vocab_size=plan.padded_vocab_size, device=device)
@@ -95,16 +91,34 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
         step(engine)
     times, losses = [], []
     for _ in range(steps):
-        sync()
+        sync_ranks(device)
         start = time.perf_counter()
         losses.append(step(engine))
-        sync()
+        sync_ranks(device)
         times.append(time.perf_counter() - start)
-    peak, static = tracker.peak_bytes("step"), tracker.peak_bytes("static")
-    reduced = max_over_ranks([*times, peak, static], device)
+    measured = slowest_rank(times, tracker.peak_bytes("step"), tracker.peak_bytes("static"), losses, device)
     engine.destroy()
     del engine, model
     gc.collect()
+    return measured
+
+
+def sync_ranks(device: torch.device) -> None:
+    """Wait for this rank's queued device work, then for every rank: a clock read next is the end
+    of the same step on all ranks (the slowest rank's end, as in training)."""
+    import deepspeed.comm as dist
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def slowest_rank(step_seconds: Sequence[float], peak_bytes: int, static_bytes: int,
+                 losses: Sequence[float], device: torch.device) -> StepMeasurement:
+    """This rank's measurement with every time and memory replaced by its maximum over the ranks
+    (a collective: call on every rank, with the same number of steps)."""
+    steps = len(step_seconds)
+    reduced = max_over_ranks([*step_seconds, peak_bytes, static_bytes], device)
     samples = tuple(reduced[:steps])
     return StepMeasurement(step_seconds=statistics.median(samples), step_seconds_samples=samples,
                            peak_bytes=int(reduced[steps]), static_bytes=int(reduced[steps + 1]),

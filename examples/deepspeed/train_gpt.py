@@ -47,12 +47,15 @@ def main() -> None:
     plan = Plan.from_dict(config[PLAN_KEY]) if PLAN_KEY in config else None
     spec = plan.model if plan else load_model(args.model)
     vocab_size = plan.padded_vocab_size if plan else spec.padded_vocab_size(1)
-    seq_len = args.seq_len or (plan.seq_len if plan else 128)
 
     model = build_model(spec, seed=args.seed, vocab_size=vocab_size)
     engine, _, _, _ = dsauto.deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
 
     rank = dist.get_rank()
+    # Batch shape from the engine, not from --deepspeed_config: under `dsauto tune --script` the
+    # engine runs the trial's config and plan instead (dsauto.refine.trial_hook).
+    applied = getattr(engine, "dsauto_plan", None)
+    seq_len = args.seq_len or (applied.plan.seq_len if applied else 128)
     micro_batch = engine.train_micro_batch_size_per_gpu()
     for step in range(1, args.steps + 1):
         for micro_step in range(engine.gradient_accumulation_steps()):
