@@ -128,12 +128,13 @@ def _failure_reason(returncode: int, log_text: str) -> str:
     lowered = log_text.lower()
     if "out of memory" in lowered or "outofmemoryerror" in lowered:
         return "out of memory"
-    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or "signal 9" in lowered or "sigkill" in lowered:
-        return "killed by SIGKILL (the machine may have run out of host memory)"
+    # The last Python error a rank printed (launchers add their own lines about killing the rest).
     errors = re.findall(r"^\s*(?:\[rank\d+\]: )?([A-Za-z_.]*(?:Error|Exception)\b.*)$", log_text, re.MULTILINE)
     errors = [e for e in errors if "ChildFailedError" not in e]
     if errors:
         return f"crashed: {errors[-1].strip()[:300]}"
+    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or "exitcode  : -9" in log_text:
+        return "killed by SIGKILL (the machine may have run out of host memory)"
     return f"exited with code {returncode} without a result"
 
 
