@@ -6,12 +6,14 @@ than DeepSpeed configured by hand? Two CPU ranks, under a per-rank memory limit 
 
 1. Profiles the model on 2 ranks (``dsauto profile``).
 2. Tunes: the search plus an Optuna study of ``--trials`` real measurements (``dsauto.refine``).
-3. Oracle: measures *every* candidate of the tune's space (the same harness, the same steps), and
-   the tuned plan again in the same pass; the grid's fastest feasible plan is the oracle.
-4. Plain DeepSpeed: ZeRO 0, 1, 2 and 3 with DeepSpeed's defaults (no checkpointing, no per-layer
-   choices, default buckets and prefetching), each at the largest micro-batch whose measured peak
-   fits the limit (tried from the largest down), trained by ``examples/deepspeed/train_gpt.py``
-   through the trial hook, with the same optimizer.
+3. Oracle: measures *every* candidate of the tune's space, the tuned plan among them, in one pass;
+   the grid's fastest feasible plan is the oracle. The grid and plain DeepSpeed (4.) both train
+   ``examples/deepspeed/train_gpt.py`` through the trial hook, with the same steps, so only the
+   config differs.
+4. Plain DeepSpeed: ZeRO 0, 1, 2 and 3 without per-layer choices (no checkpointing, no splitting,
+   every ZeRO-3 group sharded), each at the largest micro-batch whose measured peak fits the limit
+   (tried from the largest down), with the same optimizer and dsauto's bucket and prefetch sizes:
+   with DeepSpeed's own defaults (5e8-element buckets) nothing fits the limit, which is recorded too.
 5. DeepSpeed's own autotuner on the same script, when it can run here (``benchmarks/ds_autotuner.py``).
 
 Results go to ``benchmarks/results/plan_quality.md`` and ``plan_quality.png``; the last line printed is
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import yaml
 
+from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.errors import DsautoError
 from dsauto.plan import Plan
 from dsauto.profile.run import launch_profile
@@ -57,8 +60,11 @@ MODEL = ModelSpec(name="bench-wide", architecture="decoder", num_layers=4, hidde
                   num_attention_heads=8, ffn_hidden_size=2048, vocab_size=8192,
                   max_position_embeddings=SEQ_LEN, dropout=False)
 GLOBAL_BATCH = 16
-MEMORY_LIMIT = "200MiB"
+MEMORY_LIMIT = "280MiB"
+"""Tight enough that ZeRO-0 never fits, ZeRO-1 and ZeRO-2 fit only with per-layer help, and plain
+ZeRO-3 only at small micro-batches."""
 TRIALS = 6
+TOP_PLANS = 3
 RANKS = 2
 
 
@@ -75,7 +81,11 @@ class Row:
 def plain_config(zero: int, micro_batch: int, grad_accum: int) -> dict:
     """DeepSpeed as a user would write it: stage and batch, DeepSpeed's defaults for the rest, and
     the optimizer dsauto's configs use (so only the parallel strategy differs)."""
-    from dsauto.emit.ds_config import GRADIENT_CLIPPING, OPTIMIZER_PARAMS, STEPS_PER_PRINT
+    from dsauto.emit.ds_config import (
+        GRADIENT_CLIPPING,
+        OPTIMIZER_PARAMS,
+        STEPS_PER_PRINT,
+    )
 
     return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro_batch,
             "gradient_accumulation_steps": grad_accum, "steps_per_print": STEPS_PER_PRINT,
@@ -90,7 +100,7 @@ def say(line: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 timed steps per measurement instead of 5")
+    parser.add_argument("--quick", action="store_true", help="2 timed steps per measurement instead of 3")
     parser.add_argument("--work", type=Path, default=None, help="folder for profiles, studies and logs")
     parser.add_argument("--skip-autotuner", action="store_true", help="do not run DeepSpeed's autotuner")
     args = parser.parse_args()
@@ -98,8 +108,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model_file = work / f"{MODEL.name}.yaml"
     model_file.write_text(yaml.safe_dump(to_dict(MODEL), sort_keys=False))
-    steps = 3 if args.quick else 5
-    trial = TrialSettings(steps=steps, warmup_steps=2, memory_steps=2, timeout_seconds=600)
+    steps = 2 if args.quick else 3
+    trial = TrialSettings(steps=steps, warmup_steps=1, memory_steps=2, timeout_seconds=600)
     cluster = load_cluster("cpu", nodes=1, gpus_per_node=RANKS, memory_limit=MEMORY_LIMIT)
     train = TrainSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, dtype="fp32")
     budget = cluster.memory_budget_bytes
@@ -109,43 +119,56 @@ def main() -> None:
     launch_profile(str(model_file), "fp32", SEQ_LEN, (1, 2), RANKS, work / "profiles", say)
     profile = find_profile(work / "profiles", MODEL, "fp32", SEQ_LEN)
     planner = Planner(MODEL, cluster, train, profile=profile)
-    result = refine(planner, work / "tune", TuneSettings(trials=TRIALS, trial=trial), say)
+    result = refine(planner, work / "tune", TuneSettings(trials=TRIALS, top_plans=TOP_PLANS, trial=trial), say)
     tune_wall = time.perf_counter() - started
     measured_trials = [r for r in result.records if r.measured_seconds is not None]
     real_steps = len(measured_trials) * (trial.steps + trial.warmup_steps + trial.memory_steps)
-    tuned_label = Knobs.from_params(_params_of(result, work)).describe()
+    tuned_label = Knobs.from_params(_params_of(result)).describe()
     say(f"tuned: {tuned_label} in {tune_wall:.0f} s over {len(result.records)} trials")
 
     # 3. The oracle: every candidate of the same space, measured the same way.
     from dsauto.refine.sampler import key_of
     from dsauto.refine.space import candidates
 
-    study_plans = _study_space(result, work)
+    study_plans = _study_space(result)
     space = candidates(planner, study_plans[0], memory_slack=float("inf"))
     keys = set(study_plans[1])
     space = [c for c in space if key_of(c.knobs) in keys]
+    # The grid and plain DeepSpeed run the same script, so that only the config differs.
+    per_replica = GLOBAL_BATCH // RANKS
+    script_config = work / "plain_ds_config.json"  # the script's own; each run replaces it by its trial's
+    script_config.write_text(json.dumps(plain_config(0, 1, per_replica)))
+    script = TrialSettings(steps=steps, warmup_steps=1, memory_steps=2, timeout_seconds=600,
+                           script=str(SCRIPT), script_args=("--model", str(model_file), "--seq-len", str(SEQ_LEN),
+                                                            "--steps", "1000000", "--deepspeed_config",
+                                                            str(script_config)),
+                           launcher="deepspeed")
     rows: list[Row] = []
     for i, c in enumerate(space):
         say(f"grid {i + 1}/{len(space)}: {c.knobs.describe()}")
-        outcome = run_trial(c.plan, RANKS, trial, work / "grid" / f"{i}", budget)
+        outcome = run_trial(c.plan, RANKS, script, work / "grid" / f"{i}", budget)
         rows.append(Row("grid", c.knobs.describe(), c.plan.prediction.step_seconds, outcome))
         say(f"  {outcome.status} {_ms(outcome)} {outcome.reason}")
 
-    # 4. Plain DeepSpeed: each ZeRO stage at the largest micro-batch that fits.
-    per_replica = GLOBAL_BATCH // RANKS
+    # 4. Plain DeepSpeed: each ZeRO stage at the largest micro-batch that fits, no per-layer choices
+    # (nothing checkpointed or split, every ZeRO-3 group sharded), with dsauto's bucket and prefetch
+    # sizes: DeepSpeed's defaults (5e8-element buckets) do not fit the limit at all (row "defaults").
     micro_batches = [m for m in range(per_replica, 0, -1) if per_replica % m == 0]
-    script = TrialSettings(steps=steps, warmup_steps=2, memory_steps=2, timeout_seconds=600,
-                           script=str(SCRIPT), script_args=("--model", str(model_file), "--seq-len", str(SEQ_LEN),
-                                                            "--steps", "1000000"),
-                           launcher="deepspeed")
+    layers = MODEL.num_layers
     for zero in (0, 1, 2, 3):
         for mb in micro_batches:
-            outcome = run_trial(study_plans[0][0], RANKS, script, work / "plain" / f"z{zero}-mb{mb}", budget,
-                                config=plain_config(zero, mb, per_replica // mb))
+            strategy = Strategy(tp=1, pp=1, dp=RANKS, zero_stage=zero, micro_batch=mb, grad_accum=per_replica // mb,
+                                sequence_parallel=False)
+            plain = planner.build_plan(strategy, [layers], [LayerOption(False, zero == 3, 1)] * (layers + 2))
+            outcome = run_trial(plain, RANKS, script, work / "plain" / f"z{zero}-mb{mb}", budget)
             say(f"plain ZeRO-{zero} mb {mb}: {outcome.status} {_ms(outcome)} {outcome.reason}")
-            rows.append(Row("plain", f"ZeRO-{zero} mb{mb}x{per_replica // mb}", None, outcome))
+            rows.append(Row("plain", f"ZeRO-{zero} mb{mb}x{per_replica // mb}", plain.prediction.step_seconds, outcome))
             if outcome.status != "infeasible":
                 break  # the largest micro-batch that fits (or a failure, recorded as such)
+        defaults = run_trial(study_plans[0][0], RANKS, script, work / "defaults" / f"z{zero}", budget,
+                             config=plain_config(zero, 1, per_replica))
+        say(f"DeepSpeed defaults ZeRO-{zero} mb 1: {defaults.status} {_ms(defaults)} {defaults.reason}")
+        rows.append(Row("defaults", f"ZeRO-{zero} mb1x{per_replica}", None, defaults))
 
     # 5. DeepSpeed's autotuner.
     autotuner = None
@@ -173,19 +196,19 @@ def _ms(outcome: TrialOutcome) -> str:
     return f"{m.step_seconds * 1e3:.1f} ms, peak {format_bytes(m.peak_bytes)}" if m else ""
 
 
-def _study(result, work: Path):
+def _study(result):
     import optuna
 
     return optuna.load_study(study_name=result.study_name, storage=result.storage)
 
 
-def _params_of(result, work: Path) -> dict:
-    study = _study(result, work)
+def _params_of(result) -> dict:
+    study = _study(result)
     return next(t.params for t in study.trials if t.number == result.plan.measured.trial)
 
 
-def _study_space(result, work: Path) -> tuple[list[Plan], list[str]]:
-    study = _study(result, work)
+def _study_space(result) -> tuple[list[Plan], list[str]]:
+    study = _study(result)
     plans = [Plan.from_dict(p) for p in study.user_attrs["base_plans"]]
     return plans, list(study.user_attrs["candidates"])
 
@@ -249,7 +272,7 @@ def write_results(rows, result, tuned_label, oracle, best_plain, autotuner, summ
 
     done = [r for r in rows if r.outcome.measurement is not None]
     fig, ax = plt.subplots(figsize=(10, max(3.0, 0.28 * len(done) + 1)))
-    colors = {"grid": "#4c72b0", "plain": "#c44e52"}
+    colors = {"grid": "#4c72b0", "plain": "#c44e52", "defaults": "#dd8452"}
     labels, values, bar_colors = [], [], []
     for r in sorted(done, key=lambda r: r.outcome.measurement.step_seconds, reverse=True):
         labels.append(f"{r.kind}: {r.label}" + (" [tuned]" if r.kind == "grid" and r.label == tuned_label else ""))

@@ -124,11 +124,27 @@ def options_of(plan: Plan) -> tuple[LayerOption, ...]:
                  for c in (plan.layer_choice(j) for j in range(plan.model.num_layers + 2)))
 
 
+SAFER_BUDGETS = (0.85, 0.7)
+"""Fractions of the memory budget at which the search's best plan joins the space too: if the model
+under-predicts memory, the plans it ranks best may all measure over the budget, and these are the
+fallbacks that still fit (each pays for its margin in step time, which the measurements weigh)."""
+
+
 def base_plans(planner: Planner, top_k: int, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
-    """The search's ``top_k`` plans, then the best plans at half and twice the winner's micro-batch
-    (when such a micro-batch divides the batch and fits); duplicates removed, best predicted first."""
+    """The search's ``top_k`` plans; the best plans at half and twice the winner's micro-batch (when
+    such a micro-batch divides the batch and fits); the best plans under :data:`SAFER_BUDGETS` of the
+    budget. Duplicates removed, best predicted first. Every plan is priced against the real budget."""
     plans = planner.search(top_k=top_k, progress=progress)
     best = plans[0]
+    budget = planner.cluster.memory_budget_bytes
+    for fraction in SAFER_BUDGETS:
+        tighter = dataclasses.replace(planner.cluster, memory_limit_bytes=int(budget * fraction))
+        try:
+            safer = Planner(planner.model, tighter, planner.train, planner.pins, planner.profile,
+                            planner.calibration).search(top_k=1)[0]
+        except DsautoError:
+            break  # nothing fits a tighter budget
+        plans.append(dataclasses.replace(safer, memory_budget_bytes=budget))
     per_replica = best.global_batch // best.dp
     for micro_batch in (best.micro_batch // 2, best.micro_batch * 2):
         if micro_batch < 1 or per_replica % micro_batch or planner.pins.micro_batch is not None:
