@@ -97,6 +97,46 @@ def stage_constant_bytes(strategy: Strategy, bucket: int, grads_bytes: float) ->
     return (2 if strategy.zero_stage < 3 else 1) * bucket
 
 
+def gradient_transient_bytes(strategy: Strategy, bucket: int, largest_grad_bytes: float) -> int:
+    """Gradients autograd has produced that ZeRO has not taken in yet, at the start of backward when
+    the activations are still alive (measured on two CPU ranks, DeepSpeed 0.19.8, a 17M-parameter
+    GPT whose largest matrix is the 16 MiB tied embedding: ZeRO-1 +16 MiB, ZeRO-2 +48 MiB, ZeRO-3
+    +16 MiB over the forward peak, benchmarks/results/plan_quality.md):
+
+    - a fresh weight gradient exists next to the one it is added to (ZeRO-1 accumulating into
+      ``.grad``), or next to the bucket it is copied into (ZeRO-2/3 reduction hooks);
+    - ZeRO-2 with ``overlap_comm`` keeps the raw gradients of the two buckets in flight until their
+      reduction finishes (``ipg_buffer`` double buffering in stage_1_and_2.py).
+    """
+    if strategy.dp <= 1 or strategy.zero_stage == 0:
+        return 0  # ZeRO-0's gradients are priced by phase in predict_step
+    if strategy.zero_stage == 1:
+        return int(largest_grad_bytes) if strategy.grad_accum > 1 else 0
+    if strategy.zero_stage == 2:
+        return int(largest_grad_bytes + 2 * bucket)
+    return int(largest_grad_bytes)
+
+
+def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim: float, bucket: int,
+                         single_tensor: bool) -> float:
+    """Memory of a rank during the optimizer update of ZeRO 1-3 (0 otherwise), when the activations
+    are gone. The ZeRO optimizers hand torch's AdamW (the emitted ``torch_adam``) one flat fp32
+    partition (``optim`` holds it and the two moments, 12 bytes per parameter), and the update makes
+    partition-sized temporaries. On a CPU (``single_tensor``: torch's per-tensor implementation)
+    there are two under ZeRO-1/2 and three under ZeRO-3, which also keeps its gradient bucket
+    (measured on two CPU ranks, DeepSpeed 0.19.8 and torch 2.13: 257.4 MiB under ZeRO-1 and -2,
+    273.4 MiB under ZeRO-3 for a 17M-parameter GPT, to the 0.1 MiB). On CUDA torch uses its
+    multi-tensor implementation, whose only partition-sized temporary is the moments' square root
+    (torch/optim/adamw.py, ``_multi_tensor_adamw``); ZeRO-3's extra one is kept. ZeRO-1 has
+    reduce-scattered its gradients into the partition by then."""
+    if strategy.dp <= 1 or strategy.zero_stage == 0:
+        return 0.0
+    partition = optim / 3
+    temporaries = (2 if single_tensor else 1) + (1 if strategy.zero_stage == 3 else 0)
+    kept_grads = grads / strategy.dp if strategy.zero_stage == 1 else grads
+    return params + kept_grads + optim + temporaries * partition + (bucket if strategy.zero_stage == 3 else 0)
+
+
 def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: Strategy,
                  stage_layers: Sequence[int], options: Sequence[LayerOption],
                  profile: Profile | None = None, calibration: Calibration | None = None,
@@ -137,7 +177,10 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         grads = sum(c.grads_bytes for c in costs)
         optim = sum(c.optimizer_bytes for c in costs)
         layer_transient = max((c.transient_bytes for c in costs), default=0.0)  # a stage may be empty
-        transient = layer_transient + stage_constant_bytes(strategy, bucket, grads)
+        largest_grad = max((gathered_unit_params(layer_group_of(groups, j, num_layers), options[j], strategy.tp)
+                            for j in range(first, last + 1)), default=0.0) * train.dtype_bytes
+        transient = (layer_transient + stage_constant_bytes(strategy, bucket, grads)
+                     + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory))
         if any(options[j].shard_params for j in range(first, last + 1)):
             transient += extra_gathered * cost.calibration.activation_memory
         if strategy.zero_stage == 0 and strategy.dp > 1:
@@ -152,6 +195,10 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
             transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
         else:
             peak = params + grads + optim + activation + transient
+            stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, cluster.device.name == "cpu")
+            if stepping > peak:  # the optimizer update, after the activations are gone, is the peak
+                peak = stepping
+                transient = peak - (params + grads + optim + activation)
         stages.append(StagePrediction(
             stage=i, first_layer=first, last_layer=last, micro_batches_in_flight=flight,
             forward_seconds=forward, backward_seconds=backward, params_bytes=int(params),

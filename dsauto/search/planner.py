@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dsauto.cost.calibration import Calibration
-from dsauto.cost.layer import CostModel
-from dsauto.cost.step import (bucket_bytes, in_flight, layer_group_of, predict_step,
-                              prefetch_bytes, stage_constant_bytes)
+from dsauto.cost.layer import CostModel, gathered_unit_params
+from dsauto.cost.step import (bucket_bytes, gradient_transient_bytes, in_flight, layer_group_of,
+                              predict_step, prefetch_bytes, stage_constant_bytes)
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.errors import DsautoError
 from dsauto.plan import LayerChoice, Plan, stage_bounds
@@ -125,7 +125,11 @@ class Planner:
             optimizer += group.count * cost.layer(group, options[0]).optimizer_seconds
         # Gradients of the whole replica bound any one stage's (ZeRO-0's flattened copy).
         grads = sum(g.count * cost.layer(g, options[0]).grads_bytes for g in groups)
-        constant = stage_constant_bytes(strategy, bucket_bytes(groups, strategy.tp, self.train.dtype_bytes), grads)
+        bucket = bucket_bytes(groups, strategy.tp, self.train.dtype_bytes)
+        # Any stage may hold the model's largest matrix (a bound: predict_step uses its own stage's).
+        largest_grad = max(gathered_unit_params(g, o, strategy.tp) for g in groups for o in options) * self.train.dtype_bytes
+        constant = (stage_constant_bytes(strategy, bucket, grads)
+                    + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory))
         return _Priced(strategy, options, time, compute, static, act, trans,
                        cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer, constant,
                        self.cluster.memory_budget_bytes - constant)
@@ -229,6 +233,8 @@ class Planner:
             if solved is None:
                 continue
             plan = self.build_plan(solved.strategy, solved.stage_layers, solved.options)
+            if plan.prediction.peak_memory_bytes > self.cluster.memory_budget_bytes:
+                continue  # the optimizer update, which the layer DP does not see, is over the budget
             item = (-plan.prediction.step_seconds, -i, plan)
             if len(kept) < top_k:
                 heapq.heappush(kept, item)

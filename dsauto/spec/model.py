@@ -270,6 +270,8 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         checkpoint_bytes_per_token=h * b,
         tp_comm_bytes_per_token=h * b,  # gradient of the column-parallel head's input (backward)
         gemm_dim=h,
-        logits_bytes_per_token=vocab * (b + 4),  # logits, then their fp32 softmax for the loss
+        # Backward of the loss holds the saved fp32 log-softmax, its gradient and the logits' gradient
+        # (measured: 1.5x two fp32 logits tensors, benchmarks/results/hook_memory.md).
+        logits_bytes_per_token=vocab * (2 * 4 + b),
     )
     return embedding, block, head
