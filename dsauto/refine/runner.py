@@ -180,9 +180,15 @@ def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | 
             _kill_group(process)
             raise
     wall = time.perf_counter() - started
-    text = log_path.read_text(errors="replace")
-    if returncode != 0 or not out_path.exists():
-        return TrialOutcome("failed", _failure_reason(returncode, text), None, wall, str(log_path))
+    if not out_path.exists():
+        return TrialOutcome("failed", _failure_reason(returncode, log_path.read_text(errors="replace")), None,
+                            wall, str(log_path))
+    # The result is written atomically once every rank has measured, so it stands even when the
+    # processes abort at teardown afterwards (gloo on CPU sometimes does: "terminate called without
+    # an active exception"); the exit code is kept in the log.
+    if returncode != 0:
+        with open(log_path, "a") as log:
+            log.write(f"dsauto: the trial exited with code {returncode} after writing its result\n")
     data = json.loads(out_path.read_text())
     measured = from_dict(StepMeasurement, data[0] if isinstance(data, list) else data, str(out_path))
     budget = plan.memory_budget_bytes if budget_bytes is None else budget_bytes

@@ -56,6 +56,22 @@ def test_out_of_memory_is_named(tmp_path):
     assert outcome.status == "failed" and outcome.reason == "out of memory"
 
 
+def test_a_result_written_before_a_teardown_abort_stands(tmp_path):
+    body = (
+        "import json, os\n"
+        "from dsauto.profile.steps import StepMeasurement\n"
+        "from dsauto.refine.trial_hook import requested_trial\n"
+        "from dsauto.serde import to_dict\n"
+        "request = requested_trial()\n"
+        "m = StepMeasurement(0.5, (0.5,), 1000, 500, ())\n"
+        "open(request.out, 'w').write(json.dumps(to_dict(m)))\n"
+        "os.abort()  # as gloo sometimes does at exit\n"
+    )
+    outcome = run_trial(tiny_plan(), 1, TrialSettings(script=script(tmp_path, body)), tmp_path / "t")
+    assert outcome.status == "complete" and outcome.measurement.step_seconds == 0.5
+    assert "exited with code" in Path(outcome.log).read_text()
+
+
 @pytest.mark.slow
 def test_built_in_harness_measures_and_judges_the_budget(tmp_path):
     plan = tiny_plan()
