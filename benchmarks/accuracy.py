@@ -33,6 +33,7 @@ import yaml
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.plan import Plan
 from dsauto.profile.store import find_profile
+from dsauto.refine.runner import remove_shared_memory
 from dsauto.search.planner import Planner
 from dsauto.serde import to_dict
 from dsauto.spec.loaders import load_cluster
@@ -109,10 +110,12 @@ def build_plans(model: ModelSpec, profile_dir: Path) -> list[tuple[Case, Plan]]:
 
 def _launch(args: list[str], log: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    port = 29500 + os.getpid() % 1000
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(29500 + os.getpid() % 1000), *args]
+               "--master_port", str(port), *args]
     with log.open("a") as out:
         result = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    remove_shared_memory(port)
     if result.returncode != 0:
         sys.exit(f"{' '.join(command)} failed (exit {result.returncode}); see {log}")
 

@@ -57,7 +57,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -65,6 +64,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dsauto.refine.runner import kill_group
 
 REPO = Path(__file__).resolve().parents[1]
 SHIM = Path(__file__).resolve().with_name("ds_autotuner_shim.py")
@@ -217,7 +218,7 @@ def run_ds_autotuner(
             try:
                 returncode = proc.wait(timeout=timeout_seconds)
             except subprocess.TimeoutExpired:
-                _stop(proc)
+                kill_group(proc)
                 return failed(f"the autotuner did not finish within {timeout_seconds:.0f} s "
                               f"({_count_experiments(work_dir / RESULTS_DIR)} experiments started).")
     except OSError as exc:
@@ -256,20 +257,6 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """End the autotuner and the experiments it launched (its own process group, nothing else)."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _experiment_dirs(results: Path) -> list[Path]:

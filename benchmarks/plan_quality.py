@@ -40,7 +40,7 @@ from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.plan import Plan
 from dsauto.profile.run import launch_profile
 from dsauto.profile.store import find_profile
-from dsauto.refine.runner import TrialOutcome, TrialSettings, run_trial
+from dsauto.refine.runner import SHARED_MEMORY, TrialOutcome, TrialSettings, run_trial
 from dsauto.refine.space import Knobs
 from dsauto.refine.study import TuneSettings, refine
 from dsauto.search.planner import Planner
@@ -222,8 +222,13 @@ def _autotuner(work: Path, model_file: Path, say) -> object | None:
         say(f"DeepSpeed autotuner not run: {exc}")
         return None
     say("running DeepSpeed's autotuner on the same script")
-    return run_ds_autotuner(work / "autotuner", SCRIPT, ["--model", str(model_file), "--seq-len", str(SEQ_LEN)],
-                            train_batch_size=GLOBAL_BATCH, ranks=RANKS)
+    result = run_ds_autotuner(work / "autotuner", SCRIPT, ["--model", str(model_file), "--seq-len", str(SEQ_LEN)],
+                              train_batch_size=GLOBAL_BATCH, ranks=RANKS)
+    # Its experiments leave DeepSpeed's CPU all-reduce buffers behind (see refine.runner); this
+    # benchmark owns the machine, so all of them go.
+    for path in SHARED_MEMORY.glob("deepspeed_allreduce_buffer_*"):
+        path.unlink(missing_ok=True)
+    return result
 
 
 def write_results(rows, result, tuned_label, oracle, best_plain, autotuner, summary, args, budget, wall) -> None:

@@ -105,9 +105,22 @@ def _launch_env(ranks: int, extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def trial_command(settings: TrialSettings, ranks: int, plans_path: Path, out_path: Path) -> list[str]:
-    """The command line of a trial on ``ranks`` local processes."""
-    port = str(_free_port())
+SHARED_MEMORY = Path("/dev/shm")
+"""Where DeepSpeed's CPU all-reduce keeps its per-rank buffers."""
+
+
+def remove_shared_memory(port: int) -> None:
+    """Delete the shared-memory buffers DeepSpeed's CPU all-reduce made for a job with master port
+    ``port``. It creates one per rank (about 66 MiB each, named after the master address and port:
+    ops/csrc/cpu/comm/shm.cpp, ``shm_initialize``) and never unlinks them, so without this every
+    trial, each on its own port, would leave its ranks' buffers in memory for good."""
+    for path in SHARED_MEMORY.glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
+
+
+def trial_command(settings: TrialSettings, ranks: int, plans_path: Path, out_path: Path, port: int) -> list[str]:
+    """The command line of a trial on ``ranks`` local processes with master port ``port``."""
+    port = str(port)
     if settings.launcher == "deepspeed":
         launch = ["deepspeed", "--include", "localhost:" + ",".join(map(str, range(ranks))),
                   "--master_port", port, *settings.launcher_args]
@@ -162,7 +175,8 @@ def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | 
                                    warmup_steps=settings.warmup_steps, memory_steps=settings.memory_steps),
                       request)
         extra_env[TRIAL_ENV] = str(request.resolve())
-    command = trial_command(settings, ranks, plans_path, out_path)
+    port = _free_port()
+    command = trial_command(settings, ranks, plans_path, out_path, port)
     started = time.perf_counter()
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(command) + "\n")
@@ -173,12 +187,14 @@ def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | 
         try:
             returncode = process.wait(timeout=settings.timeout_seconds)
         except subprocess.TimeoutExpired:
-            _kill_group(process)
+            kill_group(process)
             return TrialOutcome("failed", f"hung: no result after {settings.timeout_seconds:.0f} s",
                                 None, time.perf_counter() - started, str(log_path))
         except BaseException:
-            _kill_group(process)
+            kill_group(process)
             raise
+        finally:
+            remove_shared_memory(port)
     wall = time.perf_counter() - started
     if not out_path.exists():
         return TrialOutcome("failed", _failure_reason(returncode, log_path.read_text(errors="replace")), None,
@@ -198,7 +214,7 @@ def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | 
     return TrialOutcome("complete", "", measured, wall, str(log_path))
 
 
-def _kill_group(process: subprocess.Popen) -> None:
+def kill_group(process: subprocess.Popen) -> None:
     """Terminate the trial's whole process group, then kill what is left."""
     for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         try:

@@ -227,6 +227,11 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
             if candidate is None:  # another sampler may propose combinations outside the space
                 trial.set_user_attr(STATUS, "outside")
                 raise optuna.TrialPruned()
+            if _claimed_earlier(study, trial.number, key_of(knobs)):
+                # Another machine picked the same candidate at the same moment; the earlier trial
+                # measures it, this one steps aside (not counted) and the loop proposes again.
+                trial.set_user_attr(STATUS, "outside")
+                raise optuna.TrialPruned()
             pred = candidate.plan.prediction
             trial.set_user_attr("predicted_seconds", pred.step_seconds)
             trial.set_user_attr("predicted_peak_bytes", pred.peak_memory_bytes)
@@ -276,6 +281,16 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
                            trial=best.number, study=name)
     return TuneResult(plan=replace(winner.plan, measured=measured), records=records, calibration=calibration,
                       study_name=name, storage=url, new_trials=new_trials, candidates=len(space))
+
+
+def _claimed_earlier(study: optuna.Study, number: int, key: str) -> bool:
+    """Whether an earlier trial measures, measured or is measuring the candidate ``key``."""
+    for t in study.get_trials(deepcopy=False):
+        if t.number >= number or "plan" not in t.params or key_of(Knobs.from_params(t.params)) != key:
+            continue
+        if t.state == TrialState.RUNNING or t.user_attrs.get(STATUS) in FINISHED:
+            return True
+    return False
 
 
 class TrialFailed(Exception):

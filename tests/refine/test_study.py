@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,3 +144,32 @@ def test_a_killed_tune_resumes_without_losing_or_repeating_finished_trials(tmp_p
     third = subprocess.run(_tune(tmp_path, 3), capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert third.returncode == 0 and "(0 run now)" in third.stdout
     assert yaml.safe_load((out / "plan.yaml").read_text())["measured"] == plan["measured"]
+
+
+@pytest.mark.slow
+def test_two_machines_share_one_study_without_measuring_a_candidate_twice(tmp_path):
+    # Two tunes at once on one storage stand for two machines (one rank each, to fit this machine).
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    profile = subprocess.run([sys.executable, "-m", "dsauto.cli", "profile", "--model", "gpt-tiny", "--seq-len", "64",
+                              "--tp", "1", "--micro-batches", "1,2,4", "--out", str(tmp_path / "profiles")],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert profile.returncode == 0, profile.stderr[-2000:]
+
+    def tune(name: str) -> subprocess.Popen:
+        command = [sys.executable, "-m", "dsauto.cli", "tune", "--model", "gpt-tiny", "--hardware", "cpu",
+                   "--gpus-per-node", "1", "--seq-len", "64", "--global-batch", "8", "--trials", "4",
+                   "--trial-steps", "1", "--trial-warmup", "0", "--storage", storage, "--out", str(tmp_path / name),
+                   "--profile", str(tmp_path / "profiles")]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    machines = [tune("a"), tune("b")]
+    outputs = [m.communicate(timeout=600)[0] for m in machines]
+    assert [m.returncode for m in machines] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    (summary,) = optuna.get_all_study_summaries(storage)
+    trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials()
+    finished = [t for t in trials if t.user_attrs.get("status") in ("complete", "infeasible", "failed")]
+    assert 4 <= len(finished) <= 5  # the budget is shared (a machine may start one as the other ends)
+    keys = [json.dumps(t.params, sort_keys=True) for t in finished]
+    assert len(set(keys)) == len(keys)
+    assert all(re.search(r"trial \d+ \(\d/4\)", out) for out in outputs)  # both machines measured
