@@ -102,11 +102,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 timed steps per measurement instead of 3")
     parser.add_argument("--work", type=Path, default=None, help="folder for profiles, studies and logs")
     parser.add_argument("--skip-autotuner", action="store_true", help="do not run DeepSpeed's autotuner")
+    parser.add_argument("--only-autotuner", action="store_true",
+                        help="run only DeepSpeed's autotuner and replace its section of the recorded results")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="dsauto-plan-quality-"))
     work.mkdir(parents=True, exist_ok=True)
     model_file = work / f"{MODEL.name}.yaml"
     model_file.write_text(yaml.safe_dump(to_dict(MODEL), sort_keys=False))
+    if args.only_autotuner:
+        results = RESULTS / "plan_quality.md"
+        text = results.read_text()
+        head, rest = text.split(AUTOTUNER_HEADING, 1)
+        tail = rest[rest.index("\n```\ntuned_vs_oracle"):]
+        section = _autotuner_section(_autotuner(work, model_file, say), "python benchmarks/plan_quality.py --only-autotuner")
+        results.write_text(head + AUTOTUNER_HEADING + section + tail)
+        print(section.strip().splitlines()[-1])
+        return
     steps = 2 if args.quick else 3
     trial = TrialSettings(steps=steps, warmup_steps=1, memory_steps=2, timeout_seconds=600)
     cluster = load_cluster("cpu", nodes=1, gpus_per_node=RANKS, memory_limit=MEMORY_LIMIT)
@@ -216,11 +227,9 @@ def _study_space(result) -> tuple[list[Plan], list[str]]:
 
 
 def _autotuner(work: Path, model_file: Path, say) -> object | None:
-    try:
-        from benchmarks.ds_autotuner import run_ds_autotuner
-    except ImportError as exc:
-        say(f"DeepSpeed autotuner not run: {exc}")
-        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: benchmarks/ is not a package path
+    from ds_autotuner import run_ds_autotuner
+
     say("running DeepSpeed's autotuner on the same script")
     result = run_ds_autotuner(work / "autotuner", SCRIPT, ["--model", str(model_file), "--seq-len", str(SEQ_LEN)],
                               train_batch_size=GLOBAL_BATCH, ranks=RANKS)
@@ -269,11 +278,7 @@ def write_results(rows, result, tuned_label, oracle, best_plain, autotuner, summ
         lines.append(f"| {r.kind} | {r.label}{mark} | {_fmt(r.predicted_seconds)} | "
                      f"{_fmt(m.step_seconds if m else None)} | {format_bytes(m.peak_bytes) if m else '-'} | "
                      f"{r.outcome.status} {r.outcome.reason} |")
-    lines += ["", "## DeepSpeed's autotuner", ""]
-    if autotuner is None:
-        lines.append("Not run.")
-    else:
-        lines.append(f"```\n{json.dumps(to_dict(autotuner), indent=1, default=str)}\n```")
+    lines += ["", AUTOTUNER_HEADING.strip(), _autotuner_section(autotuner, command).rstrip("\n")]
     lines += ["", "```", summary, "```", ""]
     (RESULTS / "plan_quality.md").write_text("\n".join(lines))
 
@@ -291,6 +296,26 @@ def write_results(rows, result, tuned_label, oracle, best_plain, autotuner, summ
     ax.set_title(summary, fontsize=9)
     fig.tight_layout()
     fig.savefig(RESULTS / "plan_quality.png", dpi=110)
+
+
+AUTOTUNER_HEADING = "\n## DeepSpeed's autotuner\n"
+
+
+def _autotuner_section(autotuner, command: str) -> str:
+    """The results section of DeepSpeed's autotuner run (one summary line last)."""
+    if autotuner is None:
+        return "\nNot run.\n"
+    config = autotuner.best_config or {}
+    zero = (config.get("zero_optimization") or {}).get("stage")
+    chosen = (f"ZeRO-{zero}, micro-batch {config.get('train_micro_batch_size_per_gpu')} x "
+              f"{config.get('gradient_accumulation_steps')} accumulation" if config else "nothing")
+    return (f"\nCommand: `{command}` (DeepSpeed's `--autotuning tune` on the same script and batch, its "
+            f"ZeRO stage and micro-batch grid; it measures throughput only and knows no memory limit).\n\n"
+            f"```\n{json.dumps(to_dict(autotuner), indent=1, default=str)}\n```\n\n"
+            f"autotuner: ran={autotuner.ran} wall_s={autotuner.wall_seconds:.0f} "
+            f"experiments={autotuner.experiments} chose {chosen}"
+            + (f" ({autotuner.best_metric:.1f} {autotuner.metric_name})" if autotuner.best_metric else "")
+            + (f"; {autotuner.reason}" if autotuner.reason else "") + "\n")
 
 
 def _fmt(seconds: float | None) -> str:
