@@ -147,3 +147,14 @@ def read_data(source: Path | _Readable, where: str) -> Any:
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "cannot be parsed"
         raise DsautoError(f"{where} is not valid YAML: {problem}{at}; fix the syntax there.") from None
+
+
+def write_json(path: Path | str, data: Any) -> Path:
+    """Write ``data`` as indented JSON at ``path`` through a temporary file and a rename (atomic on
+    one file system), so a reader never sees a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+    return path

@@ -28,7 +28,7 @@ import torch
 from dsauto.plan import Plan
 from dsauto.profile.memory import MemoryTracker
 from dsauto.profile.run import bind_cpu_rank, current_device, max_over_ranks
-from dsauto.serde import to_dict
+from dsauto.serde import to_dict, write_json
 
 
 @dataclass(frozen=True)
@@ -150,9 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"plan {i + 1}/{len(plans)}: step {measured.step_seconds * 1e3:.1f} ms, "
                       f"peak {measured.peak_bytes / 2**20:.1f} MiB", flush=True)
         if dist.get_rank() == 0:
-            tmp = args.out.with_suffix(".tmp")
-            tmp.write_text(json.dumps(results, indent=1))
-            tmp.replace(args.out)
+            write_json(args.out, results)
     finally:
         dist.destroy_process_group()
 

@@ -21,7 +21,7 @@ from dsauto.cost.calibration import Calibration
 from dsauto.errors import DsautoError
 from dsauto.profile.collectives import CollectiveFit
 from dsauto.profile.layers import LayerMeasurement
-from dsauto.serde import from_dict, read_data, to_dict
+from dsauto.serde import from_dict, read_data, to_dict, write_json
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype
 
@@ -170,10 +170,7 @@ def save_profile(profile: Profile, directory: Path | str) -> Path:
 
 
 def _write(profile: Profile, path: Path) -> Path:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
-    tmp.replace(path)
-    return path
+    return write_json(path, profile.to_dict())
 
 
 def store_calibration(profile: Profile, calibration: Calibration, source: Path | str) -> Path:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import json
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ from dsauto.errors import DsautoError
 from dsauto.profile.memory import MemoryTracker
 from dsauto.profile.run import current_device
 from dsauto.profile.steps import slowest_rank, sync_ranks
-from dsauto.serde import from_dict, read_data, to_dict
+from dsauto.serde import from_dict, read_data, to_dict, write_json
 
 TRIAL_ENV = "DSAUTO_TRIAL"
 """Environment variable naming the trial request file; unset outside ``dsauto tune --script``."""
@@ -80,7 +79,7 @@ class TrialRequest:
 
 def write_request(request: TrialRequest, path: Path | str) -> None:
     """Write ``request`` as JSON at ``path``, atomically (a launched rank never reads half a file)."""
-    _write_json(Path(path), to_dict(request))
+    write_json(Path(path), to_dict(request))
 
 
 def read_request(path: Path | str) -> TrialRequest:
@@ -246,7 +245,7 @@ class _TrialSteps:
                                 self.tracker.peak_bytes("static"), losses, self.device)
         self.finished = True
         if self.rank == 0:
-            _write_json(Path(request.out), to_dict(measured))
+            write_json(Path(request.out), to_dict(measured))
             print(f"dsauto trial: step {measured.step_seconds * 1e3:.1f} ms, peak "
                   f"{measured.peak_bytes / 2**20:.1f} MiB per rank; wrote {request.out}", flush=True)
         dist.destroy_process_group()
@@ -257,12 +256,3 @@ class _TrialSteps:
             print(f"dsauto trial: the script ended after {self.optimizer_steps} of the trial's "
                   f"{self.request.total_steps} optimizer steps, so nothing was measured; let it run at "
                   f"least {self.request.total_steps} steps.", file=sys.stderr, flush=True)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    """Write ``data`` as JSON at ``path`` through a temporary file and a rename (atomic on one file
-    system), so a reader never sees a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
