@@ -97,7 +97,8 @@ def stage_constant_bytes(strategy: Strategy, bucket: int, grads_bytes: float) ->
     return (2 if strategy.zero_stage < 3 else 1) * bucket
 
 
-def gradient_transient_bytes(strategy: Strategy, bucket: int, largest_grad_bytes: float) -> int:
+def gradient_transient_bytes(strategy: Strategy, bucket: int, largest_grad_bytes: float,
+                             local_grads_bytes: float) -> int:
     """Gradients autograd has produced that ZeRO has not taken in yet, at the start of backward when
     the activations are still alive (measured on two CPU ranks, DeepSpeed 0.19.8, a 17M-parameter
     GPT whose largest matrix is the 16 MiB tied embedding: ZeRO-1 +16 MiB, ZeRO-2 +48 MiB, ZeRO-3
@@ -107,14 +108,19 @@ def gradient_transient_bytes(strategy: Strategy, bucket: int, largest_grad_bytes
       ``.grad``), or next to the bucket it is copied into (ZeRO-2/3 reduction hooks);
     - ZeRO-2 with ``overlap_comm`` keeps the raw gradients of the two buckets in flight until their
       reduction finishes (``ipg_buffer`` double buffering in stage_1_and_2.py).
+
+    Never more than the stage's unpartitioned gradients, ``local_grads_bytes`` (a 1M-parameter GPT
+    has 4 MiB of them, less than one 16 MiB bucket).
     """
     if strategy.dp <= 1 or strategy.zero_stage == 0:
         return 0  # ZeRO-0's gradients are priced by phase in predict_step
     if strategy.zero_stage == 1:
-        return int(largest_grad_bytes) if strategy.grad_accum > 1 else 0
-    if strategy.zero_stage == 2:
-        return int(largest_grad_bytes + 2 * bucket)
-    return int(largest_grad_bytes)
+        awaiting = largest_grad_bytes if strategy.grad_accum > 1 else 0.0
+    elif strategy.zero_stage == 2:
+        awaiting = largest_grad_bytes + 2 * bucket
+    else:
+        awaiting = largest_grad_bytes
+    return int(min(awaiting, local_grads_bytes))
 
 
 def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim: float, bucket: int,
@@ -180,7 +186,8 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         largest_grad = max((gathered_unit_params(layer_group_of(groups, j, num_layers), options[j], strategy.tp)
                             for j in range(first, last + 1)), default=0.0) * train.dtype_bytes
         transient = (layer_transient + stage_constant_bytes(strategy, bucket, grads)
-                     + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory))
+                     + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory,
+                                                grads * (strategy.dp if strategy.zero_stage >= 2 else 1)))
         if any(options[j].shard_params for j in range(first, last + 1)):
             transient += extra_gathered * cost.calibration.activation_memory
         if strategy.zero_stage == 0 and strategy.dp > 1:

@@ -206,13 +206,15 @@ def plot_trials(records: Sequence[TrialRecord], budget_bytes: int, path: Path | 
     FigureCanvasAgg(fig)
     time_ax, memory_ax = fig.subplots(1, 2)
     measured = [r for r in records if r.measured_seconds is not None and r.predicted_seconds is not None]
+    largest = max([r.measured_peak_bytes for r in measured] + [r.predicted_peak_bytes for r in measured], default=0)
+    unit_name, unit = ("GiB", GiB) if largest >= GiB else ("MiB", 2**20)
     for status, (marker, color) in _STATUS_STYLE.items():
         rows = [r for r in measured if r.status == status]
         if not rows:
             continue
         time_ax.scatter([r.predicted_seconds * 1e3 for r in rows], [r.measured_seconds * 1e3 for r in rows],
                         marker=marker, color=color, label=status)
-        memory_ax.scatter([r.predicted_peak_bytes / GiB for r in rows], [r.measured_peak_bytes / GiB for r in rows],
+        memory_ax.scatter([r.predicted_peak_bytes / unit for r in rows], [r.measured_peak_bytes / unit for r in rows],
                           marker=marker, color=color, label=status)
     for r in measured:
         time_ax.annotate(str(r.number), (r.predicted_seconds * 1e3, r.measured_seconds * 1e3), fontsize=7,
@@ -220,16 +222,19 @@ def plot_trials(records: Sequence[TrialRecord], budget_bytes: int, path: Path | 
         if r.number == winner:
             time_ax.scatter([r.predicted_seconds * 1e3], [r.measured_seconds * 1e3], s=160,
                             facecolors="none", edgecolors="black", label="written plan")
-    for ax, values, unit in ((time_ax, [v for r in measured for v in (r.predicted_seconds * 1e3, r.measured_seconds * 1e3)], "ms"),
-                             (memory_ax, [v for r in measured for v in (r.predicted_peak_bytes / GiB, r.measured_peak_bytes / GiB)], "GiB")):
+    for ax, values, unit_label in (
+            (time_ax, [v for r in measured for v in (r.predicted_seconds * 1e3, r.measured_seconds * 1e3)], "ms"),
+            (memory_ax, [v for r in measured for v in (r.predicted_peak_bytes / unit, r.measured_peak_bytes / unit)],
+             unit_name)):
         if values:
             low, high = min(values) * 0.9, max(values) * 1.1
             ax.plot([low, high], [low, high], color="#999999", linewidth=0.8, linestyle="--")
-        ax.set_xlabel(f"predicted ({unit})")
-        ax.set_ylabel(f"measured ({unit})")
-    memory_ax.axhline(budget_bytes / GiB, color="#c44e52", linewidth=1.0, label=f"budget {format_bytes(budget_bytes)}")
+        ax.set_xlabel(f"predicted ({unit_label})")
+        ax.set_ylabel(f"measured ({unit_label})")
+    if largest and budget_bytes <= 2 * largest:  # far above every peak, the line would flatten the points
+        memory_ax.axhline(budget_bytes / unit, color="#c44e52", linewidth=1.0, label=f"budget {format_bytes(budget_bytes)}")
+    memory_ax.set_title(f"peak memory per rank (budget {format_bytes(budget_bytes)})")
     time_ax.set_title("step time per trial")
-    memory_ax.set_title("peak memory per rank")
     time_ax.legend(fontsize=8)
     memory_ax.legend(fontsize=8)
     fig.tight_layout()

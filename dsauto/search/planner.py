@@ -129,7 +129,8 @@ class Planner:
         # Any stage may hold the model's largest matrix (a bound: predict_step uses its own stage's).
         largest_grad = max(gathered_unit_params(g, o, strategy.tp) for g in groups for o in options) * self.train.dtype_bytes
         constant = (stage_constant_bytes(strategy, bucket, grads)
-                    + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory))
+                    + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory,
+                                               grads * (strategy.dp if strategy.zero_stage >= 2 else 1)))
         return _Priced(strategy, options, time, compute, static, act, trans,
                        cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer, constant,
                        self.cluster.memory_budget_bytes - constant)

@@ -163,13 +163,15 @@ def _wide_step(zero, mb, accum):
 def test_gradients_awaiting_zero_are_priced_by_stage():
     from dsauto.cost.step import gradient_transient_bytes
 
-    largest, bucket = 16 * MiB, 16 * MiB
-    assert gradient_transient_bytes(strategy(dp=2, zero=0, accum=4), bucket, largest) == 0
-    assert gradient_transient_bytes(strategy(dp=2, zero=1, accum=1), bucket, largest) == 0
-    assert gradient_transient_bytes(strategy(dp=2, zero=1, accum=4), bucket, largest) == largest
-    assert gradient_transient_bytes(strategy(dp=2, zero=2, accum=1), bucket, largest) == largest + 2 * bucket
-    assert gradient_transient_bytes(strategy(dp=2, zero=3, accum=1), bucket, largest) == largest
-    assert gradient_transient_bytes(strategy(dp=1, zero=3, accum=1), bucket, largest) == 0
+    largest, bucket, grads = 16 * MiB, 16 * MiB, 64 * MiB
+    assert gradient_transient_bytes(strategy(dp=2, zero=0, accum=4), bucket, largest, grads) == 0
+    assert gradient_transient_bytes(strategy(dp=2, zero=1, accum=1), bucket, largest, grads) == 0
+    assert gradient_transient_bytes(strategy(dp=2, zero=1, accum=4), bucket, largest, grads) == largest
+    assert gradient_transient_bytes(strategy(dp=2, zero=2, accum=1), bucket, largest, grads) == largest + 2 * bucket
+    assert gradient_transient_bytes(strategy(dp=2, zero=3, accum=1), bucket, largest, grads) == largest
+    assert gradient_transient_bytes(strategy(dp=1, zero=3, accum=1), bucket, largest, grads) == 0
+    # a model with fewer gradients than the buckets hold cannot have more awaiting
+    assert gradient_transient_bytes(strategy(dp=2, zero=2, accum=1), bucket, 2 * MiB, 4 * MiB) == 4 * MiB
 
 
 @pytest.mark.parametrize("zero, measured_mib", [(1, 257.4), (2, 257.4), (3, 273.4)])
