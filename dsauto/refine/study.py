@@ -21,6 +21,8 @@ import hashlib
 import json
 import os
 import socket
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -119,13 +121,23 @@ def study_name_for(planner: Planner, settings: TuneSettings) -> str:
     return f"dsauto-{planner.model.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """An Optuna storage for ``url`` with heartbeats (RDB URLs), or a clear error."""
-    try:
-        return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_SECONDS, grace_period=GRACE_SECONDS)
-    except Exception as exc:  # SQLAlchemy reports bad URLs and unreachable servers in many ways
-        raise DsautoError(f"Cannot open the study storage {url}: {str(exc).splitlines()[0]}; pass an "
-                          f"Optuna RDB URL such as sqlite:///study.db or postgresql://host/db to --storage.") from None
+def open_storage(url: str, attempts: int = 5) -> optuna.storages.BaseStorage:
+    """An Optuna storage for ``url`` with heartbeats (RDB URLs), or a clear error. Machines that
+    start together may race to create the schema of a new database; the loser retries."""
+    for attempt in range(attempts):
+        try:
+            with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna's terms
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_SECONDS,
+                                                  grace_period=GRACE_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - SQLAlchemy reports bad URLs and races in many ways
+            racing = "UNIQUE constraint" in str(exc) or "already exists" in str(exc)
+            if racing and attempt + 1 < attempts:
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            raise DsautoError(f"Cannot open the study storage {url}: {str(exc).splitlines()[0]}; pass an "
+                              f"Optuna RDB URL such as sqlite:///study.db or postgresql://host/db to --storage.") from None
+    raise AssertionError("unreachable")
 
 
 def _alive(pid: int) -> bool:

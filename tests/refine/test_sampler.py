@@ -8,7 +8,16 @@ import optuna
 import pytest
 
 from dsauto.cost.calibration import Calibration
-from dsauto.refine.sampler import PEAK, STATUS, STEP, CostModelSampler, expected_improvement, key_of, knob_rules, suggest
+from dsauto.refine.sampler import (
+    PEAK,
+    STATUS,
+    STEP,
+    CostModelSampler,
+    expected_improvement,
+    key_of,
+    knob_rules,
+    suggest,
+)
 from dsauto.refine.space import Candidate, base_plans, calibrated_planner, candidates
 from dsauto.search.planner import Planner
 from dsauto.search.space import Constraints

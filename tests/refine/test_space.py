@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from dsauto.refine.space import (Knobs, base_plans, candidates, options_of, plan_label, strategy_of)
+from dsauto.refine.space import (
+    Knobs,
+    base_plans,
+    candidates,
+    options_of,
+    plan_label,
+    strategy_of,
+)
 from dsauto.search.planner import Planner
 from dsauto.search.space import Constraints
 from dsauto.spec.loaders import load_cluster, load_model

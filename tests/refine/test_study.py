@@ -173,3 +173,11 @@ def test_two_machines_share_one_study_without_measuring_a_candidate_twice(tmp_pa
     keys = [json.dumps(t.params, sort_keys=True) for t in finished]
     assert len(set(keys)) == len(keys)
     assert all(re.search(r"trial \d+ \(\d/4\)", out) for out in outputs)  # both machines measured
+
+
+def test_a_storage_that_cannot_be_opened_is_one_sentence():
+    from dsauto.errors import DsautoError
+    from dsauto.refine.study import open_storage
+
+    with pytest.raises(DsautoError, match=r"^Cannot open the study storage nosuchdb://x: .*; pass an Optuna RDB URL"):
+        open_storage("nosuchdb://x")
