@@ -15,7 +15,8 @@ The tuner launches the script once per trial (with the DeepSpeed launcher) and s
    every step end;
 4. after the last timed step, writes the :class:`~dsauto.profile.steps.StepMeasurement` (slowest
    rank's times, largest rank's memory) as JSON at the request's ``out`` from rank 0, leaves the
-   process group on every rank and raises ``SystemExit(0)``: the script ends there.
+   process group on every rank and ends the process (``os._exit(0)``, skipping the script's own
+   teardown, which DeepSpeed on CPU sometimes aborts in): the script ends there.
 
 The quantities are those of the built-in harness (:mod:`dsauto.profile.steps`), which shares its
 rank synchronisation and reduction with this module. What the script must do for the measurement to
@@ -249,7 +250,12 @@ class _TrialSteps:
             print(f"dsauto trial: step {measured.step_seconds * 1e3:.1f} ms, peak "
                   f"{measured.peak_bytes / 2**20:.1f} MiB per rank; wrote {request.out}", flush=True)
         dist.destroy_process_group()
-        raise SystemExit(0)
+        # Leave at once: the interpreter's own teardown, with the engine and its communication
+        # threads still alive, sometimes aborts ("terminate called without an active exception"),
+        # which would make a measured trial look failed. The result is written; nothing is lost.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     def _report_unfinished(self) -> None:
         if not self.finished and self.rank == 0:
