@@ -205,6 +205,10 @@ def test_example_trains_with_the_generated_plan(tmp_path):
          str(_free_port()), str(root / "examples" / "deepspeed" / "train_gpt.py"),
          "--deepspeed_config", str(tmp_path / "out" / "ds_config.json"), "--steps", "6"],
         capture_output=True, text=True, env=env, timeout=600, cwd=root)
-    assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-4000:]
+    # DeepSpeed 0.19.8 on CPU now and then aborts in interpreter teardown, after training and after
+    # the process group is destroyed ("terminate called without an active exception"); that exit
+    # code says nothing about the plan, so only a failure before the end counts.
+    teardown_abort = train.stderr.rstrip().endswith("terminate called without an active exception")
+    assert train.returncode == 0 or teardown_abort, train.stdout[-4000:] + train.stderr[-4000:]
     losses = [float(line.split()[3]) for line in train.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, train.stdout[-2000:]
