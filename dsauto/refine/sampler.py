@@ -163,10 +163,6 @@ class CostModelSampler(optuna.samplers.BaseSampler):
             return self._fallback.sample_independent(study, trial, param_name, param_distribution)
         return value
 
-    def picked(self, trial_number: int) -> Candidate | None:
-        """The candidate proposed for a trial of this process."""
-        return self._picks.get(trial_number)
-
     # The choice itself.
     def taken(self, study: optuna.Study, exclude: int | None = None) -> set[str]:
         """Keys of candidates measured, being measured or failed (an interrupted trial frees its own)."""
