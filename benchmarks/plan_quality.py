@@ -1,7 +1,7 @@
 """Plan quality: is the plan ``dsauto tune --trials`` picks the truly fastest, and how much faster is it
 than DeepSpeed configured by hand? Two CPU ranks, under a per-rank memory limit that forces trade-offs.
 
-    python benchmarks/plan_quality.py            # about 20 minutes
+    python benchmarks/plan_quality.py            # about 35 minutes, 9 of them DeepSpeed's autotuner
     python benchmarks/plan_quality.py --quick    # fewer steps per measurement, for a smoke run
 
 1. Profiles the model on 2 ranks (``dsauto profile``).
@@ -37,11 +37,9 @@ from pathlib import Path
 import yaml
 
 from dsauto.cost.strategy import LayerOption, Strategy
-from dsauto.plan import Plan
 from dsauto.profile.run import launch_profile
 from dsauto.profile.store import find_profile
 from dsauto.refine.runner import SHARED_MEMORY, TrialOutcome, TrialSettings, run_trial
-from dsauto.refine.space import Knobs
 from dsauto.refine.study import TuneSettings, refine
 from dsauto.search.planner import Planner
 from dsauto.serde import to_dict
@@ -133,17 +131,11 @@ def main() -> None:
     tune_wall = time.perf_counter() - started
     measured_trials = [r for r in result.records if r.measured_seconds is not None]
     real_steps = len(measured_trials) * (trial.steps + trial.warmup_steps + trial.memory_steps)
-    tuned_label = Knobs.from_params(_params_of(result)).describe()
+    tuned_label = result.winner.knobs.describe()
     say(f"tuned: {tuned_label} in {tune_wall:.0f} s over {len(result.records)} trials")
 
     # 3. The oracle: every candidate of the same space, measured the same way.
-    from dsauto.refine.sampler import key_of
-    from dsauto.refine.space import candidates
-
-    study_plans = _study_space(result)
-    space = candidates(planner, study_plans[0], memory_slack=float("inf"))
-    keys = set(study_plans[1])
-    space = [c for c in space if key_of(c.knobs) in keys]
+    space = result.space
     # The grid and plain DeepSpeed run the same script, so that only the config differs.
     per_replica = GLOBAL_BATCH // RANKS
     script_config = work / "plain_ds_config.json"  # the script's own; each run replaces it by its trial's
@@ -175,7 +167,7 @@ def main() -> None:
             rows.append(Row("plain", f"ZeRO-{zero} mb{mb}x{per_replica // mb}", plain.prediction.step_seconds, outcome))
             if outcome.status != "infeasible":
                 break  # the largest micro-batch that fits (or a failure, recorded as such)
-        defaults = run_trial(study_plans[0][0], RANKS, script, work / "defaults" / f"z{zero}", budget,
+        defaults = run_trial(result.plan, RANKS, script, work / "defaults" / f"z{zero}", budget,
                              config=plain_config(zero, 1, per_replica))
         say(f"DeepSpeed defaults ZeRO-{zero} mb 1: {defaults.status} {_ms(defaults)} {defaults.reason}")
         rows.append(Row("defaults", f"ZeRO-{zero} mb1x{per_replica}", None, defaults))
@@ -207,23 +199,6 @@ def main() -> None:
 def _ms(outcome: TrialOutcome) -> str:
     m = outcome.measurement
     return f"{m.step_seconds * 1e3:.1f} ms, peak {format_bytes(m.peak_bytes)}" if m else ""
-
-
-def _study(result):
-    import optuna
-
-    return optuna.load_study(study_name=result.study_name, storage=result.storage)
-
-
-def _params_of(result) -> dict:
-    study = _study(result)
-    return next(t.params for t in study.trials if t.number == result.plan.measured.trial)
-
-
-def _study_space(result) -> tuple[list[Plan], list[str]]:
-    study = _study(result)
-    plans = [Plan.from_dict(p) for p in study.user_attrs["base_plans"]]
-    return plans, list(study.user_attrs["candidates"])
 
 
 def _autotuner(work: Path, model_file: Path, say) -> object | None:

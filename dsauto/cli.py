@@ -228,7 +228,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     print(describe_plan(result.plan))
     print(describe_trials(result.records, winner=result.plan.measured.trial))
     print(f"study {result.study_name} in {result.storage}: {len(result.records)} trials "
-          f"({result.new_trials} run now) over {result.candidates} candidates")
+          f"({result.new_trials} run now) over {len(result.space)} candidates")
     stored = store_calibration(profile, result.calibration, source)
     print(f"calibration: {result.calibration.describe()}; saved with the profile {stored}")
     written = write_artifacts(result.plan, Path(args.out))
@@ -238,7 +238,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace, write: bool) -> int:
-    from dsauto.report import describe_plan, describe_alternatives
+    from dsauto.report import describe_alternatives, describe_plan
 
     if write and args.trials:
         return _cmd_refine(args)

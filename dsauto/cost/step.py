@@ -100,9 +100,12 @@ def stage_constant_bytes(strategy: Strategy, bucket: int, grads_bytes: float) ->
 def gradient_transient_bytes(strategy: Strategy, bucket: int, largest_grad_bytes: float,
                              local_grads_bytes: float) -> int:
     """Gradients autograd has produced that ZeRO has not taken in yet, at the start of backward when
-    the activations are still alive (measured on two CPU ranks, DeepSpeed 0.19.8, a 17M-parameter
-    GPT whose largest matrix is the 16 MiB tied embedding: ZeRO-1 +16 MiB, ZeRO-2 +48 MiB, ZeRO-3
-    +16 MiB over the forward peak, benchmarks/results/plan_quality.md):
+    the activations are still alive. Measured with :class:`dsauto.profile.memory.MemoryTracker`
+    regions around forward, backward and step on two CPU ranks (DeepSpeed 0.19.8; the 17M-parameter
+    GPT of benchmarks/plan_quality.py, whose largest matrix is its 16 MiB tied embedding), backward
+    peaked at 305.2, 305.5 and 281.8 MiB under ZeRO-1 (micro-batch 1 x 8), ZeRO-2 (1 x 8) and
+    ZeRO-3 (2 x 4), against forward peaks of 281.8, 217.7 and 258.0 MiB; tests/cost/test_cost.py
+    holds the prediction to those peaks:
 
     - a fresh weight gradient exists next to the one it is added to (ZeRO-1 accumulating into
       ``.grad``), or next to the bucket it is copied into (ZeRO-2/3 reduction hooks);
@@ -130,8 +133,8 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
     partition (``optim`` holds it and the two moments, 12 bytes per parameter), and the update makes
     partition-sized temporaries. On a CPU (``single_tensor``: torch's per-tensor implementation)
     there are two under ZeRO-1/2 and three under ZeRO-3, which also keeps its gradient bucket
-    (measured on two CPU ranks, DeepSpeed 0.19.8 and torch 2.13: 257.4 MiB under ZeRO-1 and -2,
-    273.4 MiB under ZeRO-3 for a 17M-parameter GPT, to the 0.1 MiB). On CUDA torch uses its
+    (measured as in :func:`gradient_transient_bytes`, torch 2.13: the step peaked at 257.4 MiB under
+    ZeRO-1 and -2 and 273.4 MiB under ZeRO-3, which this reproduces to 0.1 MiB). On CUDA torch uses its
     multi-tensor implementation, whose only partition-sized temporary is the moments' square root
     (torch/optim/adamw.py, ``_multi_tensor_adamw``); ZeRO-3's extra one is kept. ZeRO-1 has
     reduce-scattered its gradients into the partition by then."""

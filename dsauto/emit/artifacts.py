@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,17 +34,23 @@ def write_artifacts(plan: Plan, out_dir: Path | str) -> list[Path]:
     new one. ``out_dir`` is created if needed; other files in it are left alone. Returns the paths
     written, in the order above.
     """
-    out_dir = Path(out_dir)
     validate_ds_config(ds_config(plan), plan.dp)
+    return _write_staged(Path(out_dir), lambda staging: [
+        write_ds_config(plan, staging / DS_CONFIG_NAME),
+        write_megatron_args(plan, staging / MEGATRON_ARGS_NAME),
+        write_plan_yaml(plan, staging / PLAN_YAML_NAME),
+        plot_plan(plan, staging / PLAN_PNG_NAME),
+    ])
+
+
+def _write_staged(out_dir: Path, write: Callable[[Path], list[Path]]) -> list[Path]:
+    """Runs ``write`` into a temporary directory next to ``out_dir`` (same file system), then renames
+    each file it wrote into ``out_dir``: an error leaves ``out_dir`` as it was, and each file there is
+    either the old one or the complete new one."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-dsauto-", dir=out_dir.parent))
     try:
-        staged = [
-            write_ds_config(plan, staging / DS_CONFIG_NAME),
-            write_megatron_args(plan, staging / MEGATRON_ARGS_NAME),
-            write_plan_yaml(plan, staging / PLAN_YAML_NAME),
-            plot_plan(plan, staging / PLAN_PNG_NAME),
-        ]
+        staged = write(staging)
         out_dir.mkdir(exist_ok=True)
         written = []
         for path in staged:
@@ -76,14 +82,9 @@ def write_trials(records: Sequence[TrialRecord], plan: Plan, out_dir: Path | str
     writer.writeheader()
     for record in sorted(records, key=lambda r: r.number):
         writer.writerow(dataclasses.asdict(record))
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-dsauto-", dir=out_dir.parent))
-    try:
+
+    def write(staging: Path) -> list[Path]:
         (staging / TRIALS_CSV_NAME).write_text(text.getvalue())
-        plot_trials(records, plan.memory_budget_bytes, staging / TRIALS_PNG_NAME, winner)
-        written = []
-        for name in (TRIALS_CSV_NAME, TRIALS_PNG_NAME):
-            os.replace(staging / name, out_dir / name)
-            written.append(out_dir / name)
-        return written
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        return [staging / TRIALS_CSV_NAME, plot_trials(records, plan.memory_budget_bytes, staging / TRIALS_PNG_NAME, winner)]
+
+    return _write_staged(out_dir, write)

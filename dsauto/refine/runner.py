@@ -56,8 +56,6 @@ class TrialSettings:
     """Arguments of the user's script."""
     launcher: Literal["torchrun", "deepspeed"] = "torchrun"
     """Launcher of the trial's processes (one per rank, on this machine)."""
-    launcher_args: tuple[str, ...] = ()
-    """Extra launcher arguments (e.g. ``--hostfile`` for the DeepSpeed launcher)."""
 
     def __post_init__(self) -> None:
         if min(self.steps, self.warmup_steps + 1, self.memory_steps + 1) < 1:
@@ -123,12 +121,12 @@ def trial_command(settings: TrialSettings, ranks: int, plans_path: Path, out_pat
     port = str(port)
     if settings.launcher == "deepspeed":
         launch = ["deepspeed", "--include", "localhost:" + ",".join(map(str, range(ranks))),
-                  "--master_port", port, *settings.launcher_args]
+                  "--master_port", port]
         if settings.script is None:
             launch.append("--module")
     else:
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                  "--master_port", port, *settings.launcher_args]
+                  "--master_port", port]
         if settings.script is None:
             launch.append("-m")
     if settings.script is not None:

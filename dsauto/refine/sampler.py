@@ -97,8 +97,6 @@ class Estimate:
     peak_bytes: float
     memory_sigma: float
     """Relative uncertainty of ``peak_bytes``."""
-    source: str
-    """``sibling`` or ``model``."""
 
 
 def _normal_cdf(z: float) -> float:
@@ -142,6 +140,7 @@ class CostModelSampler(optuna.samplers.BaseSampler):
         self._fallback = optuna.samplers.RandomSampler(seed=seed)
         self.calibration: Calibration | None = None
         """The correction factors of the last proposal (fitted to the study's measured steps)."""
+        self._proposal: tuple[tuple, Candidate | None] | None = None
 
     # Optuna's sampler interface: everything is sampled "independently", from one joint pick.
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
@@ -164,24 +163,28 @@ class CostModelSampler(optuna.samplers.BaseSampler):
         return value
 
     # The choice itself.
-    def taken(self, study: optuna.Study, exclude: int | None = None) -> set[str]:
-        """Keys of candidates measured, being measured or failed (an interrupted trial frees its own)."""
+    def taken(self, study: optuna.Study, exclude: int | None = None, before: int | None = None) -> set[str]:
+        """Keys of candidates measured, being measured or failed, by trials numbered below ``before``
+        (all by default) other than ``exclude``. A trial cut off (``interrupted``, or failed by
+        heartbeat without a status of its own) frees its candidate."""
         keys = set()
         for t in study.get_trials(deepcopy=False):
-            if t.number == exclude or t.user_attrs.get(STATUS) == "interrupted":
+            status = t.user_attrs.get(STATUS)
+            if t.number == exclude or (before is not None and t.number >= before) or status == "interrupted":
+                continue
+            if t.state == TrialState.FAIL and status not in ("failed",):
                 continue
             if t.state == TrialState.RUNNING and t.number in self._picks:
                 keys.add(key_of(self._picks[t.number].knobs))
-            elif t.params:
+            elif "plan" in t.params:
                 keys.add(key_of(Knobs.from_params(t.params)))
         return keys
 
     def observations(self, study: optuna.Study) -> list[Observation]:
         return [o for t in study.get_trials(deepcopy=False) if (o := _observation(t, self._by_key)) is not None]
 
-    def estimates(self, study: optuna.Study) -> dict[str, Estimate]:
-        """The estimate of every candidate under the calibration fitted to the study so far."""
-        observed = self.observations(study)
+    def estimates(self, observed: Sequence[Observation]) -> dict[str, Estimate]:
+        """The estimate of every candidate under the calibration fitted to ``observed`` steps."""
         self.calibration = fit_calibration(self.planner, observed) if observed else self.planner.calibration
         planner = calibrated_planner(self.planner, self.calibration)
         priced = {key_of(c.knobs): c.price(planner).prediction for c in self.space}
@@ -195,7 +198,7 @@ class CostModelSampler(optuna.samplers.BaseSampler):
             siblings = [o for o in observed if o.candidate.knobs.plan == candidate.knobs.plan]
             if key in measured:
                 o = measured[key]
-                result[key] = Estimate(o.step_seconds, 0.0, o.peak_bytes, 0.0, "measured")
+                result[key] = Estimate(o.step_seconds, 0.0, o.peak_bytes, 0.0)
             elif siblings:
                 # The nearest sibling: the fewest knobs apart, a different checkpoint count last.
                 def distance(o: Observation, b: Knobs = candidate.knobs) -> tuple[int, int]:
@@ -209,9 +212,9 @@ class CostModelSampler(optuna.samplers.BaseSampler):
                     o.step_seconds * mine.step_seconds / theirs.step_seconds,
                     SIBLING_CHECKPOINT_SIGMA if far else SIBLING_SIGMA,
                     o.peak_bytes * mine.peak_memory_bytes / max(theirs.peak_memory_bytes, 1),
-                    SIBLING_CHECKPOINT_SIGMA if far else SIBLING_SIGMA, "sibling")
+                    SIBLING_CHECKPOINT_SIGMA if far else SIBLING_SIGMA)
             else:
-                result[key] = Estimate(mine.step_seconds, time_sigma, mine.peak_memory_bytes, memory_sigma, "model")
+                result[key] = Estimate(mine.step_seconds, time_sigma, mine.peak_memory_bytes, memory_sigma)
         return result
 
     def fit_probability(self, estimate: Estimate) -> float:
@@ -221,14 +224,23 @@ class CostModelSampler(optuna.samplers.BaseSampler):
         return _normal_cdf((self.budget_bytes - estimate.peak_bytes) / (estimate.memory_sigma * estimate.peak_bytes))
 
     def propose(self, study: optuna.Study, exclude: int | None = None) -> Candidate | None:
-        """The next candidate to measure, or None when every promising one has been."""
+        """The next candidate to measure, or None when every promising one has been. The answer is
+        kept until the study's trials change (other than ``exclude``, the trial asking), so that
+        asking whether to go on and then sampling the trial fits the calibration once."""
+        state = tuple((t.number, t.state, t.user_attrs.get(STATUS)) for t in study.get_trials(deepcopy=False)
+                      if t.number != exclude)
+        if self._proposal is None or self._proposal[0] != state:
+            self._proposal = (state, self._choose(study, exclude))
+        return self._proposal[1]
+
+    def _choose(self, study: optuna.Study, exclude: int | None) -> Candidate | None:
         taken = self.taken(study, exclude)
         open_ = [c for c in self.space if key_of(c.knobs) not in taken]
         if not open_:
             return None
-        estimates = self.estimates(study)
-        feasible_times = [o.step_seconds for o in self.observations(study) if o.peak_bytes <= self.budget_bytes]
-        best = min(feasible_times, default=None)
+        observed = self.observations(study)
+        estimates = self.estimates(observed)
+        best = min((o.step_seconds for o in observed if o.peak_bytes <= self.budget_bytes), default=None)
 
         def score(c: Candidate) -> float:
             e = estimates[key_of(c.knobs)]

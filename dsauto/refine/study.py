@@ -108,8 +108,10 @@ class TuneResult:
     storage: str
     new_trials: int
     """Trials this run measured (the rest were in the study already)."""
-    candidates: int
-    """Size of the space."""
+    space: tuple[Candidate, ...]
+    """Every candidate of the study."""
+    winner: Candidate
+    """The candidate ``plan`` is."""
 
 
 def study_name_for(planner: Planner, settings: TuneSettings) -> str:
@@ -228,7 +230,6 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
     by_key = {key_of(c.knobs): c for c in space}
     rules = knob_rules(space)
     host, pid = socket.gethostname(), os.getpid()
-    new_trials = 0
 
     def objective(trial: optuna.Trial) -> float:
         trial.set_user_attr("host", host)
@@ -239,7 +240,7 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
             if candidate is None:  # another sampler may propose combinations outside the space
                 trial.set_user_attr(STATUS, "outside")
                 raise optuna.TrialPruned()
-            if _claimed_earlier(study, trial.number, key_of(knobs)):
+            if key_of(knobs) in sampler.taken(study, exclude=trial.number, before=trial.number):
                 # Another machine picked the same candidate at the same moment; the earlier trial
                 # measures it, this one steps aside (not counted) and the loop proposes again.
                 trial.set_user_attr(STATUS, "outside")
@@ -272,9 +273,10 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
                 f"({_finished(study)} of {settings.trials} trials used)")
             break
         study.optimize(objective, n_trials=1, catch=(TrialFailed,))
-        new_trials += 1
 
     trials = study.get_trials(deepcopy=False)
+    new_trials = sum(t.user_attrs.get("host") == host and t.user_attrs.get("pid") == pid
+                     and t.user_attrs.get(STATUS) in FINISHED for t in trials)
     records = tuple(_record(t) for t in trials if t.user_attrs.get(STATUS) != "outside")
     observed = sampler.observations(study)
     calibration = fit_calibration(planner, observed) if observed else (planner.calibration or Calibration())
@@ -292,17 +294,7 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
                            peak_memory_bytes=int(best.user_attrs[PEAK]), steps=settings.trial.steps,
                            trial=best.number, study=name)
     return TuneResult(plan=replace(winner.plan, measured=measured), records=records, calibration=calibration,
-                      study_name=name, storage=url, new_trials=new_trials, candidates=len(space))
-
-
-def _claimed_earlier(study: optuna.Study, number: int, key: str) -> bool:
-    """Whether an earlier trial measures, measured or is measuring the candidate ``key``."""
-    for t in study.get_trials(deepcopy=False):
-        if t.number >= number or "plan" not in t.params or key_of(Knobs.from_params(t.params)) != key:
-            continue
-        if t.state == TrialState.RUNNING or t.user_attrs.get(STATUS) in FINISHED:
-            return True
-    return False
+                      study_name=name, storage=url, new_trials=new_trials, space=tuple(space), winner=winner)
 
 
 class TrialFailed(Exception):
