@@ -9,10 +9,10 @@ predicted with constants fitted on the other folds only).
 
 Usable: dense models, BF16/FP16, A100 40/80GB or H100 80GB, with the model shape, tp, pp, the GPUs
 and the global batch published. Pinned from the record: tp, pp, cp, dp (= GPUs / tp / pp / cp), the
-global batch, the micro-batch when published (else the planner's best), full or no recomputation
-("selective", the attention core only, is priced as no recomputation: with flash attention the core
-keeps nothing, and the Korthikanti et al. 2022 runs, eager, then miss the core's re-run, 2-5% of
-their FLOPs), sequence parallelism when stated, interleaved virtual stages when stated (the planner
+global batch, the micro-batch when published (else the planner's best), full or no recomputation,
+or "selective" recomputation of the attention core (Korthikanti et al. 2022, Sec. 5: Megatron's
+``--recompute-granularity selective``, priced as dsauto's ``core_attn`` module in every layer),
+sequence parallelism when stated, interleaved virtual stages when stated (the planner
 chooses them where a source says it interleaved without the count). Flash attention for runs from
 2023 on, eager attention for the 2021-22 ones. Each source's engine mapping is in SOURCES.
 
@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: ben
 from fit_device import DEVICES, Candidate, Case, Constants, fit, group_folds  # noqa: E402
 
 from dsauto.cost.strategy import LayerOption, Strategy  # noqa: E402
+from dsauto.engines.rules import VIRTUAL_STAGES  # noqa: E402
 from dsauto.errors import DsautoError  # noqa: E402
 from dsauto.parallel import ParallelDims  # noqa: E402
 from dsauto.plan import Plan  # noqa: E402
@@ -88,6 +89,9 @@ class Source:
     """Virtual pipeline stages when the record does not state them (None: the planner's choice)."""
     shard_all: bool = False
     """ZeRO-3 shards every layer (DeepSpeed 2021 had no per-layer persistence)."""
+    interleaved: bool = False
+    """The source says it ran the interleaved schedule without the count of virtual stages: the
+    planner's best of the interleaved schedules it can run (not the plain 1F1B)."""
 
 
 SOURCES = {
@@ -111,8 +115,8 @@ SOURCES = {
                                 "planner's", dict(tied_embeddings=False), None, None),
     "llama3": Source("llama3", "megatron", 1, True, "bf16",
                      "Meta's 4D stack: engine megatron, ZeRO 1 (its FSDP shards optimizer and gradients; "
-                     "dsauto runs ZeRO 0-1 with pipelines), interleaved with the virtual stages left to the "
-                     "planner (not published)", LLAMA, False, None),
+                     "dsauto runs ZeRO 0-1 with pipelines), interleaved (Sec. 3.3.2) with the virtual stages "
+                     "not published: the planner's best interleaved schedule", LLAMA, False, None, interleaved=True),
     "automodel": Source("automodel", "megatron", 3, True, "bf16",
                         "NeMo AutoModel FSDP2: engine megatron, ZeRO 3 (every layer sharded)", LLAMA),
     "mtnlg": Source("mtnlg", "megatron", 1, False, "bf16",
@@ -180,10 +184,17 @@ def _checkpoint(described: object, default: bool | None) -> bool | None:
     if text.startswith(("full", "activation_checkpointing: true")):
         return True
     if text.startswith(("none", "selective")):
-        return False  # Megatron's selective recomputation of the attention core: see the docstring
+        return False  # no whole layer; selective recomputation of the attention core: _recompute_modules
     if text.startswith("partial"):
         return None
     return default
+
+
+def _recompute_modules(described: object) -> str:
+    """The ``--recompute-modules`` pin of a record: Megatron's selective recomputation of the
+    attention core (Korthikanti et al. 2022, Sec. 5; the records say "selective") as ``core_attn``,
+    else none."""
+    return "core_attn" if str(described or "").lower().startswith("selective") else "none"
 
 
 def eq3_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -263,16 +274,17 @@ def configure(record: dict) -> PublishedRun | str:
                       **source.architecture)
     tp, pp, cp = p["tp"], p["pp"], p.get("cp") or 1
     checkpoint = _checkpoint(p.get("activation_recompute"), source.checkpoint)
-    if str(p.get("activation_recompute") or "").lower().startswith("selective"):
-        notes.append("selective recomputation priced as none")
+    recompute_modules = _recompute_modules(p.get("activation_recompute"))
     vpp = p.get("vpp") or (source.vpp if pp > 1 else 1)
     if vpp is None:
-        notes.append("interleaved: virtual stages the planner's")
+        notes.append("interleaved: the planner's best interleaved schedule" if source.interleaved
+                     else "interleaved or not: the planner's")
     sp = p.get("sequence_parallel")
     if source.key == "megatron-readme24":
         sp = tp > 1
     pins = Constraints(tp=tp, pp=pp, cp=cp, vpp=vpp, zero_stage=source.zero_stage, micro_batch=p.get("micro_batch"),
-                       checkpoint=checkpoint, sequence_parallel=sp if tp > 1 else None, engine=source.engine)
+                       checkpoint=checkpoint, sequence_parallel=sp if tp > 1 else None, engine=source.engine,
+                       recompute_modules=recompute_modules)
     train = TrainSpec(global_batch=p["global_batch"], seq_len=seq, dtype=source.dtype,
                       flash_attention=source.flash_attention)
     published = _published(record, model, source)
@@ -315,26 +327,40 @@ def _strategy(plan: Plan) -> Strategy:
     return Strategy(dims=ParallelDims(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp), zero_stage=plan.zero_stage,
                     micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
                     sequence_parallel=plan.sequence_parallel, engine=plan.engine,
-                    virtual_stages=plan.virtual_stages)
+                    virtual_stages=plan.virtual_stages, recompute_modules=plan.uniform_recompute_modules())
 
 
 def _options(plan: Plan, shard_all: bool) -> tuple[LayerOption, ...]:
     options = []
     for run in plan.layers:
-        option = LayerOption(run.checkpoint, run.shard_params or shard_all, run.split)
+        option = LayerOption(run.checkpoint, run.shard_params or shard_all, run.split, run.recompute_modules)
         options += [option] * (run.last - run.first + 1)
     return tuple(options)
+
+
+def _search(run: PublishedRun, hardware: HardwareSpec, top_k: int, pins: Constraints,
+            limit: int) -> tuple[list[Plan], bool]:
+    """The planner's best plans for ``pins`` under the memory ``limit`` (0: the device's budget),
+    over the interleaved schedules only where the source ran one without publishing its depth."""
+    choices = [pins]
+    if run.source.interleaved and pins.vpp is None:
+        choices = [dataclasses.replace(pins, vpp=v) for v in VIRTUAL_STAGES]
+    found = []
+    for choice in choices:
+        try:
+            found += Planner(run.model, _cluster(run, hardware, limit), run.train, choice).search(top_k=top_k)
+        except DsautoError:
+            continue
+    return sorted(found, key=lambda p: p.prediction.step_seconds)[:top_k], limit == 0
 
 
 def plans(run: PublishedRun, hardware: HardwareSpec, top_k: int = 1) -> tuple[list[Plan], bool]:
     """The planner's best plans for the pinned configuration (one per strategy), and whether they
     fit the device's memory budget; a configuration the memory model refuses is planned under a
     generous limit, since it ran."""
-    try:
-        found, fits = Planner(run.model, _cluster(run, hardware), run.train, run.pins).search(top_k=top_k), True
-    except DsautoError:
-        found, fits = Planner(run.model, _cluster(run, hardware, GENEROUS_BYTES), run.train,
-                              run.pins).search(top_k=top_k), False
+    found, fits = _search(run, hardware, top_k, run.pins, 0)
+    if not found:
+        found, fits = _search(run, hardware, top_k, run.pins, GENEROUS_BYTES)
     if run.source.shard_all:
         planner = Planner(run.model, _cluster(run, hardware, GENEROUS_BYTES), run.train, run.pins)
         found = sorted((planner.build_plan(_strategy(p), p.stage_layers, _options(p, True)) for p in found),
@@ -464,8 +490,8 @@ WHY = {
                       "NVLink (scatter/gather, Narayanan et al. 2021, Sec. 4.1); Megatron-core ignores that flag "
                       "and dsauto prices the whole boundary without sequence parallelism.",
     "korthikanti22": "Full-recompute rows run without sequence parallelism: dsauto sends the whole pipeline boundary "
-                     "(no 2021-22 scatter/gather) and the interleaved rows send it v times; the selective rows miss "
-                     "the attention core's re-run (2-5% of their FLOPs) and keep eager attention's scores in memory.",
+                     "(no 2021-22 scatter/gather) and the interleaved rows send it v times; the selective rows are "
+                     "priced with the attention core recomputed in every layer (dsauto's core_attn).",
     "megatron-readme24": "The runs overlap tensor-parallel communication with GEMMs (--tp-comm-overlap, userbuffers); "
                          "dsauto does not emit that flag and prices the collectives exposed, so tp = 4-8 runs come "
                          "out slow.",

@@ -57,18 +57,51 @@ MiB = 2**20
 
 @dataclass(frozen=True)
 class Case:
-    """One plan of the benchmark."""
+    """One plan of the benchmark (also the model-parallel plans of benchmarks/accuracy.py)."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     zero_stage: int = 0
     recompute: bool = False
+    """Every transformer layer recomputed."""
+    micro_batch: int = MICRO_BATCH
+    micro_batches: int = GLOBAL_MICRO_BATCHES
+    """Micro-batches per step over all data-parallel ranks."""
+    layout: tuple[int, ...] = ()
+    """Transformer layers per pipeline stage; () splits them evenly."""
+    recompute_first: int = 0
+    """Without ``recompute``: the first N transformer layers of every stage recomputed (Megatron's
+    block method)."""
+    dtype: str = DTYPE
 
     def label(self) -> str:
         degrees = f"tp{self.tp}" if self.tp > 1 else f"pp{self.pp}" if self.pp > 1 else f"dp{self.dp}"
         zero = f" zero{self.zero_stage}" if self.dp > 1 else ""
-        return f"{degrees}{zero} {'recompute-all' if self.recompute else 'no-recompute'}"
+        recompute = ("recompute-all" if self.recompute else
+                     f"recompute-first{self.recompute_first}" if self.recompute_first else "no-recompute")
+        extra = ""
+        if self.layout:
+            extra += f" layers-{'+'.join(map(str, self.layout))}"
+        if (self.micro_batch, self.micro_batches) != (MICRO_BATCH, GLOBAL_MICRO_BATCHES):
+            extra += f" mb{self.micro_batch}x{self.micro_batches // self.dp}"
+        return f"{degrees}{zero}{extra} {recompute}"
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        return list(self.layout) if self.layout else [num_layers // self.pp] * self.pp
+
+    def checkpointed(self, layer: int, num_layers: int) -> bool:
+        """Whether flat layer ``layer`` (0 embedding, 1..L blocks, L+1 head) is recomputed."""
+        if not 1 <= layer <= num_layers:
+            return False
+        if self.recompute:
+            return True
+        first = 1
+        for count in self.stage_layers(num_layers):
+            if first <= layer < first + count:
+                return layer - first < self.recompute_first
+            first += count
+        return False
 
 
 CASES = tuple(Case(**dims, recompute=recompute)
@@ -86,28 +119,34 @@ def bench_model():
                      max_position_embeddings=SEQ_LEN, dropout=False)
 
 
-def build_plan(case: Case):
-    """The plan of ``case``, built and priced by dsauto's planner for engine megatron."""
-    from dsauto.cost.strategy import LayerOption, Strategy
-    from dsauto.parallel import ParallelDims
+def planner_of(case: Case, profile=None):
+    """dsauto's planner for ``case``'s cluster and batch, engine megatron (pricing with the measured
+    costs of ``profile`` when given)."""
     from dsauto.search.planner import Planner
     from dsauto.search.space import Constraints
     from dsauto.spec.loaders import load_cluster
     from dsauto.spec.training import TrainSpec
 
-    model = bench_model()
     cluster = load_cluster("cpu", nodes=1, gpus_per_node=case.tp * case.pp * case.dp)
     # The local layer spec's attention is Megatron-core's own unfused DotProductAttention, which
     # keeps the s x s scores: priced as eager attention.
-    train = TrainSpec(global_batch=MICRO_BATCH * GLOBAL_MICRO_BATCHES, seq_len=SEQ_LEN, dtype=DTYPE,
+    train = TrainSpec(global_batch=case.micro_batch * case.micro_batches, seq_len=SEQ_LEN, dtype=case.dtype,
                       flash_attention=False)
+    return Planner(bench_model(), cluster, train, Constraints(engine="megatron"), profile=profile)
+
+
+def build_plan(case: Case, profile=None):
+    """The plan of ``case``, built and priced by :func:`planner_of`."""
+    from dsauto.cost.strategy import LayerOption, Strategy
+    from dsauto.parallel import ParallelDims
+
+    model = bench_model()
     strategy = Strategy(dims=ParallelDims(dp=case.dp, tp=case.tp, pp=case.pp), zero_stage=case.zero_stage,
-                        micro_batch=MICRO_BATCH, grad_accum=GLOBAL_MICRO_BATCHES // case.dp,
+                        micro_batch=case.micro_batch, grad_accum=case.micro_batches // case.dp,
                         sequence_parallel=False, engine="megatron")
-    options = [LayerOption(checkpoint=case.recompute and 1 <= layer <= model.num_layers, shard_params=False,
-                           split=1) for layer in range(model.num_layers + 2)]
-    planner = Planner(model, cluster, train, Constraints(engine="megatron"))
-    return planner.build_plan(strategy, [model.num_layers // case.pp] * case.pp, options)
+    options = [LayerOption(checkpoint=case.checkpointed(layer, model.num_layers), shard_params=False, split=1)
+               for layer in range(model.num_layers + 2)]
+    return planner_of(case, profile).build_plan(strategy, case.stage_layers(model.num_layers), options)
 
 
 # ---- the worker: one rank of a torchrun launch ------------------------------------------------------
@@ -165,17 +204,22 @@ def build(plan):
     return model, optimizer
 
 
-def worker(plan_path: Path, out_path: Path) -> None:
-    """Trains the plan in ``plan_path`` for :data:`STEPS` steps under the memory tracker; rank 0
-    writes every rank's peaks to ``out_path``."""
+def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: int = 2) -> None:
+    """Trains the plan in ``plan_path`` for :data:`STEPS` steps under the memory tracker, then (when
+    ``timed_steps``) ``warmup_steps`` untimed and ``timed_steps`` timed steps without it; rank 0
+    writes every rank's peaks and step times to ``out_path``."""
     import torch
     import torch.distributed as dist
 
     import dsauto.megatron as dm
     from dsauto.compat import megatron_cpu
     from dsauto.profile.memory import MemoryTracker
+    from dsauto.profile.resources import run_queue_seconds
+    from dsauto.profile.run import bind_cpu_rank
 
     shim = megatron_cpu.enable()
+    if timed_steps:
+        bind_cpu_rank()  # as dsauto profile timed the layers: one core per rank
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from megatron.core import parallel_state
@@ -200,6 +244,18 @@ def worker(plan_path: Path, out_path: Path) -> None:
         with tracker.region("backward"):
             return backward(*args, **kwargs)
 
+    def train_step(model, optimizer) -> float | None:
+        """One optimizer step as Megatron-LM's train_step runs it; the mean loss on the last stage."""
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data, model=model,
+            num_microbatches=plan.grad_accum, seq_length=plan.seq_len,
+            micro_batch_size=plan.micro_batch, forward_only=False)
+        with tracker.region("optimizer"):
+            optimizer.step()
+        return float(torch.stack([o["lm loss"] for o in out]).mean()) if out else None
+
     schedules.forward_step, schedules.backward_step = tracked_forward, tracked_backward
     losses = []
     try:
@@ -209,23 +265,37 @@ def worker(plan_path: Path, out_path: Path) -> None:
                 pass
             for _ in range(STEPS):
                 with tracker.region("step"):
-                    model.zero_grad_buffer()
-                    optimizer.zero_grad()
-                    out = get_forward_backward_func()(
-                        forward_step_func=forward_step, data_iterator=data, model=model,
-                        num_microbatches=plan.grad_accum, seq_length=plan.seq_len,
-                        micro_batch_size=plan.micro_batch, forward_only=False)
-                    with tracker.region("optimizer"):
-                        optimizer.step()
+                    loss = train_step(model, optimizer)
                 with tracker.region("between"):
                     pass
-                if out:
-                    losses.append(float(torch.stack([o["lm loss"] for o in out]).mean()))
+                if loss is not None:
+                    losses.append(loss)
     finally:
         schedules.forward_step, schedules.backward_step = forward, backward
+    # Timed steps: the tracker is off (its hooks cost time), the schedules are Megatron's own; each
+    # step starts and ends with a barrier, so its time is the slowest rank's. On a machine other
+    # processes share, their time slices stretch the step: each step also records the ranks' time
+    # on a core and waiting for one (all their threads, summed over the ranks), and
+    # wall x on / (on + waiting) is its time on cores of their own.
+    steps = []
+    for _ in range(warmup_steps if timed_steps else 0):
+        train_step(model, optimizer)
+    for _ in range(timed_steps):
+        dist.barrier()
+        start, (on, waiting) = time.perf_counter(), run_queue_seconds(whole_process=True)
+        train_step(model, optimizer)
+        dist.barrier()
+        wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        cpu = torch.tensor([a - b for a, b in zip(run_queue_seconds(whole_process=True), (on, waiting))],
+                           dtype=torch.float64)
+        dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+        steps.append({"wall_seconds": float(wall), "on_core_seconds": float(cpu[0]),
+                      "waiting_seconds": float(cpu[1])})
     mine = {"rank": dist.get_rank(), "stage": parallel_state.get_pipeline_model_parallel_rank(),
-            "losses": losses, **{name: tracker.peak_bytes(name)
-                                 for name in ("built", "step", "forward", "backward", "optimizer", "between")}}
+            "losses": losses, "timed_steps": steps,
+            **{name: tracker.peak_bytes(name)
+               for name in ("built", "step", "forward", "backward", "optimizer", "between")}}
     ranks: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:
@@ -235,16 +305,108 @@ def worker(plan_path: Path, out_path: Path) -> None:
     shim.disable()
 
 
+def layer_times(plan_path: Path, out_path: Path, repeats: int = 15) -> None:
+    """On one rank, forward and backward of one micro-batch through a transformer layer, its core
+    attention and the loss head, as Megatron-core's local layer spec runs them (the modules this
+    benchmark trains) and as dsauto's reference layers run them (what ``dsauto profile`` times):
+    the median of runs, each scaled to its time on the core (:func:`dsauto.profile.layers.uncontended`),
+    in seconds, written to ``out_path``."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import dsauto.megatron as dm
+    from dsauto.compat import megatron_cpu
+    from dsauto.models.gpt import Block, Head
+    from dsauto.profile.layers import uncontended
+
+    shim = megatron_cpu.enable()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    plan = dm.load_plan(plan_path)
+    dm.initialize_model_parallel(plan)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    config = dm.apply(plan, TransformerConfig(**dm.transformer_config_kwargs(plan.model),
+                                              use_cpu_initialization=True, attention_backend=AttnBackend.local))
+    [gpt] = dm.model_chunks(plan, lambda **where: GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
+        **dm.gpt_model_kwargs(plan), **where))
+    b, s, h, heads = plan.micro_batch, plan.seq_len, plan.model.hidden_size, plan.model.num_attention_heads
+    d = h // heads
+    labels = torch.randint(0, plan.model.vocab_size, (b, s))
+    block, head = Block(plan.model, tp=1), Head(plan.model, plan.padded_vocab_size, tied_weight=None)
+    core = gpt.decoder.layers[0].self_attention.core_attention
+
+    def megatron_layer():
+        x = torch.randn(s, b, h, requires_grad=True)  # Megatron's [sequence, batch, hidden]
+        out, _ = gpt.decoder.layers[0](x, attention_mask=None)
+        out.backward(torch.ones_like(out))
+
+    def reference_layer():
+        x = torch.randn(b, s, h, requires_grad=True)
+        out = block(x)
+        out.backward(torch.ones_like(out))
+
+    def megatron_attention():
+        q, k, v = (torch.randn(s, b, heads, d, requires_grad=True) for _ in range(3))
+        out = core(q, k, v, attention_mask=None)
+        out.backward(torch.ones_like(out))
+
+    def reference_attention():
+        q, k, v = (torch.randn(b, heads, s, d, requires_grad=True) for _ in range(3))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(torch.ones_like(out))
+
+    def megatron_head():
+        x = torch.randn(s, b, h, requires_grad=True)
+        logits, _ = gpt.output_layer(gpt.decoder.final_layernorm(x), weight=gpt.shared_embedding_or_output_weight())
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+        loss.sum().backward()
+
+    def reference_head():
+        x = torch.randn(b, s, h, requires_grad=True)
+        loss = head(x, labels)
+        loss.backward(torch.ones_like(loss))
+
+    def timed(run):
+        def once():
+            start = time.perf_counter()
+            run()
+            return time.perf_counter() - start, 0.0
+        for _ in range(3):
+            run()
+        return statistics.median(t for t, _ in uncontended(once, torch.device("cpu"), repeats))
+
+    runs = {"megatron_layer": megatron_layer, "reference_layer": reference_layer,
+            "megatron_attention": megatron_attention, "reference_attention": reference_attention,
+            "megatron_head": megatron_head, "reference_head": reference_head}
+    out_path.write_text(json.dumps({name: timed(run) for name, run in runs.items()}, indent=1))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    shim.disable()
+
+
 # ---- the driver -------------------------------------------------------------------------------------
 
-def launch(plan_path: Path, out_path: Path, log: Path, nproc: int) -> None:
-    """Runs :func:`worker` on ``nproc`` CPU ranks with torchrun, killed after the timeout."""
+def launch(plan_path: Path, out_path: Path, log: Path, nproc: int, timed_steps: int = 0,
+           layers: bool = False) -> None:
+    """Runs :func:`worker` (or with ``layers`` :func:`layer_times`) on ``nproc`` CPU ranks with
+    torchrun, killed after the timeout (``timed_steps``: steps to time after the tracked ones)."""
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = ["timeout", "--signal=KILL", str(LAUNCH_TIMEOUT_SECONDS), sys.executable, "-m",
                "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
-               __file__, "--worker", str(plan_path), str(out_path)]
+               __file__, "--worker", str(plan_path), str(out_path), "--timed-steps", str(timed_steps),
+               *(["--layer-times"] if layers else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log.open("a") as out:
         out.write(f"$ {shlex.join(command)}\n")
@@ -290,9 +452,14 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run only the plans whose label contains this")
     parser.add_argument("--work", type=Path, default=None, help="folder for plans and logs (default: temporary)")
     parser.add_argument("--worker", nargs=2, type=Path, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--timed-steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--layer-times", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker and args.layer_times:
+        layer_times(*args.worker)
+        return
     if args.worker:
-        worker(*args.worker)
+        worker(*args.worker, timed_steps=args.timed_steps)
         return
     from dsauto.plan_io import write_plan_yaml
 

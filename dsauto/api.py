@@ -24,7 +24,7 @@ from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype, TrainSpec
 
 if TYPE_CHECKING:
-    from dsauto.plan import Engine, Plan
+    from dsauto.plan import Engine, Offload, Plan
     from dsauto.profile.store import Profile
     from dsauto.search.planner import Progress
 
@@ -106,6 +106,9 @@ def make_problem(
     engine: Engine | None = None,
     ep: int | None = None,
     etp: int | None = None,
+    offload: Offload | None = None,
+    hpz: int | None = None,
+    recompute_modules: str | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
 
@@ -132,8 +135,8 @@ def make_problem(
             search choose per layer.
         sequence_parallel: False disables Megatron sequence parallelism when tp > 1; None or True
             keeps it on.
-        cp: pin the context-parallel degree (Megatron's ring attention; default: searched for
-            sequences of 16384 tokens and more).
+        cp: pin the context-parallel degree (Megatron's ring attention, DeepSpeed-Ulysses for a
+            DeepSpeed plan; default: searched for sequences of 16384 tokens and more).
         vpp: pin the virtual pipeline stages per rank (Megatron's interleaved 1F1B; default:
             searched).
         engine: ``"deepspeed"`` or ``"megatron"``, the engine the plan is for; None plans for both
@@ -141,6 +144,12 @@ def make_problem(
         ep: pin the expert-parallel degree of a mixture of experts (Megatron-core; folds inside
             tp x cp x dp; default: searched for MoE models, 1 for dense ones).
         etp: pin the expert tensor-parallel degree (default: searched among 1 and tp).
+        offload: ``"none"``, ``"optimizer"`` or ``"optimizer+params"`` (DeepSpeed ZeRO-3): what to
+            keep in host memory (default: the optimizer of a strategy that fits only so).
+        hpz: pin ZeRO++'s hierarchical partition size (DeepSpeed ZeRO-3; default: searched).
+        recompute_modules: selective recomputation in every transformer layer, comma-separated
+            modules among ``core_attn``, ``layernorm`` and ``mlp`` (Megatron-core), or ``"none"``
+            (default: searched).
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -161,7 +170,8 @@ def make_problem(
     except ValueError as exc:  # out of the bounds of dsauto/spec/limits.py
         raise DsautoError(f"The workload is out of range: {exc}; change --global-batch or --seq-len.") from None
     pins = Constraints(tp=tp, pp=pp, zero_stage=zero_stage, micro_batch=micro_batch, checkpoint=checkpoint,
-                       sequence_parallel=sequence_parallel, cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp)
+                       sequence_parallel=sequence_parallel, cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp,
+                       offload=offload, hpz=hpz, recompute_modules=recompute_modules)
     return Problem(model_spec, cluster, train, pins)
 
 
@@ -219,6 +229,9 @@ def make_plan(
     engine: Engine | None = None,
     ep: int | None = None,
     etp: int | None = None,
+    offload: Offload | None = None,
+    hpz: int | None = None,
+    recompute_modules: str | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """The fastest plan that fits: :func:`find_plans` of :func:`make_problem` with these arguments
@@ -230,5 +243,6 @@ def make_plan(
                            global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                            flash_attention=flash_attention, tp=tp, pp=pp, zero_stage=zero_stage,
                            micro_batch=micro_batch, checkpoint=checkpoint, sequence_parallel=sequence_parallel,
-                           cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp)
+                           cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp, offload=offload, hpz=hpz,
+                           recompute_modules=recompute_modules)
     return find_plans(problem, profile=profile)[0]

@@ -167,11 +167,12 @@ def _add_trial_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-plans", type=_whole(1, 32), default=4, metavar="K",
                    help="strategies of the search the trials start from (default: 4)")
     g.add_argument("--script", default=None, metavar="train.py",
-                   help="measure with your own DeepSpeed script (it must call dsauto.deepspeed.initialize) "
-                        "instead of the built-in harness")
+                   help="measure with your own training script instead of the built-in harness: a DeepSpeed "
+                        "script that calls dsauto.deepspeed.initialize, or with --engine megatron a "
+                        "Megatron-core script that calls dsauto.megatron.load_plan")
     g.add_argument("--script-args", default="", metavar='"..."', help="arguments of --script, one string")
     g.add_argument("--launcher", choices=("torchrun", "deepspeed"), default=None,
-                   help="launcher of each trial (default: deepspeed with --script, else torchrun)")
+                   help="launcher of each trial (default: deepspeed with a DeepSpeed --script, else torchrun)")
     g.add_argument("--storage", default=None, metavar="URL",
                    help="Optuna storage of the study, e.g. postgresql://host/db to share it between "
                         "machines (default: sqlite in --out)")
@@ -184,6 +185,23 @@ def _add_trial_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-dir", default="profiles", metavar="DIR",
                    help="with --trials and no --profile: the profile store, profiled first if needed "
                         "(default: profiles)")
+
+
+def _add_node_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("trials of plans over several nodes (--trials with --nodes > 1)")
+    g.add_argument("--node-rank", type=_whole(0, 2**20), default=0, metavar="K",
+                   help="this node's place, 0 to --nodes - 1: node 0 drives the study, the others start their "
+                        "torchrun agent for each of its trials; under Slurm, $SLURM_NODEID (default: 0)")
+    g.add_argument("--master-addr", default=None, metavar="HOST",
+                   help="node 0's address, reachable from every node (torchrun's --master-addr)")
+    g.add_argument("--master-port", type=_whole(1, 65535), default=None, metavar="PORT",
+                   help="port of each trial's rendezvous on node 0 (default: a free one per trial)")
+    g.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="with --launcher deepspeed: DeepSpeed's hostfile; node 0 alone runs dsauto tune and "
+                        "its launcher starts the other nodes over passwordless ssh")
+    g.add_argument("--driver-timeout", type=_seconds, default=120.0, metavar="SECONDS",
+                   help="a node other than 0 stops when node 0 has not been heard from for this long "
+                        "(default: 120)")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -232,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_field_options(tune, ConfigOptions)
     _add_trial_args(tune)
+    _add_node_args(tune)
     plan = sub.add_parser("plan", help="search and print plans without writing anything")
     _add_search_args(plan)
     explain = sub.add_parser("explain", help="print a plan from plan.yaml or ds_config.json")
@@ -314,9 +333,13 @@ def _tune_settings(args: argparse.Namespace):
     """The study's settings from the options, each checked: the script exists, its arguments split."""
     import shlex
 
+    from dsauto.refine.nodes import NodeSettings
     from dsauto.refine.runner import TrialSettings
-    from dsauto.refine.study import TuneSettings
+    from dsauto.refine.study import TuneSettings, trial_pins
+    from dsauto.search.space import Constraints
 
+    # A Megatron-core script runs under torchrun: DeepSpeed's launcher adds --local_rank to its arguments.
+    megatron = trial_pins(Constraints(**field_values(args, Constraints))).engine == "megatron"
     try:
         script_args = tuple(shlex.split(args.script_args))
     except ValueError as exc:
@@ -326,7 +349,9 @@ def _tune_settings(args: argparse.Namespace):
         trials=args.trials, top_plans=args.top_plans, storage=args.storage, study_name=args.study_name,
         trial=TrialSettings(steps=args.trial_steps, warmup_steps=args.trial_warmup,
                             timeout_seconds=args.trial_timeout, script=args.script, script_args=script_args,
-                            launcher=args.launcher or ("deepspeed" if args.script else "torchrun")))
+                            launcher=args.launcher or ("deepspeed" if args.script and not megatron else "torchrun")),
+        nodes=NodeSettings(node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                           hostfile=args.hostfile, driver_timeout_seconds=args.driver_timeout))
 
 
 def _check_trial_plans(problem: Problem, on_cpu: bool) -> None:
@@ -334,11 +359,12 @@ def _check_trial_plans(problem: Problem, on_cpu: bool) -> None:
     search solves says so now; on CPU ranks, also refuses trials that could not fit in this machine's
     memory with any plan (each rank's share of the available memory as the budget)."""
     from dsauto.profile.resources import LAUNCHER_BYTES, PROCESS_BYTES, USABLE_FRACTION, available_memory_bytes
+    from dsauto.refine.study import trial_pins
     from dsauto.search.planner import Planner
     from dsauto.units import format_bytes
 
-    cluster, ranks = problem.cluster, problem.cluster.world_size
-    pins = dataclasses.replace(problem.pins, tp=1, pp=1, engine="deepspeed")  # what trials measure
+    cluster, ranks = problem.cluster, problem.cluster.devices_per_node  # the ranks of this machine
+    pins = trial_pins(problem.pins)  # what trials measure
     Planner(problem.model, cluster, problem.train, pins).search()
     available = available_memory_bytes()
     per_rank = int((USABLE_FRACTION * available - LAUNCHER_BYTES) / ranks - PROCESS_BYTES)
@@ -370,7 +396,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     from dsauto.profile.store import find_profile
     from dsauto.refine.artifacts import write_trials
     from dsauto.refine.history import record_study
-    from dsauto.refine.study import check_trials, open_storage, refine
+    from dsauto.refine.study import check_trials, leading_nodes, open_storage, refine
     from dsauto.report import describe_trials
     from dsauto.search.planner import Planner
 
@@ -380,6 +406,8 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     check_writable_folder(args.out, "--out")
     out = Path(args.out)
     check_trials(Planner(model, cluster, train, pins), settings)
+    if settings.nodes.node_rank > 0:
+        return _follow_node(args, problem, settings)
     source = Path(args.profile or args.profile_dir)
     profile = None
     if args.profile is not None:
@@ -390,7 +418,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         open_storage(settings.storage)  # a storage that cannot be opened says so now, not after profiling
     on_cpu = ranks_on_cpu()
     _check_trial_plans(problem, on_cpu)
-    with _output_folder(out):
+    with _output_folder(out), leading_nodes(Planner(model, cluster, train, pins), settings):
         for line in clean_stale_launches():
             _say(line)
         if profile is None:
@@ -428,8 +456,38 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _follow_node(args: argparse.Namespace, problem: Problem, settings: Any) -> int:
+    """``dsauto tune --trials N --node-rank K`` with K > 0: join node 0's trials until it finishes
+    the study (:mod:`dsauto.refine.nodes`). Nothing is profiled or written here but the trials' logs,
+    in ``--out``/node-K (so that every node may be given the same --out on a shared filesystem)."""
+    from dsauto.profile.launch import clean_stale_launches
+    from dsauto.profile.resources import ranks_on_cpu
+    from dsauto.refine.study import follow_nodes
+    from dsauto.search.planner import Planner
+
+    _check_trial_plans(problem, ranks_on_cpu())
+    out = Path(args.out) / f"node-{settings.nodes.node_rank}"
+    with _output_folder(out):
+        for line in clean_stale_launches():
+            _say(line)
+        follow_nodes(Planner(problem.model, problem.cluster, problem.train, problem.pins), out, settings, _say)
+    return 0
+
+
+def _check_node_args(args: argparse.Namespace) -> None:
+    """The options that place trials on several nodes mean nothing without --trials: say so."""
+    given = [flag for flag, value in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr),
+                                      ("--master-port", args.master_port), ("--hostfile", args.hostfile)) if value]
+    if given and not args.trials:
+        verb = "places" if len(given) == 1 else "place"
+        raise DsautoError(f"{', '.join(given)} {verb} the ranks of trials on several nodes, but no --trials were "
+                          f"asked for; pass --trials N, or drop {', '.join(given)}.")
+
+
 def _cmd_tune(args: argparse.Namespace, write: bool) -> int:
     _check_memory_limit(args)
+    if write:
+        _check_node_args(args)
     if write and args.trials:
         return _cmd_refine(args)
     if not write:
@@ -575,7 +633,9 @@ def _check_engine_runs(path: Path, plan: Any) -> None:
     reason = (refusal(plan.engine, plan.dims, plan.zero_stage)
               or virtual_stage_refusal(plan.engine, plan.pp, plan.virtual_stages, plan.grad_accum,
                                        min(plan.stage_layers))
-              or context_parallel_refusal(plan.engine, plan.cp, plan.seq_len, plan.flash_attention))
+              or context_parallel_refusal(plan.engine, plan.cp, plan.seq_len, plan.flash_attention,
+                                          heads=plan.model.num_attention_heads, kv_heads=plan.model.kv_heads,
+                                          pp=plan.pp))
     if reason:
         raise DsautoError(f"{path}: its {plan.engine} plan cannot run: {reason}; re-plan with dsauto.")
 

@@ -22,7 +22,9 @@ def _choice_text(plan: Plan, run: LayerChoice) -> str:
     if plan.zero_stage == 3 and plan.dp > 1:
         parts.append("params sharded" if run.shard_params else "params resident")
     if run.group not in ("embedding", "head"):
-        parts.append("checkpointed" if run.checkpoint else "activations kept")
+        parts.append("checkpointed" if run.checkpoint else
+                     f"recomputes {'+'.join(run.recompute_modules)} (selective)" if run.recompute_modules
+                     else "activations kept")
     if run.split > 1:
         parts.append(f"loss in {run.split} chunks" if run.group == "head" else f"split x{run.split}")
     return ", ".join(parts) or "default"
@@ -43,6 +45,7 @@ def describe_plan(plan: Plan) -> str:
         f"  engine      {plan.engine}" + ("" if plan.ranking is None else f"; {_ranking_text(plan)}"),
         f"  degrees     {plan.dims.describe()}; {plan.world_size} devices = "
         f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "")
+        + (" (DeepSpeed-Ulysses)" if plan.cp > 1 and plan.engine == "deepspeed" else "")
         + f", ZeRO stage {plan.zero_stage}{sp}",
         f"  batch       micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation steps x dp "
         f"{plan.dp} = {plan.global_batch} sequences of {plan.seq_len} tokens; {plan.dtype}, {attention}",
@@ -61,6 +64,11 @@ def describe_plan(plan: Plan) -> str:
         f"{format_seconds(pred.bubble_seconds)}, exposed comm {format_seconds(pred.exposed_comm_seconds)}, "
         f"optimizer {format_seconds(pred.optimizer_seconds)}",
     ]
+    if pred.tp_comm_seconds or pred.p2p_seconds:
+        lines.append(f"              of compute: tensor-parallel collectives {format_seconds(pred.tp_comm_seconds)}, "
+                     f"pipeline transfers {format_seconds(pred.p2p_seconds)}")
+    if plan.offload != "none" or plan.hpz > 1:
+        lines.append(_host_and_hpz_text(plan))
     if plan.model.moe:
         dims = plan.dims
         lines.append(f"  experts     {plan.model.num_experts} per MoE layer, top-{plan.model.moe_top_k}: ep {dims.ep} x "
@@ -88,6 +96,19 @@ def describe_plan(plan: Plan) -> str:
             f"{format_seconds(st.backward_seconds):>10}"
         )
     return "\n".join(lines)
+
+
+def _host_and_hpz_text(plan: Plan) -> str:
+    """The plan's offload (what lives in host memory, and how much) and its ZeRO++ hpZ partition."""
+    parts = []
+    if plan.offload != "none":
+        what = "optimizer state and parameter partitions" if plan.offload == "optimizer+params" else "optimizer state"
+        parts.append(f"offload {plan.offload}: {what} in host memory, "
+                     f"{format_bytes(plan.prediction.offloaded_bytes)} per rank, updated by the CPU")
+    if plan.hpz > 1:
+        parts.append(f"ZeRO++ hpZ: a secondary parameter partition over {plan.hpz} ranks of a node, "
+                     f"backward gathers inside the node")
+    return "  host        " + "; ".join(parts)
 
 
 def _interleaving_text(plan: Plan) -> str:
@@ -139,10 +160,13 @@ def describe_alternatives(plans: Sequence[Plan]) -> str:
     for rank, plan in enumerate(plans[1:], 2):
         pred = plan.prediction
         lines.append(
-            f"  #{rank} {plan.dims.describe()}{f' vpp={plan.virtual_stages}' if plan.virtual_stages > 1 else ''} "
+            f"  #{rank} {plan.dims.describe()}{f' vpp={plan.virtual_stages}' if plan.virtual_stages > 1 else ''}"
+            f"{f' offload={plan.offload}' if plan.offload != 'none' else ''}"
+            f"{f' hpz={plan.hpz}' if plan.hpz > 1 else ''} "
             f"{plan.engine} zero={plan.zero_stage} "
             f"mb={plan.micro_batch} accum={plan.grad_accum} ckpt={len(plan.checkpointed_layers())}/"
-            f"{plan.model.num_layers}  step {format_seconds(pred.step_seconds)} "
+            f"{plan.model.num_layers}"
+            f"{''.join(' sel=' + '+'.join(m) for m in plan.selective_layers())}  step {format_seconds(pred.step_seconds)} "
             f"({pred.step_seconds / best - 1:+.1%})  peak {format_bytes(pred.peak_memory_bytes)}"
         )
     return "\n".join(lines)

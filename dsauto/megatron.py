@@ -13,19 +13,50 @@ micro-batches per step (``num_microbatches`` of ``get_forward_backward_func()``)
 DeepSpeed ZeRO drive a Megatron-core tensor-parallel model. What Megatron-core cannot express is
 logged as a warning by ``apply`` and ``ddp_config``. On a machine without CUDA, enable
 :mod:`dsauto.compat.megatron_cpu` first. The implementation is :mod:`dsauto.runtime.megatron`.
+
+Under ``dsauto tune --engine megatron --script train.py`` (``$DSAUTO_TRIAL`` set), ``load_plan``
+returns the trial's plan instead of the file's and the optimizer steps that follow are measured;
+the script ends after them (see :mod:`dsauto.refine.megatron_trial`).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from dsauto.plan import Plan
+from dsauto.refine import megatron_trial
+from dsauto.refine.trial_hook import requested_trial
+from dsauto.runtime import megatron as _runtime
 from dsauto.runtime.megatron import (
     apply,
     ddp_config,
     gpt_model_kwargs,
     initialize_model_parallel,
-    load_plan,
-    model_chunks,
     optimizer_config,
     transformer_config_kwargs,
 )
 from dsauto.runtime.mpu import MegatronCoreMpu, deepspeed_mpu
+
+M = TypeVar("M")
+
+
+def load_plan(path: Path | str) -> Plan:
+    """The plan in ``path``: a ``plan.yaml``, or a ``ds_config.json`` with its ``"dsauto"`` block.
+    In a trial of ``dsauto tune --script``, the trial's plan (``path`` is not read)."""
+    request = requested_trial()
+    if request is not None:
+        return megatron_trial.start(request)
+    return _runtime.load_plan(path)
+
+
+def model_chunks(plan: Plan, build: Callable[..., M]) -> list[M]:
+    """This pipeline rank's model chunks (see :func:`dsauto.runtime.megatron.model_chunks`); in a
+    trial, the end of the build, from which its step memory counts."""
+    chunks = _runtime.model_chunks(plan, build)
+    megatron_trial.model_built()
+    return chunks
 
 __all__ = [
     "MegatronCoreMpu",

@@ -30,6 +30,19 @@ priced (DeepSpeed's ZeRO partitions and buffers, or Megatron-core's fp32 gradien
 distributed optimizer and overlapped reductions)."""
 ENGINES: tuple[Engine, ...] = ("deepspeed", "megatron")
 
+RecomputeModule = Literal["core_attn", "layernorm", "mlp"]
+"""A part of a transformer layer that selective recomputation re-runs in backward instead of
+keeping its activations (Korthikanti et al. 2022, Sec. 5; Megatron-core's ``recompute_modules``
+names): ``core_attn`` the attention core (scores, softmax, dropout, attention over values),
+``layernorm`` the pre-norms (their outputs are dropped), ``mlp`` the dense MLP."""
+RECOMPUTE_MODULES: tuple[RecomputeModule, ...] = ("core_attn", "layernorm", "mlp")
+
+Offload = Literal["none", "optimizer", "optimizer+params"]
+"""What a plan keeps in host (CPU) memory instead of device memory: nothing; the optimizer state
+(fp32 master weights, Adam moments and the fp32 gradients they are updated from), updated by the
+CPU; or that and, under ZeRO-3, the parameters' partitions, fetched over the host link for each use."""
+OFFLOADS: tuple[Offload, ...] = ("none", "optimizer", "optimizer+params")
+
 
 def stage_bounds(stage_layers: Sequence[int]) -> list[tuple[int, int]]:
     """First and last flat layer of each stage: the embedding joins stage 0, the head the last."""
@@ -92,12 +105,22 @@ class LayerChoice:
     split: int
     """Operator-splitting factor: the layer's largest matrix is computed as this many slices
     (for the head: the logits and loss in this many chunks); 1 means unsplit."""
+    recompute_modules: tuple[RecomputeModule, ...] = ()
+    """Selective recomputation: the parts of each transformer layer of the run re-run in backward
+    (:data:`RecomputeModule`); empty for none. Only for layers not checkpointed whole."""
 
     def __post_init__(self) -> None:
         if self.last < self.first:
             raise ValueError(f"layer run {self.first}..{self.last} is empty")
         if self.split < 1:
             raise ValueError(f"split must be at least 1, got {self.split}")
+        if self.recompute_modules and self.checkpoint:
+            raise ValueError(f"layers {self.first}..{self.last} are checkpointed whole, so they cannot also "
+                             f"recompute {', '.join(self.recompute_modules)} selectively")
+        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if unknown or len(set(self.recompute_modules)) != len(self.recompute_modules):
+            raise ValueError(f"recompute_modules {list(self.recompute_modules)} must be distinct names among "
+                             f"{', '.join(RECOMPUTE_MODULES)}")
 
 
 @dataclass(frozen=True)
@@ -166,10 +189,20 @@ class Prediction:
     plain_bubble_seconds: float | None = None
     """With virtual stages: the bubble the same plan would have under plain 1F1B (one chunk per
     rank), to show what interleaving saves; None otherwise."""
+    offloaded_bytes: int = 0
+    """Host memory per rank holding what the plan offloads (optimizer state, gradients' fp32 copy,
+    parameters' partitions); 0 without offload. A node's ranks together must fit its host memory."""
     expert_all_to_all_seconds: float = 0.0
     """Of ``compute_seconds``: the expert-parallel all-to-alls (token dispatch and combine, forward,
     backward and recomputation, with expert tensor parallelism's token gathers) of the slowest stage
     over all micro-batches; 0 without experts."""
+    tp_comm_seconds: float = 0.0
+    """Of ``compute_seconds``: the tensor-parallel collectives (forward, backward and recomputation)
+    of the slowest stage over all micro-batches; 0 without tensor parallelism."""
+    p2p_seconds: float = 0.0
+    """Of ``compute_seconds``: the pipeline's point-to-point transfers (each micro-batch's boundary
+    activation received and sent, its gradient in backward) of the slowest stage over all
+    micro-batches; 0 without pipeline parallelism."""
 
 
 @dataclass(frozen=True)
@@ -282,6 +315,13 @@ class Plan:
     tp x cp x dp (:class:`dsauto.parallel.ParallelDims`)."""
     etp: int = 1
     """Expert tensor-parallel degree: shards of each routed expert's matrices."""
+    offload: Offload = "none"
+    """What lives in host memory instead of on the device (:data:`Offload`); DeepSpeed's
+    ``offload_optimizer`` / ``offload_param``, Megatron-core's optimizer CPU offload."""
+    hpz: int = 1
+    """ZeRO++ hierarchical partitioning (DeepSpeed ZeRO-3): each rank also keeps a secondary
+    partition of the sharded parameters over this many ranks of its node, so that backward
+    gathers them inside the node; 1 is plain ZeRO-3."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -300,6 +340,15 @@ class Plan:
             )
         if any(n < 0 for n in self.stage_layers):
             raise ValueError(f"stage_layers {list(self.stage_layers)} must not be negative")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
+        least_zero = {"none": 0, "optimizer": 1, "optimizer+params": 3}[self.offload]
+        if self.zero_stage < least_zero:
+            raise ValueError(f"offload {self.offload!r} needs ZeRO stage {least_zero} or above, not {self.zero_stage}")
+        if self.hpz < 1 or self.hpz > 1 and (self.zero_stage != 3 or self.dp % self.hpz
+                                             or self.gpus_per_node % self.hpz):
+            raise ValueError(f"hpz {self.hpz} needs ZeRO stage 3 (not {self.zero_stage}) and must divide dp "
+                             f"({self.dp}) and the {self.gpus_per_node} devices of a node")
         if self.virtual_stages < 1 or (self.virtual_stages > 1 and (
                 self.pp == 1 or min(self.stage_layers) < self.virtual_stages)):
             raise ValueError(f"virtual_stages {self.virtual_stages} needs pp > 1 and at least that many "
@@ -389,6 +438,25 @@ class Plan:
         """Transformer layers (1..L) that the plan checkpoints."""
         return tuple(i for run in self.layers if run.checkpoint
                      for i in range(run.first, run.last + 1) if 1 <= i <= self.model.num_layers)
+
+    def selective_layers(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """Transformer layers (1..L) that recompute modules selectively, by their module set."""
+        out: dict[tuple[str, ...], list[int]] = {}
+        for run in self.layers:
+            if run.recompute_modules:
+                out.setdefault(tuple(run.recompute_modules), []).extend(
+                    i for i in range(run.first, run.last + 1) if 1 <= i <= self.model.num_layers)
+        return {modules: tuple(layers) for modules, layers in out.items() if layers}
+
+    def uniform_recompute_modules(self) -> tuple[str, ...]:
+        """The modules every transformer layer recomputes selectively when they all share one set
+        (Megatron-core's single ``recompute_modules``), else ()."""
+        sets = self.selective_layers()
+        if len(sets) == 1:
+            modules, layers = next(iter(sets.items()))
+            if len(layers) == self.model.num_layers:
+                return modules
+        return ()
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

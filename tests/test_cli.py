@@ -134,6 +134,8 @@ def option_cases(cls, field):
         return [([flag, value], value) for value in typing.get_args(hint)]
     if hint is int or int in typing.get_args(hint):
         return [([flag, "2"], 2)]
+    if hint is str or str in typing.get_args(hint):  # --recompute-modules: a comma-separated list
+        return [([flag, "core_attn,mlp"], "core_attn,mlp")]
     raise AssertionError(f"add a sample value of {cls.__name__}.{field.name} ({hint}) to this test")
 
 

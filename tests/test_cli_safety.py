@@ -113,6 +113,9 @@ def test_one_tune_writes_into_a_folder_at_a_time(tmp_path, capsys):
      "Cannot split --script-args"),
     (["--trials", "1", "--storage", "nosuchdb://x"], "Cannot open the study storage nosuchdb://x"),
     (["--trials", "2", "--model", "llama3-8b", "--hardware", "h100-80gb"], "of host memory each would have"),
+    (["--trials", "1", "--nodes", "2"], "A trial over 2 nodes starts torchrun on every node"),
+    (["--trials", "1", "--nodes", "2", "--master-addr", "n0"], "pass --storage with a database every node reaches"),
+    (["--master-addr", "n0"], "--master-addr places the ranks of trials on several nodes, but no --trials"),
 ])
 def test_trial_options_are_refused_before_any_profiling(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

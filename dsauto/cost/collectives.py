@@ -117,6 +117,18 @@ def expert_all_to_all(cluster: ClusterSpec, dims: ParallelDims, factor: float = 
                     intra.latency_seconds * factor, inter.latency_seconds * factor)
 
 
+def all_to_all_of(cluster: ClusterSpec, dims: ParallelDims, dim: Dim, factor: float = 1.0) -> AllToAll:
+    """The all-to-all over one ``dim`` group of ``dims``, placed by the rank order (DeepSpeed-Ulysses'
+    sequence-parallel group for ``"cp"``), each collective taking ``factor`` times as long."""
+    intra, inter = cluster.hardware.intra_node, cluster.hardware.inter_node
+    per_node = cluster.devices_per_node
+    members = dims.members_per_node(dim, per_node) if dims.spans_nodes(dim, per_node) else dims.degree(dim)
+    return AllToAll(dims.degree(dim), members,
+                    intra.bandwidth_gbps * 1e9 * intra.efficiency / factor,
+                    inter.bandwidth_gbps * 1e9 * inter.efficiency / factor,
+                    intra.latency_seconds * factor, inter.latency_seconds * factor)
+
+
 def tp_group(cluster: ClusterSpec, tp: int) -> Group:
     """The tensor-parallel group: the ``tp`` consecutive ranks (inside a node when tp <= gpus per node)."""
     return group_of(cluster, ParallelDims(tp=tp), "tp")

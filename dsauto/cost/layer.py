@@ -9,18 +9,28 @@ collectives' fits and the optimizer rate where they exist.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from dsauto.cost.calibration import IDENTITY, Calibration
 from dsauto.cost.collectives import (
     Group,
+    all_to_all_of,
+    dp_group,
     expert_all_to_all,
     group_of,
     measured,
     pp_link,
     scaled,
 )
-from dsauto.cost.measured import MeasuredCosts, MeasuredLayer
+from dsauto.cost.measured import MeasuredCosts, MeasuredLayer, transformer_layer_estimate
+from dsauto.cost.offload import (
+    host_bytes,
+    offloaded_step_seconds,
+    offloads_optimizer,
+    offloads_params,
+    param_fetch_seconds,
+)
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.cost.terms import (
     EDGE_LAYER_MODULES,
@@ -35,6 +45,7 @@ from dsauto.cost.terms import (
     model_state,
     pass_seconds,
     state_bytes_per_param,
+    ulysses_seconds,
     zero3_hook_seconds,
 )
 from dsauto.spec.cluster import ClusterSpec
@@ -75,6 +86,8 @@ class LayerCost:
     """Time of this layer's share of the optimizer update."""
     measured: bool = False
     """Whether the compute times (and, for transformer layers, the activations) came from a profile."""
+    offloaded_bytes: float = 0.0
+    """Host memory this layer's offloaded state takes on this rank (:mod:`dsauto.cost.offload`)."""
 
     @property
     def static_bytes(self) -> float:
@@ -107,7 +120,7 @@ class CostModel:
             dp = measured(dp, self._fits(replicas.dp, replicas.spans_nodes("dp", per_node)))
             pp = measured(pp, self._fits(2, dims.pipeline_crosses_nodes(per_node), ("send_recv",)))
         comm = self.calibration.communication
-        self.pp = scaled(pp, comm)
+        self.pp = scaled(pp, self.calibration.pipeline_p2p)
         # With context parallelism a rank computes its 1/cp share of each sequence.
         self.tokens = strategy.micro_batch * train.seq_len // dims.cp
         # Gradient and optimizer-state bytes as the engine keeps them (see state_bytes_per_param).
@@ -122,10 +135,17 @@ class CostModel:
             flash_attention=train.flash_attention, dtype_bytes=dtype_bytes,
             optimizer_bytes_per_param=optimizer_bytes, grad_bytes_per_param=grad_bytes,
             resident_keeps_partition=strategy.engine == "deepspeed",
-            tp_group=scaled(tp, comm), dp_group=scaled(dp, comm), calibration=self.calibration,
-            cp=dims.cp, cp_group=scaled(cp, comm) if dims.cp > 1 else None, engine=strategy.engine,
+            tp_group=scaled(tp, self.calibration.tensor_parallel), dp_group=scaled(dp, comm),
+            calibration=self.calibration,
+            # cp is ring attention under Megatron-core and DeepSpeed-Ulysses under DeepSpeed.
+            cp=dims.cp, cp_group=scaled(cp, comm) if dims.cp > 1 and strategy.engine == "megatron" else None,
+            cp_all_to_all=all_to_all_of(cluster, dims, "cp", comm) if dims.cp > 1 and strategy.engine == "deepspeed"
+            else None, engine=strategy.engine,
             ep=dims.ep, etp=dims.etp, expert_dp=dims.expert_dp,
             ep_group=expert_all_to_all(cluster, dims, comm) if dims.ep > 1 else None,
+            # ZeRO++ hpZ's secondary partition: the hpz consecutive ranks of a node (DeepSpeed's
+            # _create_zero_param_parallel_group in deepspeed/utils/groups.py).
+            hpz_group=scaled(dp_group(cluster, 1, strategy.hpz), comm) if strategy.hpz > 1 else None,
         )
 
     def _fits(self, size: int, spans_nodes: bool,
@@ -142,11 +162,17 @@ class CostModel:
             return None  # profiles measure whole sequences; a context-parallel share is priced analytically
         if self.profile is None:
             return None
-        return self.profile.estimate(group.name, self.strategy.tp, self.strategy.micro_batch, checkpoint)
+        return transformer_layer_estimate(self.profile, group, self.strategy.tp, self.strategy.micro_batch, checkpoint)
 
     def optimizer_seconds(self, params: float) -> float:
         """One optimizer update of ``params`` parameters on this rank: measured per parameter when
-        profiled, else the memory traffic of Adam over the device bandwidth."""
+        profiled, else the memory traffic of Adam over the device bandwidth; with the optimizer
+        offloaded, the host's update and its copies (:func:`offloaded_step_seconds`)."""
+        if offloads_optimizer(self.strategy.offload):
+            measured_cpu = self.profile.cpu_optimizer_seconds_per_param if self.profile is not None else 0.0
+            seconds = offloaded_step_seconds(params, self.context.dtype_bytes, self.strategy.engine, self.cluster,
+                                             measured_cpu)
+            return seconds * self.calibration.optimizer
         if self.profile is not None and self.profile.optimizer_seconds_per_param > 0:
             seconds = params * self.profile.optimizer_seconds_per_param
         else:
@@ -169,15 +195,27 @@ class CostModel:
         sample = self._measured_layer(group, option.checkpoint)
         uncheckpointed = self._measured_layer(group, False) if option.checkpoint else sample
         hooks = zero3_hook_seconds(group, option, ctx, self.profile)
-        passes = pass_seconds(group, option, ctx, sample).plus(hooks).plus(context_parallel_seconds(group, ctx))
+        passes = (pass_seconds(group, option, ctx, sample).plus(hooks).plus(context_parallel_seconds(group, ctx))
+                  .plus(ulysses_seconds(group, option, ctx)))
         if group.dispatch_bytes_per_token:
             passes = passes.plus(expert_dispatch_seconds(group, option, ctx))
         traffic = data_parallel_cost(group, option, ctx, passes, hooks_measured=hooks.forward_seconds > 0)
         state = model_state(group, option, ctx)
         memory = activation_memory(group, option, ctx, sample, uncheckpointed)
+        offload, fetch, partition = self.strategy.offload, 0.0, 0.0
+        if offloads_optimizer(offload):
+            # The optimizer state lives on the host; the device keeps parameters and gradients.
+            if offloads_params(offload) and ctx.shards(option):
+                # offload_param: the partition of a sharded layer lives on the host too, and crosses
+                # the host link before each of its gathers (forward, backward, recomputation).
+                partition = state.optimizer_params
+                fetch = param_fetch_seconds(partition, ctx.dtype_bytes, self.cluster)
+            state = dataclasses.replace(
+                state, optimizer_bytes=0.0,
+                params_bytes=state.params_bytes - partition * ctx.dtype_bytes * ctx.calibration.static_memory)
         return LayerCost(
-            forward_seconds=traffic.forward_seconds,
-            backward_seconds=traffic.backward_seconds,
+            forward_seconds=traffic.forward_seconds + fetch,
+            backward_seconds=traffic.backward_seconds + fetch * (2 if option.checkpoint else 1),
             step_seconds=traffic.step_seconds,
             params_bytes=state.params_bytes,
             grads_bytes=state.grads_bytes,
@@ -187,6 +225,7 @@ class CostModel:
             grad_sync_bytes=traffic.grad_sync_bytes,
             optimizer_seconds=self.optimizer_seconds(state.optimizer_params),
             measured=sample is not None,
+            offloaded_bytes=host_bytes(state.optimizer_params, partition, ctx.dtype_bytes, offload),
         )
 
     def expert_dispatch_seconds(self, group: LayerGroup) -> float:

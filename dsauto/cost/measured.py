@@ -9,9 +9,11 @@ package; a test double with the same members serves as well.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from dsauto.cost.calibration import Calibration
+from dsauto.spec.model import LayerGroup
 
 
 @runtime_checkable
@@ -89,6 +91,12 @@ class MeasuredCosts(Protocol):
         ...
 
     @property
+    def cpu_optimizer_seconds_per_param(self) -> float:
+        """One update per parameter of the host's optimizer (an offloaded plan's), with one rank's
+        threads; 0 if not measured."""
+        ...
+
+    @property
     def zero3_module_seconds(self) -> float:
         """ZeRO-3's hook time per hooked module and micro-batch; 0 if not measured."""
         ...
@@ -106,3 +114,39 @@ class MeasuredCosts(Protocol):
         """The fit of ``op`` on groups of ``group_size`` ranks in ``scope`` (``intra_node`` or
         ``inter_node``), or None where it was not measured."""
         ...
+
+
+MOE_GROUP_SUFFIX = "-moe"
+"""A profile measures a mixture of experts' MoE layer as its own group, named the transformer group's
+name with this suffix (``decoder-moe``); the dense layers (DeepSeek's first ones) as the group itself."""
+
+
+@dataclass(frozen=True)
+class AveragedLayer:
+    """The per-layer average over a transformer group that mixes dense and MoE layers."""
+
+    forward_seconds: float
+    backward_seconds: float
+    activation_bytes: float
+
+
+def transformer_layer_estimate(profile: MeasuredCosts, group: LayerGroup, tp: int, micro_batch: int,
+                               checkpoint: bool) -> MeasuredLayer | None:
+    """The measured cost of one layer of ``group``: of a dense group, its own measurement; of a
+    mixture of experts, the MoE layer's measurement, averaged with the dense layer's by their shares
+    of the stack (``LayerGroup.moe_layer_fraction``, as the group's analytic numbers average them).
+    None when a needed measurement is missing (the analytic model then prices the layer)."""
+    fraction = group.moe_layer_fraction
+    if group.kind != "transformer" or not fraction:
+        return profile.estimate(group.name, tp, micro_batch, checkpoint)
+    moe = profile.estimate(group.name + MOE_GROUP_SUFFIX, tp, micro_batch, checkpoint)
+    if moe is None or fraction >= 1.0:
+        return moe
+    dense = profile.estimate(group.name, tp, micro_batch, checkpoint)
+    if dense is None:
+        return None
+
+    def mean(name: str) -> float:
+        return (1.0 - fraction) * getattr(dense, name) + fraction * getattr(moe, name)
+
+    return AveragedLayer(mean("forward_seconds"), mean("backward_seconds"), mean("activation_bytes"))

@@ -27,6 +27,8 @@ from dsauto.cost.terms import (
     megatron_score_buffer_bytes,
     megatron_tied_output_table,
     model_state,
+    selective_recompute_flops_per_token,
+    tp_comm_passes,
 )
 from dsauto.plan import Basis, Prediction, StagePrediction, rank_layers
 from dsauto.spec.cluster import ClusterSpec
@@ -121,7 +123,7 @@ def stage_constant_bytes(strategy: Strategy, bucket: int, grads_bytes: float) ->
     gradient bytes already count (megatron/core/distributed/param_and_grad_buffer.py: a bucket's
     ``grad_data`` is a view of the buffer): nothing more.
     """
-    if strategy.dp <= 1 or strategy.engine == "megatron":
+    if strategy.dims.replicas <= 1 or strategy.engine == "megatron":
         return 0
     if strategy.zero_stage == 0:
         return int(grads_bytes)
@@ -156,7 +158,7 @@ def gradient_transient_bytes(strategy: Strategy, bucket: int, largest_grad_bytes
     """
     if strategy.engine == "megatron":
         return 0
-    if strategy.dp <= 1 or strategy.zero_stage == 0:
+    if strategy.dims.replicas <= 1 or strategy.zero_stage == 0:
         return 0  # ZeRO-0's gradients are priced by phase in predict_step
     if strategy.zero_stage == 1:
         awaiting = largest_grad_bytes if strategy.grad_accum > 1 else 0.0
@@ -194,11 +196,11 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
     twice the 4 MiB fp32 word embedding."""
     if strategy.engine == "megatron":
         return params + grads + optim + 2 * largest_main_param_bytes if single_tensor else 0.0
-    if strategy.dp <= 1 or strategy.zero_stage == 0:
+    if strategy.dims.replicas <= 1 or strategy.zero_stage == 0:
         return 0.0
     partition = optim / 3
     temporaries = (2 if single_tensor else 1) + (1 if strategy.zero_stage == 3 else 0)
-    kept_grads = grads / strategy.dp if strategy.zero_stage == 1 else grads
+    kept_grads = grads / strategy.dims.replicas if strategy.zero_stage == 1 else grads
     return params + kept_grads + optim + temporaries * partition + (bucket if strategy.zero_stage == 3 else 0)
 
 
@@ -249,8 +251,8 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
     # distributed optimizer (at most this rank's share of the stage).
     largest = max((g.largest_op_params / tp for g in (layer_group_of(groups, j, num_layers) for j in held)),
                   default=0.0)
-    if strategy.zero_stage >= 1 and strategy.dp > 1:
-        largest = min(largest, params / b / strategy.dp)
+    if strategy.zero_stage >= 1 and strategy.dims.replicas > 1:  # sharded over dp x cp
+        largest = min(largest, params / b / strategy.dims.replicas)
     stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor, 4 * largest) + buffer
     if stepping > peak:
         peak = stepping
@@ -283,6 +285,8 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
 
     stages, tails, times = [], [], []
     dispatch: list[float] = []  # each stage's expert all-to-alls per micro-batch
+    tp_comm: list[float] = []  # each stage's tensor-parallel collectives per micro-batch
+    offloaded: list[float] = []  # each stage's host bytes per rank (offload)
     plain_bubble: float | None = None
     hardware_flops = 0.0
     v = strategy.virtual_stages
@@ -294,9 +298,12 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
             costs.append(cost.layer(group, options[j]))
             passes = 4 if options[j].checkpoint else 3  # forward, backward (2x), recomputation
             hardware_flops += passes * executed_flops_per_token(group, train.flash_attention) * cost.tokens
+            hardware_flops += selective_recompute_flops_per_token(group, options[j], train.flash_attention) * cost.tokens
         if model.moe:
             dispatch.append(sum(cost.expert_dispatch_seconds(layer_group_of(groups, j, num_layers))
                                 * (1.5 if options[j].checkpoint else 1.0) for j in held))  # recomputed forward
+        tp_passes = [tp_comm_passes(layer_group_of(groups, j, num_layers), options[j], cost.context) for j in held]
+        tp_comm.append(sum(t.forward_seconds + t.backward_seconds for t in tp_passes))
         # Each of the rank's v chunks receives its input and sends its output once per micro-batch.
         forward = sum(c.forward_seconds for c in costs) + v * p2p
         backward = sum(c.backward_seconds for c in costs) + v * p2p
@@ -310,14 +317,14 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                             for j in held), default=0.0) * train.dtype_bytes
         transient = (layer_transient + stage_constant_bytes(strategy, bucket, grads)
                      + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory,
-                                                grads * (strategy.dp if strategy.zero_stage >= 2 else 1)))
+                                                grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1)))
         if any(options[j].shard_params for j in held):
             transient += extra_gathered * cost.calibration.activation_memory
         if strategy.engine == "megatron":
             params, grads, optim, activation, transient, peak = megatron_stage_bytes(
                 model, train, strategy, cost, groups, held, options, costs, flight, bucket,
                 cluster.device.name == "cpu")
-        elif strategy.engine == "deepspeed" and strategy.zero_stage == 0 and strategy.dp > 1:
+        elif strategy.engine == "deepspeed" and strategy.zero_stage == 0 and strategy.dims.replicas > 1:
             # Without ZeRO, autograd creates each gradient as backward reaches its layer, and the
             # flattened copy for the all-reduce exists only after backward, when the activations
             # are gone: the peak is the larger of the two moments. Gradients already exist during
@@ -351,6 +358,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         else:  # DeepSpeed's pipeline engine reduces after the flush
             exposed = sync + gather
         tails.append((exposed, sum(c.optimizer_seconds for c in costs)))
+        offloaded.append(sum(c.offloaded_bytes for c in costs))
 
     slowest = max(times)
     compute = m * slowest
@@ -362,10 +370,10 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         # The same stages as one chunk each: v - 1 fewer boundaries to cross per micro-batch.
         saved_p2p = 2 * (v - 1) * p2p
         plain = [t - saved_p2p for t in times]
-        plain_bubble = interleaved_makespan(plain, m, 1) - m * max(plain)  # 1F1B's closed form
-    bubble = makespan - compute
+        plain_bubble = (interleaved_makespan(plain, m, 1) - m * max(plain)) * cost.calibration.pipeline_bubble
+    bubble = (makespan - compute) * cost.calibration.pipeline_bubble
     exposed, optimizer = max(tails, key=lambda e: e[0] + e[1])
-    step = makespan + exposed + optimizer
+    step = compute + bubble + exposed + optimizer
     # Per data-parallel replica the stages above run concurrently; scale FLOPs to the cluster.
     # hardware_flops covers one micro-batch over all stages of one replica, split over tp ranks.
     step_hardware_flops = hardware_flops * m * strategy.dims.replicas  # each cp rank its share
@@ -388,7 +396,10 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         basis=_basis([st for st in stages]),
         profile=cost.profile.key if cost.profile is not None else "",
         plain_bubble_seconds=plain_bubble,
+        offloaded_bytes=int(max(offloaded)),
         expert_all_to_all_seconds=m * dispatch[times.index(slowest)] if dispatch else 0.0,
+        tp_comm_seconds=m * tp_comm[times.index(slowest)],
+        p2p_seconds=m * 2 * v * p2p,
     )
     return StepPrediction(prediction, tuple(stages))
 

@@ -24,6 +24,7 @@ from dsauto.cost.calibration import Calibration
 from dsauto.cost.collectives import AllToAll, Group
 from dsauto.cost.measured import MeasuredCosts, MeasuredLayer
 from dsauto.cost.strategy import LayerOption
+from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR
 from dsauto.plan import Engine
 from dsauto.spec.cluster import DeviceSpec
 from dsauto.spec.model import LayerGroup
@@ -48,6 +49,19 @@ FUSED_ATTENTION_BACKWARD = 2.5
 # (DeepSeek-V3 report, Sec. 2.1.2) the busiest rank carries about a tenth more than the mean.
 EXPERT_LOAD_IMBALANCE = 1.1
 """Busiest expert-parallel rank's token load over the mean (a stated factor, not measured here)."""
+
+
+def expert_load_factor(ctx: LayerContext) -> float:
+    """The busiest rank's routed-expert work over the balanced mean: 1 without expert parallelism
+    (every rank holds every expert and runs the top-k copies of its own tokens, however they
+    route); DeepSpeed-MoE's capacity factor under DeepSpeed (its gate gives each expert a buffer of
+    that factor times the mean, every slot computed: MOE_CAPACITY_FACTOR); otherwise Megatron-core's
+    dropless routing, :data:`EXPERT_LOAD_IMBALANCE`."""
+    if ctx.ep == 1:
+        return 1.0
+    if ctx.engine == "deepspeed":
+        return MOE_CAPACITY_FACTOR
+    return EXPERT_LOAD_IMBALANCE
 
 
 @dataclass(frozen=True)
@@ -134,6 +148,9 @@ class LayerContext:
     """Context-parallel degree; ``tokens`` is then this rank's share of the sequences."""
     cp_group: Group | None = None
     """The context-parallel ring (its send/recv), calibrated; None without context parallelism."""
+    cp_all_to_all: AllToAll | None = None
+    """DeepSpeed-Ulysses' all-to-all over the context-parallel (sequence-parallel) group, calibrated;
+    None unless a DeepSpeed strategy has cp > 1."""
     engine: Engine = "deepspeed"
     """The engine that runs the strategy: Megatron-core's activation and gradient transients differ
     from DeepSpeed's (the ``megatron_*`` terms)."""
@@ -146,6 +163,9 @@ class LayerContext:
     reduced and ZeRO / the distributed optimizer shards their states; 0: ``dp`` (no experts)."""
     ep_group: AllToAll | None = None
     """The expert-parallel all-to-all, calibrated; None without expert parallelism."""
+    hpz_group: Group | None = None
+    """ZeRO++ hpZ: the ranks of a node sharing a secondary partition of the sharded parameters, over
+    which backward gathers them (:func:`data_parallel_cost`); None without hpZ."""
 
     def shards(self, option: LayerOption) -> bool:
         """Whether ZeRO-3 keeps this layer's parameters sharded (gathered per use)."""
@@ -266,7 +286,7 @@ def expert_gemm_seconds(group: LayerGroup, ctx: LayerContext) -> float:
     tokens = ctx.tokens / ctx.tp
     per_expert = tokens * group.moe_top_k * ctx.ep * ctx.etp / group.num_experts
     dim = min(group.gemm_dim, group.expert_gemm_dim / ctx.etp, max(per_expert, 1.0))
-    flops = group.expert_matmul_flops_per_token * tokens * EXPERT_LOAD_IMBALANCE
+    flops = group.expert_matmul_flops_per_token * tokens * expert_load_factor(ctx)
     return ctx.device.matmul_seconds(flops, dim)
 
 
@@ -282,7 +302,7 @@ def expert_dispatch_seconds(group: LayerGroup, option: LayerOption, ctx: LayerCo
     an MoE layer (``LayerGroup.tp_comm_bytes_per_token``); with etp > 1 the experts' own are here."""
     if not group.dispatch_bytes_per_token or (ctx.ep_group is None and ctx.etp == 1):
         return Passes(0.0, 0.0)
-    size = ctx.tokens / ctx.replicated_div * group.dispatch_bytes_per_token * EXPERT_LOAD_IMBALANCE
+    size = ctx.tokens / ctx.replicated_div * group.dispatch_bytes_per_token * expert_load_factor(ctx)
     exchange = 2 * ctx.ep_group.all_to_all(size) if ctx.ep_group is not None else 0.0
     if ctx.etp > 1:
         # Expert tensor parallelism: the etp ranks of an expert all-gather the tokens they received
@@ -323,6 +343,95 @@ def recompute_seconds(option: LayerOption, forward_seconds: float) -> float:
     return forward_seconds if option.checkpoint else 0.0
 
 
+# ---- selective recomputation -----------------------------------------------------------------------
+# Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), Sec. 4.1
+# and Table 2: a GPT layer keeps sbh(34 + 5as/h) bytes for backward, of which 5as^2b are the attention
+# core's (the softmax output, its dropout mask and the dropout output, 2 + 1 + 2 bytes per score);
+# Sec. 5 recomputes that core alone ("selective activation recomputation"), keeping its Q, K and V
+# inputs, for 34sbh, at the price of re-running QK^T and attention over V. Megatron-core 0.16 names
+# the parts it can re-run (TransformerConfig.recompute_modules; transformer_layer.py and
+# attention.py): ``core_attn`` checkpoints the core attention call (Attention._checkpointed_attention
+# _forward), ``layernorm`` drops the outputs of input_layernorm and pre_mlp_layernorm and recomputes
+# them in backward (tensor_parallel.CheckpointWithoutOutput), ``mlp`` checkpoints the dense MLP
+# (its input, the norm's output, stays; dense layers only: an MoE layer's MLP is ``moe``).
+
+def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
+    """Activation bytes per token (of this rank's tokens) that recomputing ``option.recompute_modules``
+    frees in a transformer layer.
+
+    ``core_attn``: under eager attention, the scores' bytes (:attr:`LayerGroup.
+    attention_score_bytes_per_token`, Korthikanti's 5as/h share) and, on Megatron-core, its fp32
+    softmax output (:func:`megatron_softmax_fp32_bytes_per_token`). A fused (flash) attention kernel
+    keeps no scores: only its inputs, its output and two fp32 statistics per head and token, and
+    under the checkpoint Q, K and V stay as its inputs and the output as the projection's input, so
+    re-running it frees a few bytes per head and token, which the model counts as nothing (and it
+    costs a whole attention forward). ``layernorm``: the pre-norms' outputs
+    (:attr:`LayerGroup.norm_output_bytes_per_token`; split like them under sequence parallelism).
+    ``mlp``: the dense MLP's inner activations (:attr:`LayerGroup.mlp_act_bytes_per_token`)."""
+    modules = option.recompute_modules
+    if not modules or option.checkpoint or group.kind != "transformer":
+        return 0.0
+    saved = 0.0
+    if "core_attn" in modules and not ctx.flash_attention:
+        saved += group.attention_score_bytes_per_token / ctx.tp
+        if ctx.engine == "megatron":
+            saved += megatron_softmax_fp32_bytes_per_token(group, ctx.tp, ctx.dtype_bytes)
+    if "layernorm" in modules:
+        saved += group.norm_output_bytes_per_token / ctx.replicated_div
+    if "mlp" in modules:
+        saved += group.mlp_act_bytes_per_token / ctx.tp
+    return saved
+
+
+def selective_recompute_flops_per_token(group: LayerGroup, option: LayerOption, flash_attention: bool) -> float:
+    """Forward FLOPs per token re-run in backward by selective recomputation (the whole layer,
+    before tensor parallelism divides it): the attention core's two batched matrix multiplies
+    (causal ones at half under a fused kernel, as :func:`attention_passes` runs them) and the dense
+    MLP's matrix multiplies; the norms are bandwidth-bound."""
+    modules = option.recompute_modules
+    if not modules or option.checkpoint or group.kind != "transformer":
+        return 0.0
+    flops = 0.0
+    if "core_attn" in modules:
+        attention = group.attention_flops_per_token
+        if flash_attention and group.causal:
+            attention *= 0.5 * group.attention_window_fraction
+        flops += attention
+    if "mlp" in modules:
+        flops += group.mlp_matmul_flops_per_token
+    return flops
+
+
+def selective_recompute_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
+    """Time of one micro-batch's selective recomputation in a transformer layer's backward,
+    calibrated: the re-run forward of each module in ``option.recompute_modules``, on the roofline
+    of :func:`roofline_seconds`. ``core_attn``: the attention forward (:func:`attention_passes`)
+    and, under eager attention, its softmax's memory traffic. ``layernorm``: the norms' reads and
+    writes. ``mlp``: its matrix multiplies and activation function, and the tensor-parallel
+    collective closing it (one of the layer's two: Megatron's checkpoint re-runs the module's
+    forward, the row-parallel reduction included)."""
+    modules = option.recompute_modules
+    if not modules or option.checkpoint or group.kind != "transformer":
+        return 0.0
+    t, tokens, device = ctx.tp, ctx.tokens, ctx.device
+    seconds = 0.0
+    if "core_attn" in modules:
+        seconds += attention_passes(group, ctx).forward_seconds
+        if not ctx.flash_attention:
+            seconds += device.memory_seconds(tokens * group.softmax_bytes_per_token / t)
+    if "layernorm" in modules:
+        seconds += device.memory_seconds(tokens * group.norm_elementwise_bytes_per_token / ctx.replicated_div)
+    if "mlp" in modules:
+        gemm_dim = min(group.gemm_dim / t, tokens)
+        seconds += device.matmul_seconds(group.mlp_matmul_flops_per_token * tokens / t, gemm_dim)
+        seconds += device.memory_seconds(tokens * group.mlp_elementwise_bytes_per_token / t)
+    seconds *= ctx.calibration.compute
+    if "mlp" in modules and t > 1:
+        dense = 1.0 - group.moe_layer_fraction
+        seconds += ctx.tp_group.all_reduce(dense * group.gemm_dim * ctx.dtype_bytes * tokens)
+    return seconds
+
+
 # ---- tensor-parallel communication -----------------------------------------------------------------
 
 def tp_comm_seconds(group: LayerGroup, ctx: LayerContext) -> float:
@@ -331,6 +440,16 @@ def tp_comm_seconds(group: LayerGroup, ctx: LayerContext) -> float:
     # al. 2019, Fig. 4); with sequence parallelism all-gather + reduce-scatter of equal volume
     # (Korthikanti et al. 2022, Sec. 4.2.2). Not overlapped with compute.
     return ctx.tp_group.all_reduce(group.tp_comm_bytes_per_token * ctx.tokens)
+
+
+def tp_comm_passes(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Passes:
+    """The tensor-parallel collectives of one micro-batch through a layer: a pass's worth in
+    forward and in backward, and a checkpointed layer's recomputed forward issues its collectives
+    again inside backward (Korthikanti et al. 2022, Sec. 4.2.2; Megatron-core's
+    ``CheckpointFunction.backward`` in megatron/core/tensor_parallel/random.py reruns the forward,
+    row-parallel all-reduces included). The part of the step the ``tensor_parallel`` factor scales."""
+    once = tp_comm_seconds(group, ctx)
+    return Passes(once, once * (2 if option.checkpoint else 1))
 
 
 def pass_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext,
@@ -344,15 +463,19 @@ def pass_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     if measured is not None:
         # Measured compute replaces the roofline where the profile has the layer (interpolated in
         # the micro-batch; measured checkpointed, its backward includes the recomputation); the
-        # collectives and the slicing overheads stay priced as above.
-        return Passes(speed * measured.forward_seconds + tp_comm + launches,
-                      speed * measured.backward_seconds + tp_comm + 2 * launches)
+        # collectives and the slicing overheads stay priced as above. A profile times one shard on
+        # one rank, so a recomputed backward's collectives are added too.
+        tp = tp_comm_passes(group, option, ctx)
+        return Passes(speed * measured.forward_seconds + tp.forward_seconds + launches,
+                      speed * measured.backward_seconds + tp.backward_seconds + 2 * launches
+                      + selective_recompute_seconds(group, option, ctx))
     compute = speed * roofline_seconds(group, option, ctx)
     attention = attention_passes(group, ctx)
     # Backward costs twice the forward but for a fused attention kernel's extra recomputation.
     fused_extra = speed * (attention.backward_seconds - 2 * attention.forward_seconds)
     forward = compute + tp_comm + launches
-    backward = 2 * (compute + launches) + fused_extra + tp_comm + recompute_seconds(option, forward)
+    backward = (2 * (compute + launches) + fused_extra + tp_comm + recompute_seconds(option, forward)
+                + selective_recompute_seconds(group, option, ctx))
     return Passes(forward, backward)
 
 
@@ -376,6 +499,29 @@ def context_parallel_seconds(group: LayerGroup, ctx: LayerContext) -> Passes:
     forward = device.overlapped(forward_attention, forward_comm) - forward_attention
     backward = device.overlapped(backward_attention, 2 * forward_comm) - backward_attention
     return Passes(forward, backward)
+
+
+def ulysses_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Passes:
+    """DeepSpeed-Ulysses' all-to-alls in one micro-batch of a transformer layer.
+
+    Each of the cp ranks holds 1/cp of every sequence. Before attention, an all-to-all each of the
+    queries, keys and values trades that sequence shard for 1/cp of the heads over the whole
+    sequence; after it, one more returns the attention output to the sequence layout (Jacobs et
+    al. 2023, "DeepSpeed Ulysses", Sec. 3.1-3.2: four all-to-alls of N·h/P elements per rank and
+    layer, N the sequence, h the hidden size, P the degree). Backward passes the gradients of the
+    same four tensors back the same way (``_SeqAllToAll.backward`` in deepspeed/sequence/layer.py),
+    and a checkpointed layer runs the forward's four again. DeepSpeed issues them one by one and,
+    without a side stream (``DistributedAttention(sp_stream=None)``, as the dsauto hook builds it),
+    not overlapped with compute. With grouped-query attention the keys and values are narrower
+    (``LayerGroup.kv_bytes_per_token``); the queries and the output each take half of the rest."""
+    if ctx.cp == 1 or group.kind != "transformer" or ctx.cp_all_to_all is None:
+        return Passes(0.0, 0.0)
+    per_token = group.attention_io_bytes_per_token / ctx.tp
+    keys = group.kv_bytes_per_token / ctx.tp / 2  # the keys, and as many the values
+    queries = (per_token - 2 * keys) / 2  # the queries, and as many the output
+    exchange = ctx.cp_all_to_all.all_to_all
+    forward = 2 * exchange(ctx.tokens * queries) + 2 * exchange(ctx.tokens * keys)
+    return Passes(forward, forward * (2 if option.checkpoint else 1))
 
 
 # ---- ZeRO-3 hooks ------------------------------------------------------------------------------------
@@ -448,6 +594,11 @@ def data_parallel_cost(group: LayerGroup, option: LayerOption, ctx: LayerContext
             split_latency = 0.0 if hooks_measured else gather_latency_seconds(group, option, ctx)
             gather = comm.all_gather(param_volume) + split_latency
             forward = device.overlapped(forward, gather)
+            if ctx.hpz_group is not None:
+                # ZeRO++ hpZ (Wang et al. 2023, Sec. 3.2): forward's gather across all dp ranks also
+                # fills a secondary partition over the node's hpz ranks, so backward gathers the
+                # layer from them over the intra-node links.
+                gather = ctx.hpz_group.all_gather(param_volume) + split_latency
             backward = device.overlapped(backward, gather + comm.reduce_scatter(grad_volume))
         elif zero >= 2:
             backward = device.overlapped(backward, comm.reduce_scatter(grad_volume))
@@ -516,6 +667,10 @@ def _state(local: float, dp: int, option: LayerOption, ctx: LayerContext) -> Mod
         # partition and re-gathers the full copy from it after each step (measured in
         # benchmarks/results/hook_memory.md: (1 + 1/dp) x its parameters).
         params_bytes += local * ctx.dtype_bytes / dp
+    if sharded and ctx.hpz_group is not None:
+        # ZeRO++ hpZ's secondary partition: 1/hpz of the layer's parameters per rank (Wang et al.
+        # 2023, Sec. 3.2; DeepSpeed's ds_secondary_tensor in partition_parameters.py).
+        params_bytes += local * ctx.dtype_bytes / ctx.hpz_group.size
     grads_bytes = local * ctx.grad_bytes_per_param / (dp if zero >= 2 else 1)
     optimizer_bytes = local * ctx.optimizer_bytes_per_param / (dp if zero >= 1 else 1)
     static = ctx.calibration.static_memory
@@ -537,16 +692,21 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
         + (0.0 if flash else group.attention_score_bytes_per_token / t)
     )
     # The busiest expert rank keeps the top-k copies of more tokens than the mean.
-    full_activation += tokens * group.expert_act_bytes_per_token / t * (EXPERT_LOAD_IMBALANCE - 1)
+    full_activation += tokens * group.expert_act_bytes_per_token / t * (expert_load_factor(ctx) - 1)
     megatron = ctx.engine == "megatron"
     if megatron and group.kind == "transformer" and not flash:
         full_activation += tokens * megatron_softmax_fp32_bytes_per_token(group, t, ctx.dtype_bytes)
     checkpoint_activation = tokens * group.checkpoint_bytes_per_token / replicated_div
     # A transformer layer's kept bytes are measured too (the profile's shards have no sequence
     # parallelism, so it applies without SP only); the embedding and head keep the analytic
-    # counts, whose logits term is exact.
+    # counts, whose logits term is exact. The profile's reference layer attends with torch's fused
+    # scaled_dot_product_attention, which keeps no score matrix; Megatron-core's unfused attention
+    # keeps its scores, fp32 softmax and probabilities, so there the analytic count of a whole
+    # layer stands (measured on two CPU ranks in fp32: the measured layers put the peaks 5-13% low,
+    # the analytic count within 1-6%; benchmarks/results/accuracy.md).
+    eager_megatron = megatron and not flash
     if measured is not None and group.kind == "transformer" and replicated_div == 1:
-        if measured_uncheckpointed is not None:
+        if measured_uncheckpointed is not None and not eager_megatron:
             full_activation = measured_uncheckpointed.activation_bytes
         if option.checkpoint:
             checkpoint_activation = measured.activation_bytes
@@ -554,7 +714,10 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
         activation = checkpoint_activation
         transient = full_activation  # the recomputed layer lives until its backward ends
     else:
-        activation, transient = full_activation, 0.0
+        # Selective recomputation keeps all but the recomputed modules' activations, which are
+        # rebuilt for their own backward (a transient of their size).
+        freed = tokens * selective_saved_bytes_per_token(group, option, ctx)
+        activation, transient = full_activation - freed, freed
     if ctx.shards(option):
         # The gathered unit in use and the next one prefetched; the emitted config bounds the
         # gathered parameters to two units (stage3_max_live_parameters, see emit.ds_config).

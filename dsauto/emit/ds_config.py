@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 from unittest import mock
 
+from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR, MOE_KEY
 from dsauto.errors import DsautoError
 from dsauto.plan import Plan
 from dsauto.plan_io import PLAN_ID_KEY, PLAN_KEY, plan_id
@@ -166,7 +167,17 @@ def _deepspeed_config(plan: Plan) -> dict[str, Any]:
         # loss_scale 0 selects dynamic loss scaling (DeepSpeedFP16Config).
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     config["optimizer"] = {"type": "AdamW", "params": dict(OPTIMIZER_PARAMS)}
+    if plan.offload != "none":
+        # An offloaded optimizer runs on the host: DeepSpeedCPUAdam (vectorised, what the plan prices;
+        # deepspeed/runtime/engine.py, get_optimizer_configuration), not torch's AdamW.
+        config["optimizer"]["params"]["torch_adam"] = False
     config["zero_optimization"] = _zero_section(plan, element_bytes)
+    if plan.cp > 1 and plan.engine == "deepspeed":
+        # DeepSpeed-Ulysses: ZeRO partitions and reduces over the sequence-data-parallel ranks
+        # (dp x cp), and the batch keys count the dp replicas only (deepspeed/runtime/config.py
+        # divides the world by sequence_parallel_size). The hook builds the sequence-parallel
+        # groups and the model's DistributedAttention (dsauto.runtime.deepspeed).
+        config["sequence_parallel_size"] = plan.cp
     if plan.pp > 1:
         # Of the "pipeline" keys DeepSpeed parses (get_pipeline_config), only the uniform
         # activation_checkpoint_interval and the partitioning of activations/gradients across TP
@@ -176,7 +187,20 @@ def _deepspeed_config(plan: Plan) -> dict[str, Any]:
         config["pipeline"] = {"activation_checkpoint_interval": 0}
     config[PLAN_KEY] = plan.to_dict()
     config[PLAN_ID_KEY] = plan_id(plan)  # ties the file to the other artifacts of its set
+    if plan.model.moe:
+        config[MOE_KEY] = deepspeed_moe_settings(plan)
     return config
+
+
+def deepspeed_moe_settings(plan: Plan) -> dict[str, Any]:
+    """The arguments of ``deepspeed.moe.layer.MoE`` for each MoE layer of the plan's model (flat
+    layer numbers, 1..L as in the plan): DeepSpeed has no config key for expert parallelism, so the
+    model's MoE layers must be built with them; the hook checks ``ep_size`` and ``num_experts``
+    (:mod:`dsauto.runtime.deepspeed`). Beside the ``"dsauto"`` block, which is exactly the plan."""
+    model = plan.model
+    return {"layers": [{"layer": i + 1, "ep_size": plan.ep, "num_experts": model.num_experts,
+                        "k": model.moe_top_k, "capacity_factor": MOE_CAPACITY_FACTOR}
+                       for i in model.moe_layers()]}
 
 
 def _zero_section(plan: Plan, element_bytes: int) -> dict[str, Any]:
@@ -208,7 +232,21 @@ def _zero_section(plan: Plan, element_bytes: int) -> dict[str, Any]:
             "stage3_max_live_parameters": max(1, 2 * plan.prefetch_bucket_bytes // element_bytes),
             "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
         })
+        if plan.hpz > 1:
+            section["zero_hpz_partition_size"] = plan.hpz  # ZeRO++ hierarchical partitioning
+    section.update(offload_sections(plan))
     return section
+
+
+def offload_sections(plan: Plan) -> dict[str, Any]:
+    """The ``zero_optimization`` keys of the plan's offload (deepspeed/runtime/zero/offload_config.py):
+    the optimizer state to pinned host memory (ZeRO 1-3), and under ZeRO-3 the parameters too."""
+    sections: dict[str, Any] = {}
+    if plan.offload != "none":
+        sections["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if plan.offload == "optimizer+params":
+        sections["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return sections
 
 
 def ds_config_text(plan: Plan, target: Target = "deepspeed") -> str:

@@ -20,6 +20,7 @@ from dsauto.engines.megatron import (
     block_recompute_layers,
     degree_flags,
     pipeline_layout,
+    selective_recompute_modules,
 )
 from dsauto.plan import Plan
 from dsauto.plan_io import PLAN_ID_COMMENT, plan_id
@@ -49,7 +50,11 @@ def megatron_args(plan: Plan) -> list[str]:
 def megatron_argv(plan: Plan) -> list[str]:
     """``plan``'s Megatron-LM arguments as an argv list (flags and values as separate items)."""
     return [token for line in megatron_args(plan) if not line.startswith(COMMENT)
-            for token in line.split(" ", 1)]
+            for token in (line.split(" ") if line.startswith(LIST_FLAGS) else line.split(" ", 1))]
+
+
+LIST_FLAGS = ("--recompute-modules ",)
+"""Flags whose value is a list of words, one argument each (argparse ``nargs="*"``)."""
 
 
 def write_megatron_args(plan: Plan, path: Path | str) -> Path:
@@ -298,11 +303,23 @@ def _data_parallel(plan: Plan) -> list[str]:
     lines.append("--overlap-grad-reduce")
     if plan.zero_stage >= 1:
         lines.append("--overlap-param-gather")  # needs the distributed optimizer or Megatron-FSDP
+    lines += optimizer_offload_flags(plan)
     # --ddp-bucket-size counts parameters. Megatron-LM reduces gradients in fp32 under bf16
     # (validate_args sets accumulate_allreduce_grads_in_fp32) and in the parameter dtype otherwise.
     grad_bytes = 2 if plan.dtype == "fp16" else 4
     lines.append(f"--ddp-bucket-size {max(1, plan.reduce_bucket_bytes // grad_bytes)}")
     return lines
+
+
+def optimizer_offload_flags(plan: Plan) -> list[str]:
+    """Megatron-LM's flags for the plan's optimizer offload: all of the optimizer on the host
+    (``--optimizer-offload-fraction 1``), its copies overlapped with the CPU's update, and the
+    precision-aware optimizer that Megatron-LM's validate_args requires with CPU offload (the hybrid
+    device optimizer reuses its code path: megatron/core/optimizer/optimizer_config.py)."""
+    if plan.offload == "none":
+        return []
+    return ["--optimizer-cpu-offload", "--optimizer-offload-fraction 1.0", "--overlap-cpu-optimizer-d2h-h2d",
+            "--use-precision-aware-optimizer"]
 
 
 def _pipeline_layout(stage_layers: tuple[int, ...], virtual_stages: int = 1) -> list[str]:
@@ -318,6 +335,14 @@ def _pipeline_layout(stage_layers: tuple[int, ...], virtual_stages: int = 1) -> 
 
 
 def _recompute(plan: Plan) -> list[str]:
+    modules = selective_recompute_modules(plan)
+    if modules is None:
+        what = "; ".join(f"{'+'.join(m)} in {layers_text(layers)}" for m, layers in plan.selective_layers().items())
+        return [f"{COMMENT}Not expressed: selective recomputation of {what} is not the same modules in every "
+                f"transformer layer without whole-layer checkpointing, which is all Megatron's single "
+                f"--recompute-granularity can say; the dsauto hook applies the nearest setting."]
+    if modules:
+        return ["--recompute-granularity selective", "--recompute-modules " + " ".join(modules)]
     n = block_recompute_layers(plan)
     if n is None:
         return [

@@ -17,6 +17,15 @@ AUTO = "auto"
 BATCH_KEYS = (("train_batch_size", "global_batch"), ("train_micro_batch_size_per_gpu", "micro_batch"),
               ("gradient_accumulation_steps", "grad_accum"))
 """DeepSpeed's batch keys and the plan's fields they spell (deepspeed/runtime/config.py)."""
+MOE_KEY = "dsauto_moe"
+"""Top-level key of ``ds_config.json`` with the DeepSpeed-MoE settings of a mixture-of-experts plan
+(``deepspeed.moe.layer.MoE`` arguments: ``ep_size`` and the rest per MoE layer). DeepSpeed has no
+config key for them: they are arguments of the model's MoE layers, which the hook checks."""
+MOE_CAPACITY_FACTOR = 1.0
+"""Capacity factor of DeepSpeed-MoE's gate that plans assume: DeepSpeed's default
+(``deepspeed.moe.layer.MoE(capacity_factor=1.0)``, tokens beyond it dropped). Each expert gets
+``ceil(k x tokens / experts x capacity_factor)`` slots (``_capacity`` in deepspeed/moe/sharded_moe.py),
+every slot computed, so every expert-parallel rank runs this factor times the balanced expert work."""
 
 
 def _whole(value: Any) -> int | None:
@@ -60,6 +69,7 @@ def config_contradictions(config: Mapping[str, Any], plan: Plan, batch: bool = T
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else zero
     if stage != AUTO and _whole(stage) != plan.zero_stage:
         found.append(f"zero_optimization.stage is {stage!r} but the plan was made for ZeRO stage {plan.zero_stage}")
+    found += _offload_contradictions(zero if isinstance(zero, Mapping) else {}, plan)
     dtype = config_dtype(config)
     if dtype is not None and dtype != plan.dtype:
         found.append(f"the config trains in {dtype} (its bf16 / fp16 sections) but the plan in {plan.dtype}")
@@ -67,9 +77,34 @@ def config_contradictions(config: Mapping[str, Any], plan: Plan, batch: bool = T
         value = config.get(key)
         if value is not None and value != AUTO and _whole(value) != getattr(plan, field):
             found.append(f"{key} is {value!r} but the plan's {field} is {getattr(plan, field)}")
+    sequence_parallel = config.get("sequence_parallel_size", 1)
+    ulysses = plan.cp if plan.engine == "deepspeed" else 1  # a Megatron-core plan's cp is its own
+    if sequence_parallel != AUTO and _whole(sequence_parallel) != ulysses:
+        found.append(f"sequence_parallel_size is {sequence_parallel!r} but the plan's DeepSpeed-Ulysses "
+                     f"degree (cp) is {ulysses}")
     tensor_parallel = config.get("tensor_parallel")
     if isinstance(tensor_parallel, Mapping) and "autotp_size" in tensor_parallel:
         size = tensor_parallel["autotp_size"]
         if size != AUTO and _whole(size) != plan.tp:
             found.append(f"tensor_parallel.autotp_size is {size!r} but the plan's tp is {plan.tp}")
+    return found
+
+
+def _offload_contradictions(zero: Mapping[str, Any], plan: Plan) -> list[str]:
+    """Where ``zero_optimization``'s offload sections and hpZ size say something else than the plan
+    (a missing section or ``"device": "none"`` is no offload: deepspeed/runtime/zero/offload_config.py)."""
+    found = []
+    planned_sections = (("offload_optimizer", plan.offload != "none"),
+                        ("offload_param", plan.offload == "optimizer+params"))
+    for key, planned in planned_sections:
+        section = zero.get(key)
+        device = section.get("device", "none") if isinstance(section, Mapping) else "none"
+        if device == AUTO:
+            continue
+        if (device not in ("none", None)) != planned:
+            found.append(f"zero_optimization.{key} is {'on' if not planned else 'off'} but the plan's offload is "
+                         f"{plan.offload!r}")
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if hpz != AUTO and _whole(hpz) != plan.hpz and not (plan.hpz == 1 and _whole(hpz) in (0, 1)):
+        found.append(f"zero_optimization.zero_hpz_partition_size is {hpz!r} but the plan's hpz is {plan.hpz}")
     return found

@@ -125,3 +125,16 @@ def block_recompute_layers(plan: Plan) -> int | None:
     n = partial.pop()
     # A fully checkpointed chunk needs N >= its layer count; a partial one needs exactly N.
     return n if n >= longest_full else None
+
+
+def selective_recompute_modules(plan: Plan) -> tuple[str, ...] | None:
+    """The modules for ``--recompute-granularity selective --recompute-modules ...``: the plan's
+    when every transformer layer recomputes the same set and none is checkpointed whole, as
+    Megatron-core runs it (one granularity and one module list for all layers:
+    TransformerConfig.recompute_granularity / recompute_modules); () when the plan recomputes no
+    module selectively; None when its selective recomputation is not of that form."""
+    sets = plan.selective_layers()
+    if not sets:
+        return ()
+    modules = plan.uniform_recompute_modules()
+    return modules if modules and not plan.checkpointed_layers() else None

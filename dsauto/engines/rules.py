@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from dsauto.parallel import ParallelDims
-from dsauto.plan import Engine
+from dsauto.plan import RECOMPUTE_MODULES, Engine, Offload
 
 
 def refusal(engine: Engine, dims: ParallelDims, zero_stage: int) -> str | None:
@@ -29,18 +29,33 @@ def refusal(engine: Engine, dims: ParallelDims, zero_stage: int) -> str | None:
     return None
 
 
-def context_parallel_refusal(engine: Engine, cp: int, seq_len: int, flash_attention: bool) -> str | None:
+def context_parallel_refusal(engine: Engine, cp: int, seq_len: int, flash_attention: bool, *,
+                             heads: int = 0, kv_heads: int = 0, pp: int = 1) -> str | None:
     """Why context parallelism of degree ``cp`` cannot run, or None.
 
     Megatron-core's context parallelism runs Transformer Engine's fused attention over 2 x cp
     load-balanced chunks of each sequence (megatron/core/extensions/transformer_engine.py,
     ``TEDotProductAttention`` with ``cp_group``), so the sequence must split into 2 x cp equal
-    chunks and attention must be fused. DeepSpeed's own sequence parallelism (Ulysses) needs its
-    ``DistributedAttention`` in the model, which the dsauto hook does not insert: not planned."""
+    chunks and attention must be fused.
+
+    Under DeepSpeed, cp is DeepSpeed-Ulysses sequence parallelism (``sequence_parallel_size``;
+    Jacobs et al. 2023, Sec. 3): each rank holds 1/cp of every sequence and, around attention,
+    all-to-alls trade it for 1/cp of the heads, so the sequence and the query heads and key/value
+    heads (``heads``, ``kv_heads``) must split evenly over cp (DeepSpeed 0.19 can split uneven
+    heads, one rank then attending over more of them: not planned). DeepSpeed's pipeline engine
+    takes no sequence-parallel groups (``deepspeed.initialize`` asserts ``mpu is None`` for a
+    ``PipelineModule``), so Ulysses runs with pp = 1."""
     if cp == 1:
         return None
-    if engine != "megatron":
-        return "context parallelism is planned for Megatron-core only (--cp needs --engine megatron)"
+    if engine == "deepspeed":
+        if pp > 1:
+            return f"DeepSpeed-Ulysses (cp {cp}) does not run under DeepSpeed's pipeline engine (pp {pp})"
+        for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+            if count % cp:
+                return f"DeepSpeed-Ulysses splits the {count} {name} over cp {cp}, which does not divide them"
+        if seq_len % cp:
+            return f"the sequence ({seq_len} tokens) does not split into cp = {cp} equal shards"
+        return None
     if not flash_attention:
         return "Megatron-core's context parallelism needs fused (flash) attention"
     if seq_len % (2 * cp):
@@ -64,23 +79,28 @@ def expert_parallel_refusal(engine: Engine, dims: ParallelDims, zero_stage: int,
     to train MoE layers under tensor parallelism without sequence parallelism
     (megatron/core/transformer/moe/moe_layer.py). Expert parallelism under Megatron-FSDP (ZeRO 2/3)
     is not planned: dsauto prices expert states sharded by the distributed optimizer over the
-    expert data-parallel group. DeepSpeed-MoE (``deepspeed.moe.layer.MoE(ep_size=...)``) needs the
-    model built from DeepSpeed's MoE layers, which the hook does not insert: a DeepSpeed plan keeps
-    every expert on every rank (ep = 1) and ZeRO shards them like any parameter."""
+    expert data-parallel group. Under DeepSpeed, ep is DeepSpeed-MoE's ``ep_size``
+    (``deepspeed.moe.layer.MoE``; the model must be built from DeepSpeed's MoE layers, which the hook
+    checks): no expert tensor parallelism, and not under ZeRO-3, which DeepSpeed refuses with its MoE
+    layers (``_validate_zero3_moe_compatibility`` in deepspeed/runtime/engine.py); ZeRO 1-2 shard the
+    expert states over the expert data-parallel group. With ep = 1 a DeepSpeed plan keeps every
+    expert on every rank and ZeRO shards them like any parameter."""
     if num_experts and dims.tp > 1 and not sequence_parallel and engine == "megatron":
         return "Megatron-core trains MoE layers under tensor parallelism only with sequence parallelism"
     if dims.ep == 1 and dims.etp == 1:
         return None
     if not num_experts:
         return f"ep {dims.ep} and etp {dims.etp} need a mixture-of-experts model"
-    if engine != "megatron":
-        return ("expert parallelism is planned for Megatron-core only (DeepSpeed-MoE's ep_size needs the "
-                "model built from deepspeed.moe.layer.MoE); plan with --engine megatron")
+    if engine == "deepspeed":
+        if dims.etp > 1:
+            return f"DeepSpeed-MoE has no expert tensor parallelism (etp {dims.etp}); plan with --engine megatron"
+        if zero_stage == 3:
+            return f"DeepSpeed-MoE layers (ep {dims.ep}) do not run under ZeRO-3; use ZeRO 0, 1 or 2"
     if num_experts % dims.ep:
         return f"the {num_experts} experts of an MoE layer do not split evenly over ep {dims.ep}"
     if expert_ffn_hidden_size % dims.etp:
         return f"the expert width {expert_ffn_hidden_size} does not split evenly over etp {dims.etp}"
-    if zero_stage >= 2:
+    if zero_stage >= 2 and engine == "megatron":
         return f"expert parallelism with ZeRO stage {zero_stage} (Megatron-FSDP) is not planned; use ZeRO 0 or 1"
     return None
 
@@ -111,7 +131,94 @@ def virtual_stage_refusal(engine: Engine, pp: int, virtual_stages: int, micro_ba
     return None
 
 
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+"""The module names Megatron-core 0.16 accepts in ``recompute_modules``
+(megatron/core/transformer/transformer_config.py, ``TransformerConfig.__post_init__``)."""
+
+
+def recompute_module_refusal(name: str, linear_bias: bool = False) -> str | None:
+    """Why dsauto cannot plan selective recomputation of module ``name``, or None when it can
+    (:data:`dsauto.plan.RECOMPUTE_MODULES`: the attention core, the norms, the dense MLP).
+
+    ``linear_bias``: the model's linear layers have biases. Megatron-core 0.16's MLP then returns
+    its output bias, a parameter, for the fused bias-dropout-add, and under ``mlp`` recomputation
+    that parameter comes out of ``tensor_parallel.checkpoint`` (transformer_layer.py,
+    ``_forward_mlp``) as an output of the checkpoint's own autograd node, whose backward then calls
+    itself without end (seen on CPU ranks, where the process grew to gigabytes)."""
+    if name == "mlp" and linear_bias:
+        return ("Megatron-core 0.16 cannot recompute the MLP of a model whose linear layers have biases "
+                "(the MLP's output bias passes through the checkpoint, whose backward then never ends)")
+    if name in RECOMPUTE_MODULES:
+        return None
+    if name in MEGATRON_RECOMPUTE_MODULES:
+        return (f"Megatron-core's '{name}' recomputation is not priced by dsauto (it prices "
+                f"{', '.join(RECOMPUTE_MODULES)}); leave it out")
+    return (f"'{name}' is not a module Megatron-core recomputes (dsauto plans "
+            f"{', '.join(RECOMPUTE_MODULES)})")
+
+
+def selective_recompute_refusal(engine: Engine) -> str | None:
+    """Why ``engine`` cannot run selective recomputation as dsauto plans it, or None.
+
+    Megatron-core recomputes the same modules in every transformer layer
+    (``recompute_granularity="selective"`` with ``recompute_modules``), and then checkpoints no whole
+    layer: the granularity is one for all layers (TransformerConfig.recompute_granularity; the
+    ``full`` path of transformer_block.py's ``_checkpointed_forward`` and the ``selective`` checks
+    of transformer_layer.py and attention.py exclude each other). DeepSpeed plans checkpoint whole
+    layers only: the dsauto hook does not recompute parts of a layer."""
+    if engine == "megatron":
+        return None
+    return "selective recomputation is planned for Megatron-core only (--recompute-modules needs --engine megatron)"
+
+
 def per_layer_residency(engine: Engine) -> bool:
     """Whether the engine can keep some layers' parameters resident under ZeRO-3 while sharding
     the rest (DeepSpeed's ``ds_persist``, applied by the hook); Megatron-FSDP shards them all."""
     return engine == "deepspeed"
+
+
+def offload_refusal(engine: Engine, dims: ParallelDims, zero_stage: int, offload: Offload,
+                    host_problem: str | None = None) -> str | None:
+    """Why the engine cannot keep ``offload`` in host memory under this strategy, or None.
+
+    DeepSpeed offloads the optimizer of ZeRO 1-3 (``zero_optimization.offload_optimizer``) and, under
+    ZeRO-3 only, the parameter partitions (``offload_param``: deepspeed/runtime/zero/config.py);
+    offload with its pipeline engine is not planned. Megatron-core's optimizer CPU offload runs
+    inside its distributed optimizer (Megatron-LM's validate_args asks for
+    ``--use-precision-aware-optimizer``, which ``OptimizerConfig`` allows only with the distributed
+    optimizer: megatron/core/optimizer/optimizer_config.py), which is ZeRO-1 here; it has no
+    parameter offload. ``host_problem``: why the cluster's hosts take nothing, if they do not
+    (:func:`dsauto.search.space.host_problem`)."""
+    if offload == "none":
+        return None
+    if host_problem:
+        return host_problem
+    if zero_stage == 0:
+        return "offload needs ZeRO stage 1 or above (the optimizer state it moves is partitioned by ZeRO)"
+    if offload == "optimizer+params" and (engine != "deepspeed" or zero_stage != 3):
+        return "parameter offload is DeepSpeed ZeRO-3's offload_param (--engine deepspeed --zero-stage 3)"
+    if engine == "megatron" and zero_stage != 1:
+        return ("Megatron-core offloads the optimizer inside its distributed optimizer (ZeRO 1), not under "
+                "Megatron-FSDP")
+    if engine == "deepspeed" and dims.pp > 1:
+        return "offload with DeepSpeed's pipeline engine is not planned; use pp 1"
+    return None
+
+
+def hpz_refusal(engine: Engine, dims: ParallelDims, zero_stage: int, hpz: int, devices_per_node: int) -> str | None:
+    """Why ZeRO++ hierarchical partitioning over ``hpz`` ranks cannot run, or None.
+
+    DeepSpeed builds the secondary partition groups from ``hpz`` consecutive global ranks
+    (``_create_zero_param_parallel_group`` in deepspeed/utils/groups.py), which are data-parallel
+    ranks of one node only when every rank is a data-parallel one (a DeepSpeed ZeRO-3 plan: tp, pp
+    and cp are 1) and ``hpz`` divides the devices of a node; it exists for ZeRO-3's parameters
+    alone (``zero_hpz_partition_size``). Megatron-FSDP's hybrid sharding is not planned."""
+    if hpz == 1:
+        return None
+    if engine != "deepspeed" or zero_stage != 3:
+        return "hierarchical partitioning (hpZ) is DeepSpeed ZeRO-3's (--engine deepspeed --zero-stage 3)"
+    if dims.world_size != dims.dp:
+        return "hpZ's groups are consecutive ranks, which are all data-parallel only when tp, pp and cp are 1"
+    if devices_per_node % hpz or dims.dp % hpz:
+        return f"hpz {hpz} must divide the {devices_per_node} devices of a node and dp {dims.dp}"
+    return None

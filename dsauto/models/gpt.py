@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsauto.models.moe import MoeMlp
 from dsauto.spec.model import ModelSpec
 
 # scaled_dot_product_attention takes enable_gqa from torch 2.5 on.
@@ -97,6 +98,34 @@ class Embedding(nn.Module):
         return self.dropout(x)
 
 
+class CoreAttention(nn.Module):
+    """Rotary embedding and scaled dot-product attention of queries, keys and values laid out
+    (batch, sequence, heads, head dim), returning the output in the same layout. A module of its
+    own, with no parameters, so that DeepSpeed-Ulysses can wrap it: its all-to-alls hand it the
+    whole sequence for a share of the heads (``dsauto.runtime.deepspeed``), and the rotary
+    positions are then those of the whole sequence."""
+
+    def __init__(self, causal: bool, rope: bool, rotary_base: float, rotary_percent: float, dropout: float):
+        super().__init__()
+        self.causal, self.rope, self.dropout = causal, rope, dropout
+        self.rotary_base, self.rotary_percent = rotary_base, rotary_percent
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.rope:
+            q, k = _rope(q, self.rotary_base, self.rotary_percent), _rope(k, self.rotary_base, self.rotary_percent)
+        gqa = {}
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each KV head serves a group of queries
+            if _SDPA_GQA:  # the kernel broadcasts the KV heads, keeping no expanded copies
+                gqa = {"enable_gqa": True}
+            else:
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                             dropout_p=self.dropout if self.training else 0.0, **gqa)
+        return out.transpose(1, 2)
+
+
 class Block(nn.Module):
     """One transformer layer: attention and MLP with residual connections, normalised before each
     (pre-norm: GPT-2, LLaMA), after each residual add (post-norm: BERT), before and after each
@@ -108,9 +137,13 @@ class Block(nn.Module):
 
     Not built, as they change neither the parameters nor (with fused attention) the measured cost
     much: ALiBi biases, sliding windows, attention soft-capping and score scaling.
+
+    ``moe=True`` builds an MoE layer of a mixture-of-experts model: its MLP is a
+    :class:`dsauto.models.moe.MoeMlp` (router, routed experts, shared expert), DeepSpeed-MoE's with
+    expert-parallel degree ``deepspeed_ep`` when that is given (see :mod:`dsauto.models.moe`).
     """
 
-    def __init__(self, model: ModelSpec, tp: int = 1):
+    def __init__(self, model: ModelSpec, tp: int = 1, moe: bool = False, deepspeed_ep: int | None = None):
         super().__init__()
         h = model.hidden_size
         qkv_bias, proj_bias, mlp_bias = model.biases
@@ -131,37 +164,37 @@ class Block(nn.Module):
         self.k_norm = _norm(model, self.head_dim) if model.qk_norm else None
         self.proj = nn.Linear(self.heads * self.head_dim, h, bias=proj_bias)
         self.mlp_norm = _norm(model) if model.norms_per_layer > 1 else None  # one shared norm: Falcon-7B
-        self.mlp_in = nn.Linear(h, (2 if self.gated else 1) * ffn, bias=mlp_bias)
-        self.mlp_out = nn.Linear(ffn, h, bias=mlp_bias)
+        if moe:
+            if tp > 1:
+                raise ValueError("the reference MoE layer is built whole (tp=1); its experts are not split over TP")
+            self.moe = MoeMlp(model, self.act, deepspeed_ep)
+        else:
+            self.moe = None
+            self.mlp_in = nn.Linear(h, (2 if self.gated else 1) * ffn, bias=mlp_bias)
+            self.mlp_out = nn.Linear(ffn, h, bias=mlp_bias)
         four = model.norms_per_layer == 4
         self.attention_out_norm = _norm(model) if four else None
         self.mlp_out_norm = _norm(model) if four else None
         self.attention_dropout, self.dropout = p, nn.Dropout(p)
+        self.core_attention = CoreAttention(self.causal, self.rope, self.rotary_base, self.rotary_percent, p)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         kv_width = self.kv_heads * self.head_dim
         q, k, v = self.qkv(x).split([self.heads * self.head_dim, kv_width, kv_width], dim=-1)
-        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(b, s, self.heads, self.head_dim)
+        k = k.view(b, s, self.kv_heads, self.head_dim)
+        v = v.view(b, s, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope:
-            q, k = _rope(q, self.rotary_base, self.rotary_percent), _rope(k, self.rotary_base, self.rotary_percent)
-        gqa = {}
-        if self.kv_heads != self.heads:  # grouped-query attention: each KV head serves a group of queries
-            if _SDPA_GQA:  # the kernel broadcasts the KV heads, keeping no expanded copies
-                gqa = {"enable_gqa": True}
-            else:
-                k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-                v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
-                                             dropout_p=self.attention_dropout if self.training else 0.0, **gqa)
-        out = self.proj(out.transpose(1, 2).reshape(b, s, -1))
+        out = self.core_attention(q, k, v)
+        out = self.proj(out.reshape(b, s, -1))
         return self.attention_out_norm(out) if self.attention_out_norm is not None else out
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            out = self.moe(x)
+            return self.mlp_out_norm(out) if self.mlp_out_norm is not None else out
         inner = self.mlp_in(x)
         if self.gated:
             gate, up = inner.chunk(2, dim=-1)
@@ -212,14 +245,19 @@ class Head(nn.Module):
 
 
 class ReferenceModel(nn.Module):
-    """``embedding`` → ``layers`` → ``head``; ``forward(tokens, labels)`` returns the mean loss."""
+    """``embedding`` → ``layers`` → ``head``; ``forward(tokens, labels)`` returns the mean loss.
 
-    def __init__(self, model: ModelSpec, vocab_size: int | None = None):
+    The MoE layers of a mixture-of-experts model (``model.moe_layers()``) are MoE blocks, built with
+    DeepSpeed-MoE of expert-parallel degree ``deepspeed_ep`` when that is given."""
+
+    def __init__(self, model: ModelSpec, vocab_size: int | None = None, deepspeed_ep: int | None = None):
         super().__init__()
         self.spec = model
         vocab = vocab_size or model.padded_vocab_size(1)
         self.embedding = Embedding(model, vocab)
-        self.layers = nn.ModuleList(Block(model) for _ in range(model.num_layers))
+        moe_layers = set(model.moe_layers())
+        self.layers = nn.ModuleList(Block(model, moe=i in moe_layers, deepspeed_ep=deepspeed_ep)
+                                    for i in range(model.num_layers))
         self.head = Head(model, vocab, self.embedding.tokens.weight if model.tied_embeddings else None)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -241,12 +279,14 @@ def _init_weights(module: nn.Module, num_layers: int) -> None:
 
 
 def build_model(model: ModelSpec, seed: int = 0, vocab_size: int | None = None,
-                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> ReferenceModel:
-    """The reference network for ``model`` with seeded random weights (same seed, same weights)."""
+                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                deepspeed_ep: int | None = None) -> ReferenceModel:
+    """The reference network for ``model`` with seeded random weights (same seed, same weights);
+    ``deepspeed_ep``: build the MoE layers from DeepSpeed-MoE with that expert-parallel degree."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        net = ReferenceModel(model, vocab_size)
+        net = ReferenceModel(model, vocab_size, deepspeed_ep)
         _init_weights(net, model.num_layers)
     finally:
         torch.random.set_rng_state(generator_state)

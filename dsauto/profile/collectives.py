@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dsauto.cost.collectives import Group
+from dsauto.profile.resources import run_queue_seconds
 from dsauto.errors import DsautoError
 from dsauto.units import format_bytes, format_seconds
 
@@ -357,21 +358,32 @@ class _Timer:
             if action is not None:
                 action()
         _synchronize(self.device)
-        seconds = []
+        seconds, on_core, waiting = [], [], []
         for _ in range(self.repeats):
             # Start together and from an idle device, so each repeat times this call alone: back
             # to back, calls would overlap and hide latency.
             self.barrier()
-            start = time.perf_counter()
+            start, queue = time.perf_counter(), run_queue_seconds(whole_process=True)
             if action is not None:
                 action()
             _synchronize(self.device)
             seconds.append(time.perf_counter() - start)
+            on, wait = (a - b for a, b in zip(run_queue_seconds(whole_process=True), queue))
+            on_core.append(on)
+            waiting.append(wait)
         # A collective is done only when its slowest member is: ranks leave the barrier at
         # slightly different times, and whoever arrives first waits inside the call for the
         # others. The max over ranks is the time a training step would see.
         per_repeat = torch.tensor(seconds, dtype=torch.float64, device=self.device)
         dist.all_reduce(per_repeat, op=dist.ReduceOp.MAX)
+        if self.device.type == "cpu":
+            # On CPU ranks (gloo copies and reduces on the cores) that share the machine with
+            # other work, the other processes' time slices stretch each call: scaled by the
+            # ranks' time on a core over their time on or waiting for one (all their threads).
+            cpu = torch.tensor([on_core, waiting], dtype=torch.float64)
+            dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+            busy = cpu[0] + cpu[1]
+            per_repeat = per_repeat * torch.where(busy > 0, cpu[0] / busy.clamp(min=1e-12), torch.ones_like(busy))
         # The median, not the mean or the minimum: one repeat hit by the OS scheduler or another
         # job must not move the result, and the minimum would be a best case nobody trains at.
         return float(statistics.median(per_repeat.tolist()))

@@ -60,13 +60,19 @@ def modules_per_layer(model: ModelSpec, splits: tuple[int, ...] = (1, 2, 4, 8, 1
     operator splitting factor (the hook replaces each large Linear by its slices: dsauto.runtime.split)."""
     from dsauto.runtime.split import split_block
 
+    # A mixture of experts' layers average its dense and MoE layers, as its layer group does
+    # (LayerGroup.moe_layer_fraction).
+    moe_fraction = len(model.moe_layers()) / model.num_layers
     counts = {}
     with torch.device("meta"):
         for split in splits:
-            block = Block(model)
-            if split > 1:
-                split_block(block, split)
-            counts[str(split)] = _hooked(block)
+            hooked = []
+            for moe in (False, True) if moe_fraction else (False,):
+                block = Block(model, moe=moe)
+                if split > 1:
+                    split_block(block, split)
+                hooked.append(_hooked(block))
+            counts[str(split)] = round((1 - moe_fraction) * hooked[0] + moe_fraction * hooked[-1])
     return counts
 
 

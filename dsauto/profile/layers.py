@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
+from dsauto.cost.measured import MOE_GROUP_SUFFIX
 from dsauto.models.gpt import Block, Embedding, Head
 from dsauto.profile.memory import MemoryTracker
 from dsauto.spec.model import ModelSpec
@@ -74,6 +75,47 @@ def median_seconds(run: Callable[[], object], device: torch.device, warmup: int,
     return statistics.median(times)
 
 
+UNCONTENDED_CPU_SHARE = 0.9
+"""On a CPU, a timed run of a layer counts as uncontended when this process was on a core for at
+least this share of its wall time: a layer's forward and backward only compute, so less means that
+other processes took the core meanwhile, and the run timed them too."""
+
+
+def uncontended(run: Callable[[], tuple[float, float]], device: torch.device,
+                repeats: int) -> list[tuple[float, float]]:
+    """``repeats`` results of ``run`` (which times a pure computation, in seconds) as they would be
+    on a core of its own.
+
+    On an accelerator every run counts as it is. On a CPU computing with one thread, each run's
+    times are scaled by the share of its wall time the thread spent on a core rather than waiting
+    for one (:func:`dsauto.profile.resources.run_queue_seconds`): on a machine other processes
+    share, their time slices stretch a computation by that factor, evenly at the scale of a
+    layer's kernels. Without the scheduler's statistics (or with several threads), runs during
+    which the process kept less than :data:`UNCONTENDED_CPU_SHARE` of a core are left out (up to
+    three times the repeats are tried, and all of them kept when too few were uncontended)."""
+    from dsauto.profile.resources import run_queue_seconds
+
+    if device.type != "cpu":
+        return [run() for _ in range(repeats)]
+    if torch.get_num_threads() == 1 and run_queue_seconds() != (0.0, 0.0):
+        scaled = []
+        for _ in range(repeats):
+            on, waiting = run_queue_seconds()
+            result = run()
+            on, waiting = (a - b for a, b in zip(run_queue_seconds(), (on, waiting)))
+            share = on / (on + waiting) if on + waiting > 0 else 1.0
+            scaled.append(tuple(share * seconds for seconds in result))
+        return scaled
+    kept, tried = [], []
+    while len(kept) < repeats and len(tried) < 3 * repeats:
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = run()
+        tried.append(result)
+        if time.process_time() - cpu >= UNCONTENDED_CPU_SHARE * (time.perf_counter() - wall):
+            kept.append(result)
+    return kept if len(kept) >= max(1, repeats // 2) else tried
+
+
 def _saved_bytes(run: Callable[[], torch.Tensor], params: set[int]) -> tuple[torch.Tensor, int]:
     """Run a forward pass and count the distinct storages autograd saves for backward."""
     storages: dict[int, int] = {}
@@ -119,7 +161,7 @@ def measure_layer(module: nn.Module, make_input: Callable[[], tuple[torch.Tensor
 
     for _ in range(warmup):
         once()
-    forward_times, backward_times = zip(*(once() for _ in range(repeats)))
+    forward_times, backward_times = zip(*uncontended(once, device, repeats))
 
     inputs = make_input()
     tracker = MemoryTracker(device)
@@ -139,7 +181,21 @@ def reference_layer(model: ModelSpec, group: str, tp: int, vocab_size: int) -> n
         return Embedding(model, vocab_size // tp)
     if group == "head":
         return Head(model, vocab_size // tp, tied_weight=None)
-    return Block(model, tp=tp)
+    return Block(model, tp=tp, moe=group == "moe-block")
+
+
+def layer_groups_of(model: ModelSpec, tp: int) -> tuple[str, ...]:
+    """The groups measured for ``model`` at TP degree ``tp``: the embedding, the dense transformer
+    layer (if the model has any), the MoE layer (mixtures of experts; its router, the dispatch of
+    the tokens to their experts and the experts, all on one rank as with ep = 1; at tp = 1 only, the
+    reference MoE layer being built whole) and the head."""
+    moe_layers = len(model.moe_layers())
+    groups = ["embedding"]
+    if moe_layers < model.num_layers:
+        groups.append("block")
+    if moe_layers and tp == 1:
+        groups.append("moe-block")
+    return (*groups, "head")
 
 
 class _HeadWithLabels(nn.Module):
@@ -163,8 +219,8 @@ def profile_layers(model: ModelSpec, seq_len: int, micro_batches: Sequence[int],
     Megatron pads it, as the plans are.
     """
     tps = tuple(tps)
-    jobs = [(g, t, b, c) for t in tps for g in GROUPS for b in micro_batches
-            for c in ((False, True) if g == "block" else (False,))]
+    jobs = [(g, t, b, c) for t in tps for g in layer_groups_of(model, t) for b in micro_batches
+            for c in ((False, True) if g in ("block", "moe-block") else (False,))]
     results = []
     for n, (group, tp, micro_batch, ckpt) in enumerate(jobs, 1):
         torch.manual_seed(0)
@@ -186,7 +242,7 @@ def profile_layers(model: ModelSpec, seq_len: int, micro_batches: Sequence[int],
             else:
                 timed = layer
         fwd, bwd, activation, peak = measure_layer(timed, make_input, ckpt, device, warmup, repeats)
-        name = model.architecture if group == "block" else group
+        name = {"block": model.architecture, "moe-block": model.architecture + MOE_GROUP_SUFFIX}.get(group, group)
         params_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
         results.append(LayerMeasurement(
             group=name, tp=tp, micro_batch=micro_batch, checkpoint=ckpt, forward_seconds=fwd,

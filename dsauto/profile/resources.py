@@ -108,7 +108,7 @@ class CpuMeter:
 
         self.loadavg = os.getloadavg()[0]
         self.cores = psutil.cpu_count() or 1
-        self._busy = _busy_seconds()
+        self._busy = busy_seconds()
         self._own = _children_seconds()
         self._started = time.monotonic()
 
@@ -117,7 +117,7 @@ class CpuMeter:
         wall = time.monotonic() - self._started
         if wall <= 0:
             return 0.0
-        others = (_busy_seconds() - self._busy) - (_children_seconds() - self._own)
+        others = (busy_seconds() - self._busy) - (_children_seconds() - self._own)
         return max(0.0, others / wall)
 
     def contended(self, other_load: float, ranks: int) -> bool:
@@ -125,7 +125,27 @@ class CpuMeter:
         return other_load > max(self.cores - ranks, 0) + CONTENTION_SLACK_CORES
 
 
-def _busy_seconds() -> float:
+def run_queue_seconds(whole_process: bool = False) -> tuple[float, float]:
+    """(seconds on a core, seconds runnable but waiting for one) of the calling thread, or with
+    ``whole_process`` of all this process's threads, from the Linux scheduler's statistics
+    (``/proc/.../schedstat``: time on the CPU and time waiting on a run queue, in nanoseconds);
+    (0, 0) where they are not available. On a machine other processes share, the waiting is the
+    time they took from this one."""
+    paths = (list(Path("/proc/self/task").glob("*/schedstat")) if whole_process
+             else [Path("/proc/thread-self/schedstat")])
+    on = waiting = 0
+    for path in paths:
+        try:
+            fields = path.read_text().split()
+        except OSError:  # not Linux, or a thread that ended meanwhile
+            continue
+        on, waiting = on + int(fields[0]), waiting + int(fields[1])
+    return on / 1e9, waiting / 1e9
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy since boot, over all cores (stolen time
+    included, idle and I/O wait not)."""
     import psutil
 
     t = psutil.cpu_times()

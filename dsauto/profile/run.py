@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dsauto.errors import DsautoError
+from dsauto.profile.cpu_optimizer import measure_cpu_optimizer
 from dsauto.profile.launch import launch, stop
 from dsauto.profile.layers import LayerMeasurement, measure_layer, median_seconds, profile_layers
 from dsauto.profile.store import Profile, load_profile, profile_path, software_versions, update_profile
@@ -146,10 +147,13 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
         layers = profile_layers(model, seq_len, micro_batches, tps, torch_dtype, device, warmup,
                                 repeats, say)
     optimizer_rate = measure_optimizer(model.num_parameters(), torch_dtype, device)
+    cpu_rate, cpu_optimizer = measure_cpu_optimizer(model.num_parameters())
     if distributed:
         layers, optimizer_rate = _slowest_rank(layers, optimizer_rate, device)
+        _, cpu_rate = _slowest_rank((), cpu_rate, device)
     if say:
-        say(f"optimizer: {optimizer_rate * 1e9:.2f} ns per parameter (AdamW)")
+        say(f"optimizer: {optimizer_rate * 1e9:.2f} ns per parameter (AdamW); on the host "
+            f"{cpu_rate * 1e9:.2f} ns per parameter ({cpu_optimizer})")
 
     collectives: tuple = ()
     world = 1
@@ -175,7 +179,8 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
     profile = Profile(model=model, device=device_name(device), dtype=dtype, seq_len=seq_len,
                       threads=torch.get_num_threads(), versions=versions, layers=layers,
                       optimizer_seconds_per_param=optimizer_rate, collectives=tuple(collectives),
-                      world_size=world, zero3_module_seconds=zero3_seconds, layer_modules=modules)
+                      world_size=world, zero3_module_seconds=zero3_seconds, layer_modules=modules,
+                      cpu_optimizer_seconds_per_param=cpu_rate, cpu_optimizer=cpu_optimizer)
     if rank == 0:
         # Measured again (--force, more ranks, a corrupt file): the steps earlier studies measured,
         # and the calibration fitted to them, stay with the profile.

@@ -9,15 +9,19 @@ Run on every rank of a distributed job, one engine per plan in turn:
 random tokens through the DeepSpeed hook (:func:`dsauto.runtime.deepspeed.initialize`: the plan's
 ds_config, per-layer choices applied). Memory is tracked tensor by tensor (:mod:`dsauto.profile.memory`) from before
 the model is built, over the first steps; time is measured afterwards without the tracker.
+A list of Megatron-core plans (engine ``megatron``) is measured by :mod:`dsauto.profile.megatron_steps`
+instead, which trains them with Megatron-core's own modules.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +31,7 @@ import torch
 
 from dsauto.plan import Plan
 from dsauto.profile.memory import MemoryTracker
+from dsauto.profile.resources import run_queue_seconds
 from dsauto.profile.run import bind_cpu_rank, current_device, max_over_ranks
 from dsauto.serde import to_dict, write_json
 
@@ -45,6 +50,12 @@ class StepMeasurement:
     """Live tensor bytes on a rank between steps (parameters, gradients, optimizer states), max over ranks."""
     losses: tuple[float, ...]
     """Loss of each measured step (rank 0), a sanity check that training ran."""
+    on_core_step_seconds: float = 0.0
+    """Median over the timed steps of the step time on cores of the ranks' own: each step's wall
+    time times the ranks' time on a core over their time on a core and waiting for one (all their
+    threads, summed over the ranks; :func:`dsauto.profile.resources.run_queue_seconds`). On a
+    machine other processes share, their time slices stretch the wall time; this is the step as the
+    plan would run alone. Equal to ``step_seconds`` on an idle machine; 0 where not measured."""
 
 
 def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int = 2,
@@ -78,7 +89,10 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
 
     tracker = MemoryTracker(device)
     with tracker:
-        model = build_model(plan.model, seed=seed, vocab_size=plan.padded_vocab_size, device=device)
+        # Expert parallelism under DeepSpeed is DeepSpeed-MoE's; with ep = 1 the reference's own MoE
+        # layers keep every expert local (and run under any ZeRO stage).
+        model = build_model(plan.model, seed=seed, vocab_size=plan.padded_vocab_size, device=device,
+                            deepspeed_ep=plan.ep if plan.model.moe and plan.ep > 1 else None)
         engine, *_ = initialize(dict(model=model, model_parameters=model.parameters(), config=config))
         with tracker.region("static"):
             pass
@@ -89,14 +103,18 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
             pass
     for _ in range(warmup):
         step(engine)
-    times, losses = [], []
+    times, losses, run_queue = [], [], []
     for _ in range(steps):
         sync_ranks(device)
-        start = time.perf_counter()
+        start, (on, waiting) = time.perf_counter(), run_queue_seconds(whole_process=True)
         losses.append(step(engine))
         sync_ranks(device)
         times.append(time.perf_counter() - start)
+        after = run_queue_seconds(whole_process=True)
+        run_queue.append((after[0] - on, after[1] - waiting))
     measured = slowest_rank(times, tracker.peak_bytes("step"), tracker.peak_bytes("static"), losses, device)
+    measured = dataclasses.replace(measured, on_core_step_seconds=on_core_median(
+        measured.step_seconds_samples, run_queue, device))
     engine.destroy()
     del engine, model
     gc.collect()
@@ -105,12 +123,27 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
 
 def sync_ranks(device: torch.device) -> None:
     """Wait for this rank's queued device work, then for every rank: a clock read next is the end
-    of the same step on all ranks (the slowest rank's end, as in training)."""
-    import deepspeed.comm as dist
+    of the same step on all ranks (the slowest rank's end, as in training). Plain torch.distributed,
+    which DeepSpeed's communication wraps, so that Megatron-core jobs share it."""
+    import torch.distributed as dist
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     dist.barrier()
+
+
+def on_core_median(wall_seconds: Sequence[float], run_queue: Sequence[tuple[float, float]],
+                   device: torch.device) -> float:
+    """The median of ``wall x on / (on + waiting)`` over the steps, ``on`` and ``waiting`` summed over
+    the ranks (a collective: call on every rank); 0 where the scheduler's statistics are missing."""
+    import torch.distributed as dist
+
+    sums = torch.tensor([x for pair in run_queue for x in pair], dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    pairs = sums.view(-1, 2).tolist()
+    if any(on + waiting <= 0 for on, waiting in pairs):
+        return 0.0
+    return statistics.median(w * on / (on + waiting) for w, (on, waiting) in zip(wall_seconds, pairs))
 
 
 def slowest_rank(step_seconds: Sequence[float], peak_bytes: int, static_bytes: int,
@@ -133,6 +166,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    plans = [Plan.from_dict(p, f"{args.plans} entry {i}") for i, p in enumerate(json.loads(args.plans.read_text()))]
+    if any(plan.engine == "megatron" for plan in plans):
+        # Megatron-core plans train under Megatron-core's own loop: this rank becomes that program,
+        # with the same arguments (same process, so the launcher keeps watching it).
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "dsauto.profile.megatron_steps",
+                                  *(sys.argv[1:] if argv is None else argv)])
 
     import deepspeed
     import deepspeed.comm as dist
@@ -140,15 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     bind_cpu_rank()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    plans = [Plan.from_dict(p, f"{args.plans} entry {i}") for i, p in enumerate(json.loads(args.plans.read_text()))]
     results = []
     try:
         for i, plan in enumerate(plans):
             measured = measure_plan(plan, steps=args.steps, warmup=args.warmup)
             results.append(to_dict(measured))
             if dist.get_rank() == 0:
-                print(f"plan {i + 1}/{len(plans)}: step {measured.step_seconds * 1e3:.1f} ms, "
-                      f"peak {measured.peak_bytes / 2**20:.1f} MiB", flush=True)
+                print(f"plan {i + 1}/{len(plans)} on {dist.get_world_size()} ranks: step "
+                      f"{measured.step_seconds * 1e3:.1f} ms, peak {measured.peak_bytes / 2**20:.1f} MiB", flush=True)
         if dist.get_rank() == 0:
             write_json(args.out, results)
     finally:

@@ -104,6 +104,12 @@ class Profile:
     splitting factor (``"1"``, ``"2"``, ...)."""
     world_size: int = 1
     """Ranks the profile ran on."""
+    cpu_optimizer_seconds_per_param: float = 0.0
+    """Measured time of one Adam update per parameter on the host, as an offloaded optimizer runs it,
+    with one rank's threads (:mod:`dsauto.profile.cpu_optimizer`); 0 if not measured."""
+    cpu_optimizer: str = ""
+    """Which host optimizer that was: ``DeepSpeedCPUAdam`` (when its extension was built) or
+    ``torch AdamW``; empty if not measured."""
     calibration: Calibration | None = None
     """Correction factors fitted to measured training steps by ``dsauto tune --trials``; every
     search that uses this profile applies them. None until a tune has measured steps."""

@@ -3,11 +3,14 @@
 Two harnesses measure the same things (:class:`dsauto.profile.steps.StepMeasurement`):
 
 - the built-in one trains dsauto's reference implementation of the model on random tokens,
-  launched with torchrun (``-m dsauto.profile.steps``);
+  launched with torchrun (``-m dsauto.profile.steps``); a Megatron-core plan (engine ``megatron``)
+  trains Megatron-core's GPT there instead (:mod:`dsauto.profile.megatron_steps`);
 - the user's own DeepSpeed script, launched with the DeepSpeed launcher (or torchrun) with
   ``DSAUTO_TRIAL`` pointing at the trial's request: ``dsauto.deepspeed.initialize`` in the script
   then trains the trial's config, measures the steps and ends the script
-  (:mod:`dsauto.refine.trial_hook`).
+  (:mod:`dsauto.refine.trial_hook`); or, for a Megatron-core plan, the user's Megatron-core script,
+  in which ``dsauto.megatron.load_plan`` returns the request's plan and the optimizer steps are
+  measured (:mod:`dsauto.refine.megatron_trial`).
 
 The outcome is ``complete``, ``infeasible`` (the measured peak is over the memory budget), or
 ``failed`` with the reason: out of memory, killed, a crash (its last error line), a hang (no
@@ -38,6 +41,7 @@ from dsauto.plan import Plan
 from dsauto.profile.launch import launch, remove_shared_memory, stop
 from dsauto.profile.resources import PROCESS_BYTES, CpuMeter, check_fits, ranks_on_cpu
 from dsauto.profile.steps import StepMeasurement
+from dsauto.refine.launchers import Rendezvous, deepspeed_env_file, node_args
 from dsauto.serde import from_dict
 from dsauto.units import format_bytes
 
@@ -103,7 +107,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_env(ranks: int, extra: dict[str, str]) -> dict[str, str]:
+def launch_env(ranks: int, extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a launch of ``ranks`` local processes, with ``extra`` added."""
     env = dict(os.environ)
     import torch
 
@@ -116,19 +121,25 @@ def _launch_env(ranks: int, extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def trial_command(settings: TrialSettings, ranks: int, plans_path: Path, out_path: Path, port: int) -> list[str]:
-    """The command line of a trial on ``ranks`` local processes with master port ``port``."""
+def trial_command(settings: TrialSettings, ranks: int, plans_path: Path, out_path: Path, port: int,
+                  rendezvous: Rendezvous | None = None) -> list[str]:
+    """The command line of a trial on ``ranks`` local processes with master port ``port``, or, with
+    ``rendezvous``, of this node's part of a trial that spans nodes (:mod:`dsauto.refine.launchers`)."""
     port = str(port)
     if settings.launcher == "deepspeed":
         # The launcher of this interpreter (what the `deepspeed` script runs), so that a virtual
         # environment works without being activated.
         launch = [sys.executable, "-m", "deepspeed.launcher.runner", "--include",
                   "localhost:" + ",".join(map(str, range(ranks))), "--master_port", port]
+        if rendezvous is not None:
+            launch[3:] = node_args("deepspeed", rendezvous)
         if settings.script is None:
             launch.append("--module")
     else:
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                   "--master_port", port]
+        if rendezvous is not None:
+            launch[3:] = node_args("torchrun", rendezvous)
         if settings.script is None:
             launch.append("-m")
     if settings.script is not None:
@@ -152,9 +163,13 @@ def _failure_reason(returncode: int, log_text: str) -> str:
 
 
 def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | str,
-              budget_bytes: int | None = None, config: dict | None = None) -> TrialOutcome:
+              budget_bytes: int | None = None, config: dict | None = None,
+              rendezvous: Rendezvous | None = None) -> TrialOutcome:
     """Train ``plan`` for the trial's steps on ``ranks`` local processes and judge the result
     against ``budget_bytes`` (default: the plan's memory budget). Files go to ``work_dir``.
+
+    With ``rendezvous`` (node 0 of a plan that spans nodes), ``ranks`` are this node's and the
+    launcher meets the other nodes' at the rendezvous (or, DeepSpeed's with a hostfile, starts them).
 
     ``config`` (the user-script harness only) sends another DeepSpeed config than the plan's, e.g.
     a plain one without the ``"dsauto"`` block, to measure DeepSpeed's own behaviour."""
@@ -175,8 +190,10 @@ def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | 
                                    warmup_steps=settings.warmup_steps, memory_steps=settings.memory_steps),
                       request)
         extra_env[TRIAL_ENV] = str(request.resolve())
-    port = _free_port()
-    command = trial_command(settings, ranks, plans_path, out_path, port)
+    port = _free_port() if rendezvous is None else rendezvous.master_port
+    if rendezvous is not None and rendezvous.hostfile is not None and extra_env:
+        extra_env.update(deepspeed_env_file(work, extra_env))  # its launcher forwards only what is listed
+    command = trial_command(settings, ranks, plans_path, out_path, port, rendezvous)
     started = time.perf_counter()
     refusal = host_memory_refusal(plan, ranks)
     if refusal is not None:
@@ -188,7 +205,7 @@ def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | 
         # Under a guard (dsauto.profile.launch): on a timeout, an interrupt or dsauto's death the
         # launcher and every rank are ended, and their shared memory is removed.
         meter = CpuMeter()
-        process = launch(command, _launch_env(ranks, extra_env), port, stdout=log, stderr=subprocess.STDOUT)
+        process = launch(command, launch_env(ranks, extra_env), port, stdout=log, stderr=subprocess.STDOUT)
         try:
             returncode = process.wait(timeout=settings.timeout_seconds)
         except subprocess.TimeoutExpired:

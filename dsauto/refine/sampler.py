@@ -127,6 +127,11 @@ def trial_observation(trial: FrozenTrial, by_key: dict[str, Candidate]) -> Obser
     return Observation(candidate, float(attrs[STEP]), int(attrs[PEAK]), weight)
 
 
+def layout_of(candidate: Candidate) -> tuple[int, int]:
+    """The model-parallel layout of a candidate: (tp, pp)."""
+    return candidate.strategy.dims.tp, candidate.strategy.dims.pp
+
+
 def key_of(knobs: Knobs) -> str:
     return repr(sorted(knobs.params().items()))
 
@@ -240,11 +245,24 @@ class CostModelSampler(optuna.samplers.BaseSampler):
 
     def _choose(self, study: optuna.Study, exclude: int | None) -> Candidate | None:
         taken = self.taken(study, exclude)
-        open_ = [c for c in self.space if key_of(c.knobs) not in taken]
+        # A plan whose trial crashed (an error, not memory or time) crashes with other knobs too,
+        # e.g. a setting the engine cannot run on this machine: its siblings are not tried.
+        crashed = {t.params["plan"] for t in study.get_trials(deepcopy=False)
+                   if t.user_attrs.get(STATUS) == "failed" and str(t.user_attrs.get("reason", "")).startswith("crashed")
+                   and "plan" in t.params}
+        open_ = [c for c in self.space if key_of(c.knobs) not in taken and c.knobs.plan not in crashed]
         if not open_:
             return None
         observed = self.observations(study)
         estimates = self.estimates(observed)
+        # Each model-parallel layout of the space is measured once, its fastest likely-fitting
+        # candidate, before expected improvement ranks the rest: no step of another layout says how
+        # wrong the model is about this one's terms (tensor-parallel collectives, pipeline bubble).
+        tried = {layout_of(self._by_key[k]) for k in taken if k in self._by_key}
+        fresh = [c for c in open_ if layout_of(c) not in tried
+                 and self.fit_probability(estimates[key_of(c.knobs)]) >= 0.5]
+        if fresh and len({layout_of(c) for c in self.space}) > 1:
+            return min(fresh, key=lambda c: estimates[key_of(c.knobs)].step_seconds)
         best = min((o.step_seconds for o in observed if o.peak_bytes <= self.budget_bytes), default=None)
 
         def score(c: Candidate) -> float:

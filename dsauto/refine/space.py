@@ -24,6 +24,7 @@ from typing import Any
 
 from dsauto.cost.calibration import Calibration
 from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.engines.megatron import block_recompute_layers
 from dsauto.errors import DsautoError
 from dsauto.plan import Plan
 from dsauto.search.planner import Planner
@@ -102,14 +103,26 @@ def plan_label(plan: Plan) -> str:
     parts = [f"z{plan.zero_stage}"]
     if plan.tp > 1 or plan.pp > 1:
         parts.append(f"tp{plan.tp}pp{plan.pp}")
+    if plan.virtual_stages > 1:
+        parts.append(f"vpp{plan.virtual_stages}")
+    if len(set(plan.stage_layers)) > 1:
+        parts.append("layers" + "+".join(map(str, plan.stage_layers)))
+    if plan.tp > 1 and not plan.sequence_parallel:
+        parts.append("nosp")
     parts.append(f"mb{plan.micro_batch}x{plan.grad_accum}")
     parts.append(f"ckpt{len(plan.checkpointed_layers())}/{layers}")
+    for modules in plan.selective_layers():
+        parts.append("sel-" + "+".join(modules))
     if plan.zero_stage == 3 and plan.dp > 1:
         sharded = sum(r.last - r.first + 1 for r in plan.layers if r.shard_params)
         parts.append(f"shard{sharded}/{layers + 2}")
     splits = sorted({r.split for r in plan.layers if r.split > 1})
     if splits:
         parts.append("split" + "+".join(map(str, splits)))
+    if plan.offload != "none":
+        parts.append(f"offload-{plan.offload}")
+    if plan.hpz > 1:
+        parts.append(f"hpz{plan.hpz}")
     return "-".join(parts)
 
 
@@ -117,11 +130,13 @@ def strategy_of(plan: Plan) -> Strategy:
     return Strategy(dims=plan.dims, zero_stage=plan.zero_stage,
                     micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
                     sequence_parallel=plan.sequence_parallel, engine=plan.engine,
-                    virtual_stages=plan.virtual_stages)
+                    virtual_stages=plan.virtual_stages, recompute_modules=plan.uniform_recompute_modules(),
+                    offload=plan.offload, hpz=plan.hpz)
 
 
 def options_of(plan: Plan) -> tuple[LayerOption, ...]:
-    return tuple(LayerOption(checkpoint=c.checkpoint, shard_params=c.shard_params, split=c.split)
+    return tuple(LayerOption(checkpoint=c.checkpoint, shard_params=c.shard_params, split=c.split,
+                             recompute_modules=c.recompute_modules)
                  for c in (plan.layer_choice(j) for j in range(plan.model.num_layers + 2)))
 
 
@@ -134,7 +149,8 @@ fallbacks that still fit (each pays for its margin in step time, which the measu
 def base_plans(planner: Planner, top_k: int, progress: Callable[[int, int], None] | None = None) -> list[Plan]:
     """The search's ``top_k`` plans; the best plans at half and twice the winner's micro-batch (when
     such a micro-batch divides the batch and fits); the best plans under :data:`SAFER_BUDGETS` of the
-    budget. Duplicates removed, best predicted first. Every plan is priced against the real budget.
+    budget; for Megatron-core, the best plan of each other model-parallel layout (:func:`layout_plans`).
+    Duplicates removed, best predicted first. Every plan is priced against the real budget.
     Trials measure plans through the DeepSpeed hook, so an engine left open is DeepSpeed."""
     if planner.pins.engine is None:
         planner = Planner(planner.model, planner.cluster, planner.train,
@@ -160,16 +176,82 @@ def base_plans(planner: Planner, top_k: int, progress: Callable[[int, int], None
                              planner.calibration).search(top_k=1)
         except DsautoError:
             continue  # nothing fits at that micro-batch
+    if planner.pins.engine == "megatron":
+        plans += layout_plans(planner, best)
+        plans = _runnable_megatron(planner, plans)
     unique: dict[str, Plan] = {}
     for plan in plans:
         unique.setdefault(plan_label(plan), plan)
     return sorted(unique.values(), key=lambda p: p.prediction.step_seconds)
 
 
+LAYOUT_MARGIN = 0.5
+"""A model-parallel layout (tp x pp) joins a Megatron-core study when its best plan is predicted at
+most this much slower than the search's best. Before the study measures it, nothing has checked the
+layout's own terms (tensor-parallel collectives, pipeline bubble and sends), so only a gap larger
+than the model can plausibly be wrong by rules it out; the sampler measures each layout once."""
+
+
+def layout_plans(planner: Planner, best: Plan) -> list[Plan]:
+    """The best plan of every tp x pp layout the pins leave open (tp a power of two within a node)
+    that the search can build and that is predicted within :data:`LAYOUT_MARGIN` of ``best``."""
+    pins, cluster = planner.pins, planner.cluster
+    found = []
+    tps = [pins.tp] if pins.tp else [t for t in (1, 2, 4, 8) if cluster.devices_per_node % t == 0]
+    for tp in tps:
+        pps = [pins.pp] if pins.pp else [p for p in range(1, cluster.world_size // tp + 1)
+                                         if (cluster.world_size // tp) % p == 0]
+        for pp in pps:
+            if (tp, pp) == (best.tp, best.pp):
+                continue
+            layout = Planner(planner.model, cluster, planner.train, dataclasses.replace(pins, tp=tp, pp=pp),
+                             planner.profile, planner.calibration)
+            try:
+                plan = layout.search(top_k=1)[0]
+            except DsautoError:
+                continue  # the model or the batch does not split that way, or it does not fit
+            if plan.prediction.step_seconds <= (1 + LAYOUT_MARGIN) * best.prediction.step_seconds:
+                found.append(plan)
+    return found
+
+
+def _runnable_megatron(planner: Planner, plans: list[Plan]) -> list[Plan]:
+    """``plans`` without those whose ZeRO-2 / 3 needs Megatron-FSDP, when the trials' ranks are CPU
+    processes: Megatron-FSDP needs CUDA, and the distributed optimizer standing in for it keeps the
+    gradients whole, so the step would not be the plan's."""
+    from dsauto.profile.resources import ranks_on_cpu
+
+    if not ranks_on_cpu():
+        return plans
+    runnable = [p for p in plans if p.zero_stage < 2]
+    if runnable:
+        return runnable
+    if planner.pins.zero_stage is not None:
+        raise DsautoError(f"Megatron-core runs ZeRO-{planner.pins.zero_stage} as Megatron-FSDP, which needs CUDA, "
+                          f"and these trials run on CPU processes; pin --zero-stage 0 or 1, or run the trials "
+                          f"on a machine with GPUs.")
+    runnable = []
+    for zero in (1, 0):
+        try:
+            runnable += Planner(planner.model, planner.cluster, planner.train,
+                                dataclasses.replace(planner.pins, zero_stage=zero), planner.profile,
+                                planner.calibration).search(top_k=1)
+        except DsautoError:
+            continue
+    if not runnable:
+        raise DsautoError("No Megatron-core plan with ZeRO stage 0 or 1 fits the budget, and Megatron-FSDP "
+                          "(ZeRO-2 / 3) needs CUDA, which these CPU trials lack; raise --memory-limit or run "
+                          "the trials on a machine with GPUs.")
+    return runnable
+
+
 def _with_checkpoint_delta(plan: Plan, delta: int) -> tuple[LayerOption, ...] | None:
     """The plan's options with ``delta`` more (or fewer) checkpointed transformer layers; None when
     impossible. Layers are added in the stage with the highest predicted peak (its first layer not
-    yet checkpointed) and removed from the stage with the most room (its last checkpointed layer)."""
+    yet checkpointed) and removed from the stage with the most room (its last checkpointed layer).
+    Megatron-core plans move by Megatron's own rule instead (:func:`_megatron_checkpoint_delta`)."""
+    if plan.engine == "megatron":
+        return _megatron_checkpoint_delta(plan, delta)
     options = list(options_of(plan))
     if delta == 0:
         return tuple(options)
@@ -187,6 +269,30 @@ def _with_checkpoint_delta(plan: Plan, delta: int) -> tuple[LayerOption, ...] | 
     return tuple(options)
 
 
+def _megatron_checkpoint_delta(plan: Plan, delta: int) -> tuple[LayerOption, ...] | None:
+    """The options of a Megatron-core plan that recomputes the first N + ``delta`` transformer layers
+    of every pipeline stage (of every model chunk, with virtual stages), N being the plan's; None when
+    that is below 0 or above the longest chunk. Megatron's block recomputation can say nothing else
+    (``recompute_num_layers``: megatron/core/transformer/transformer_block.py, _checkpointed_forward),
+    so a delta of 0 also turns another checkpointed set into the covering block that
+    :func:`dsauto.runtime.megatron.recompute_fields` would run, and the embedding and the head,
+    which Megatron never recomputes, are not checkpointed."""
+    if delta and plan.selective_layers():
+        return None  # under selective recomputation Megatron-core checkpoints no whole layer
+    chunks = plan.stage_ranges()
+    n = block_recompute_layers(plan)
+    if n is None:  # the smallest N covering the plan's set, as the plugin widens it
+        checkpointed = set(plan.checkpointed_layers())
+        n = max((i + 1 for layers in chunks for i, layer in enumerate(layers) if layer in checkpointed), default=0)
+    n += delta
+    longest = max(len(layers) for layers in chunks)
+    if n < 0 or n > longest:
+        return None
+    recomputed = {layer for layers in chunks for layer in list(layers)[:n]}
+    return tuple(dataclasses.replace(option, checkpoint=j in recomputed)
+                 for j, option in enumerate(options_of(plan)))
+
+
 def candidates(planner: Planner, plans: Sequence[Plan],
                checkpoint_deltas: Sequence[int] = CHECKPOINT_DELTAS,
                bucket_scales: Sequence[float] = BUCKET_SCALES,
@@ -198,8 +304,12 @@ def candidates(planner: Planner, plans: Sequence[Plan],
     found: list[Candidate] = []
     for plan in plans:
         label, strategy = plan_label(plan), strategy_of(plan)
-        zero_buckets = plan.zero_stage >= 1 and plan.dp > 1
-        sharded = plan.prefetch_bucket_bytes > 0 and plan.zero_stage == 3 and plan.dp > 1
+        megatron = plan.engine == "megatron"
+        # Megatron-core's DDP reduces its gradient buffer in buckets of the plan's size under every
+        # ZeRO stage (dsauto.runtime.megatron.ddp_config: bucket_size); Megatron-FSDP chooses its
+        # own prefetch, which the plan's prefetch bucket only suggests, so that knob is DeepSpeed's.
+        zero_buckets = plan.dp > 1 and (plan.zero_stage >= 1 or megatron)
+        sharded = plan.prefetch_bucket_bytes > 0 and plan.zero_stage == 3 and plan.dp > 1 and not megatron
         for delta in checkpoint_deltas:
             options = _with_checkpoint_delta(plan, delta)
             if options is None:

@@ -17,13 +17,14 @@ with the profile) and the fastest feasible measured plan is the result.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import socket
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -36,6 +37,15 @@ from dsauto.plan import Measurement, Plan
 from dsauto.profile.launch import process_alive
 from dsauto.profile.store import MeasuredStep
 from dsauto.refine.calibrate import CONTENDED_WEIGHT, fit_calibration
+from dsauto.refine.nodes import (
+    NodeSettings,
+    check_nodes,
+    driving,
+    explain_hang,
+    follow,
+    publish,
+    trial_rendezvous,
+)
 from dsauto.refine.runner import TrialOutcome, TrialSettings, run_trial
 from dsauto.refine.sampler import (
     CONTENDED,
@@ -51,6 +61,7 @@ from dsauto.refine.sampler import (
 )
 from dsauto.refine.space import Candidate, Knobs, base_plans, candidates, plan_label
 from dsauto.search.planner import Planner
+from dsauto.search.space import Constraints
 from dsauto.serde import to_dict
 from dsauto.units import format_bytes, format_seconds
 
@@ -80,6 +91,8 @@ class TuneSettings:
     """None: named after the problem, so reruns resume it."""
     trial: TrialSettings = field(default_factory=TrialSettings)
     """How each trial runs."""
+    nodes: NodeSettings = field(default_factory=NodeSettings)
+    """This machine's place when the plans span nodes (:mod:`dsauto.refine.nodes`)."""
 
 
 @dataclass(frozen=True)
@@ -161,10 +174,17 @@ def open_storage(url: str, attempts: int = 5) -> optuna.storages.BaseStorage:
                 return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_SECONDS,
                                                   grace_period=GRACE_SECONDS)
         except Exception as exc:  # noqa: BLE001 - SQLAlchemy reports bad URLs and races in many ways
-            racing = "UNIQUE constraint" in str(exc) or "already exists" in str(exc)
+            # SQLite: "UNIQUE constraint failed"; PostgreSQL: "duplicate key value violates unique
+            # constraint ... already exists" (two machines creating the tables' types at once).
+            text = str(exc).lower()
+            racing = "unique constraint" in text or "already exists" in text
             if racing and attempt + 1 < attempts:
                 time.sleep(0.5 * (attempt + 1))
                 continue
+            if isinstance(exc, ImportError):  # Optuna's, caused by the driver's import
+                raise DsautoError(f"Cannot open the study storage {url}: its database driver is not installed "
+                                  f"({exc.__cause__ or exc}); for postgresql:// URLs install dsauto[postgres] "
+                                  f"(psycopg).") from None
             raise DsautoError(f"Cannot open the study storage {url}: {str(exc).splitlines()[0]}; pass an "
                               f"Optuna RDB URL such as sqlite:///study.db or postgresql://host/db to --storage.") from None
     raise AssertionError("unreachable")
@@ -178,8 +198,11 @@ def _free_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage,
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if t.user_attrs.get("host") == host and not process_alive(int(t.user_attrs.get("pid", -1))):
             trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
-            storage.set_trial_user_attr(trial_id, STATUS, "interrupted")
-            storage.set_trial_state_values(trial_id, TrialState.FAIL)
+            try:
+                storage.set_trial_user_attr(trial_id, STATUS, "interrupted")
+                storage.set_trial_state_values(trial_id, TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another run on this machine, or a heartbeat check, ended it first
             say(f"trial {t.number} was cut off by an earlier run; its candidate will be measured again")
 
 
@@ -219,34 +242,80 @@ def check_trials(planner: Planner, settings: TuneSettings) -> None:
     """Raises DsautoError when the study cannot run as asked (checked before any profiling)."""
     if settings.trials < 1:
         raise DsautoError(f"--trials must be at least 1, got {settings.trials}.")
-    cluster = planner.cluster
-    if cluster.nodes > 1:
-        raise DsautoError(f"Trials launch their ranks on this machine, so they need --nodes 1 (got "
-                          f"{cluster.nodes}); run `dsauto tune --trials` on each machine with a shared "
-                          f"--storage, or plan without --trials.")
+    check_nodes(planner.cluster.nodes, settings.trial.launcher, settings.nodes, settings.storage)
     pins = planner.pins
-    if pins.engine == "megatron":
-        raise DsautoError("Trials measure plans through DeepSpeed's data-parallel engine (the dsauto hook), "
-                          "not Megatron-core; use --engine deepspeed (or auto) with --trials, or plan "
-                          "without --trials.")
-    if (pins.tp or 1) > 1 or (pins.pp or 1) > 1:
-        raise DsautoError(f"Trials measure plans through DeepSpeed's data-parallel engine, which the dsauto "
-                          f"hook runs with tp=1 and pp=1, but --tp {pins.tp or 1} --pp {pins.pp or 1} were "
-                          f"pinned; unpin them, or plan without --trials.")
+    if pins.engine == "deepspeed" and _model_parallel_pinned(pins):
+        raise DsautoError(f"Trials measure DeepSpeed plans through the dsauto hook, which runs them with tp=1 "
+                          f"and pp=1, but --tp {pins.tp or 1} --pp {pins.pp or 1} were pinned with --engine "
+                          f"deepspeed; use --engine megatron (trials then measure through Megatron-core), "
+                          f"unpin them, or plan without --trials.")
+
+
+def _model_parallel_pinned(pins: Constraints) -> bool:
+    return (pins.tp or 1) > 1 or (pins.pp or 1) > 1
+
+
+def trial_pins(pins: Constraints) -> Constraints:
+    """The pins of the plans trials measure. Megatron-core plans (tp and pp searched, measured by
+    :mod:`dsauto.profile.megatron_steps` or a Megatron-core script) with ``--engine megatron``, or
+    when the engine is left open and ``--tp`` / ``--pp`` pin model parallelism, which only the
+    Megatron-core trials run; otherwise data-parallel DeepSpeed plans (tp = pp = 1), measured through
+    the dsauto hook."""
+    if pins.engine == "megatron" or (pins.engine is None and _model_parallel_pinned(pins)):
+        return replace(pins, engine="megatron")
+    return replace(pins, tp=1, pp=1, engine="deepspeed")
+
+
+def _measured_planner(planner: Planner) -> Planner:
+    """The planner of what trials measure (:func:`trial_pins`)."""
+    return Planner(planner.model, planner.cluster, planner.train, trial_pins(planner.pins), planner.profile,
+                   planner.calibration)
+
+
+def trials_study_name(planner: Planner, settings: TuneSettings) -> str:
+    """The study's name: ``--study-name``, else derived from the problem the trials measure (the
+    same on every node and every rerun)."""
+    return settings.study_name or study_name_for(_measured_planner(planner), settings)
+
+
+@contextlib.contextmanager
+def leading_nodes(planner: Planner, settings: TuneSettings) -> Iterator[None]:
+    """Node 0 of a tune whose trials span nodes through torchrun: its presence in the study while
+    the block runs, from before profiling (:func:`dsauto.refine.nodes.driving`); nothing otherwise."""
+    if planner.cluster.nodes == 1 or settings.nodes.hostfile is not None or settings.storage is None:
+        yield
+        return
+    storage = open_storage(settings.storage)
+    name = trials_study_name(planner, settings)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True)
+    with driving(storage, name, planner.cluster.nodes):
+        yield
+
+
+def follow_nodes(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: Say = print) -> None:
+    """A node other than node 0: join each trial node 0 runs, until it finishes the study
+    (:func:`dsauto.refine.nodes.follow`)."""
+    check_trials(planner, settings)
+    follow(open_storage(settings.storage), trials_study_name(planner, settings), settings.trial,
+           settings.nodes, out_dir, say)
 
 
 def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: Say = print) -> TuneResult:
     """Run the study until it has ``settings.trials`` finished trials (or no promising candidate is
     left) and return the fastest feasible measured plan. ``say`` gets one line per event."""
     check_trials(planner, settings)
-    cluster, pins = planner.cluster, planner.pins
-    planner = Planner(planner.model, cluster, planner.train, replace(pins, tp=1, pp=1, engine="deepspeed"), planner.profile,
-                      planner.calibration)
+    cluster = planner.cluster
+    if planner.pins.engine is None and _model_parallel_pinned(planner.pins):
+        say(f"--tp {planner.pins.tp or 1} --pp {planner.pins.pp or 1} need Megatron-core's model parallelism, "
+            f"so the trials measure Megatron-core plans, as with --engine megatron (unpin them to measure "
+            f"DeepSpeed plans)")
+    planner = _measured_planner(planner)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     url = settings.storage or f"sqlite:///{(out / STUDY_FILE).resolve()}"
     storage = open_storage(url)
-    name = settings.study_name or study_name_for(planner, settings)
+    name = trials_study_name(planner, settings)
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # progress is ours, one line per trial
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True)
     _free_interrupted(study, storage, say)
@@ -283,8 +352,14 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
                 f"{format_seconds(pred.step_seconds)}, {format_bytes(pred.peak_memory_bytes)}; measuring "
                 f"{settings.trial.memory_steps}+{settings.trial.warmup_steps}+{settings.trial.steps} steps "
                 f"on {cluster.world_size} ranks")
-            outcome = run_trial(candidate.plan, cluster.world_size, settings.trial,
-                                out / "trials" / f"trial-{trial.number}", cluster.memory_budget_bytes)
+            rendezvous = trial_rendezvous(cluster.nodes, cluster.devices_per_node, settings.trial.launcher,
+                                          settings.nodes)
+            if rendezvous is not None and rendezvous.hostfile is None:
+                publish(trial, rendezvous, candidate.plan)  # the other nodes start their agents there
+            outcome = run_trial(candidate.plan, cluster.devices_per_node, settings.trial,
+                                out / "trials" / f"trial-{trial.number}", cluster.memory_budget_bytes,
+                                rendezvous=rendezvous)
+            outcome = explain_hang(outcome, rendezvous)
         except BaseException as exc:
             if not isinstance(exc, optuna.TrialPruned):
                 trial.set_user_attr(STATUS, "interrupted")

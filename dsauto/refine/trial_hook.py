@@ -55,7 +55,8 @@ class TrialRequest:
     """What one trial of ``dsauto tune --script`` asks the script's ``initialize`` to run and measure."""
 
     config: dict[str, Any]
-    """The trial's complete DeepSpeed config (with the ``"dsauto"`` plan block); replaces the script's."""
+    """The trial's complete DeepSpeed config (with the ``"dsauto"`` plan block); replaces the script's.
+    A Megatron-core script takes only the plan block (:mod:`dsauto.refine.megatron_trial`)."""
     out: str
     """Where rank 0 writes the :class:`~dsauto.profile.steps.StepMeasurement` JSON."""
     steps: int = 5

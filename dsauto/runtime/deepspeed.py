@@ -11,6 +11,9 @@ per-layer part has no DeepSpeed key, so the hook applies it to the model:
    over the parameters that exist then;
 2. after the engine is built (:func:`apply_persistence`): under ZeRO-3 the parameters of the layer
    groups the plan replicates are made persistent.
+3. for a plan with cp > 1 (DeepSpeed-Ulysses), before the engine is built: DeepSpeed's
+   sequence-parallel groups become its ``mpu`` and the blocks' attention is wrapped in
+   ``DistributedAttention`` (:mod:`dsauto.runtime.ulysses`).
 
 Persistence under ZeRO-3. DeepSpeed keeps a parameter resident when ``param.ds_persist`` is set:
 the coordinator never releases it after use (``PartitionedParameterCoordinator.__params_to_release``
@@ -64,6 +67,7 @@ from dsauto.runtime.split import (
     split_block,
     split_embedding,
 )
+from dsauto.runtime.ulysses import sequence_parallel_mpu, wrap_attention
 
 TESTED_DEEPSPEED_VERSIONS = ("0.19.8",)
 """DeepSpeed releases the hook's tests pass with (it reads engine internals, see the module doc)."""
@@ -125,6 +129,36 @@ def check_config(plan: Plan, config: dict[str, Any]) -> None:
     if problems:
         raise DsautoError(f"The config's {'; '.join(problems)}, so DeepSpeed and the {PLAN_KEY!r} plan would "
                           f"train differently; re-plan with dsauto, or restore the values it wrote.")
+
+
+def check_moe_layers(plan: Plan, model: nn.Module) -> None:
+    """Refuses a model whose DeepSpeed-MoE layers (``deepspeed.moe.layer.MoE``) disagree with the
+    plan: their count with the plan's MoE layers, their ``num_experts`` with the model's experts, their
+    ``ep_size`` with the plan's ep; and a plan with ep > 1 for a model without them (DeepSpeed splits
+    experts only inside its own MoE layers). A model with other MoE layers (a Hugging Face
+    Mixtral) trains with every expert on every rank, as an ep = 1 plan prices it."""
+    from deepspeed.moe.layer import MoE
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    moe_layers = len(plan.model.moe_layers())
+    if not layers:
+        if plan.ep > 1:
+            raise DsautoError(
+                f"The plan splits the experts over ep={plan.ep} ranks, but the model has no "
+                f"deepspeed.moe.layer.MoE layers, in which alone DeepSpeed splits experts; build its "
+                f"{moe_layers} MoE layers with deepspeed.moe.layer.MoE(ep_size={plan.ep}), or re-plan with --ep 1.")
+        return
+    if len(layers) != moe_layers:
+        raise DsautoError(f"The model has {len(layers)} deepspeed.moe.layer.MoE layers but the plan's model "
+                          f"{plan.model.name} has {moe_layers} MoE layers; plan the model that is trained.")
+    for i, layer in enumerate(layers):
+        if layer.num_experts != plan.model.num_experts:
+            raise DsautoError(f"DeepSpeed-MoE layer {i} has {layer.num_experts} experts but the plan's model "
+                              f"has {plan.model.num_experts}; plan the model that is trained.")
+        if layer.ep_size != plan.ep:
+            raise DsautoError(f"DeepSpeed-MoE layer {i} has ep_size={layer.ep_size} but the plan's expert-"
+                              f"parallel degree is ep={plan.ep}; build the layers with ep_size={plan.ep} "
+                              f"or re-plan with --ep {layer.ep_size}.")
 
 
 def prepare_model(plan: Plan, model: nn.Module) -> AppliedPlan:
@@ -205,6 +239,13 @@ def check_engine(engine: Any, plan: Plan) -> None:
     """Refuses an engine whose data-parallel size is not the plan's, and warns when its batch is not
     the plan's (Hugging Face's ``"auto"`` batch keys take TrainingArguments' values)."""
     dp = getattr(engine, "dp_world_size", plan.dp)
+    if plan.cp > 1:
+        # Under Ulysses DeepSpeed's data-parallel group is the dp x cp sequence-data-parallel one.
+        sp = getattr(engine, "sequence_parallel_size", plan.cp)
+        if sp != plan.cp:
+            raise DsautoError(f"The plan runs DeepSpeed-Ulysses over cp={plan.cp} ranks but DeepSpeed runs "
+                              f"sequence_parallel_size {sp}; pass no mpu of your own, or re-plan with --cp {sp}.")
+        dp = getattr(engine, "seq_dp_world_size", plan.dp * plan.cp) // sp
     if dp != plan.dp:
         raise DsautoError(
             f"The plan is for {plan.dp} data-parallel ranks but DeepSpeed runs {dp}; launch "
@@ -282,7 +323,11 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
 
     warn_if_untested(deepspeed.__version__)
     check_config(plan, resolved)
+    check_moe_layers(plan, model)
     applied = prepare_model(plan, model)
+    if plan.cp > 1:  # DeepSpeed-Ulysses: its groups as the mpu, DistributedAttention in the model
+        forwarded["mpu"] = sequence_parallel_mpu(plan, forwarded.get("mpu"))
+        wrap_attention(applied.layers, plan, forwarded["mpu"])
     forwarded["model_parameters"] = repoint_parameters(model_parameters, applied.replacements)
     repoint_optimizer(optimizer, applied.replacements)
     engine, ds_optimizer, dataloader, scheduler = ds_initialize(**forwarded)

@@ -18,6 +18,8 @@ virtual_stages                          ``virtual_pipeline_model_parallel_size``
                                         chunk per virtual stage (:func:`model_chunks`)
 per-layer checkpoint                    ``recompute_granularity="full"``, ``recompute_method=
                                         "block"``, ``recompute_num_layers``
+per-layer recompute modules            ``recompute_granularity="selective"``,
+                                        ``recompute_modules``
 flash attention on unfused attention    ``recompute_granularity="selective"`` of ``core_attn``
 dtype                                   ``params_dtype``, ``bf16`` / ``fp16``, ``pipeline_dtype``
 zero_stage 1                            distributed optimizer
@@ -51,6 +53,7 @@ from dsauto.engines.megatron import (
     block_recompute_layers,
     degree_fields,
     pipeline_layout,
+    selective_recompute_modules,
 )
 from dsauto.errors import DsautoError
 from dsauto.plan import Plan, chunk_layers
@@ -251,6 +254,9 @@ def recompute_fields(plan: Plan, config: TransformerConfig) -> dict[str, Any]:
       are of that form is applied exactly. Any other set is widened to the smallest N that covers
       it, which checkpoints more layers than planned (more recomputation, never more memory), and
       the extra layers are reported.
+    - A plan that recomputes modules selectively in every layer (:func:`dsauto.engines.megatron.
+      selective_recompute_modules`) sets ``selective`` with those ``recompute_modules``; other
+      selective plans get the nearest setting that uses no more memory, reported.
     - ``selective`` recomputes parts of every layer; its ``core_attn`` part drops the s x s attention
       scores (Korthikanti et al. 2022, Sec. 5). A plan made for flash attention counts no scores, but
       Megatron-core's own DotProductAttention (``attention_backend`` ``local``) and Transformer
@@ -269,10 +275,22 @@ def recompute_fields(plan: Plan, config: TransformerConfig) -> dict[str, Any]:
         _report(f"Megatron-core recomputes transformer layers only, so the plan's checkpointing of the "
                 f"{runs_text(ends)} ({' and '.join(dict.fromkeys(r.group for r in ends))}) is not "
                 f"applied and they keep their activations.")
+    selective = _selective_fields(plan, config, keeps_scores)
+    if selective is not None:
+        fields.update(selective)
+        return fields
+    if plan.selective_layers():
+        # Selective layers mixed with whole-layer checkpointing, which Megatron-core cannot run
+        # together: they are checkpointed whole too (more recomputation, no more memory).
+        partial = sorted(i for layers in plan.selective_layers().values() for i in layers)
+        _report(f"Megatron-core has one recompute granularity, and the plan checkpoints "
+                f"{layers_text(checkpointed)} whole and recomputes modules of {layers_text(partial)}; dsauto "
+                f"checkpoints those whole too (more recomputation than planned, no more memory).")
+        checkpointed = tuple(sorted({*checkpointed, *partial}))
     if checkpointed:
-        n = block_recompute_layers(plan)
+        n = block_recompute_layers(plan) if len(checkpointed) == len(plan.checkpointed_layers()) else None
         if n is None:
-            n = _covering_block(plan)
+            n = _covering_block(plan, checkpointed)
             covered = {layer for layers in plan.stage_ranges() for layer in list(layers)[:n]}
             blocks = (f"model chunks of {chunk_layers(plan.stage_layers, plan.virtual_stages)} layers"
                       if plan.virtual_stages > 1 else f"stages {list(plan.stage_layers)}")
@@ -363,6 +381,18 @@ def optimizer_config(plan: Plan, **overrides: Any) -> OptimizerConfig:
         fp16=plan.dtype == "fp16",
         params_dtype=_torch_dtype(plan),
     )
+    if plan.offload != "none":
+        # The plan's optimizer lives on the host (the same settings as emit.megatron's flags). The
+        # precision-aware optimizer keeps no fp32 main parameters on the device, and OptimizerConfig
+        # checks Transformer Engine's version for it (megatron/core/optimizer/optimizer_config.py).
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise DsautoError("The plan offloads the optimizer, which Megatron-core runs through its "
+                              "precision-aware optimizer, and that needs Transformer Engine; install "
+                              "transformer-engine or re-plan with --offload none.")
+        fields.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
+                      overlap_cpu_optimizer_d2h_h2d=True, use_precision_aware_optimizer=True)
     fields.update(overrides)
     return OptimizerConfig(**fields)
 
@@ -424,7 +454,32 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
             moe_router_enable_expert_bias=model.moe_router == "sigmoid",
             moe_token_dispatcher_type="alltoall",
         )
+    if model.latent_attention:
+        # Multi-head latent attention (DeepSeek-V2 Sec. 2.1): Megatron-core's MLATransformerConfig,
+        # whose qk_head_dim is the part without rotary embedding and qk_pos_emb_head_dim the rotary
+        # part; q_lora_rank None is one query projection. Build the config with
+        # transformer_config_class(model).
+        kwargs.update(
+            multi_latent_attention=True, q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank,
+            qk_head_dim=model.qk_nope_head_dim, qk_pos_emb_head_dim=model.qk_rope_head_dim,
+            v_head_dim=model.v_head_dim, rotary_base=model.rotary_base,
+            rope_type="yarn" if model.rope_scaling == "yarn" else "rope",
+        )
+        if model.rope_scaling == "yarn":  # Hugging Face's yarn parameters, where Megatron-core has them
+            kwargs["rotary_scaling_factor"] = model.rope_scaling_factor
+            known = ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+            kwargs.update({k: (int(v) if k == "original_max_position_embeddings" else v)
+                           for k, v in model.rope_scaling_params if k in known})
+        kwargs.pop("kv_channels")  # the head widths above replace it
     return kwargs
+
+
+def transformer_config_class(model: ModelSpec) -> type:
+    """Megatron-core's config class for ``model``: ``MLATransformerConfig`` for latent attention,
+    else ``TransformerConfig``; takes :func:`transformer_config_kwargs`."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    return MLATransformerConfig if model.latent_attention else TransformerConfig
 
 
 def gpt_model_kwargs(plan: Plan) -> dict[str, Any]:
@@ -493,9 +548,47 @@ def _report(message: str) -> None:
         logger.warning("dsauto: %s", message)
 
 
-def _covering_block(plan: Plan) -> int:
+def _selective_fields(plan: Plan, config: TransformerConfig, keeps_scores: bool) -> dict[str, Any] | None:
+    """The recompute fields of a plan whose layers recompute modules selectively and none is
+    checkpointed whole, or None for other plans. Every layer recomputing the same modules is applied
+    exactly (``recompute_granularity="selective"``, ``recompute_modules``); layers recomputing
+    different sets, or some none, get the union in every layer (Megatron-core has one list), which
+    is reported (more recomputation than planned, no more memory)."""
+    sets = plan.selective_layers()
+    if not sets or plan.checkpointed_layers():
+        return None
+    modules = selective_recompute_modules(plan)
+    if modules is None:
+        modules = tuple(dict.fromkeys(m for ms in sets for m in ms))
+        partial = sorted(i for layers in sets.values() for i in layers)
+        _report(f"Megatron-core recomputes one list of modules in every transformer layer, and the plan "
+                f"recomputes {'; '.join('+'.join(m) + ' in ' + layers_text(ls) for m, ls in sets.items())}"
+                f"{'' if len(partial) == plan.model.num_layers else ' only'}; dsauto sets recompute_modules="
+                f"{list(modules)} for all of them (more recomputation than planned, no more memory).")
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    if "layernorm" in modules and not mcore_random.HAVE_TE:
+        # CheckpointWithoutOutput, which drops the norms' outputs, reads Transformer Engine's
+        # FP8GlobalStateManager whatever its fp8 flag (megatron/core/tensor_parallel/random.py:
+        # ``self.fp8 = fp8 is not None``), an undefined name without Transformer Engine.
+        raise DsautoError("The plan recomputes the norms (layernorm), which Megatron-core 0.16 can do only "
+                          "with Transformer Engine installed; install transformer_engine or re-plan with "
+                          "--recompute-modules without layernorm.")
+    if plan.flash_attention and keeps_scores and "core_attn" not in modules:
+        modules = (*modules, "core_attn")
+        _report(f"attention_backend {config.attention_backend.name} keeps the s x s attention scores that "
+                f"the plan, made for flash attention, does not count; dsauto adds core_attn to the "
+                f"recomputed modules to keep memory as planned.")
+    if config.recompute_granularity == "full":
+        _report("The plan recomputes modules selectively, so dsauto replaces the config's full "
+                "recomputation with selective recomputation (Megatron-core has one granularity).")
+    return dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None,
+                recompute_modules=list(modules))
+
+
+def _covering_block(plan: Plan, checkpointed: Iterable[int] | None = None) -> int:
     """The smallest N whose first N layers of every stage (every model chunk, with virtual stages)
-    include all checkpointed layers."""
-    checkpointed = set(plan.checkpointed_layers())
+    include all ``checkpointed`` layers (the plan's by default)."""
+    checkpointed = set(plan.checkpointed_layers() if checkpointed is None else checkpointed)
     return max((i + 1 for layers in plan.stage_ranges() for i, layer in enumerate(layers)
                 if layer in checkpointed), default=0)

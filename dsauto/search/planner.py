@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +43,7 @@ from dsauto.search.space import (
     allowed,
     explain_empty_space,
     layer_options,
+    offloaded_variants,
     strategies,
 )
 from dsauto.spec.cluster import ClusterSpec
@@ -74,6 +75,10 @@ class _Priced:
     optimizer_seconds: float  # whole replica
     constant_bytes: float  # what every rank holds besides its layers (reduction buckets)
     budget_bytes: float  # for layers: the device budget less constant_bytes
+    reserves: tuple[float, ...] = ()  # per pipeline rank: bytes of budget_bytes kept back (_fit_tighter)
+
+    def reserve(self, rank: int) -> float:
+        return self.reserves[rank] if self.reserves else 0.0
 
     def lower_bound(self, num_layers: int) -> float:
         s = self.strategy
@@ -96,11 +101,35 @@ class _Priced:
         return per_stage + least_transient + self.constant_bytes
 
 
+def _least_peak(priced: _Priced, num_layers: int) -> float:
+    """A lower bound on the busiest rank's peak whatever the layout: the mean over the stages of their
+    smallest model state and kept activations (each stage holds at least the last stage's micro-batches
+    in flight), the smallest transient of any layer, and what every rank holds besides its layers."""
+    s = priced.strategy
+    flight = in_flight(s.pp - 1, s.pp, s.grad_accum, s.virtual_stages)
+    finite = np.isfinite(priced.time)
+    smallest = np.where(finite, priced.static + flight * priced.activation, np.inf).min(axis=1)
+    total = smallest[BLOCK] * num_layers + smallest[EMBEDDING] + smallest[HEAD]
+    transient = np.where(finite, priced.transient, np.inf).min()
+    return total / s.pp + transient + priced.constant_bytes
+
+
 @dataclass(frozen=True)
 class _Solved:
     strategy: Strategy
     stage_layers: tuple[int, ...]
     options: tuple[LayerOption, ...]  # per flat layer
+
+
+def _needless_selective(strategy: Strategy, fitted: dict[Strategy, Plan]) -> bool:
+    """Whether selective recomputation cannot help ``strategy``: its twin without it already has a
+    plan that checkpoints no layer, so every layer fits keeping its activations, and recomputing
+    parts of each only adds time (the search skips the twin; what it may miss is a layout that only
+    the memory freed would fill, off the twin's by a layer or so)."""
+    if not strategy.recompute_modules:
+        return False
+    twin = fitted.get(dataclasses.replace(strategy, recompute_modules=()))
+    return twin is not None and not twin.checkpointed_layers()
 
 
 def _one_stage_order(picked: Sequence[int]) -> list[int]:
@@ -131,7 +160,7 @@ class Planner:
         optimizer = 0.0
         for gi, group in enumerate(groups):
             for oi, option in enumerate(options):
-                if not allowed(group.kind, option, self.pins):
+                if not allowed(group.kind, option, self.pins, strategy.recompute_modules):
                     continue
                 c = cost.layer(group, option)
                 compute[gi, oi] = c.forward_seconds + c.backward_seconds
@@ -148,13 +177,37 @@ class Planner:
         largest_grad = max(gathered_unit_params(g, o, strategy.tp) for g in groups for o in options) * self.train.dtype_bytes
         constant = (stage_constant_bytes(strategy, bucket, grads)
                     + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory,
-                                               grads * (strategy.dp if strategy.zero_stage >= 2 else 1)))
+                                               grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1)))
         return _Priced(strategy, options, time, compute, static, act, trans,
                        cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer, constant,
                        self.cluster.memory_budget_bytes - constant)
 
-    def _stage_dp(self, priced: _Priced, sequence: Sequence[int], flight: int):
-        """Prefix DP over the layer groups in ``sequence`` with ``flight`` micro-batches in flight."""
+    def _price_selective(self, strategy: Strategy, plain: _Priced) -> _Priced:
+        """``strategy``, which recomputes modules selectively, priced from ``plain``: the same
+        strategy without selective recomputation. Only the transformer layers' row changes: the
+        options of both start with the same uncheckpointed ones (:func:`layer_options`), which the
+        embedding and head take, and the CostModel does not depend on the strategy's modules."""
+        options = layer_options(strategy)
+        cost = CostModel(self.cluster, self.train, strategy, self.model.hidden_size, self.profile,
+                         self.calibration)
+        block = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)[BLOCK]
+        arrays = {name: getattr(plain, name).copy() for name in ("time", "compute", "static", "activation",
+                                                                 "transient")}
+        arrays["time"][BLOCK] = arrays["compute"][BLOCK] = np.inf
+        arrays["static"][BLOCK] = arrays["activation"][BLOCK] = arrays["transient"][BLOCK] = 0.0
+        for oi, option in enumerate(options):
+            if allowed(block.kind, option, self.pins, strategy.recompute_modules):
+                c = cost.layer(block, option)
+                arrays["compute"][BLOCK, oi] = c.forward_seconds + c.backward_seconds
+                arrays["time"][BLOCK, oi] = arrays["compute"][BLOCK, oi] + c.step_seconds / strategy.grad_accum
+                arrays["static"][BLOCK, oi] = c.static_bytes
+                arrays["activation"][BLOCK, oi] = c.activation_bytes
+                arrays["transient"][BLOCK, oi] = c.transient_bytes
+        return dataclasses.replace(plain, strategy=strategy, options=options, **arrays)
+
+    def _stage_dp(self, priced: _Priced, sequence: Sequence[int], flight: int, reserve: float = 0.0):
+        """Prefix DP over the layer groups in ``sequence`` with ``flight`` micro-batches in flight,
+        ``reserve`` bytes of the layer budget kept back."""
         rows = np.asarray(sequence, dtype=np.int64)
         time = priced.time[rows]
         finite = np.isfinite(time)
@@ -165,7 +218,7 @@ class Planner:
         unit = max(delta.max(axis=1).sum() / MEMORY_STEPS, 1.0)
         q_memory = np.ceil(delta / unit - 1e-9).astype(np.int64)
         q_transient = np.ceil(transient / unit - 1e-9).astype(np.int64)
-        room = priced.budget_bytes - np.concatenate([[0.0], np.cumsum(baseline)])
+        room = priced.budget_bytes - reserve - np.concatenate([[0.0], np.cumsum(baseline)])
         budgets = np.floor(np.maximum(room, -unit) / unit).astype(np.int64)
         return solve_prefixes(time, q_memory, q_transient, budgets)
 
@@ -174,7 +227,7 @@ class Planner:
         m, p, v = s.grad_accum, s.pp, s.virtual_stages
         if p == 1:
             sequence = [EMBEDDING, HEAD] + [BLOCK] * L
-            solution = self._stage_dp(priced, sequence, in_flight(0, 1, m))
+            solution = self._stage_dp(priced, sequence, in_flight(0, 1, m), priced.reserve(0))
             if not np.isfinite(solution.best_time[L + 2]):
                 return None
             picked = solution.choices(L + 2)
@@ -191,14 +244,15 @@ class Planner:
                     if mids * q <= L - 2 * v and q >= v] if mids else [0]
         if not q_values:
             return None
-        first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * (L - 1), in_flight(0, p, m, v))
-        last = self._stage_dp(priced, [HEAD] + [BLOCK] * (L - 1), in_flight(p - 1, p, m, v))
+        first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * (L - 1), in_flight(0, p, m, v), priced.reserve(0))
+        last = self._stage_dp(priced, [HEAD] + [BLOCK] * (L - 1), in_flight(p - 1, p, m, v), priced.reserve(p - 1))
         most_mid = max(q_values) + 1
         middle = {}
         for i in range(1, p - 1):
             flight = in_flight(i, p, m, v)
             if flight not in middle:
-                middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight)
+                reserve = max(priced.reserve(k) for k in range(1, p - 1) if in_flight(k, p, m, v) == flight)
+                middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight, reserve)
         p2p = 2 * v * priced.p2p_seconds
         best, best_layout = math.inf, None
         for q in q_values:
@@ -242,24 +296,73 @@ class Planner:
                 flat[layer] = choice
         return _Solved(s, stage_layers, tuple(priced.options[o] for o in flat))
 
-    def _fit_tighter(self, priced: _Priced, over: Plan) -> Plan | None:
-        """A plan of ``priced``'s strategy that fits once the moments the layer DP prices only in
-        part (the engine's buffers around the loss, the pipeline's boundary tensors) are counted:
-        the DP runs again with its layer budget cut by what the plan it chose overshot, a few times
-        at most, and the first plan that fits is kept (None when none does)."""
+    def _fit_looser(self, priced: _Priced, solved: _Solved, fits: Plan) -> Plan:
+        """``fits``, or a faster plan of the same strategy that fits too.
+
+        The layer DP adds up each moment's largest part of a rank's memory (kept state, activations,
+        the largest transient, the stage's buffers), which can overstate the peak the prediction
+        finds: under DeepSpeed ZeRO-0 the flattened gradient copy of the all-reduce and the
+        activations are never alive together (``predict_step``). When the DP gave up a faster option
+        and its plan leaves more than 1% of the budget unused, the DP runs again with its layer
+        budget raised by what was left, a few times at most, and the fastest plan that fits is kept."""
+        rows = [EMBEDDING, *[BLOCK] * self.model.num_layers, HEAD]
+        chosen = [priced.time[row, priced.options.index(option)] for row, option in zip(rows, solved.options)]
+        if all(t <= priced.time[row].min() for row, t in zip(rows, chosen)):
+            return fits  # every layer already takes its fastest option
         budget = self.cluster.memory_budget_bytes
-        shrink = 0.0
+        best, last, raised = fits, fits, 0.0
+        for _ in range(3):
+            slack = budget - last.prediction.peak_memory_bytes
+            if slack <= 0.01 * budget:
+                break
+            raised += slack
+            again = self._solve(dataclasses.replace(priced, budget_bytes=priced.budget_bytes + raised))
+            if again is None:
+                break
+            last = self.build_plan(again.strategy, again.stage_layers, again.options)
+            if last.prediction.peak_memory_bytes > budget:
+                break
+            if last.prediction.step_seconds < best.prediction.step_seconds:
+                best = last
+        return best
+
+    def _fit_tighter(self, priced: _Priced, over: Plan, solved: _Solved) -> Plan | None:
+        """A plan of ``priced``'s strategy that fits once the moments the layer DP prices only in
+        part (the engine's buffers around the loss, the pipeline's boundary tensors, a Megatron-core
+        last stage's copy of a tied embedding) are counted: the DP runs again with each pipeline
+        rank's layer budget cut by what the prediction found beyond the DP's count on that rank (or,
+        when that was already cut, by the overshoot), a few times at most, and the first plan that
+        fits is kept (None when none does)."""
+        budget = self.cluster.memory_budget_bytes
+        reserves = [0.0] * priced.strategy.pp
         plan = over
         for _ in range(4):
-            shrink += plan.prediction.peak_memory_bytes - budget
-            tighter = dataclasses.replace(priced, budget_bytes=priced.budget_bytes - shrink)
-            solved = self._solve(tighter)
+            grown = [max(r, m) for r, m in zip(reserves, self._uncounted(priced, plan, solved.options))]
+            if grown == reserves:
+                grown = [r + plan.prediction.peak_memory_bytes - budget for r in reserves]
+            reserves = grown
+            solved = self._solve(dataclasses.replace(priced, reserves=tuple(reserves)))
             if solved is None:
                 return None
             plan = self.build_plan(solved.strategy, solved.stage_layers, solved.options)
             if plan.prediction.peak_memory_bytes <= budget:
                 return plan
         return None
+
+    def _uncounted(self, priced: _Priced, plan: Plan, options: Sequence[LayerOption]) -> list[float]:
+        """Per pipeline rank: bytes of ``plan``'s predicted peak beyond what the layer DP counts for
+        that rank's layers under ``options`` (the stage's constant, kept state, activations in
+        flight and the largest transient)."""
+        s, L = priced.strategy, self.model.num_layers
+        out = []
+        for i, held in enumerate(rank_layers(plan.stage_layers, s.virtual_stages)):
+            flight = in_flight(i, s.pp, s.grad_accum, s.virtual_stages)
+            cells = [(EMBEDDING if j == 0 else HEAD if j == L + 1 else BLOCK, priced.options.index(options[j]))
+                     for j in held]
+            counted = (priced.constant_bytes + sum(priced.static[c] + flight * priced.activation[c] for c in cells)
+                       + max(priced.transient[c] for c in cells))
+            out.append(max(0.0, plan.stages[i].peak_bytes - counted))
+        return out
 
     def _fit_update(self, priced: _Priced) -> Plan | None:
         """The fastest plan of ``priced``'s strategy whose optimizer update fits too, or None.
@@ -335,32 +438,37 @@ class Planner:
         for s in space:
             base = dataclasses.replace(s, virtual_stages=1)
             if base not in by_base:
-                by_base[base] = self._price(base)
+                plain = by_base.get(dataclasses.replace(base, recompute_modules=()))
+                by_base[base] = self._price_selective(base, plain) if base.recompute_modules and plain else \
+                    self._price(base)
             priced.append(dataclasses.replace(by_base[base], strategy=s))
         bounds = [p.lower_bound(L) for p in priced]
         order = sorted(range(len(priced)), key=lambda i: (bounds[i], i))
         kept: list[tuple[float, int, Plan]] = []  # max-heap by step time via negation
         near: list[tuple[float, int, Plan]] = []  # beyond the top_k, within ``within`` of the best
         best = math.inf
-        for done, i in enumerate(order):
-            if progress:
-                progress(done, len(order))
-            if len(kept) >= top_k and bounds[i] >= max(-kept[0][0], best * (1 + within)):
-                break  # every remaining strategy is bounded out
-            solved = self._solve(priced[i])
-            if progress:
-                progress(done + 1, len(order))
-            if solved is None:
-                continue
-            plan = self.build_plan(solved.strategy, solved.stage_layers, solved.options)
-            if plan.prediction.peak_memory_bytes > self.cluster.memory_budget_bytes:
-                if len(kept) >= top_k and bounds[i] >= max(-kept[0][0], best * (1 + within)):
-                    continue  # whatever fits would be slower than the plans kept
+        spilled: list[int] = []  # strategies with no plan that fits: offload may make one fit
+        fitted: dict[Strategy, Plan] = {}  # each strategy's plan once solved (see _needless_selective)
+
+        def bounded_out(bound: float) -> bool:
+            return len(kept) >= top_k and bound >= max(-kept[0][0], best * (1 + within))
+
+        def consider(i: int, candidate: _Priced, bound: float) -> bool:
+            """Solves one strategy and keeps its plan; False when no plan of it fits."""
+            nonlocal best
+            solved = self._solve(candidate)
+            plan = None if solved is None else self.build_plan(solved.strategy, solved.stage_layers, solved.options)
+            if plan is not None and plan.prediction.peak_memory_bytes > self.cluster.memory_budget_bytes:
+                if bounded_out(bound):
+                    return True  # whatever fits would be slower than the plans kept
                 # Over the budget at a moment the layer DP does not see (the optimizer update):
                 # look for the per-layer choices that fit it too.
-                plan = self._fit_update(priced[i]) or self._fit_tighter(priced[i], plan)
-                if plan is None:
-                    continue
+                plan = self._fit_update(candidate) or self._fit_tighter(candidate, plan, solved)
+            elif plan is not None and solved is not None and not bounded_out(bound):
+                plan = self._fit_looser(candidate, solved, plan)
+            if plan is None or not self._host_fits(plan):
+                return False
+            fitted[candidate.strategy] = plan
             item = (-plan.prediction.step_seconds, -i, plan)
             best = min(best, plan.prediction.step_seconds)
             if len(kept) < top_k:
@@ -369,6 +477,21 @@ class Planner:
                 near.append(heapq.heapreplace(kept, item))
             else:
                 near.append(item)
+            return True
+
+        for done, i in enumerate(order):
+            if progress:
+                progress(done, len(order))
+            if bounded_out(bounds[i]):
+                break  # every remaining strategy is bounded out
+            if _needless_selective(priced[i].strategy, fitted):
+                continue
+            if not consider(i, priced[i], bounds[i]):
+                spilled.append(i)
+            if progress:
+                progress(done + 1, len(order))
+        for i, offloaded, bound in self._offloaded(spilled, priced, bounds, bounded_out):
+            consider(i, offloaded, bound)
         if not kept:
             raise DsautoError(
                 f"{self.model.name} does not fit on {self.cluster.world_size} x "
@@ -379,6 +502,34 @@ class Planner:
             )
         near = [e for e in near if -e[0] <= best * (1 + within)] if within > 0 else []
         return [plan for _, _, plan in sorted(kept + near, key=lambda e: (-e[0], -e[1]))]
+
+    def _offloaded(self, spilled: list[int], priced: Sequence[_Priced], bounds: Sequence[float],
+                   bounded_out: Callable[[float], bool]) -> Iterator[tuple[int, _Priced, float]]:
+        """The post-pass of the search: each strategy that fitted nowhere (``spilled``, filled while
+        the main pass runs) once more with its optimizer offloaded, and under DeepSpeed ZeRO-3 with
+        its parameters too, unless the user pinned ``offload``. Offloading only adds time (the host
+        link and the CPU's update), so a strategy that fits without it is never offloaded, and the
+        offloaded strategies, priced lazily, are bounded out like the others (their bound includes
+        the CPU's update)."""
+        by_base: dict[Strategy, _Priced] = {}  # priced once for all virtual-stage counts
+        for i in sorted(spilled, key=lambda i: (bounds[i], i)):
+            for strategy in offloaded_variants(priced[i].strategy, self.cluster, self.pins):
+                if bounded_out(bounds[i]):
+                    return  # offloading only adds to the bound
+                unchunked = dataclasses.replace(strategy, virtual_stages=1)
+                if unchunked not in by_base:
+                    by_base[unchunked] = self._price(unchunked)
+                candidate = dataclasses.replace(by_base[unchunked], strategy=strategy)
+                bound = candidate.lower_bound(self.model.num_layers)
+                if _least_peak(candidate, self.model.num_layers) > self.cluster.memory_budget_bytes:
+                    continue  # does not fit even so
+                if not bounded_out(bound):
+                    yield i, candidate, bound
+
+    def _host_fits(self, plan: Plan) -> bool:
+        """Whether the state a node's ranks offload fits in the node's host memory."""
+        host = plan.prediction.offloaded_bytes * self.cluster.devices_per_node
+        return plan.offload == "none" or host <= self.cluster.hardware.host_memory_bytes
 
     def build_plan(self, strategy: Strategy, stage_layers: Sequence[int],
                    options: Sequence[LayerOption], reduce_bucket: int | None = None,
@@ -395,9 +546,10 @@ class Planner:
         runs: list[LayerChoice] = []
         for j, option in enumerate(options):
             name = layer_group_of(groups, j, self.model.num_layers).name
-            key = (name, stage_of[j], option.checkpoint, option.shard_params, option.split)
+            key = (name, stage_of[j], option.checkpoint, option.shard_params, option.split,
+                   option.recompute_modules)
             if runs and (runs[-1].group, runs[-1].stage, runs[-1].checkpoint, runs[-1].shard_params,
-                         runs[-1].split) == key:
+                         runs[-1].split, runs[-1].recompute_modules) == key:
                 runs[-1] = LayerChoice(runs[-1].first, j, *key)
             else:
                 runs.append(LayerChoice(j, j, *key))
@@ -418,5 +570,5 @@ class Planner:
                                                   self.model.num_layers)
                                    if prefetch_bucket is None else prefetch_bucket),
             layers=tuple(runs), stages=step.stages, prediction=step.prediction, engine=strategy.engine,
-            virtual_stages=strategy.virtual_stages,
+            virtual_stages=strategy.virtual_stages, offload=strategy.offload, hpz=strategy.hpz,
         )

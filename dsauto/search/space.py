@@ -12,13 +12,17 @@ from dsauto.engines.rules import (
     VIRTUAL_STAGES,
     context_parallel_refusal,
     expert_parallel_refusal,
+    hpz_refusal,
+    offload_refusal,
     per_layer_residency,
+    recompute_module_refusal,
     refusal,
+    selective_recompute_refusal,
     virtual_stage_refusal,
 )
 from dsauto.errors import DsautoError
 from dsauto.parallel import ParallelDims, divisors, layouts
-from dsauto.plan import ENGINES, Engine
+from dsauto.plan import ENGINES, OFFLOADS, Engine, Offload
 from dsauto.search.limits import check_search_size, check_strategies
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import ModelSpec
@@ -57,7 +61,8 @@ class Constraints:
         "help": "disable Megatron sequence parallelism when tp > 1"})
     """Sequence parallelism when tp > 1 (default: on, it only saves memory and time)."""
     cp: int | None = field(default=None, metadata={
-        "flag": "--cp", "help": "pin the context-parallel degree (Megatron's ring attention over sequence shards)"})
+        "flag": "--cp", "help": "pin the context-parallel degree (sequence shards: Megatron's ring attention, or "
+                                "DeepSpeed-Ulysses' sequence_parallel_size under --engine deepspeed)"})
     """Context-parallel degree."""
     vpp: int | None = field(default=None, metadata={
         "flag": "--vpp", "help": "pin the virtual pipeline stages per rank (Megatron's interleaved 1F1B)"})
@@ -74,6 +79,24 @@ class Constraints:
     etp: int | None = field(default=None, metadata={
         "flag": "--etp", "help": "pin the expert tensor-parallel degree of a mixture of experts (Megatron-core)"})
     """Expert tensor-parallel degree (MoE models; searched among 1 and tp by default)."""
+    recompute_modules: str | None = field(default=None, metadata={
+        "flag": "--recompute-modules",
+        "help": "selective recomputation in every transformer layer: comma-separated modules among "
+                "core_attn, layernorm, mlp (Megatron-core's --recompute-modules), or 'none' (default: "
+                "chosen by the search)"})
+    """Modules every transformer layer recomputes, comma-separated (``"core_attn,mlp"``), or
+    ``"none"`` for no selective recomputation; None lets the search choose."""
+    offload: Offload | None = field(default=None, metadata={
+        "flag": "--offload", "choices": {"auto": None, **{name: name for name in OFFLOADS}},
+        "help": "what to keep in host memory: none, the optimizer state, or it and (DeepSpeed ZeRO-3) the "
+                "parameters (default: auto, offload only a strategy that does not fit without it)"})
+    """What to offload to host memory (:data:`dsauto.plan.Offload`); None lets the search offload the
+    optimizer of a strategy that does not fit otherwise."""
+    hpz: int | None = field(default=None, metadata={
+        "flag": "--hpz", "help": "pin ZeRO++'s hierarchical partition size (DeepSpeed ZeRO-3: ranks of a node "
+                                 "holding a secondary copy of the sharded parameters; 1: off)"})
+    """ZeRO++ hpZ partition size (default: searched among 1 and a node's devices when ZeRO-3's data
+    parallelism spans nodes)."""
 
 
 def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -90,6 +113,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     check_search_size(model, cluster, train, pins)  # before building any: huge inputs answer at once
     out = []
     engines = ENGINES if pins.engine is None else (pins.engine,)
+    recompute_sets = {engine: recompute_module_sets(engine, model, train, pins) for engine in engines}
     for dims in _with_context_parallel(layouts(cluster.world_size, cluster.devices_per_node), train, pins):
         tp, pp, dp = dims.tp, dims.pp, dims.dp
         if (pins.tp is not None and tp != pins.tp) or (pins.pp is not None and pp != pins.pp):
@@ -101,8 +125,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
             if pins.zero_stage not in zero_stages:
                 continue
             zero_stages = (pins.zero_stage,)
-        elif dp == 1:
-            zero_stages = (0,)  # nothing to partition over
+        elif dims.replicas == 1:
+            zero_stages = (0,)  # nothing to partition over (ZeRO shards over dp x cp)
         per_replica = train.global_batch // dp
         experts = _expert_degrees(model, dims, pins)
         for micro in divisors(per_replica):
@@ -115,19 +139,80 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                 for sp in sp_values:
                     for engine in engines:
                         if refusal(engine, dims, zero) is not None or context_parallel_refusal(
-                                engine, dims.cp, train.seq_len, train.flash_attention) is not None:
+                                engine, dims.cp, train.seq_len, train.flash_attention, heads=model.num_attention_heads,
+                                kv_heads=model.kv_heads, pp=pp) is not None:
                             continue
                         chunks = (pins.vpp,) if pins.vpp is not None else (1, *VIRTUAL_STAGES)
                         for expert_dims in experts:
                             if expert_parallel_refusal(engine, expert_dims, zero, sp, model.num_experts,
                                                        model.expert_ffn_hidden_size) is not None:
                                 continue
+                            if engine == "deepspeed" and expert_dims.ep > 1 and pins.ep is None:
+                                # DeepSpeed-MoE's ep needs the model built from its MoE layers:
+                                # planned when asked for (--ep), never sprung on a model
+                                continue
                             for v in chunks:
                                 if virtual_stage_refusal(engine, pp, v, accum, model.num_layers // pp) is None:
-                                    out.append(Strategy(dims=expert_dims, zero_stage=zero, micro_batch=micro,
-                                                        grad_accum=accum, sequence_parallel=sp, engine=engine,
-                                                        virtual_stages=v))
+                                    out.extend(_host_and_hpz(Strategy(
+                                        dims=expert_dims, zero_stage=zero, micro_batch=micro, grad_accum=accum,
+                                        sequence_parallel=sp, engine=engine, virtual_stages=v), cluster, pins))
+    # Each with the selective recomputations its engine runs (none among them unless pinned).
+    out = [dataclasses.replace(s, recompute_modules=modules) for s in out for modules in recompute_sets[s.engine]]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
+
+
+def _host_and_hpz(strategy: Strategy, cluster: ClusterSpec, pins: Constraints) -> list[Strategy]:
+    """``strategy`` with each offload and hpZ setting the search tries up front: the pinned ones, else
+    no offload (the planner offloads a strategy that does not fit without it:
+    :meth:`dsauto.search.planner.Planner.search`) and hpz 1, plus a node's data-parallel ranks when
+    ZeRO-3's data parallelism spans nodes (hpZ then keeps backward's gathers inside the node)."""
+    offload = pins.offload or "none"
+    if offload != "none":
+        strategy = _single_replica_zero(strategy, pins)
+    if offload_refusal(strategy.engine, strategy.dims, strategy.zero_stage, offload, host_problem(cluster)):
+        return []
+    per_node = cluster.devices_per_node
+    if pins.hpz is not None:
+        sizes: tuple[int, ...] = (pins.hpz,)
+    elif strategy.zero_stage == 3 and strategy.dims.spans_nodes("dp", per_node):
+        sizes = (1, per_node)
+    else:
+        sizes = (1,)
+    return [dataclasses.replace(strategy, offload=offload, hpz=hpz) for hpz in sizes
+            if hpz_refusal(strategy.engine, strategy.dims, strategy.zero_stage, hpz, per_node) is None]
+
+
+def offloaded_variants(strategy: Strategy, cluster: ClusterSpec, pins: Constraints) -> list[Strategy]:
+    """``strategy`` with its optimizer offloaded, and under DeepSpeed ZeRO-3 its parameters too: what
+    the planner tries for a strategy that fits nowhere without offload, unless ``offload`` is pinned."""
+    if pins.offload is not None or strategy.offload != "none" or host_problem(cluster):
+        return []
+    strategy = _single_replica_zero(strategy, pins)
+    return [dataclasses.replace(strategy, offload=offload) for offload in OFFLOADS[1:]
+            if offload_refusal(strategy.engine, strategy.dims, strategy.zero_stage, offload) is None]
+
+
+def _single_replica_zero(strategy: Strategy, pins: Constraints) -> Strategy:
+    """``strategy`` as it offloads: a single replica has nothing to partition (the search gives it
+    ZeRO 0), but ZeRO's optimizer is the one that offloads, so it runs ZeRO-Offload's single-GPU
+    setting (Ren et al. 2021, Sec. 4.1), ZeRO-2 (Megatron-core: its distributed optimizer), unless
+    the ZeRO stage is pinned."""
+    if strategy.zero_stage == 0 and strategy.dims.replicas == 1 and pins.zero_stage is None:
+        return dataclasses.replace(strategy, zero_stage=2 if strategy.engine == "deepspeed" else 1)
+    return strategy
+
+
+def host_problem(cluster: ClusterSpec) -> str | None:
+    """Why nothing can be offloaded to the cluster's hosts, or None: the hardware must describe them,
+    and on CPU ranks (the dry-run preset) the device memory is the host's, so offloading frees none
+    of it (DeepSpeed's CPU accelerator keeps the "offloaded" state in the same process)."""
+    hardware = cluster.hardware
+    if cluster.device.name == "cpu":
+        return "on CPU ranks the device memory is the host memory, so offloading frees none of it"
+    if hardware.host_link is None or hardware.host_memory_bytes <= 0 or hardware.host_memory_bandwidth_gbps <= 0:
+        return (f"the hardware {hardware.name} gives no host_link, host_memory_bytes and "
+                f"host_memory_bandwidth_gbps to offload to")
+    return None
 
 
 def _expert_degrees(model: ModelSpec, dims: ParallelDims, pins: Constraints) -> list[ParallelDims]:
@@ -158,7 +243,7 @@ def _with_context_parallel(layouts: Iterable[ParallelDims], train: TrainSpec,
         yield dims
         if train.seq_len >= MIN_CONTEXT_PARALLEL_TOKENS:
             for cp in divisors(dims.dp)[1:]:
-                if train.seq_len % (2 * cp) == 0:
+                if train.seq_len % cp == 0:  # each engine's own rule: context_parallel_refusal
                     yield dataclasses.replace(dims, dp=dims.dp // cp, cp=cp)
 
 
@@ -197,6 +282,28 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                          pins.zero_stage or 0)
         if reason:
             return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}.")
+    if pins.cp is not None and pins.cp > 1:
+        engines = ENGINES if pins.engine is None else (pins.engine,)
+        reasons = [context_parallel_refusal(e, pins.cp, train.seq_len, train.flash_attention,
+                                            heads=model.num_attention_heads, kv_heads=model.kv_heads, pp=pp)
+                   for e in engines]
+        if all(reasons):
+            return DsautoError(f"--cp {pins.cp} cannot run: {'; and '.join(dict.fromkeys(reasons))}; pin a cp that "
+                               f"divides them, or leave --cp out.")
+        if world % (tp * pp * pins.cp):
+            return DsautoError(f"tp({tp}) * pp({pp}) * cp({pins.cp}) does not divide the world size {world}; "
+                               f"change --cp, --tp or --pp.")
+    if pins.offload not in (None, "none") or (pins.hpz or 1) > 1:
+        dims = ParallelDims(dp=max(1, world // (tp * pp)), tp=tp, pp=pp)
+        engine = pins.engine or "deepspeed"
+        zero = pins.zero_stage if pins.zero_stage is not None else 3 if pins.offload == "optimizer+params" else 1
+        reason = offload_refusal(engine, dims, zero, pins.offload or "none", host_problem(cluster))
+        if reason:
+            return DsautoError(f"--offload {pins.offload} cannot run: {reason}.")
+        reason = hpz_refusal(engine, dims, pins.zero_stage if pins.zero_stage is not None else 3, pins.hpz or 1,
+                             cluster.devices_per_node)
+        if reason:
+            return DsautoError(f"--hpz {pins.hpz} cannot run: {reason}.")
     if pins.vpp is not None and pins.vpp > 1:
         reason = virtual_stage_refusal(pins.engine or "megatron", pp, pins.vpp, pp, model.num_layers // pp)
         if reason:
@@ -204,6 +311,13 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         return DsautoError(f"--vpp {pins.vpp} cannot run: the interleaved schedule needs Megatron-core, "
                            f"pp > 1, micro-batches per step a multiple of pp and at least {pins.vpp} layers "
                            f"per stage; change --pp, --micro-batch or --global-batch.")
+    if pins.recompute_modules is not None and parse_recompute_modules(pins.recompute_modules, model):
+        if pins.checkpoint is True:
+            return DsautoError(f"--recompute-modules {pins.recompute_modules} recomputes parts of every transformer "
+                               f"layer and --checkpoint all recomputes them whole; Megatron-core runs one of "
+                               f"the two, so drop one.")
+        if pins.engine is not None and (reason := selective_recompute_refusal(pins.engine)):
+            return DsautoError(f"--recompute-modules {pins.recompute_modules} cannot run: {reason}.")
     if pins.micro_batch is not None:
         return DsautoError(f"No data-parallel degree allowed by the other settings divides the global "
                            f"batch {train.global_batch} into micro-batches of {pins.micro_batch}; change "
@@ -214,16 +328,61 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
 
 
 def layer_options(strategy: Strategy) -> tuple[LayerOption, ...]:
-    """Every per-layer option under ``strategy`` (the groups then restrict them, see ``allowed``)."""
-    if strategy.zero_stage == 3 and strategy.dp > 1:
+    """Every per-layer option under ``strategy`` (the groups then restrict them, see ``allowed``).
+    Under selective recomputation (``strategy.recompute_modules``) no layer is checkpointed whole,
+    and the transformer layers' options carry the modules (the embedding and head take the others)."""
+    if strategy.zero_stage == 3 and strategy.dims.replicas > 1:
         shard_values = (False, True) if per_layer_residency(strategy.engine) else (True,)
     else:
         shard_values = (False,)
+    if strategy.recompute_modules:
+        return tuple(LayerOption(checkpoint=False, shard_params=s, split=k, recompute_modules=r)
+                     for r in ((), strategy.recompute_modules) for s in shard_values for k in SPLITS)
     return tuple(LayerOption(checkpoint=c, shard_params=s, split=k)
                  for c in (False, True) for s in shard_values for k in SPLITS)
 
 
-def allowed(kind: str, option: LayerOption, pins: Constraints) -> bool:
+SEARCHED_RECOMPUTE = {False: ("core_attn",), True: ()}
+"""The selective recomputation the search tries, by whether attention is fused: Korthikanti et al.'s
+attention core under eager attention, where its s x s scores are 5as/h of a layer's sbh(34 + 5as/h)
+bytes (2022, Table 2 and Sec. 5); none under a fused kernel, which keeps no scores, and where the
+other modules free a smaller share (the norms' outputs 4 of the 34, the MLP's 16 of them at the
+price of two thirds of the layer's forward). A pin (``--recompute-modules``) asks for any set."""
+
+
+def parse_recompute_modules(text: str, model: ModelSpec | None = None) -> tuple[str, ...]:
+    """The modules of a ``--recompute-modules`` value (``"none"``: no selective recomputation); a
+    name dsauto does not know, or knows but does not price, or that Megatron-core cannot recompute
+    for ``model``, is refused in one sentence."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    for name in names:
+        reason = recompute_module_refusal(name, model is not None and model.linear_bias)
+        if reason:
+            raise DsautoError(f"--recompute-modules {text}: {reason}.")
+    return names
+
+
+def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
+                          pins: Constraints) -> tuple[tuple[str, ...], ...]:
+    """The selective recomputations the search tries for ``engine``, as strategy-wide module sets
+    (empty: none, whole layers checkpointed or not per layer): the pinned one, or none and
+    :data:`SEARCHED_RECOMPUTE` (less what Megatron-core cannot recompute for ``model``), where the
+    engine runs it (:func:`selective_recompute_refusal`)."""
+    if pins.recompute_modules is not None:
+        modules = parse_recompute_modules(pins.recompute_modules, model)
+        if modules and (pins.checkpoint is True or selective_recompute_refusal(engine) is not None):
+            return ()
+        return (modules,)
+    searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention]
+                     if recompute_module_refusal(m, model.linear_bias) is None)
+    if pins.checkpoint is True or selective_recompute_refusal(engine) is not None or not searched:
+        return ((),)
+    return ((), searched)
+
+
+def allowed(kind: str, option: LayerOption, pins: Constraints, recompute: tuple[str, ...] = ()) -> bool:
     """Which options a layer of ``kind`` (:attr:`LayerGroup.kind`: ``embedding``, ``transformer`` or
     ``head``) may take.
 
@@ -231,9 +390,15 @@ def allowed(kind: str, option: LayerOption, pins: Constraints) -> bool:
     memory is cut by splitting instead). Splitting applies to the head's loss (OSDP's chunked
     computation; the logits dominate its memory) and, up to 4 slices, to layers whose parameters
     ZeRO-3 gathers (the gathered block shrinks); elsewhere it would cost time for nothing.
+    ``recompute``: the modules the strategy recomputes selectively (``Strategy.recompute_modules``),
+    which every transformer layer then takes and the embedding and head do not.
     """
     transformer = kind not in ("embedding", "head")
     if option.checkpoint and not transformer:
+        return False
+    # Selective recomputation re-runs parts of transformer layers, all of them (``recompute``, the
+    # strategy's modules: Megatron-core has one recompute granularity for every layer).
+    if option.recompute_modules != (recompute if transformer else ()):
         return False
     if transformer and pins.checkpoint is not None and option.checkpoint != pins.checkpoint:
         return False

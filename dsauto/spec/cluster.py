@@ -115,9 +115,20 @@ class HardwareSpec:
     """Devices per node when the user does not say."""
     dtype: str = "bf16"
     """Training dtype used unless the user says otherwise."""
+    host_link: LinkSpec | None = None
+    """Each device's link to host memory (PCIe), what offloaded state crosses; None: not known, and
+    nothing is offloaded."""
+    host_memory_bytes: int = 0
+    """Host (CPU) memory of one node, shared by its devices' offloaded state; 0: not known."""
+    host_memory_bandwidth_gbps: float = 0.0
+    """Host DRAM bandwidth of one node (all sockets), GB/s: the CPU optimizer's update is
+    bandwidth-bound (:func:`dsauto.cost.offload.cpu_optimizer_seconds`); 0: not known."""
 
     def __post_init__(self) -> None:
-        check_bounds([(self.gpus_per_node, "gpus_per_node", dict(minimum=1, maximum=MAX_DEVICES_PER_NODE))])
+        check_bounds([(self.gpus_per_node, "gpus_per_node", dict(minimum=1, maximum=MAX_DEVICES_PER_NODE)),
+                      (self.host_memory_bytes, "host_memory_bytes", dict(minimum=0, maximum=MAX_DEVICE_MEMORY_BYTES)),
+                      (self.host_memory_bandwidth_gbps, "host_memory_bandwidth_gbps",
+                       dict(minimum=0, maximum=MAX_BANDWIDTH_GBPS))])
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
 

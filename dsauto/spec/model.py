@@ -412,6 +412,9 @@ class LayerGroup:
     kv_bytes_per_token: float = 0.0
     """Bytes per token of the layer's keys and values (before tensor parallelism splits the heads):
     what ring attention passes around the context-parallel group."""
+    attention_io_bytes_per_token: float = 0.0
+    """Bytes per token of the layer's queries, keys, values and attention output (before tensor
+    parallelism splits the heads): what DeepSpeed-Ulysses' all-to-alls move."""
 
     # Mixture of experts: zero for dense layers. The group's layers may mix dense and MoE layers
     # (DeepSeek's first dense layers); the per-token numbers then average over its layers.
@@ -433,6 +436,22 @@ class LayerGroup:
     averaged over the layers: what the expert-parallel all-to-all moves."""
     expert_act_bytes_per_token: float = 0.0
     """Of ``act_tp_bytes_per_token``, the routed experts' (the top-k copies of each token)."""
+
+    # Selective recomputation (Megatron-core's ``recompute_modules``): the parts of the counts above
+    # that recomputing one module frees, and what recomputing it costs (see cost.terms).
+    norm_output_bytes_per_token: float = 0.0
+    """Of ``act_replicated_bytes_per_token``, the pre-norms' outputs that the matrix multiplies after
+    them keep (the QKV and MLP inputs): what recomputing the norms (``layernorm``) frees; 0 for
+    post-norm layers, whose norms follow the branches."""
+    mlp_act_bytes_per_token: float = 0.0
+    """Of ``act_tp_bytes_per_token``, the dense MLP's inner activations (its first matrix's output,
+    the activation function's output, the gate): what recomputing the MLP (``mlp``) frees."""
+    mlp_matmul_flops_per_token: float = 0.0
+    """Of ``matmul_flops_per_token``, the dense MLP's (averaged over the group's layers)."""
+    mlp_elementwise_bytes_per_token: float = 0.0
+    """Of ``elementwise_tp_bytes_per_token``, the dense MLP's activation function."""
+    norm_elementwise_bytes_per_token: float = 0.0
+    """Of ``elementwise_bytes_per_token``, the norms' reads and writes."""
 
     @property
     def forward_flops_per_token(self) -> float:
@@ -537,6 +556,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         causal=model.architecture == "decoder",
         attention_window_fraction=attention_window_fraction(model, s),
         kv_bytes_per_token=(k_width + v_width) * b,
+        attention_io_bytes_per_token=(q_width + k_width + v_width + out_width) * b,
         num_experts=experts,
         moe_top_k=top_k,
         moe_layer_fraction=moe_fraction,
@@ -545,6 +565,11 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         expert_gemm_dim=fe if experts else 0,
         dispatch_bytes_per_token=moe_fraction * top_k * h * b,
         expert_act_bytes_per_token=moe_fraction * top_k * (inner * fe * b + 2 * h * b),
+        norm_output_bytes_per_token=0.0 if post_norm else branch_inputs * h * b,
+        mlp_act_bytes_per_token=dense_fraction * inner * f * b,
+        mlp_matmul_flops_per_token=2.0 * dense_fraction * (mlp_in + mlp_out),
+        mlp_elementwise_bytes_per_token=dense_fraction * inner * f * b,
+        norm_elementwise_bytes_per_token=model.norms_per_layer * 2 * h * b,
     )
 
     positions = (model.max_position_embeddings + model.position_offset) * h if model.position_embedding == "learned" else 0

@@ -15,6 +15,17 @@ with one data iterator per chunk, as Megatron-LM's training loop does:
     dsauto tune --model gpt-tiny --hardware cpu --nodes 1 --gpus-per-node 2 --pp 2 --vpp 2 --out out/
     torchrun --nproc_per_node 2 examples/megatron/train_gpt.py --plan out/plan.yaml --steps 10
 
+``dsauto tune --trials`` measures candidate plans with this script as it is:
+
+    dsauto tune --model gpt-tiny --hardware cpu --nodes 1 --gpus-per-node 2 --engine megatron \
+        --trials 6 --script examples/megatron/train_gpt.py --script-args "--plan unused" --out out/
+
+Each trial launches it under torchrun with ``DSAUTO_TRIAL`` set: ``dm.load_plan`` then returns the
+trial's plan (the ``--plan`` file is not read), the optimizer steps are measured where Megatron's
+optimizer steps, and the script ends after the trial's steps (dsauto.refine.megatron_trial). For the
+measurement to be the plan's, the loop takes the micro-batch, the micro-batches per step and the
+sequence length from the plan, and ``--steps`` (default 10) covers the trial's steps.
+
 The last pipeline stage prints ``step N loss X``. The data are random sequences that follow a fixed
 rule (each token determines the next), so the loss falls from ln(vocabulary) as the model learns it.
 """

@@ -55,7 +55,14 @@ def test_interleaving_and_context_parallel_rules():
     assert virtual_stage_refusal("megatron", 4, 2, 8, 8) is None
     assert context_parallel_refusal("megatron", 4, 131072, flash_attention=False) is not None
     assert context_parallel_refusal("megatron", 3, 8192 + 2, flash_attention=True) is not None
-    assert context_parallel_refusal("deepspeed", 2, 8192, flash_attention=True) is not None
+    # DeepSpeed-Ulysses: heads and key/value heads split over cp, no pipeline engine.
+    assert context_parallel_refusal("deepspeed", 2, 8192, flash_attention=False, heads=32, kv_heads=8) is None
+    assert "8 key/value heads" in context_parallel_refusal("deepspeed", 16, 8192, flash_attention=False,
+                                                             heads=32, kv_heads=8)
+    assert "12 attention heads" in context_parallel_refusal("deepspeed", 8, 8192, flash_attention=True,
+                                                              heads=12, kv_heads=12)
+    assert "pipeline" in context_parallel_refusal("deepspeed", 2, 8192, flash_attention=True, heads=32,
+                                                  kv_heads=8, pp=2)
     assert context_parallel_refusal("megatron", 16, 131072, flash_attention=True) is None
 
 

@@ -14,9 +14,9 @@ def test_zero3_hook_cost_is_measured_per_module():
                                            warmup=1, repeats=3)
     assert 0.0 <= seconds < 0.05  # a module's hooks cost well under 50 ms, even on a loaded CPU
     counts = modules_per_layer(tiny)
-    assert counts["1"] == 8  # the layer, two norms, four matrices, dropout
+    assert counts["1"] == 9  # the layer, two norms, four matrices, the attention core, dropout
     # Split in two, each of the three matrices over half the largest becomes a SplitLinear calling
     # two slices (the list holding them is never called, so its hooks never run).
-    assert counts["2"] == 8 + 3 * 2
+    assert counts["2"] == 9 + 3 * 2
     llama = dataclasses.replace(tiny, mlp="swiglu", norm="rmsnorm", position_embedding="rope")
-    assert modules_per_layer(llama)["1"] == 8
+    assert modules_per_layer(llama)["1"] == 9

@@ -64,6 +64,12 @@ def run_case(case: dict[str, Any], spec: ModelSpec, rank: int) -> dict[str, Any]
         "forward_patched": any("forward" in vars(m) for m in engine.module.modules()),
         "checkpointed": [i + 1 for i, block in enumerate(engine.module.layers) if is_checkpointed(block)],
         "splits": applied.splits if applied else {},
+        # Where DeepSpeed's ZeRO optimizer keeps its state (stage_1_and_2.py's cpu_offload, stage3.py's
+        # offload_optimizer / offload_param): on the CPU accelerator every device is the host, so the
+        # engine's own flags are what tells an offloaded run apart.
+        "optimizer_offloaded": bool(getattr(engine.optimizer, "cpu_offload", False)
+                                    or getattr(engine.optimizer, "offload_optimizer", False)),
+        "params_offloaded": bool(getattr(engine.optimizer, "offload_param", False)),
     }
     if engine.zero_optimization_stage() == 3:
         result.update(zero3_holdings(engine))

@@ -42,14 +42,16 @@ def make_plan(*, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
               stage_layers: tuple[int, ...] | None = None, checkpoint: Collection[int] = (),
               split: Mapping[int, int] | None = None, resident: Collection[int] = (),
               flash_attention: bool = False, sequence_parallel: bool = True,
-              virtual_stages: int = 1, model: ModelSpec = TINY) -> Plan:
+              virtual_stages: int = 1, model: ModelSpec = TINY,
+              recompute_modules: tuple[str, ...] = ()) -> Plan:
     """A plan for an explicit assignment, priced by dsauto's own planner (Planner.build_plan).
 
     ``checkpoint``, ``split`` and ``resident`` use the plan's flat layer numbering (0 = embedding,
     1..L transformer layers, L+1 head). ``flash_attention`` is off by default: the worker's
     Megatron-core attention is unfused, and a flash plan adds selective recomputation.
     ``virtual_stages`` > 1 interleaves the pipeline (model chunks per rank; the 4 global
-    micro-batches must then be a multiple of pp).
+    micro-batches must then be a multiple of pp). ``recompute_modules``: selective recomputation of
+    these modules in every transformer layer.
     """
     stage_layers = stage_layers or tuple([model.num_layers // pp] * pp)
     grad_accum = GLOBAL_MICRO_BATCHES // dp
@@ -58,11 +60,12 @@ def make_plan(*, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
                       flash_attention=flash_attention)
     strategy = Strategy(dims=ParallelDims(dp=dp, tp=tp, pp=pp), zero_stage=zero_stage, micro_batch=MICRO_BATCH,
                         grad_accum=grad_accum, sequence_parallel=sequence_parallel and tp > 1, engine="megatron",
-                        virtual_stages=virtual_stages)
+                        virtual_stages=virtual_stages, recompute_modules=recompute_modules)
     split = split or {}
     options = [LayerOption(checkpoint=layer in checkpoint,
                            shard_params=zero_stage == 3 and layer not in resident,
-                           split=split.get(layer, 1))
+                           split=split.get(layer, 1),
+                           recompute_modules=recompute_modules if 1 <= layer <= model.num_layers else ())
                for layer in range(model.num_layers + 2)]
     return Planner(model, cluster, train).build_plan(strategy, stage_layers, options)
 

@@ -1,6 +1,7 @@
 """Expert degrees in the search: dense models enumerate none, mixtures of experts enumerate ep
-(dividing the experts) and etp (1 or tp) for Megatron-core only, with Megatron's folding and
-sequence-parallel rules; pins that cannot hold are one sentence."""
+(dividing the experts) and etp (1 or tp) for Megatron-core, with Megatron's folding and
+sequence-parallel rules, and DeepSpeed-MoE's ep only when pinned (it needs the model built from
+DeepSpeed's MoE layers); pins that cannot hold are one sentence."""
 
 from __future__ import annotations
 
@@ -50,7 +51,11 @@ def test_moe_models_enumerate_ep_and_etp_for_megatron_only():
 
 def test_pins_reach_the_expert_degrees():
     built, _, _ = space(hf("mixtral-8x7b"), pins=Constraints(ep=4, etp=1))
-    assert built and {(s.dims.ep, s.dims.etp, s.engine) for s in built} == {(4, 1, "megatron")}
+    assert built and {(s.dims.ep, s.dims.etp, s.engine) for s in built} == {(4, 1, "megatron"), (4, 1, "deepspeed")}
+    # DeepSpeed-MoE: no expert tensor parallelism, and its MoE layers refuse ZeRO-3
+    assert not any(s.zero_stage == 3 for s in built if s.engine == "deepspeed")
+    built, _, _ = space(hf("mixtral-8x7b"), pins=Constraints(ep=2, etp=2))
+    assert built and {s.engine for s in built} == {"megatron"}
 
 
 @pytest.mark.parametrize("name, pins, message", [

@@ -19,7 +19,7 @@ from dsauto.cost.step import predict_step
 from dsauto.cost.strategy import LayerOption
 from dsauto.errors import DsautoError
 from dsauto.search.planner import Planner
-from dsauto.search.space import Constraints, allowed, layer_options, strategies
+from dsauto.search.space import Constraints, allowed, layer_options, offloaded_variants, strategies
 from dsauto.spec.loaders import load_cluster
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import TrainSpec
@@ -48,7 +48,7 @@ def _assignments(strategy, model):
     pins = Constraints()
     embedding = [o for o in options if allowed("embedding", o, pins)]
     head = [o for o in options if allowed("head", o, pins)]
-    block = [o for o in options if allowed("transformer", o, pins)]
+    block = [o for o in options if allowed("transformer", o, pins, strategy.recompute_modules)]
     L = model.num_layers
     if strategy.pp == 1:
         for e, h in itertools.product(embedding, head):
@@ -60,13 +60,20 @@ def _assignments(strategy, model):
             yield (1, 1), (e, b1, b2, h)
 
 
+def all_strategies(model, c):
+    return [variant for strategy in strategies(model, c, TRAIN, Constraints())
+            for variant in (strategy, *offloaded_variants(strategy, c, Constraints()))]
+
+
 @lru_cache(maxsize=None)
 def brute_force(name: str) -> tuple[tuple[float, int], ...]:
     """(step seconds, peak bytes) of every plan in the space, for any budget."""
     model = MODELS[name]
     c = cluster()
     out = []
-    for strategy in strategies(model, c, TRAIN, Constraints()):
+    # The search's space: every strategy, and each offloaded (which the planner tries for the ones
+    # that fit nowhere without it).
+    for strategy in all_strategies(model, c):
         for stage_layers, options in _assignments(strategy, model):
             prediction = predict_step(model, c, TRAIN, strategy, stage_layers, options).prediction
             out.append((prediction.step_seconds, prediction.peak_memory_bytes))
@@ -99,10 +106,13 @@ def test_the_search_finds_a_fitting_plan_whenever_one_exists(name, position):
     assert plan.prediction.peak_memory_bytes <= budget
     # The plan's predicted peak is the prediction of its own choices.
     options = [LayerOption(plan.layer_choice(j).checkpoint, plan.layer_choice(j).shard_params,
-                           plan.layer_choice(j).split) for j in range(model.num_layers + 2)]
-    strategy = next(s for s in strategies(model, planner.cluster, TRAIN, Constraints())
-                    if (s.dims, s.zero_stage, s.micro_batch, s.engine, s.sequence_parallel)
-                    == (plan.dims, plan.zero_stage, plan.micro_batch, plan.engine, plan.sequence_parallel))
+                           plan.layer_choice(j).split, plan.layer_choice(j).recompute_modules)
+               for j in range(model.num_layers + 2)]
+    strategy = next(s for s in all_strategies(model, planner.cluster)
+                    if (s.dims, s.zero_stage, s.micro_batch, s.engine, s.sequence_parallel, s.offload,
+                        s.recompute_modules)
+                    == (plan.dims, plan.zero_stage, plan.micro_batch, plan.engine, plan.sequence_parallel,
+                        plan.offload, plan.uniform_recompute_modules()))
     again = predict_step(model, planner.cluster, TRAIN, strategy, plan.stage_layers, options).prediction
     assert again.peak_memory_bytes == plan.prediction.peak_memory_bytes
     assert again.step_seconds == plan.prediction.step_seconds

@@ -1,0 +1,47 @@
+"""Latent attention in the Megatron-core plugin: the config of DeepSeek-V2-Lite's and DeepSeek-V3's
+architecture (multi-head latent attention, experts) builds as Megatron-core's MLATransformerConfig
+with the model's latent ranks, head widths and yarn rotary scaling."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from dsauto.runtime import megatron as dm
+from dsauto.spec.hf import model_from_hf_config
+
+CONFIGS = Path(__file__).parents[1] / "spec" / "configs"
+
+
+def hf(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model_from_hf_config(json.loads((CONFIGS / f"{name}.json").read_text()), name)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])
+def test_latent_attention_config_builds(name):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    model = hf(name)
+    config_class = dm.transformer_config_class(model)
+    assert config_class is MLATransformerConfig
+    config = config_class(**dm.transformer_config_kwargs(model), use_cpu_initialization=True)
+    assert config.multi_latent_attention
+    assert (config.q_lora_rank or 0, config.kv_lora_rank) == (model.q_lora_rank, model.kv_lora_rank)
+    assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (
+        model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim)
+    assert config.num_moe_experts == model.num_experts and config.moe_router_topk == model.moe_top_k
+    if model.rope_scaling == "yarn":
+        assert config.rope_type == "yarn" and config.rotary_scaling_factor == model.rope_scaling_factor
+
+
+def test_dense_attention_keeps_transformer_config():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model = hf("mixtral-8x7b")
+    assert dm.transformer_config_class(model) is TransformerConfig
+    assert "multi_latent_attention" not in dm.transformer_config_kwargs(model)
