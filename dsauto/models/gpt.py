@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsauto.models.moe import MoeMlp
+from dsauto.models.moe import MoeMlp, feed_forward
 from dsauto.spec.model import ModelSpec
 
 # scaled_dot_product_attention takes enable_gqa from torch 2.5 on.
@@ -195,13 +195,7 @@ class Block(nn.Module):
         if self.moe is not None:
             out = self.moe(x)
             return self.mlp_out_norm(out) if self.mlp_out_norm is not None else out
-        inner = self.mlp_in(x)
-        if self.gated:
-            gate, up = inner.chunk(2, dim=-1)
-            inner = self.act(gate) * up
-        else:
-            inner = self.act(inner)
-        out = self.mlp_out(inner)
+        out = feed_forward(x, self.mlp_in, self.mlp_out, self.act, self.gated)
         return self.mlp_out_norm(out) if self.mlp_out_norm is not None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

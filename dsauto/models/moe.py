@@ -49,13 +49,20 @@ class Expert(nn.Module):
         self.mlp_out = nn.Linear(ffn, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inner = self.mlp_in(x)
-        if self.gated:
-            gate, up = inner.chunk(2, dim=-1)
-            inner = self.act(gate) * up
-        else:
-            inner = self.act(inner)
-        return self.mlp_out(inner)
+        return feed_forward(x, self.mlp_in, self.mlp_out, self.act, self.gated)
+
+
+def feed_forward(x: torch.Tensor, mlp_in: nn.Module, mlp_out: nn.Module,
+                 act: Callable[[torch.Tensor], torch.Tensor], gated: bool) -> torch.Tensor:
+    """A feed-forward block: ``mlp_in``, the activation (on the gate half times the up half when
+    ``gated``, the fused gate/up matrix's output), ``mlp_out``; a dense layer's MLP and an expert alike."""
+    inner = mlp_in(x)
+    if gated:
+        gate, up = inner.chunk(2, dim=-1)
+        inner = act(gate) * up
+    else:
+        inner = act(inner)
+    return mlp_out(inner)
 
 
 class MoeMlp(nn.Module):

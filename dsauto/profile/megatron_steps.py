@@ -39,8 +39,7 @@ import torch
 from dsauto.plan import Plan
 from dsauto.profile.memory import MemoryTracker
 from dsauto.profile.run import bind_cpu_rank, current_device, max_over_ranks
-from dsauto.profile.steps import StepMeasurement, slowest_rank, sync_ranks
-from dsauto.serde import to_dict, write_json
+from dsauto.profile.steps import StepMeasurement, measure_plans, slowest_rank, sync_ranks
 
 
 class StepMeter:
@@ -251,16 +250,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(current_device())
     dist.init_process_group("gloo" if on_cpu else "nccl")
     plans = [Plan.from_dict(p, f"{args.plans} entry {i}") for i, p in enumerate(json.loads(args.plans.read_text()))]
-    results = []
     try:
-        for i, plan in enumerate(plans):
-            measured = measure_plan(plan, steps=args.steps, warmup=args.warmup, memory_steps=args.memory_steps)
-            results.append(to_dict(measured))
-            if dist.get_rank() == 0:
-                print(f"plan {i + 1}/{len(plans)}: step {measured.step_seconds * 1e3:.1f} ms, "
-                      f"peak {measured.peak_bytes / 2**20:.1f} MiB", flush=True)
-        if dist.get_rank() == 0:
-            write_json(args.out, results)
+        measure_plans(plans, lambda plan: measure_plan(plan, steps=args.steps, warmup=args.warmup,
+                                                       memory_steps=args.memory_steps), args.out)
     finally:
         dist.destroy_process_group()
         if shim is not None:

@@ -23,7 +23,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,18 +180,26 @@ def main(argv: list[str] | None = None) -> None:
     bind_cpu_rank()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    results = []
     try:
-        for i, plan in enumerate(plans):
-            measured = measure_plan(plan, steps=args.steps, warmup=args.warmup)
-            results.append(to_dict(measured))
-            if dist.get_rank() == 0:
-                print(f"plan {i + 1}/{len(plans)} on {dist.get_world_size()} ranks: step "
-                      f"{measured.step_seconds * 1e3:.1f} ms, peak {measured.peak_bytes / 2**20:.1f} MiB", flush=True)
-        if dist.get_rank() == 0:
-            write_json(args.out, results)
+        measure_plans(plans, lambda plan: measure_plan(plan, steps=args.steps, warmup=args.warmup), args.out)
     finally:
         dist.destroy_process_group()
+
+
+def measure_plans(plans: Sequence[Plan], measure: Callable[[Plan], StepMeasurement], out: Path) -> None:
+    """Measure ``plans`` in turn on every rank of the job (``measure`` trains one); rank 0 prints a
+    line per plan and, once all are measured, writes the list to ``out``."""
+    import torch.distributed as dist
+
+    results = []
+    for i, plan in enumerate(plans):
+        measured = measure(plan)
+        results.append(to_dict(measured))
+        if dist.get_rank() == 0:
+            print(f"plan {i + 1}/{len(plans)} on {dist.get_world_size()} ranks: step "
+                  f"{measured.step_seconds * 1e3:.1f} ms, peak {measured.peak_bytes / 2**20:.1f} MiB", flush=True)
+    if dist.get_rank() == 0:
+        write_json(out, results)
 
 
 if __name__ == "__main__":
