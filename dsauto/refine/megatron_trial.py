@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-from pathlib import Path
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -40,8 +39,7 @@ from dsauto.plan_io import PLAN_KEY, plan_from_data
 from dsauto.profile.megatron_steps import StepMeter
 from dsauto.profile.memory import MemoryTracker
 from dsauto.profile.run import current_device
-from dsauto.refine.trial_hook import TRIAL_ENV, TrialRequest
-from dsauto.serde import to_dict, write_json
+from dsauto.refine.trial_hook import TRIAL_ENV, TrialRequest, end_trial
 
 
 class MegatronTrial:
@@ -85,16 +83,7 @@ class MegatronTrial:
 
         self.finished = True
         self._hook.remove()
-        if self._rank() == 0:
-            write_json(Path(self.request.out), to_dict(measured))
-            print(f"dsauto trial: step {measured.step_seconds * 1e3:.1f} ms, peak "
-                  f"{measured.peak_bytes / 2**20:.1f} MiB per rank; wrote {self.request.out}", flush=True)
-        dist.destroy_process_group()
-        # Leave at once, as the DeepSpeed trial hook does: the result is written, and the script's own
-        # teardown with Megatron's process groups alive is not part of the trial.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        end_trial(self.request, measured, self._rank(), dist.destroy_process_group)
 
     def _report_unfinished(self) -> None:
         if not self.finished and self._rank() == 0:

@@ -43,7 +43,7 @@ import torch
 from dsauto.errors import DsautoError
 from dsauto.profile.memory import MemoryTracker
 from dsauto.profile.run import current_device
-from dsauto.profile.steps import slowest_rank, sync_ranks
+from dsauto.profile.steps import StepMeasurement, slowest_rank, sync_ranks
 from dsauto.serde import from_dict, read_data, to_dict, write_json
 
 TRIAL_ENV = "DSAUTO_TRIAL"
@@ -77,6 +77,23 @@ class TrialRequest:
     def total_steps(self) -> int:
         """Optimizer steps the trial runs before the script is stopped."""
         return self.memory_steps + self.warmup_steps + self.steps
+
+
+def end_trial(request: TrialRequest, measured: StepMeasurement, rank: int,
+              destroy_process_group: Callable[[], None]) -> None:
+    """End a measured trial: rank 0 writes ``measured`` where the request says and reports it, the
+    process group goes, and the script leaves at once. The interpreter's own teardown, with the
+    engine and its communication threads still alive, sometimes aborts ("terminate called without
+    an active exception"), which would make a measured trial look failed; the script's own teardown
+    is not part of the trial, and the result is written, so nothing is lost."""
+    if rank == 0:
+        write_json(Path(request.out), to_dict(measured))
+        print(f"dsauto trial: step {measured.step_seconds * 1e3:.1f} ms, peak "
+              f"{measured.peak_bytes / 2**20:.1f} MiB per rank; wrote {request.out}", flush=True)
+    destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def write_request(request: TrialRequest, path: Path | str) -> None:
@@ -246,17 +263,7 @@ class _TrialSteps:
         measured = slowest_rank(self.step_seconds, self.tracker.peak_bytes("step"),
                                 self.tracker.peak_bytes("static"), losses, self.device)
         self.finished = True
-        if self.rank == 0:
-            write_json(Path(request.out), to_dict(measured))
-            print(f"dsauto trial: step {measured.step_seconds * 1e3:.1f} ms, peak "
-                  f"{measured.peak_bytes / 2**20:.1f} MiB per rank; wrote {request.out}", flush=True)
-        dist.destroy_process_group()
-        # Leave at once: the interpreter's own teardown, with the engine and its communication
-        # threads still alive, sometimes aborts ("terminate called without an active exception"),
-        # which would make a measured trial look failed. The result is written; nothing is lost.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        end_trial(request, measured, self.rank, dist.destroy_process_group)
 
     def _report_unfinished(self) -> None:
         if not self.finished and self.rank == 0:
