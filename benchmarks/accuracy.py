@@ -28,8 +28,13 @@ measurements (leave one plan out; :func:`dsauto.refine.calibrate.fit_calibration
 Results go to ``benchmarks/results/accuracy.md`` (one section per part) and ``accuracy.png``; the
 last lines printed are
 
-    median_time_error=X max_time_error=Y median_memory_error=Z plans=N
-    mp_median_time_error=X mp_max_time_error=Y mp_median_memory_error=Z mp_plans=N
+    median_time_error=X max_time_error=Y median_memory_error=Z max_under_prediction=U plans=N
+    mp_median_time_error=X mp_max_time_error=Y mp_median_memory_error=Z mp_max_under_prediction=U mp_plans=N
+    moe_median_time_error=X moe_max_time_error=Y moe_median_memory_error=Z moe_max_under_prediction=U moe_plans=N
+
+where U, the largest under-prediction of a peak, is the maximum over plans of (measured - predicted) /
+measured, 0 when no peak is under-predicted: a plan predicted below its real peak is an
+out-of-memory waiting to happen.
 """
 
 from __future__ import annotations
@@ -301,6 +306,8 @@ def mp_summary(rows: list[MpRow]) -> str:
     times = [abs(r.time_error) for r in rows]
     return (f"mp_median_time_error={statistics.median(times):.3f} mp_max_time_error={max(times):.3f} "
             f"mp_median_memory_error={statistics.median(abs(r.memory_error) for r in rows):.3f} "
+            f"mp_max_under_prediction="
+            f"{max_under_prediction([(r.plan.prediction.peak_memory_bytes, r.peak_bytes) for r in rows]):.3f} "
             f"mp_plans={len(rows)}")
 
 
@@ -327,10 +334,7 @@ def main() -> None:
     if args.plans in ("all", "dp"):
         started = time.perf_counter()
         rows = measure_dp(args.quick, work, log)
-        time_errors = [abs(p - m) / m for _, _, p, m, _, _ in rows]
-        memory_errors = [abs(p - m) / m for _, _, _, _, p, m in rows]
-        summary = (f"median_time_error={statistics.median(time_errors):.3f} max_time_error={max(time_errors):.3f} "
-                   f"median_memory_error={statistics.median(memory_errors):.3f} plans={len(rows)}")
+        summary = dp_summary(rows)
         write_section("dp", dp_lines(rows, summary, time.perf_counter() - started, command))
         plot_dp(rows, summary)
         summaries.append(summary)
@@ -370,6 +374,11 @@ def write_section(name: str, lines: list[str]) -> None:
     path.write_text("\n\n".join([TITLE, *(sections[n] for n in SECTIONS if n in sections)]) + "\n")
 
 
+UNDER_PREDICTION_NOTE = ("`max_under_prediction` is the largest (measured - predicted) / measured peak over the "
+                         "plans, 0 when none is under-predicted (a peak predicted low is an out-of-memory waiting "
+                         "to happen).")
+
+
 def dp_lines(rows, summary: str, wall: float, command: str) -> list[str]:
     lines = [
         "## Data-parallel plans (DeepSpeed)",
@@ -379,6 +388,7 @@ def dp_lines(rows, summary: str, wall: float, command: str) -> list[str]:
         "Predictions use the profile measured in the same run (`dsauto profile` on 2 ranks: layer times and",
         "activations on rank 0, gloo collectives fitted on both); memory is the peak of live tensor bytes",
         "per rank during a step (tensor-level: every storage an operator creates, until it is freed), not RSS.",
+        UNDER_PREDICTION_NOTE,
         "",
         "| model | plan | predicted step | measured step | time error | predicted peak | measured peak | memory error |",
         "|---|---|---|---|---|---|---|---|",
@@ -438,7 +448,7 @@ def mp_lines(rows: list[MpRow], summary: str, wall: float, command: str,
             f"{p.peak_memory_bytes / 2**20:.1f} MiB | {r.peak_bytes / 2**20:.1f} MiB | {r.memory_error:+.1%} |")
     cross = [abs(r.cross_validated_error) for r in rows]
     walls = [abs(r.wall_error) for r in rows]
-    lines += ["", "```", summary, "```", "",
+    lines += ["", UNDER_PREDICTION_NOTE, "", "```", summary, "```", "",
               (f"Cross-validated (leave one plan out): median time error {statistics.median(cross):.3f}, "
                f"max {max(cross):.3f}. Against the wall time as the steps ran (other processes' time "
                f"included): median {statistics.median(walls):.3f}, max {max(walls):.3f}."),
@@ -565,7 +575,14 @@ def dp_summary(rows) -> str:
     time_errors = [abs(p - m) / m for _, _, p, m, _, _ in rows]
     memory_errors = [abs(p - m) / m for _, _, _, _, p, m in rows]
     return (f"median_time_error={statistics.median(time_errors):.3f} max_time_error={max(time_errors):.3f} "
-            f"median_memory_error={statistics.median(memory_errors):.3f} plans={len(rows)}")
+            f"median_memory_error={statistics.median(memory_errors):.3f} "
+            f"max_under_prediction={max_under_prediction([(p, m) for _, _, _, _, p, m in rows]):.3f} plans={len(rows)}")
+
+
+def max_under_prediction(peaks) -> float:
+    """The largest (measured - predicted) / measured over (predicted, measured) peak pairs, 0 when
+    no peak is under-predicted."""
+    return max([0.0] + [(m - p) / m for p, m in peaks])
 
 
 if __name__ == "__main__":

@@ -24,11 +24,15 @@ divided by TFLOP/s x GPUs.
 Writes benchmarks/results/fidelity.md and prints
 ``cv_median_error=… cv_max_error=… runs=N`` and ``in_sample_median_error=… in_sample_max_error=… runs=N``.
 
-Run: python benchmarks/fidelity.py       (about ten minutes on two cores; needs scipy)
+Run: python benchmarks/fidelity.py       (about fifteen minutes on two cores; needs scipy)
+     python benchmarks/fidelity.py --only mpt,ibm --in-sample
+                                          (a quick look: the runs of some sources, fitted on
+                                           themselves, without the folds; writes nothing)
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import sys
@@ -92,27 +96,38 @@ class Source:
     interleaved: bool = False
     """The source says it ran the interleaved schedule without the count of virtual stages: the
     planner's best of the interleaved schedules it can run (not the plain 1F1B)."""
+    scatter_gather: bool = False
+    """Megatron-LM 2021-22 scattered each pipeline boundary over the tensor-parallel ranks and
+    all-gathered it on arrival (Strategy.pipeline_scatter_gather)."""
+    tp_comm_overlap: bool = False
+    """The runs set Megatron-core's --tp-comm-overlap (Strategy.tp_comm_overlap)."""
+    torch_checkpoint: bool = False
+    """The source's stack checkpoints with PyTorch's non-reentrant checkpoint, early stop included
+    (PyTorch 2.1 on): see :func:`_engine_options` for which of its runs."""
 
 
 SOURCES = {
     "narayanan21-t1": Source("narayanan21", "megatron", 0, False, "fp16",
                              "Megatron-LM 2021: engine megatron, no distributed optimizer (ZeRO 0), eager "
                              "attention, full recomputation (Eq. 3 assumes it), interleaved schedule with its "
-                             "virtual stages left to the planner (not published)", GPT, True, None),
+                             "virtual stages left to the planner (not published), pipeline scatter/gather "
+                             "(Sec. 4.1)", GPT, True, None, scatter_gather=True),
     "narayanan21-t2-zero3": Source("narayanan21", "deepspeed", 3, False, "fp16",
                                    "DeepSpeed ZeRO-3 (2021) without model parallelism: engine deepspeed, every "
                                    "layer sharded, full recomputation (Eq. 3 assumes it), vocabulary 51,200",
                                    GPT, True, 1, shard_all=True),
     "korthikanti22": Source("korthikanti22", "megatron", 0, False, "fp16",
                             "Megatron-LM 2022: engine megatron, ZeRO 0, eager attention, the published "
-                            "virtual stages (none where the table lists none)", GPT, None, 1),
+                            "virtual stages (none where the table lists none), pipeline scatter/gather "
+                            "without sequence parallelism", GPT, None, 1, scatter_gather=True),
     "megatron-readme24": Source("megatron-readme24", "megatron", 1, True, "bf16",
                                 "Megatron-core r0.8 on H100: engine megatron with the distributed optimizer "
                                 "(--overlap-param-gather needs it), sequence parallelism when tp > 1 "
                                 "(--tp-comm-overlap needs it), flash attention, BF16 (the MFU is against the "
                                 "BF16 peak; precision not published), untied embeddings (the published "
-                                "parameter counts); recomputation, micro-batch and virtual stages the "
-                                "planner's", dict(tied_embeddings=False), None, None),
+                                "parameter counts), --tp-comm-overlap as the README states; recomputation, "
+                                "micro-batch and virtual stages the planner's", dict(tied_embeddings=False), None,
+                                None, tp_comm_overlap=True),
     "llama3": Source("llama3", "megatron", 1, True, "bf16",
                      "Meta's 4D stack: engine megatron, ZeRO 1 (its FSDP shards optimizer and gradients; "
                      "dsauto runs ZeRO 0-1 with pipelines), interleaved (Sec. 3.3.2) with the virtual stages "
@@ -130,11 +145,17 @@ SOURCES = {
                     dict(position_embedding="alibi", embedding_norm=True), None, 1),
     "ibm": Source("ibm", "megatron", 3, True, "bf16",
                   "PyTorch FSDP: engine megatron with ZeRO 3 (Megatron-FSDP shards every layer, as FSDP "
-                  "FULL_SHARD); 'every n-th block' checkpointing left to the planner", LLAMA),
+                  "FULL_SHARD); 'every n-th block' checkpointing left to the planner; gradients reduced in "
+                  "bf16 and non-reentrant checkpointing with early stop (fms-fsdp: fms_fsdp/policies/"
+                  "mixed_precision.py bfSixteen, ac_handler.py; PyTorch after 2.2)", LLAMA,
+                  torch_checkpoint=True),
     "mpt": Source("mpt", "megatron", 3, True, "bf16",
-                  "Composer FSDP FULL_SHARD: engine megatron with ZeRO 3 (Megatron-FSDP shards every layer "
-                  "and reduces fp32 gradients, as Composer's DEFAULT mixed precision does), no dropout",
-                  dict(dropout=False)),
+                  "Composer FSDP FULL_SHARD: engine megatron with ZeRO 3 (Megatron-FSDP shards every layer), "
+                  "gradients reduced in fp32 under the MP mode DEFAULT and in bf16 under PURE (Composer's "
+                  "get_mixed_precision), no dropout; the amp_bf16 sweep (llm-foundry's later "
+                  "submit_benchmarks.py, flash-attn 2, PyTorch 2.1) checkpoints with early stop "
+                  "(activation_checkpointing_reentrant: false), the older bf16/PURE one (PyTorch 1.13 "
+                  "image) without", dict(dropout=False), torch_checkpoint=True),
 }
 
 EXCLUDED_SOURCES = {
@@ -159,6 +180,24 @@ class PublishedRun:
     published_seconds: float
     figure: str
     notes: tuple[str, ...]
+    grad_reduce_in_fp32: bool = True
+    """Gradients reduced in fp32 (Megatron's default; Composer's DEFAULT mixed precision), or in
+    bf16 (Composer's PURE: FSDP ``reduce_dtype`` bf16)."""
+    recompute_early_stop: bool = False
+    """Recomputation under PyTorch's non-reentrant checkpoint with early stop (Strategy.
+    recompute_early_stop)."""
+
+    @property
+    def engine_options(self) -> dict:
+        """The Strategy fields this run sets beyond what the planner searches."""
+        return dict(grad_reduce_in_fp32=self.grad_reduce_in_fp32, recompute_early_stop=self.recompute_early_stop,
+                    pipeline_scatter_gather=self.source.scatter_gather, tp_comm_overlap=self.source.tp_comm_overlap)
+
+    @property
+    def rebuilt(self) -> bool:
+        """Whether the planner's plans are re-priced with ``engine_options`` or ``shard_all``."""
+        return (self.source.shard_all or not self.grad_reduce_in_fp32 or self.recompute_early_stop
+                or self.source.scatter_gather or self.source.tp_comm_overlap)
 
     @property
     def generation(self) -> str:
@@ -177,6 +216,25 @@ def _source_of(run_id: str) -> str:
         if run_id.startswith(prefix):
             return prefix
     raise KeyError(f"no source rules for {run_id}")
+
+
+def _engine_options(record: dict, source: Source) -> tuple[bool, bool]:
+    """(gradients reduced in fp32, recomputation with early stop) of one record.
+
+    PyTorch FSDP reduces in its ``reduce_dtype``: Composer's MP mode DEFAULT sets fp32 and PURE
+    the training dtype (composer's ``get_mixed_precision``); the MPT records name the mode. The
+    IBM runs use fms-fsdp's bf16 policy (reduce_dtype bf16). PyTorch's non-reentrant checkpoint
+    stops recomputing early from PyTorch 2.1 on (Strategy.recompute_early_stop): llm-foundry's
+    sweep sets ``activation_checkpointing_reentrant: false``; its rows with precision amp_bf16
+    come from the later sweep script (``'amp_' + precision``, ``.[gpu-flash2]``, PyTorch 2.1),
+    those with precision bf16 / PURE from the earlier one, whose default image is PyTorch 1.13.1
+    (no early stop)."""
+    precision = str(record.get("precision") or "")
+    if source.key == "mpt":
+        return "'PURE'" not in precision, "'amp_bf16'" in precision
+    if source.key == "ibm":
+        return False, True
+    return True, False
 
 
 def _checkpoint(described: object, default: bool | None) -> bool | None:
@@ -291,8 +349,9 @@ def configure(record: dict) -> PublishedRun | str:
     if isinstance(published, str):
         return published
     seconds, figure = published
+    fp32_reduce, early_stop = _engine_options(record, source)
     return PublishedRun(rid, source, record["hardware"], record["gpus"], model, m.get("name") or rid, train, pins,
-                        seconds, figure, tuple(notes))
+                        seconds, figure, tuple(notes), fp32_reduce, early_stop)
 
 
 def load_runs(path: Path = RUNS_FILE) -> tuple[list[PublishedRun], list[tuple[str, str]]]:
@@ -323,11 +382,13 @@ def _cluster(run: PublishedRun, hardware: HardwareSpec, limit: int = 0) -> Clust
     return ClusterSpec(hardware, nodes=run.gpus // per_node, gpus_per_node=per_node, memory_limit_bytes=limit)
 
 
-def _strategy(plan: Plan) -> Strategy:
+def _strategy(plan: Plan, run: PublishedRun | None = None) -> Strategy:
+    """The plan's strategy, with the engine options of ``run`` (PublishedRun.engine_options)."""
     return Strategy(dims=ParallelDims(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp), zero_stage=plan.zero_stage,
                     micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
                     sequence_parallel=plan.sequence_parallel, engine=plan.engine,
-                    virtual_stages=plan.virtual_stages, recompute_modules=plan.uniform_recompute_modules())
+                    virtual_stages=plan.virtual_stages, recompute_modules=plan.uniform_recompute_modules(),
+                    **(run.engine_options if run is not None else {}))
 
 
 def _options(plan: Plan, shard_all: bool) -> tuple[LayerOption, ...]:
@@ -354,17 +415,23 @@ def _search(run: PublishedRun, hardware: HardwareSpec, top_k: int, pins: Constra
     return sorted(found, key=lambda p: p.prediction.step_seconds)[:top_k], limit == 0
 
 
+REBUILT_TOP_K = 4
+"""Plans of the planner re-priced with a run's engine options, of which the fastest is taken."""
+
+
 def plans(run: PublishedRun, hardware: HardwareSpec, top_k: int = 1) -> tuple[list[Plan], bool]:
     """The planner's best plans for the pinned configuration (one per strategy), and whether they
     fit the device's memory budget; a configuration the memory model refuses is planned under a
     generous limit, since it ran."""
-    found, fits = _search(run, hardware, top_k, run.pins, 0)
+    # Plans re-priced with the run's engine options are re-ranked: the planner's first few.
+    searched = max(top_k, REBUILT_TOP_K) if run.rebuilt else top_k
+    found, fits = _search(run, hardware, searched, run.pins, 0)
     if not found:
-        found, fits = _search(run, hardware, top_k, run.pins, GENEROUS_BYTES)
-    if run.source.shard_all:
+        found, fits = _search(run, hardware, searched, run.pins, GENEROUS_BYTES)
+    if run.rebuilt:
         planner = Planner(run.model, _cluster(run, hardware, GENEROUS_BYTES), run.train, run.pins)
-        found = sorted((planner.build_plan(_strategy(p), p.stage_layers, _options(p, True)) for p in found),
-                       key=lambda p: p.prediction.step_seconds)
+        found = sorted((planner.build_plan(_strategy(p, run), p.stage_layers, _options(p, run.source.shard_all))
+                        for p in found), key=lambda p: p.prediction.step_seconds)[:top_k]
     return found, fits
 
 
@@ -385,7 +452,7 @@ def build_cases(runs: Sequence[PublishedRun], constants: Constants | None = None
         hardware = base_hardware(run.hardware)
         found, _ = plans(run, constants.apply(hardware) if constants else hardware, top_k=64)
         fastest = found[0].prediction.step_seconds
-        candidates = tuple(Candidate(_strategy(p), p.stage_layers, _options(p, run.source.shard_all))
+        candidates = tuple(Candidate(_strategy(p, run), p.stage_layers, _options(p, run.source.shard_all))
                            for p in found if p.prediction.step_seconds <= fastest * (1 + keep_within))
         per_node = min(run.gpus, hardware.gpus_per_node)
         cases.append(Case(run.id, run.group, 1.0 / per_source[run.source.key], run.model, run.train, hardware,
@@ -444,9 +511,22 @@ def _summary(errors: Sequence[float]) -> tuple[float, float]:
     return statistics.median(absolute), max(absolute)
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Cost-model fidelity on published training runs.")
+    parser.add_argument("--only", default="", help="comma-separated source keys (e.g. mpt,ibm): fit and report "
+                        "those runs only, without writing the results")
+    parser.add_argument("--in-sample", action="store_true", help="skip the cross-validation folds (no results "
+                        "written)")
+    args = parser.parse_args(argv)
     started = time.perf_counter()
     runs, excluded = load_runs()
+    only = {k for k in args.only.split(",") if k}
+    if only:
+        unknown = only - {source.key for source in SOURCES.values()}
+        if unknown:
+            parser.error(f"unknown source(s) {', '.join(sorted(unknown))}; known: "
+                         f"{', '.join(sorted({source.key for source in SOURCES.values()}))}")
+        runs = [r for r in runs if r.source.key in only]
     say = print
     say(f"{len(runs)} usable runs, {len(excluded)} excluded")
     rows: list[Row] = []
@@ -454,12 +534,14 @@ def main() -> int:
     fold_constants: dict[str, list[tuple[list[str], Constants]]] = defaultdict(list)
     for generation in DEVICES:
         selected = [r for r in runs if r.generation == generation]
+        if not selected:
+            continue
         say(f"{generation}: fitting on {len(selected)} runs")
         constants, cases = fit_generation(selected, say)
         fitted[generation] = constants
         by_id = {r.id: r for r in selected}
         results = {r.id: Row(r, *predict(r, constants)) for r in selected}
-        for k, fold in enumerate(group_folds(cases, FOLDS)):
+        for k, fold in enumerate([] if args.in_sample else group_folds(cases, FOLDS)):
             held = {cases[i].run_id for i in fold}
             train = [c for c in cases if c.run_id not in held]
             say(f"{generation}: fold {k + 1}/{FOLDS}, {len(held)} runs held out")
@@ -473,7 +555,15 @@ def main() -> int:
     cv_median, cv_max = _summary([row.cv_error for row in rows])
     lines = [f"cv_median_error={cv_median:.1%} cv_max_error={cv_max:.1%} runs={len(rows)}",
              f"in_sample_median_error={in_median:.1%} in_sample_max_error={in_max:.1%} runs={len(rows)}"]
-    RESULTS.write_text(report(rows, excluded, fitted, fold_constants, lines, wall))
+    if only or args.in_sample:
+        for row in rows:
+            cv = "" if args.in_sample else f" CV {row.cv_error:+.1%}"
+            say(f"{row.run.id:50s} {_config(row.plan):48s} {row.error:+.1%}{cv}")
+        for fitted_generation, constants in fitted.items():
+            say(f"{fitted_generation}: {constants.describe()}")
+        lines = lines[1:] if args.in_sample else lines
+    else:
+        RESULTS.write_text(report(rows, excluded, fitted, fold_constants, lines, wall))
     for line in lines:
         print(line)
     return 0
@@ -486,24 +576,39 @@ WHY = {
                             "NIC's bandwidth (~28 GB/s) with little overlap. dsauto prices today's ZeRO-3 (a ring "
                             "over the node's eight NICs, overlapped), 5-6x faster; fitting the inter-node efficiency "
                             "to these rows (0.15) would slow every pipeline run, so it stays at the preset.",
-    "narayanan21": "Megatron-LM 2021 sent 1/tp of each pipeline boundary across nodes and all-gathered it over "
-                      "NVLink (scatter/gather, Narayanan et al. 2021, Sec. 4.1); Megatron-core ignores that flag "
-                      "and dsauto prices the whole boundary without sequence parallelism.",
-    "korthikanti22": "Full-recompute rows run without sequence parallelism: dsauto sends the whole pipeline boundary "
-                     "(no 2021-22 scatter/gather) and the interleaved rows send it v times; the selective rows are "
-                     "priced with the attention core recomputed in every layer (dsauto's core_attn).",
-    "megatron-readme24": "The runs overlap tensor-parallel communication with GEMMs (--tp-comm-overlap, userbuffers); "
-                         "dsauto does not emit that flag and prices the collectives exposed, so tp = 4-8 runs come "
-                         "out slow.",
+    "narayanan21": "The pipeline scatter/gather of Megatron-LM 2021 is priced (Strategy.pipeline_scatter_gather); "
+                   "the deepest pipelines (35-64 stages, one micro-batch of one sequence) stay slow by the same "
+                   "margin as korthikanti22's: at the A100 constants fitted across sources, the compute of these "
+                   "tp-8 fp16 layers (hidden 20480-25600) is priced above what Megatron-LM ran.",
+    "korthikanti22": "The pipeline scatter/gather of the full-recompute rows is priced; the 530B and 1T rows (35 and "
+                     "64 stages, one replica) remain slow: at the A100 constants fitted across sources their "
+                     "priced compute alone (recomputation included) exceeds the published step, i.e. Megatron-LM "
+                     "2022 ran these 20480-25600-wide tp-8 GEMMs faster than the shared constants say. A "
+                     "per-source constant would hide it, so none is fitted; the selective rows are priced with "
+                     "the attention core recomputed in every layer (dsauto's core_attn).",
+    "megatron-readme24": "--tp-comm-overlap is priced (Strategy.tp_comm_overlap); what is left is the 32B row, "
+                         "tp 8 x dp 48 with one micro-batch of four sequences per step: its fp32 gradient "
+                         "reduce-scatter over 48 nodes can only overlap that one micro-batch's backward, and the "
+                         "exposed remainder dsauto prices is more than the run showed.",
     "llama3": "Meta's own 4D stack (FSDP sharding gradients and optimizer, asynchronous point-to-point, "
-              "interleaving). dsauto runs ZeRO 0-1 with pipelines, and under its memory model the interleaved "
-              "schedule does not fit 80 GiB without recomputation, so the planner's plan is plain 1F1B with a "
-              "bubble of (16 - 1) / 32 micro-batches; the 128K row adds context parallelism 16.",
-    "ibm": "The authors report their H100 cluster's network lags (about 10%) and suspect HBM limits; the A100 "
-           "70B row is over-predicted with the recomputation every block does.",
-    "mpt": "Composer's recomputation is cheaper than a forward pass in these tables (a checkpointed run of the same "
-           "model is as fast per token as an uncheckpointed one), and the longest sequences (16K-64K) run "
-           "FlashAttention slower than at 2-8K.",
+              "interleaving). dsauto runs ZeRO 0-1 with pipelines; under its memory model the interleaved "
+              "schedule (4 virtual stages) does not fit 80 GiB without recomputation (84-98 GiB), so these runs "
+              "are priced under a generous limit. The 128K row adds context parallelism 16 (priced as "
+              "Megatron-core's ring attention) and comes out slowest.",
+    "ibm": "The authors report their H100 cluster's network lags (about 10%) and suspect HBM limits; the H100 "
+           "rows come out too fast by more than that.",
+    "mpt": "Patterns that no mechanism dsauto knows explains. (1) The 30B runs on 8 GPUs at 4-8K tokens are "
+           "slower per token than their attention explains on both GPUs (the other sizes fit one attention rate "
+           "per GPU within a few percent); dsauto puts their peak at 67-71 GiB of the 80, where PyTorch's "
+           "caching allocator retries and frees blocks, which dsauto does not price. (2) On A100 the rows with "
+           "checkpointing of 7-70B models run at 65-79% hardware FLOP utilisation (MosaicML's HFU), more than "
+           "the A100 constants fitted across sources give (the 2021-22 Megatron-LM and DeepSpeed runs hold them "
+           "lower): they come out 15-22% slow. 13B on 8 A100-40GB runs 19% slower per GPU than on 16-128 GPUs "
+           "(29.5 against 25.9 GiB predicted of 40: memory pressure again), which the constants fit instead. "
+           "(3) On H100 the 13B runs without checkpointing (two sequences per micro-batch, one micro-batch per "
+           "step) reach 40% MFU where dsauto predicts 47% (in-sample), and the 64K-token rows run "
+           "FlashAttention-2 slower than the attention efficiency fitted over all H100 runs. (4) "
+           "mpt-a100-40-1b-s2048-32gpu is 18% slower than the same model on 16 and 64 GPUs (45% MFU against 55-56%).",
     "mtnlg": "The same model and layout on Megatron-LM (Narayanan et al. 2021, 2520 GPUs) reached 163 TFLOP/s; "
              "MT-NLG's DeepSpeed pipeline reached 113-126 on the same hardware: dsauto does not price the "
              "difference between the two pipeline engines.",
@@ -512,6 +617,26 @@ WHY = {
 """Why the runs of a source are off, where some are off by more than 15% (cross-validated)."""
 
 CHANGES = [
+    "Megatron-LM 2021-22 sent 1/tp of each pipeline boundary over the network and all-gathered it over "
+    "NVLink (--scatter-gather-tensors-in-pipeline, on by default and off under sequence parallelism; "
+    "Narayanan et al. 2021, Sec. 4.1; megatron/p2p_communication.py, _communicate): priced for "
+    "narayanan21 and korthikanti22 (Strategy.pipeline_scatter_gather, dsauto/cost/layer.py, p2p_seconds). "
+    "korthikanti22-530b-full-recompute went from +29% to +18% (presets' constants).",
+    "--tp-comm-overlap (Megatron-core, Transformer Engine userbuffers, sequence parallelism required: "
+    "megatron/core/model_parallel_config.py, tp_comm_overlap; megatron/training/arguments.py) hides the "
+    "tensor-parallel collectives under the linear layers' GEMMs (Strategy.tp_comm_overlap, dsauto/cost/"
+    "terms.py, tp_overlap_exposed_seconds); the Megatron-LM README runs state the flag. Their tp 4-8 rows went "
+    "from 0..+34% to -7..+19% at the presets' constants.",
+    "Gradients reduced in bf16 where the run did (Strategy.grad_reduce_in_fp32 False; Megatron-core's "
+    "grad_reduce_in_fp32): MosaicML's rows with MP mode PURE (Composer's get_mixed_precision: reduce_dtype "
+    "the training dtype) and IBM's fms-fsdp runs (bfSixteen policy); the DEFAULT rows reduce in fp32.",
+    "PyTorch's non-reentrant checkpoint stops recomputing once the last tensor backward needs is re-created "
+    "(early stop, default since PyTorch 2.1: pytorch/pytorch#96866), so a checkpointed layer does not re-run "
+    "its MLP output projection (Strategy.recompute_early_stop, dsauto/cost/terms.py, "
+    "early_stop_saved_seconds; tests/cost/test_engine_options.py counts the matrix multiplies of the real "
+    "torch.utils.checkpoint). Priced for llm-foundry's amp_bf16 sweep (activation_checkpointing_reentrant: "
+    "false, PyTorch 2.1) and IBM's runs (non-reentrant checkpoint_wrapper, PyTorch after 2.2), not for the "
+    "older bf16/PURE sweep (PyTorch 1.13 image, no early stop).",
     "Fused (flash) attention runs at its own fraction of peak, the device's attention_efficiency, and its "
     "backward costs 2.5x its forward (five matrix multiplies against two: FlashAttention-2, Dao 2023, Sec. "
     "3.1.2 and 4.1); before, it was priced as a GEMM over the head dimension at the GEMM efficiency, which put "
@@ -601,7 +726,8 @@ def report(rows: Sequence[Row], excluded: Sequence[tuple[str, str]], fitted: dic
             "|---|" + "---|" * (len(dataclasses.fields(Constants)) + 2)]
     for generation, constants in fitted.items():
         count = sum(1 for r in rows if r.run.generation == generation)
-        current = [Constants.of(base_hardware(name)).vector() for name in DEVICES[generation]]
+        # Read again: `python benchmarks/fit_device.py --write` may have written them during the run.
+        current = [Constants.of(load_hardware(name)).vector() for name in DEVICES[generation]]
         written = all(all(abs(a - b) <= 0.0015 * max(1.0, abs(b)) for a, b in zip(c, constants.vector()))
                       for c in current)
         out.append(f"| {generation.upper()} | " + " | ".join(f"{v:.3g}" for v in constants.vector())

@@ -108,6 +108,7 @@ def make_problem(
     etp: int | None = None,
     offload: Offload | None = None,
     hpz: int | None = None,
+    dist_opt_instances: int | None = None,
     recompute_modules: str | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
@@ -147,9 +148,11 @@ def make_problem(
         offload: ``"none"``, ``"optimizer"`` or ``"optimizer+params"`` (DeepSpeed ZeRO-3): what to
             keep in host memory (default: the optimizer of a strategy that fits only so).
         hpz: pin ZeRO++'s hierarchical partition size (DeepSpeed ZeRO-3; default: searched).
+        dist_opt_instances: pin the instances of Megatron-core's partial distributed optimizer
+            (``--num-distributed-optimizer-instances``; default: searched).
         recompute_modules: selective recomputation in every transformer layer, comma-separated
-            modules among ``core_attn``, ``layernorm`` and ``mlp`` (Megatron-core), or ``"none"``
-            (default: searched).
+            modules among ``core_attn``, ``layernorm`` and ``mlp`` (Megatron-core's names; the
+            DeepSpeed hook checkpoints the same modules), or ``"none"`` (default: searched).
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -171,7 +174,8 @@ def make_problem(
         raise DsautoError(f"The workload is out of range: {exc}; change --global-batch or --seq-len.") from None
     pins = Constraints(tp=tp, pp=pp, zero_stage=zero_stage, micro_batch=micro_batch, checkpoint=checkpoint,
                        sequence_parallel=sequence_parallel, cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp,
-                       offload=offload, hpz=hpz, recompute_modules=recompute_modules)
+                       offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,
+                       recompute_modules=recompute_modules)
     return Problem(model_spec, cluster, train, pins)
 
 
@@ -231,6 +235,7 @@ def make_plan(
     etp: int | None = None,
     offload: Offload | None = None,
     hpz: int | None = None,
+    dist_opt_instances: int | None = None,
     recompute_modules: str | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
@@ -244,5 +249,6 @@ def make_plan(
                            flash_attention=flash_attention, tp=tp, pp=pp, zero_stage=zero_stage,
                            micro_batch=micro_batch, checkpoint=checkpoint, sequence_parallel=sequence_parallel,
                            cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp, offload=offload, hpz=hpz,
+                           dist_opt_instances=dist_opt_instances,
                            recompute_modules=recompute_modules)
     return find_plans(problem, profile=profile)[0]

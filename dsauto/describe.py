@@ -69,6 +69,8 @@ def describe_plan(plan: Plan) -> str:
                      f"pipeline transfers {format_seconds(pred.p2p_seconds)}")
     if plan.offload != "none" or plan.hpz > 1:
         lines.append(_host_and_hpz_text(plan))
+    if plan.dist_opt_instances > 1:
+        lines.append(_dist_opt_instances_text(plan))
     if plan.model.moe:
         dims = plan.dims
         lines.append(f"  experts     {plan.model.num_experts} per MoE layer, top-{plan.model.moe_top_k}: ep {dims.ep} x "
@@ -109,6 +111,14 @@ def _host_and_hpz_text(plan: Plan) -> str:
         parts.append(f"ZeRO++ hpZ: a secondary parameter partition over {plan.hpz} ranks of a node, "
                      f"backward gathers inside the node")
     return "  host        " + "; ".join(parts)
+
+
+def _dist_opt_instances_text(plan: Plan) -> str:
+    """Megatron-core's partial distributed optimizer: its instances and what stays inside one."""
+    size = plan.dp * plan.cp // plan.dist_opt_instances
+    return (f"  sharding    distributed optimizer in {plan.dist_opt_instances} instances of {size} ranks: "
+            f"optimizer state sharded over {size} ranks, gradients reduce-scattered and parameters "
+            f"gathered inside an instance, all-reduced across instances")
 
 
 def _interleaving_text(plan: Plan) -> str:
@@ -162,7 +172,8 @@ def describe_alternatives(plans: Sequence[Plan]) -> str:
         lines.append(
             f"  #{rank} {plan.dims.describe()}{f' vpp={plan.virtual_stages}' if plan.virtual_stages > 1 else ''}"
             f"{f' offload={plan.offload}' if plan.offload != 'none' else ''}"
-            f"{f' hpz={plan.hpz}' if plan.hpz > 1 else ''} "
+            f"{f' hpz={plan.hpz}' if plan.hpz > 1 else ''}"
+            f"{f' dist_opt_instances={plan.dist_opt_instances}' if plan.dist_opt_instances > 1 else ''} "
             f"{plan.engine} zero={plan.zero_stage} "
             f"mb={plan.micro_batch} accum={plan.grad_accum} ckpt={len(plan.checkpointed_layers())}/"
             f"{plan.model.num_layers}"

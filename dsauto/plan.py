@@ -322,6 +322,11 @@ class Plan:
     """ZeRO++ hierarchical partitioning (DeepSpeed ZeRO-3): each rank also keeps a secondary
     partition of the sharded parameters over this many ranks of its node, so that backward
     gathers them inside the node; 1 is plain ZeRO-3."""
+    dist_opt_instances: int = 1
+    """Megatron-core's partial distributed optimizer (``num_distributed_optimizer_instances``): the
+    dp x cp replicas form this many instances of consecutive ranks, each sharding the optimizer
+    state over its own ranks only (a node's, when an instance fills one); gradients are
+    reduce-scattered inside an instance and all-reduced across instances. 1 shards over all of dp x cp."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -349,6 +354,13 @@ class Plan:
                                              or self.gpus_per_node % self.hpz):
             raise ValueError(f"hpz {self.hpz} needs ZeRO stage 3 (not {self.zero_stage}) and must divide dp "
                              f"({self.dp}) and the {self.gpus_per_node} devices of a node")
+        replicas = self.dp * self.cp
+        if self.dist_opt_instances < 1 or self.dist_opt_instances > 1 and (
+                self.engine != "megatron" or self.zero_stage != 1 or replicas % self.dist_opt_instances
+                or self.dist_opt_instances == replicas):
+            raise ValueError(f"dist_opt_instances {self.dist_opt_instances} needs a Megatron-core plan with ZeRO "
+                             f"stage 1 (not {self.engine}, {self.zero_stage}) and must divide dp x cp ({replicas}) "
+                             f"into instances of at least 2 ranks")
         if self.virtual_stages < 1 or (self.virtual_stages > 1 and (
                 self.pp == 1 or min(self.stage_layers) < self.virtual_stages)):
             raise ValueError(f"virtual_stages {self.virtual_stages} needs pp > 1 and at least that many "

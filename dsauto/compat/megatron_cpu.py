@@ -34,13 +34,22 @@ tests and CPU dry runs. What it patches (:data:`PATCHES`), all undone by :meth:`
    so that ``finalize_model_grads`` all-reduces their gradients over the TP group. Unpatched it
    refuses sequence parallelism, which the CUDA-only Apex and Transformer Engine norms provide.
 
+7. CUDA streams: ``torch.cuda.Stream(...)``, ``torch.cuda.default_stream()`` and
+   ``torch.cuda.current_stream()`` return a CPU stand-in whose ``wait_stream`` / ``wait_event`` /
+   ``synchronize`` do nothing, and ``torch.cuda.stream(s)`` is an empty context. Megatron-core's
+   partial distributed optimizer (``num_distributed_optimizer_instances > 1``) creates a
+   communication stream for its buckets (distributed/distributed_data_parallel.py) and runs the
+   gradient reduce-scatter and the all-reduce across instances under it, synchronously
+   (distributed/param_and_grad_buffer.py, ``start_grad_sync`` / ``finish_grad_sync``); on the CPU
+   that work is already in order.
+
 The pipeline schedules, the interleaved one included, need nothing more: their CUDA calls are the
 ``device="cuda"`` token counter and p2p shape buffers on ``current_device()`` (items 1 and 5), and the
 interleaved schedule's overlapped sends (``overlap_p2p_comm``, which ``dsauto.megatron.apply`` sets
 for it) are plain ``isend`` / ``irecv``, which gloo runs.
 
-Not covered, because no CPU run needs them: CUDA streams and events (used with
-``num_distributed_optimizer_instances > 1`` and activation offloading), ``torch.autocast("cuda")``
+Not covered, because no CPU run needs them: CUDA events and streams beyond item 7 (activation
+offloading), ``torch.autocast("cuda")``
 (fp16/bf16 autocast; CPU runs train in fp32), CUDA graphs, NCCL user buffers, Transformer Engine.
 
 While the mode is on, a warning that torch raises inside a call (such as the one for reading
@@ -56,7 +65,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -72,6 +81,8 @@ PATCHES: tuple[str, ...] = (
      "pin_memory -> cpu, unpinned; Tensor.type() -> 'torch.cuda.<T>'"),
     ("megatron.core.transformer.torch_norm.WrappedTorchNorm: accepts sequence_parallel, marks its "
      "parameters sequence_parallel as Apex's FusedLayerNorm does"),
+    ("torch.cuda.Stream / default_stream / current_stream -> a CPU stand-in whose waits do nothing; "
+     "torch.cuda.stream(s) -> an empty context"),
 )
 """What :meth:`MegatronCpuShim.enable` changes, one line each (the module docstring says why)."""
 
@@ -154,6 +165,22 @@ def _sequence_parallel_norm(original_new: Callable) -> Callable:
     return new
 
 
+class _CpuStream:
+    """A CUDA stream as the CPU sees it (item 7): work runs in program order, so waiting does nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -185,6 +212,10 @@ class MegatronCpuShim:
 
         self._patch(torch.cuda, "current_device", lambda: 0)
         self._patch(torch.cuda, "synchronize", lambda device=None: None)
+        self._patch(torch.cuda, "Stream", _CpuStream)
+        self._patch(torch.cuda, "default_stream", lambda device=None: _CpuStream())
+        self._patch(torch.cuda, "current_stream", lambda device=None: _CpuStream())
+        self._patch(torch.cuda, "stream", lambda stream=None: nullcontext())
         for module in (torch.cuda, torch.cuda.random):
             self._patch(module, "get_rng_state", lambda device="cuda": torch.get_rng_state())
             self._patch(module, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state))

@@ -43,6 +43,7 @@ from dsauto.cost.terms import (
     expert_dispatch_seconds,
     gathered_unit_params,
     model_state,
+    partial_dist_opt_sync_seconds,
     pass_seconds,
     state_bytes_per_param,
     ulysses_seconds,
@@ -127,6 +128,10 @@ class CostModel:
         dtype_bytes = train.dtype_bytes
         grad_bytes, optimizer_bytes = state_bytes_per_param(strategy.engine, dtype_bytes, train.dtype == "bf16",
                                                             strategy.zero_stage)
+        if strategy.engine == "megatron" and train.dtype == "bf16" and not strategy.grad_reduce_in_fp32:
+            # The gradient buffer then takes the parameter dtype (megatron/core/distributed/
+            # distributed_data_parallel.py: grad_dtype = fp32 only with grad_reduce_in_fp32).
+            grad_bytes = dtype_bytes
         self.context = LayerContext(
             device=self.device, tp=strategy.tp, dp=replicas.dp, zero_stage=strategy.zero_stage,
             tokens=self.tokens,
@@ -146,6 +151,18 @@ class CostModel:
             # ZeRO++ hpZ's secondary partition: the hpz consecutive ranks of a node (DeepSpeed's
             # _create_zero_param_parallel_group in deepspeed/utils/groups.py).
             hpz_group=scaled(dp_group(cluster, 1, strategy.hpz), comm) if strategy.hpz > 1 else None,
+            # Megatron-core's partial distributed optimizer: an instance is dp x cp / N consecutive
+            # replicas (stride tp), and the same shard of each instance is that many ranks further
+            # on (parallel_state.initialize_model_parallel's intra- and inter-partial groups).
+            dist_opt_instances=strategy.dist_opt_instances,
+            dist_opt_group=scaled(dp_group(cluster, strategy.tp, replicas.dp // strategy.dist_opt_instances), comm)
+            if strategy.dist_opt_instances > 1 else None,
+            dist_opt_inter_group=scaled(dp_group(cluster, strategy.tp * replicas.dp // strategy.dist_opt_instances,
+                                                 strategy.dist_opt_instances), comm)
+            if strategy.dist_opt_instances > 1 else None,
+            recompute_early_stop=strategy.recompute_early_stop,
+            # Only under sequence parallelism (megatron/training/arguments.py, validate_args asserts it).
+            tp_comm_overlap=strategy.tp_comm_overlap and strategy.sequence_parallel and strategy.tp > 1,
         )
 
     def _fits(self, size: int, spans_nodes: bool,
@@ -236,7 +253,11 @@ class CostModel:
         return passes.forward_seconds + passes.backward_seconds
 
     def grad_sync_seconds(self, grad_bytes: float) -> float:
-        """Once-per-step gradient reduction of ZeRO 0 (all-reduce) or 1 (reduce-scatter)."""
+        """Once-per-step gradient reduction of ZeRO 0 (all-reduce) or 1 (reduce-scatter; with
+        Megatron-core's partial distributed optimizer, inside an instance and then across them)."""
+        ctx = self.context
+        if ctx.dist_opt_group is not None and ctx.dist_opt_inter_group is not None:
+            return partial_dist_opt_sync_seconds(grad_bytes, ctx.dist_opt_group, ctx.dist_opt_inter_group)
         if self.strategy.zero_stage == 1:
             return self.context.dp_group.reduce_scatter(grad_bytes)
         return self.context.dp_group.all_reduce(grad_bytes)
@@ -244,4 +265,10 @@ class CostModel:
     def p2p_seconds(self) -> float:
         """Sending one micro-batch's boundary activation to the next stage (and its gradient back)."""
         boundary = self.tokens * self.hidden_size * self.context.dtype_bytes
+        if self.strategy.pipeline_scatter_gather and self.strategy.tp > 1 and self.context.replicated_div == 1:
+            # Megatron-LM 2021-22 (Strategy.pipeline_scatter_gather): each tensor-parallel rank sends
+            # its 1/tp of the boundary over its own link, and the receiving ranks all-gather the
+            # pieces over the tensor-parallel group before the stage can start.
+            return (self.pp.send_recv(boundary / self.strategy.tp)
+                    + self.context.tp_group.all_gather(boundary))
         return self.pp.send_recv(boundary / self.context.replicated_div)

@@ -23,12 +23,22 @@ from dsauto.cost.measured import MeasuredCosts
 from dsauto.cost.pipeline import pipeline_seconds
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.cost.terms import (
+    local_params,
     megatron_boundary_bytes_per_token,
     megatron_score_buffer_bytes,
     megatron_tied_output_table,
     model_state,
     selective_recompute_flops_per_token,
+    sharded_gather_bytes,
     tp_comm_passes,
+)
+from dsauto.cost.zero3 import (
+    gathered_params_bytes,
+    head_moment_bytes,
+    layer_backward_bytes,
+    sharded_param_bytes,
+    zero3_moment_peak,
+    zero3_moments_apply,
 )
 from dsauto.plan import Basis, Prediction, StagePrediction, rank_layers
 from dsauto.spec.cluster import ClusterSpec
@@ -92,8 +102,9 @@ def bucket_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int) -> int
 def prefetch_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int,
                    options: Sequence[LayerOption], num_layers: int) -> int:
     """ZeRO-3 prefetch bucket: the largest unit any sharded layer gathers at once, so that one unit
-    is gathered ahead of the one in use (the transient the cost model prices); 0 when nothing is
-    sharded."""
+    is gathered ahead of the one in use; the emitted ``stage3_max_live_parameters`` is twice it,
+    the gathered parameters the cost model prices (:func:`dsauto.cost.zero3.gathered_params_bytes`);
+    0 when nothing is sharded."""
     units = [gathered_unit_params(layer_group_of(groups, j, num_layers), option, tp)
              for j, option in enumerate(options) if option.shard_params]
     return int(max(units, default=0) * dtype_bytes)
@@ -115,7 +126,9 @@ def stage_constant_bytes(strategy: Strategy, bucket: int, grads_bytes: float) ->
     - ZeRO-0 all-reduces the gradients flattened into one copy per bucket of up to 5e8 elements
       (``DeepSpeedEngine.allreduce_bucket``), so a second copy of the gradients exists meanwhile;
     - ZeRO-1/2 with ``overlap_comm`` fill two reduction buckets alternately during backward
-      (``ipg_buffer`` in stage_1_and_2.py), ZeRO-1 only when it accumulates micro-batches;
+      (``ipg_buffer`` in stage_1_and_2.py); on one pipeline stage each moment of the step holds its
+      own share of them (:func:`deepspeed_moment_peak`; this returns what all of them hold at
+      least), under the pipeline engine ZeRO-1 holds them only when it accumulates micro-batches;
     - ZeRO-3 keeps one contiguous gradient bucket for the whole run (``__ipg_bucket_flat_buffer``
       in stage3.py).
 
@@ -127,9 +140,19 @@ def stage_constant_bytes(strategy: Strategy, bucket: int, grads_bytes: float) ->
         return 0
     if strategy.zero_stage == 0:
         return int(grads_bytes)
+    if deepspeed_moments_apply(strategy):
+        # ZeRO-1/2 on one stage: what every backward moment holds beyond the layers' columns
+        # (:func:`deepspeed_moment_peak`), at least: a lower bound of the peak for the layer DP,
+        # whose plans the prediction then checks. From the second micro-batch on, ZeRO-1 holds its
+        # buckets at every moment and ZeRO-2 its gradient partition (counted in the layers'
+        # columns); in a step's only micro-batch the loss comes before any gradient exists, so the
+        # gradient column the layers count is not there yet (a negative constant).
+        if strategy.grad_accum > 1:
+            return 2 * bucket if strategy.zero_stage == 1 else 0
+        return -int(grads_bytes)
     if strategy.zero_stage == 1 and strategy.grad_accum == 1:
-        # ZeRO-1 without accumulation reduces once, in the step, after the activations are freed:
-        # its buckets never meet the activation peak (measured: benchmarks/results/accuracy.md).
+        # ZeRO-1 under the pipeline engine without accumulation reduces once, after the flush, when
+        # the activations are freed (stage_1_and_2.py, ``reduce_gradients(pipeline_parallel=True)``).
         return 0
     return (2 if strategy.zero_stage < 3 else 1) * bucket
 
@@ -160,6 +183,10 @@ def gradient_transient_bytes(strategy: Strategy, bucket: int, largest_grad_bytes
         return 0
     if strategy.dims.replicas <= 1 or strategy.zero_stage == 0:
         return 0  # ZeRO-0's gradients are priced by phase in predict_step
+    if deepspeed_moments_apply(strategy):
+        return 0  # ZeRO-1/2 on one stage: by moment in deepspeed_moment_peak
+    if zero3_moments_apply(strategy):
+        return 0  # ZeRO-3 on one stage: by moment in dsauto.cost.zero3.zero3_moment_peak
     if strategy.zero_stage == 1:
         awaiting = largest_grad_bytes if strategy.grad_accum > 1 else 0.0
     elif strategy.zero_stage == 2:
@@ -167,6 +194,111 @@ def gradient_transient_bytes(strategy: Strategy, bucket: int, largest_grad_bytes
     else:
         awaiting = largest_grad_bytes
     return int(min(awaiting, local_grads_bytes))
+
+
+def deepspeed_moments_apply(strategy: Strategy) -> bool:
+    """Whether :func:`deepspeed_moment_peak` prices the strategy's stage: DeepSpeed with data
+    parallelism, without ZeRO, or with ZeRO-1/2 on one pipeline stage without offload (the
+    pipeline engine reduces ZeRO-1 gradients after the flush, and offload keeps the gradients on
+    the host: their buffers differ)."""
+    if strategy.engine != "deepspeed" or strategy.dims.replicas <= 1:
+        return False
+    if strategy.zero_stage == 0:
+        return True
+    return strategy.zero_stage in (1, 2) and strategy.pp == 1 and strategy.offload == "none"
+
+
+def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim: float, activation: float,
+                          head_transient: float, layers: Sequence[tuple[float, float]], bucket: int,
+                          awaiting_grad: float, local_grads: float, embedding_grad: float, tied_grad: float,
+                          backward_working: float, single_tensor: bool) -> float:
+    """Peak bytes of a DeepSpeed rank over the moments of a step, each with what the engine holds
+    then. ``grads``: the gradient column (whole under ZeRO 0/1, this rank's partition under ZeRO-2);
+    ``activation``: the kept activations; ``layers``: per transformer layer of the stage, in
+    backward order, (the activations held while its backward runs: those of the layers before it,
+    its own and its transient, such as its recomputed activations; the unpartitioned gradients of
+    the layers after it); ``local_grads``: the unpartitioned gradients; ``bucket``: the emitted
+    ``reduce_bucket_size`` in bytes; ``awaiting_grad``: a weight gradient autograd holds through
+    backward before a hook takes it (the output layer's gradient of a tied embedding table);
+    ``embedding_grad``: the embedding's gradients; ``tied_grad``: the output layer's share of a tied
+    embedding table (0 if untied); ``backward_working``: what a layer's backward creates on top of
+    its saved activations at its fullest (:func:`mlp_backward_bytes`).
+
+    The moments, ``params`` and ``optim`` held at each:
+
+    - the loss (``head_transient``: the logits' log-softmax and its gradients, before any weight
+      gradient exists) on top of the kept activations;
+    - each layer's backward, with the engine's reduction buffers and the gradients it holds then;
+    - the embedding's backward, the last, when the activations are gone: the embedding's gradient,
+      and under tied embeddings the output layer's gradient of the table, which waited since the
+      loss (a weight's hook fires once its gradient is whole), and their sum (``tied_grad`` twice);
+    - after backward: ZeRO-0's flattened all-reduce copy, or ZeRO-1/2's optimizer update
+      (:func:`optimizer_step_bytes`).
+
+    What the engine holds besides (DeepSpeed 0.19.8; measured tensor by tensor on two CPU ranks,
+    benchmarks/results/accuracy.md):
+
+    - Without ZeRO, gradients stay in ``.grad``: those of the layers after the one in backward, and
+      from a step's second micro-batch on all of them (accumulated); after backward
+      ``allreduce_no_retain`` flattens them into one copy per 5e8 elements (engine.py,
+      ``allreduce_bucket``): twice the gradients. ZeRO-1 keeps them in ``.grad`` the same way in
+      the micro-batches before the last (it reduces only at the accumulation boundary).
+    - ZeRO-1/2 with the emitted ``overlap_comm`` and ``contiguous_gradients`` allocate both
+      ``reduce_bucket_size`` buffers at the first gradient hook of a backward (stage_1_and_2.py,
+      ``setup_buckets`` from ``process_gradients``) and free them when the backward's reduction
+      ends (``independent_gradient_partition_epilogue`` -> ``_release_ipg_buffers``): ZeRO-2 after
+      every backward, ZeRO-1 only after the last micro-batch's, so from its second micro-batch on
+      ZeRO-1 holds them at the loss too.
+    - A bucket reduced during backward, once the gradients of the layers after the one in backward
+      exceed a bucket, is copied into ``grads_in_partition`` (``copy_grads_in_partition``: this
+      rank's partition). ZeRO-2 moves it into ``all_grad_tensors`` at the end of each backward and
+      adds the next micro-batches' to it (the epilogue's ``get_all_grad_tensors``): from the second
+      micro-batch on it holds the accumulated partition and the one being filled.
+
+    The loss before any gradient, the tied table's three copies at the embedding's backward and
+    ``backward_working`` are autograd's, not the engine's: ZeRO-3 has them too
+    (:mod:`dsauto.cost.zero3` prices its own moments).
+    """
+    m = strategy.grad_accum
+    later = m > 1  # a micro-batch after the first holds what the earlier ones left
+    buffers = 2.0 * bucket if strategy.zero_stage else 0.0
+    partition = local_grads / strategy.dims.replicas  # ZeRO-1's partition (ZeRO-2's is ``grads``)
+    layer = 0.0
+    for held_activation, after in layers:
+        if strategy.zero_stage == 0:
+            kept = grads if later else after
+        elif strategy.zero_stage == 1:
+            kept = grads if later else (partition if after > bucket else 0.0)
+        else:
+            kept = (grads if later else 0.0) + (grads if after > bucket else 0.0)
+        layer = max(layer, held_activation + backward_working + awaiting_grad + buffers + kept)
+    reduces = local_grads > bucket  # a bucket is reduced (and copied out) during backward
+    embedding = buffers + embedding_grad + 2 * tied_grad
+    if strategy.zero_stage == 0:
+        loss = activation + head_transient + (grads if later else 0.0)
+        embedding = grads + 2 * tied_grad
+        return params + optim + max(loss, layer, embedding, 2 * grads)
+    if strategy.zero_stage == 1:
+        loss = activation + head_transient + (grads + buffers if later else 0.0)
+        embedding += grads if later else partition if reduces else 0.0
+    else:
+        loss = activation + head_transient + (grads if later else 0.0)
+        embedding += (grads if later else 0.0) + (grads if reduces else 0.0)
+    stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor)
+    return max(params + optim + max(loss, layer, embedding), stepping)
+
+
+def mlp_backward_bytes(model: ModelSpec, tokens: int, tp: int, dtype_bytes: int) -> float:
+    """What a transformer layer's backward holds at its fullest beside its saved activations, under
+    DeepSpeed: in the MLP output projection's backward, the gradient of the MLP's inner activation
+    (tokens x ffn / tp; a gated MLP's gradients of its gate and up projections at once, from the
+    backward of their product) next to the projection's weight gradient (ffn / tp x hidden), which
+    its hook then copies into a reduction bucket (torch.autograd's linear and elementwise
+    backward formulas; measured tensor by tensor on two CPU ranks: 2 x 1 MiB + 0.4 MiB for
+    the llama-shaped model of benchmarks/accuracy.py at 2 x 256 tokens). A mixture of experts'
+    layers are counted with the dense width (``ffn_hidden_size``)."""
+    ffn = model.ffn_hidden_size / tp
+    return (tokens * ffn * (2 if model.gated_mlp else 1) + ffn * model.hidden_size) * dtype_bytes
 
 
 def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim: float, bucket: int,
@@ -251,8 +383,8 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
     # distributed optimizer (at most this rank's share of the stage).
     largest = max((g.largest_op_params / tp for g in (layer_group_of(groups, j, num_layers) for j in held)),
                   default=0.0)
-    if strategy.zero_stage >= 1 and strategy.dims.replicas > 1:  # sharded over dp x cp
-        largest = min(largest, params / b / strategy.dims.replicas)
+    if strategy.zero_stage >= 1 and strategy.dims.replicas > 1:  # sharded over dp x cp (or an instance)
+        largest = min(largest, params / b / (strategy.dims.replicas // strategy.dist_opt_instances))
     stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor, 4 * largest) + buffer
     if stepping > peak:
         peak = stepping
@@ -278,10 +410,8 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     m, pp = strategy.grad_accum, strategy.pp
     p2p = cost.p2p_seconds() if pp > 1 else 0.0
     bucket = bucket_bytes(groups, strategy.tp, train.dtype_bytes) if reduce_bucket is None else reduce_bucket
-    # The emitted config lets ZeRO-3 hold two prefetch units gathered (stage3_max_live_parameters);
-    # a larger unit than the search's own holds that much more at once.
+    # The emitted ZeRO-3 prefetch bucket, which bounds the parameters held gathered (dsauto.cost.zero3).
     default_prefetch = prefetch_bytes(groups, strategy.tp, train.dtype_bytes, options, num_layers)
-    extra_gathered = 2 * max(0, (prefetch_bucket or default_prefetch) - default_prefetch)
 
     stages, tails, times = [], [], []
     dispatch: list[float] = []  # each stage's expert all-to-alls per micro-batch
@@ -318,21 +448,66 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         transient = (layer_transient + stage_constant_bytes(strategy, bucket, grads)
                      + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory,
                                                 grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1)))
-        if any(options[j].shard_params for j in held):
-            transient += extra_gathered * cost.calibration.activation_memory
+        if strategy.engine == "deepspeed" and any(cost.context.shards(options[j]) for j in held):
+            # ZeRO-3 beyond the moments (offload): the gathered parameters at every moment, beside
+            # the unit in use each layer counts (dsauto.cost.zero3).
+            sharded = sharded_param_bytes([layer_group_of(groups, j, num_layers) for j in held], options, held,
+                                          strategy.tp, train.dtype_bytes)
+            transient += (gathered_params_bytes(sharded, prefetch_bucket or default_prefetch)
+                          * cost.calibration.activation_memory)
         if strategy.engine == "megatron":
             params, grads, optim, activation, transient, peak = megatron_stage_bytes(
                 model, train, strategy, cost, groups, held, options, costs, flight, bucket,
                 cluster.device.name == "cpu")
-        elif strategy.engine == "deepspeed" and strategy.zero_stage == 0 and strategy.dims.replicas > 1:
-            # Without ZeRO, autograd creates each gradient as backward reaches its layer, and the
-            # flattened copy for the all-reduce exists only after backward, when the activations
-            # are gone: the peak is the larger of the two moments. Gradients already exist during
-            # a forward when micro-batches accumulate, and during a recomputation (measured on two
-            # CPU ranks: benchmarks/results/accuracy.md).
-            recomputes = any(options[j].checkpoint for j in held)
-            early = activation + layer_transient + (grads if m > 1 or recomputes else 0.0)
-            peak = params + optim + max(early, 2 * grads)
+        elif deepspeed_moments_apply(strategy):
+            # DeepSpeed without ZeRO or with ZeRO-1/2: the peak of the moments of the step, each
+            # with what the engine holds then (deepspeed_moment_peak).
+            head = num_layers + 1
+            table = layer_group_of(groups, 0, num_layers)
+            scale = train.dtype_bytes * cost.calibration.static_memory
+            embedding_grad = local_params(table, strategy.tp) * scale if 0 in held else 0.0
+            tied_grad = (table.largest_op_params / strategy.tp * scale
+                         if model.tied_embeddings and 0 in held and head in held else 0.0)
+            unpartitioned = strategy.dims.replicas if strategy.zero_stage >= 2 else 1
+            layers, later_activation, later_grads = [], 0.0, 0.0
+            for j, c in reversed(list(zip(held, costs))):  # backward order
+                if 1 <= j <= num_layers:
+                    layers.append((activation - later_activation + c.transient_bytes, later_grads))
+                later_activation += c.activation_bytes  # freed once its backward is done
+                later_grads += c.grads_bytes * unpartitioned
+            peak = deepspeed_moment_peak(
+                strategy, params, grads, optim, activation,
+                head_transient=max((c.transient_bytes for j, c in zip(held, costs) if j == head), default=0.0),
+                layers=layers, bucket=bucket, awaiting_grad=tied_grad,
+                local_grads=grads * unpartitioned,
+                embedding_grad=embedding_grad, tied_grad=tied_grad,
+                backward_working=mlp_backward_bytes(model, cost.tokens, strategy.tp, train.dtype_bytes)
+                * cost.calibration.activation_memory if any(1 <= j <= num_layers for j in held) else 0.0,
+                single_tensor=cluster.device.name == "cpu")
+            transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
+        elif zero3_moments_apply(strategy):
+            # DeepSpeed ZeRO-3: the moments of the step, with the parameters the coordinator holds
+            # gathered at each of them in place of each sharded layer's unit in use (dsauto.cost.zero3).
+            head = num_layers + 1
+            dynamic = cost.calibration.activation_memory
+            held_groups = [layer_group_of(groups, j, num_layers) for j in held]
+            working = dynamic * layer_backward_bytes(cost.tokens, model.hidden_size, model.ffn_hidden_size,
+                                                     strategy.tp, train.dtype_bytes)
+            own = [c.transient_bytes - dynamic * sharded_gather_bytes(g, options[j], cost.context)
+                   + (working if g.kind == "transformer" else 0.0) for j, g, c in zip(held, held_groups, costs)]
+            sharded = sharded_param_bytes(held_groups, options, held, strategy.tp, train.dtype_bytes)
+            table_sharded = options[0 if model.tied_embeddings else head].shard_params
+            head_group = layer_group_of(groups, head, num_layers)
+            peak = zero3_moment_peak(
+                params, grads, optim, stage_constant_bytes(strategy, bucket, grads),
+                gathered_params_bytes(sharded, prefetch_bucket or default_prefetch) * dynamic, activation,
+                head_activation=sum(c.activation_bytes for j, c in zip(held, costs) if j == head) * flight,
+                head_transient=max((head_moment_bytes(t, head_group, options[head], table_sharded, cost.tokens,
+                                                      strategy.tp, train.dtype_bytes, dynamic)
+                                    for j, t in zip(held, own) if j == head), default=0.0),
+                body_transient=max((t for j, t in zip(held, own) if j != head), default=0.0),
+                awaiting_grad=min(largest_grad * cost.calibration.static_memory, grads * strategy.dims.replicas),
+                stepping=optimizer_step_bytes(strategy, params, grads, optim, bucket, cluster.device.name == "cpu"))
             transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
         else:
             peak = params + grads + optim + activation + transient

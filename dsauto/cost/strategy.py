@@ -35,6 +35,31 @@ class Strategy:
     hpz: int = 1
     """ZeRO++ hierarchical partition size (DeepSpeed ZeRO-3): ranks of a node sharing a secondary
     copy of the sharded parameters; 1 is plain ZeRO-3."""
+    dist_opt_instances: int = 1
+    """Megatron-core's partial distributed optimizer (``num_distributed_optimizer_instances``):
+    instances of dp x cp / this many consecutive replicas, each sharding the optimizer state over
+    its own ranks; 1 shards over all of dp x cp (:attr:`dsauto.plan.Plan.dist_opt_instances`)."""
+    grad_reduce_in_fp32: bool = True
+    """Megatron-core under bf16: gradients accumulated and reduced in fp32 (DistributedDataParallel
+    Config.grad_reduce_in_fp32, which dsauto's plans set); False: in bf16, as PyTorch FSDP's
+    mixed precision with ``reduce_dtype`` bf16 does. Plans dsauto emits keep the default."""
+    pipeline_scatter_gather: bool = False
+    """Megatron-LM 2021-22's pipeline scatter/gather (``--scatter-gather-tensors-in-pipeline``, on by
+    default then, off under sequence parallelism): each tensor-parallel rank sends 1/tp of a stage
+    boundary to the next stage and the receivers all-gather it over the node's links (Narayanan
+    et al. 2021, Sec. 4.1; megatron/p2p_communication.py, ``_communicate``). Megatron-core has no
+    such option: plans dsauto emits keep the default; it prices published runs of that engine."""
+    recompute_early_stop: bool = False
+    """PyTorch's non-reentrant activation checkpointing (``torch.utils.checkpoint`` with
+    ``use_reentrant=False``, early stop on by default since PyTorch 2.1): the recomputation stops
+    once it has re-created the last tensor backward needs, so a checkpointed layer does not re-run
+    its last matrix multiply (the MLP output projection). Megatron-core and DeepSpeed recompute
+    the whole forward: plans dsauto emits keep the default; it prices published FSDP runs."""
+    tp_comm_overlap: bool = False
+    """Megatron-core's ``--tp-comm-overlap`` (Transformer Engine userbuffers, with sequence
+    parallelism): the tensor-parallel collectives overlap the linear layers' GEMMs
+    (:func:`dsauto.cost.terms.tp_overlap_exposed_seconds`). dsauto does not emit the flag, so its
+    plans keep the default; it prices published runs that set it."""
 
     @property
     def tp(self) -> int:
@@ -57,6 +82,7 @@ class Strategy:
         vpp += f" recompute={','.join(self.recompute_modules)}" if self.recompute_modules else ""
         vpp += f" offload={self.offload}" if self.offload != "none" else ""
         vpp += f" hpz={self.hpz}" if self.hpz > 1 else ""
+        vpp += f" dist_opt_instances={self.dist_opt_instances}" if self.dist_opt_instances > 1 else ""
         return (f"{self.engine} {self.dims.describe()}{vpp} zero={self.zero_stage}{sp} "
                 f"mb={self.micro_batch} accum={self.grad_accum}")
 

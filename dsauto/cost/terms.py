@@ -166,6 +166,22 @@ class LayerContext:
     hpz_group: Group | None = None
     """ZeRO++ hpZ: the ranks of a node sharing a secondary partition of the sharded parameters, over
     which backward gathers them (:func:`data_parallel_cost`); None without hpZ."""
+    dist_opt_instances: int = 1
+    """Megatron-core's partial distributed optimizer: the instances the dp x cp replicas (and the
+    expert data-parallel ranks) split into, each sharding the optimizer state over its own ranks
+    (:func:`model_state`); 1: one instance over all of them."""
+    dist_opt_group: Group | None = None
+    """The ranks of one distributed-optimizer instance, calibrated: gradients are reduce-scattered
+    and parameters all-gathered over it (:func:`partial_dist_opt_sync_seconds`); None with one."""
+    dist_opt_inter_group: Group | None = None
+    """The ranks holding the same shard in every instance, calibrated: the shard's all-reduce runs
+    over it; None with one instance."""
+    recompute_early_stop: bool = False
+    """A checkpointed layer's recomputation stops before its last matrix multiply (PyTorch's
+    non-reentrant checkpoint: :attr:`dsauto.cost.strategy.Strategy.recompute_early_stop`)."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel collectives overlapped with the linear layers' matrix multiplies
+    (:attr:`dsauto.cost.strategy.Strategy.tp_comm_overlap`)."""
 
     def shards(self, option: LayerOption) -> bool:
         """Whether ZeRO-3 keeps this layer's parameters sharded (gathered per use)."""
@@ -249,11 +265,29 @@ def gathered_unit_params(group: LayerGroup, option: LayerOption, tp: int) -> flo
     return group.largest_op_params / tp / split
 
 
+def sharded_gather_bytes(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
+    """Gathered parameter bytes a sharded layer's own moment holds (uncalibrated; 0 unless ZeRO-3
+    shards it).
+
+    DeepSpeed: the unit in use (:func:`gathered_unit_params`), at most the layer's own parameters (a
+    tied LM head's weight is the embedding's table, gathered only when the embedding is sharded).
+    What the coordinator holds besides is the stage's, whichever layer runs
+    (:mod:`dsauto.cost.zero3`, which ``predict_step`` puts in place of this unit); per layer it is a
+    lower bound, for the layer DP.
+
+    Megatron-FSDP: the unit in use and the next one prefetched."""
+    if not ctx.shards(option):
+        return 0.0
+    unit = gathered_unit_params(group, option, ctx.tp)
+    if ctx.engine != "deepspeed":
+        return 2 * unit * ctx.dtype_bytes
+    return min(unit, local_params(group, ctx.tp)) * ctx.dtype_bytes
+
+
 # ---- compute --------------------------------------------------------------------------------------
 
-def roofline_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
-    """Forward compute of one micro-batch on the roofline, uncalibrated: matrix multiplies,
-    attention and bandwidth-bound kernels."""
+def matmul_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
+    """The forward matrix multiplies (linear layers) of one micro-batch on the roofline, uncalibrated."""
     t, tokens, device = ctx.tp, ctx.tokens, ctx.device
     # Splitting a matrix into k slices shrinks the sliced dimension (OSDP, Jiang et al. 2023,
     # Sec. 4.2), which costs matmul efficiency; the head splits over tokens instead.
@@ -264,6 +298,14 @@ def roofline_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) 
                                    gemm_dim)
     if group.expert_matmul_flops_per_token:
         matmul += expert_gemm_seconds(group, ctx)
+    return matmul
+
+
+def roofline_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
+    """Forward compute of one micro-batch on the roofline, uncalibrated: matrix multiplies,
+    attention and bandwidth-bound kernels."""
+    t, tokens, device = ctx.tp, ctx.tokens, ctx.device
+    matmul = matmul_seconds(group, option, ctx)
     attention = attention_passes(group, ctx).forward_seconds
     elementwise_bytes = tokens * (
         group.elementwise_bytes_per_token / ctx.replicated_div
@@ -343,6 +385,23 @@ def recompute_seconds(option: LayerOption, forward_seconds: float) -> float:
     return forward_seconds if option.checkpoint else 0.0
 
 
+def early_stop_saved_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
+    """What PyTorch's non-reentrant checkpoint does not recompute in a checkpointed transformer
+    layer, calibrated: its last matrix multiply, the MLP output projection.
+
+    ``torch.utils.checkpoint`` with ``use_reentrant=False`` re-runs the forward until the last
+    tensor saved for backward has been re-created, then stops (``_StopRecomputationError`` with
+    early stop, the default since PyTorch 2.1: pytorch/pytorch#96866). Autograd saves a matrix
+    multiply's inputs before running it, and nothing after the output projection saves a tensor
+    (the residual add keeps none; dropout with p = 0 none), so the projection is never re-run."""
+    if not ctx.recompute_early_stop or not option.checkpoint or group.kind != "transformer":
+        return 0.0
+    t = ctx.tp
+    gemm_dim = min(group.gemm_dim / t, ctx.tokens)
+    flops = group.mlp_out_matmul_flops_per_token * ctx.tokens / t
+    return ctx.calibration.compute * ctx.device.matmul_seconds(flops, gemm_dim)
+
+
 # ---- selective recomputation -----------------------------------------------------------------------
 # Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), Sec. 4.1
 # and Table 2: a GPT layer keeps sbh(34 + 5as/h) bytes for backward, of which 5as^2b are the attention
@@ -354,6 +413,13 @@ def recompute_seconds(option: LayerOption, forward_seconds: float) -> float:
 # _forward), ``layernorm`` drops the outputs of input_layernorm and pre_mlp_layernorm and recomputes
 # them in backward (tensor_parallel.CheckpointWithoutOutput), ``mlp`` checkpoints the dense MLP
 # (its input, the norm's output, stays; dense layers only: an MoE layer's MLP is ``moe``).
+# The DeepSpeed hook recomputes the same modules the same way (dsauto.runtime.recompute), so the
+# terms below price both engines. Under ZeRO-3 with the emitted config, DeepSpeed 0.19.8 all-gathers
+# no more elements per step with the recomputation than without once its first step has recorded the
+# modules' order (counted on CPU ranks: tests/runtime/test_deepspeed_selective.py; the first step
+# gathers the recomputed MLP's first matrix again): the coordinator's trace keeps those parameters
+# gathered until the module's backward (PartitionedParameterCoordinator.release_sub_module), so no
+# gather term is added to the steady-state step.
 
 def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
     """Activation bytes per token (of this rank's tokens) that recomputing ``option.recompute_modules``
@@ -442,6 +508,21 @@ def tp_comm_seconds(group: LayerGroup, ctx: LayerContext) -> float:
     return ctx.tp_group.all_reduce(group.tp_comm_bytes_per_token * ctx.tokens)
 
 
+def tp_overlap_exposed_seconds(matmul_seconds: float, tp_comm: float, ctx: LayerContext) -> tuple[float, float]:
+    """The tensor-parallel collectives of one pass that Megatron-core's ``--tp-comm-overlap`` leaves
+    exposed, forward and backward: Transformer Engine splits each sequence-parallel all-gather and
+    reduce-scatter into chunks pipelined with the column- and row-parallel GEMMs they feed or
+    follow, and in backward overlaps them with the data- and weight-gradient GEMMs
+    (megatron/core/model_parallel_config.py, ``tp_comm_overlap``, ``tp_comm_bulk_dgrad`` and
+    ``tp_comm_bulk_wgrad``; Transformer Engine's userbuffers). The collectives hide under the
+    layer's matrix multiplies (``matmul_seconds`` forward, twice that backward) as any overlapped
+    communication does (:meth:`DeviceModel.overlapped`)."""
+    device = ctx.device
+    forward = device.overlapped(matmul_seconds, tp_comm) - matmul_seconds
+    backward = device.overlapped(2 * matmul_seconds, tp_comm) - 2 * matmul_seconds
+    return forward, backward
+
+
 def tp_comm_passes(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Passes:
     """The tensor-parallel collectives of one micro-batch through a layer: a pass's worth in
     forward and in backward, and a checkpointed layer's recomputed forward issues its collectives
@@ -473,9 +554,12 @@ def pass_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     attention = attention_passes(group, ctx)
     # Backward costs twice the forward but for a fused attention kernel's extra recomputation.
     fused_extra = speed * (attention.backward_seconds - 2 * attention.forward_seconds)
-    forward = compute + tp_comm + launches
-    backward = (2 * (compute + launches) + fused_extra + tp_comm + recompute_seconds(option, forward)
-                + selective_recompute_seconds(group, option, ctx))
+    forward_tp, backward_tp = tp_comm, tp_comm
+    if ctx.tp_comm_overlap and tp_comm > 0:
+        forward_tp, backward_tp = tp_overlap_exposed_seconds(speed * matmul_seconds(group, option, ctx), tp_comm, ctx)
+    forward = compute + forward_tp + launches
+    backward = (2 * (compute + launches) + fused_extra + backward_tp + recompute_seconds(option, forward)
+                - early_stop_saved_seconds(group, option, ctx) + selective_recompute_seconds(group, option, ctx))
     return Passes(forward, backward)
 
 
@@ -605,12 +689,28 @@ def data_parallel_cost(group: LayerGroup, option: LayerOption, ctx: LayerContext
             step_seconds = comm.all_gather(param_volume)  # updated shards back to every rank
         elif zero == 1:
             grad_sync = grad_volume  # reduce-scattered once per step, like an all-reduce's half
-            step_seconds = comm.all_gather(param_volume)
+            # Megatron-core's partial distributed optimizer gathers the updated parameters inside an
+            # instance only (param_and_grad_buffer.py, _ParamAndGradBucketGroup.start_param_sync:
+            # the all-gather runs over intra_distributed_optimizer_instance_group).
+            step_seconds = (ctx.dist_opt_group if ctx.dist_opt_group is not None else comm).all_gather(param_volume)
         else:
             grad_sync = grad_volume
         if zero == 3 and not ctx.shards(option):
             step_seconds = comm.all_gather(param_volume)  # re-gather the persistent copy
     return DataParallelCost(forward, backward, step_seconds, grad_sync)
+
+
+def partial_dist_opt_sync_seconds(grad_bytes: float, instance: Group, across: Group) -> float:
+    """The once-per-step gradient reduction of ``grad_bytes`` under Megatron-core's partial
+    distributed optimizer: each bucket is reduce-scattered over the ranks of its instance
+    (``instance``), then this rank's 1/size shard of it is all-reduced with the ranks holding the
+    same shard in the other instances (``across``), one after the other on the same stream
+    (megatron/core/distributed/param_and_grad_buffer.py, ``_ParamAndGradBucketGroup.start_grad_sync``:
+    the reduce-scatter over ``intra_distributed_optimizer_instance_group``, then the all-reduce of the
+    local shard over ``inter_distributed_optimizer_instance_group``). With ``--overlap-grad-reduce``
+    both run on a side stream behind the backward pass, like the single instance's reduce-scatter
+    (:func:`dsauto.cost.step._megatron_exposed` prices the overlap)."""
+    return instance.reduce_scatter(grad_bytes) + across.all_reduce(grad_bytes / instance.size)
 
 
 # ---- memory ----------------------------------------------------------------------------------------------
@@ -672,10 +772,25 @@ def _state(local: float, dp: int, option: LayerOption, ctx: LayerContext) -> Mod
         # 2023, Sec. 3.2; DeepSpeed's ds_secondary_tensor in partition_parameters.py).
         params_bytes += local * ctx.dtype_bytes / ctx.hpz_group.size
     grads_bytes = local * ctx.grad_bytes_per_param / (dp if zero >= 2 else 1)
-    optimizer_bytes = local * ctx.optimizer_bytes_per_param / (dp if zero >= 1 else 1)
+    optimizer_shards = optimizer_shard_ranks(dp, ctx)
+    optimizer_bytes = local * ctx.optimizer_bytes_per_param / optimizer_shards
     static = ctx.calibration.static_memory
     return ModelState(static * params_bytes, static * grads_bytes, static * optimizer_bytes,
-                      optimizer_params=local / (dp if zero >= 1 else 1))
+                      optimizer_params=local / optimizer_shards)
+
+
+def optimizer_shard_ranks(dp: int, ctx: LayerContext) -> int:
+    """Ranks over which ZeRO (1 and above) shards the optimizer state of parameters whose
+    data-parallel group has ``dp`` ranks: all of them, or under Megatron-core's partial distributed
+    optimizer the dp / instances ranks of one instance, each instance holding a whole copy of the
+    state (fp32 main parameters and Adam moments). The distributed optimizer shards over the
+    data-parallel group it is given (megatron/core/optimizer/distrib_optimizer.py,
+    ``_build_model_gbuf_range``), which ``get_megatron_optimizer`` (megatron/core/optimizer/
+    __init__.py) takes as the intra-instance group, ``intra_dp_cp_group`` (and
+    ``intra_expt_dp_group`` for the experts)."""
+    if ctx.zero_stage < 1:
+        return 1
+    return max(1, dp // ctx.dist_opt_instances)
 
 
 def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
@@ -718,10 +833,7 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
         # rebuilt for their own backward (a transient of their size).
         freed = tokens * selective_saved_bytes_per_token(group, option, ctx)
         activation, transient = full_activation - freed, freed
-    if ctx.shards(option):
-        # The gathered unit in use and the next one prefetched; the emitted config bounds the
-        # gathered parameters to two units (stage3_max_live_parameters, see emit.ds_config).
-        transient += 2 * gathered_unit_params(group, option, t) * ctx.dtype_bytes
+    transient += sharded_gather_bytes(group, option, ctx)
     if megatron:
         # Megatron-core: each moment of backward holds the gradient of the weight being
         # differentiated; the head's larger moment is the loss (megatron_loss_bytes_per_token) or

@@ -227,8 +227,8 @@ def _zero_section(plan: Plan, element_bytes: int) -> dict[str, Any]:
             "stage3_param_persistence_threshold": STAGE3_PARAM_PERSISTENCE_THRESHOLD,
             # Prefetching piles gathered parameters up to this bound (every module fetch, even of a
             # module without parameters, prefetches another bucket: PartitionedParameterCoordinator.
-            # fetch_sub_module), so it is what holds the gathered parameters to the unit in use plus
-            # the prefetched one, as priced (measured in benchmarks/results/hook_memory.md).
+            # fetch_sub_module), so it is what bounds the gathered parameters, as priced
+            # (dsauto.cost.zero3.gathered_params_bytes; measured in benchmarks/results/accuracy.md).
             "stage3_max_live_parameters": max(1, 2 * plan.prefetch_bucket_bytes // element_bytes),
             "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
         })

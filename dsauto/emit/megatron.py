@@ -294,6 +294,9 @@ def _data_parallel(plan: Plan) -> list[str]:
     lines = []
     if plan.zero_stage >= 1:
         lines.append("--use-distributed-optimizer")
+    if plan.dist_opt_instances > 1:
+        # The partial distributed optimizer (its instances shard the optimizer state inside themselves).
+        lines.append(f"--num-distributed-optimizer-instances {plan.dist_opt_instances}")
     if plan.zero_stage in FSDP_STRATEGY:
         lines += [
             "--use-megatron-fsdp",

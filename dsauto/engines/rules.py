@@ -136,16 +136,19 @@ MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj"
 (megatron/core/transformer/transformer_config.py, ``TransformerConfig.__post_init__``)."""
 
 
-def recompute_module_refusal(name: str, linear_bias: bool = False) -> str | None:
-    """Why dsauto cannot plan selective recomputation of module ``name``, or None when it can
-    (:data:`dsauto.plan.RECOMPUTE_MODULES`: the attention core, the norms, the dense MLP).
+def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engine | None = None) -> str | None:
+    """Why dsauto cannot plan selective recomputation of module ``name`` on ``engine`` (None: on
+    either), or None when it can (:data:`dsauto.plan.RECOMPUTE_MODULES`: the attention core, the
+    norms, the dense MLP). Both engines run them: Megatron-core through ``recompute_modules``
+    (one set for every layer), DeepSpeed through the dsauto hook (dsauto.runtime.recompute, per layer).
 
     ``linear_bias``: the model's linear layers have biases. Megatron-core 0.16's MLP then returns
     its output bias, a parameter, for the fused bias-dropout-add, and under ``mlp`` recomputation
     that parameter comes out of ``tensor_parallel.checkpoint`` (transformer_layer.py,
     ``_forward_mlp``) as an output of the checkpoint's own autograd node, whose backward then calls
-    itself without end (seen on CPU ranks, where the process grew to gigabytes)."""
-    if name == "mlp" and linear_bias:
+    itself without end (seen on CPU ranks, where the process grew to gigabytes). The DeepSpeed hook
+    checkpoints the whole MLP, biases included, and has no such limit."""
+    if name == "mlp" and linear_bias and engine == "megatron":
         return ("Megatron-core 0.16 cannot recompute the MLP of a model whose linear layers have biases "
                 "(the MLP's output bias passes through the checkpoint, whose backward then never ends)")
     if name in RECOMPUTE_MODULES:
@@ -155,20 +158,6 @@ def recompute_module_refusal(name: str, linear_bias: bool = False) -> str | None
                 f"{', '.join(RECOMPUTE_MODULES)}); leave it out")
     return (f"'{name}' is not a module Megatron-core recomputes (dsauto plans "
             f"{', '.join(RECOMPUTE_MODULES)})")
-
-
-def selective_recompute_refusal(engine: Engine) -> str | None:
-    """Why ``engine`` cannot run selective recomputation as dsauto plans it, or None.
-
-    Megatron-core recomputes the same modules in every transformer layer
-    (``recompute_granularity="selective"`` with ``recompute_modules``), and then checkpoints no whole
-    layer: the granularity is one for all layers (TransformerConfig.recompute_granularity; the
-    ``full`` path of transformer_block.py's ``_checkpointed_forward`` and the ``selective`` checks
-    of transformer_layer.py and attention.py exclude each other). DeepSpeed plans checkpoint whole
-    layers only: the dsauto hook does not recompute parts of a layer."""
-    if engine == "megatron":
-        return None
-    return "selective recomputation is planned for Megatron-core only (--recompute-modules needs --engine megatron)"
 
 
 def per_layer_residency(engine: Engine) -> bool:
@@ -221,4 +210,29 @@ def hpz_refusal(engine: Engine, dims: ParallelDims, zero_stage: int, hpz: int, d
         return "hpZ's groups are consecutive ranks, which are all data-parallel only when tp, pp and cp are 1"
     if devices_per_node % hpz or dims.dp % hpz:
         return f"hpz {hpz} must divide the {devices_per_node} devices of a node and dp {dims.dp}"
+    return None
+
+
+def dist_opt_instances_refusal(engine: Engine, dims: ParallelDims, zero_stage: int, instances: int) -> str | None:
+    """Why Megatron-core's partial distributed optimizer with ``instances`` instances cannot run, or
+    None.
+
+    ``parallel_state.initialize_model_parallel(num_distributed_optimizer_instances=N)`` splits each
+    dp x cp group into N instances of consecutive ranks (the intra-partial data-parallel groups,
+    asserting that N divides dp x cp) and the expert data-parallel groups likewise (asserting that
+    N divides their size); ``DistributedDataParallel`` accepts N > 1 only with its distributed
+    optimizer ("Partial DistOpt cannot be used without DistOpt", distributed_data_parallel.py), which
+    is ZeRO-1 here. Under Megatron-FSDP (ZeRO 2/3) the same setting is its hybrid sharding (HSDP),
+    whose device mesh is CUDA's (megatron/core/distributed/fsdp/mcore_fsdp_adapter.py,
+    ``_init_dist_index``): not planned. An instance of one rank would shard nothing: ZeRO-0 does that."""
+    if instances == 1:
+        return None
+    if engine != "megatron" or zero_stage != 1:
+        return ("distributed optimizer instances are Megatron-core's distributed optimizer (--engine megatron "
+                "--zero-stage 1); Megatron-FSDP's hybrid sharding is not planned")
+    if dims.replicas % instances or dims.replicas == instances:
+        return (f"{instances} instances must split the {dims.replicas} data-parallel ranks (dp x cp) into equal "
+                f"instances of at least 2 ranks")
+    if dims.expert_dp % instances:
+        return f"{instances} instances must divide the expert data-parallel degree {dims.expert_dp}"
     return None

@@ -123,6 +123,8 @@ def plan_label(plan: Plan) -> str:
         parts.append(f"offload-{plan.offload}")
     if plan.hpz > 1:
         parts.append(f"hpz{plan.hpz}")
+    if plan.dist_opt_instances > 1:
+        parts.append(f"distopt{plan.dist_opt_instances}")
     return "-".join(parts)
 
 
@@ -131,7 +133,7 @@ def strategy_of(plan: Plan) -> Strategy:
                     micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
                     sequence_parallel=plan.sequence_parallel, engine=plan.engine,
                     virtual_stages=plan.virtual_stages, recompute_modules=plan.uniform_recompute_modules(),
-                    offload=plan.offload, hpz=plan.hpz)
+                    offload=plan.offload, hpz=plan.hpz, dist_opt_instances=plan.dist_opt_instances)
 
 
 def options_of(plan: Plan) -> tuple[LayerOption, ...]:

@@ -14,6 +14,8 @@ fetches in ``ds_recompute_parameters`` and releases them after the block's backw
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,16 +32,21 @@ def checkpoint_module(module: nn.Module) -> None:
     """
     if getattr(module, _MARK, False):
         return
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def checkpointed(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)  # evaluation: nothing is kept for backward anyway
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = checkpointed
+    module.forward = checkpointed(module.forward)
     setattr(module, _MARK, True)
+
+
+def checkpointed(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` keeping only its inputs for backward and run again inside backward (a module's
+    ``forward``, or a block's method that calls submodules, like the reference block's ``mlp``)."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return function(*args, **kwargs)  # evaluation: nothing is kept for backward anyway
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 def is_checkpointed(module: nn.Module) -> bool:

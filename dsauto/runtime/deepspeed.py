@@ -6,7 +6,8 @@ per-layer part has no DeepSpeed key, so the hook applies it to the model:
 1. before the engine is built (:func:`prepare_model`): the plan is checked against the model (block
    count, shape, layer names); operator splitting re-parameterises the layers it names
    (:mod:`dsauto.runtime.split`); the blocks the plan checkpoints are wrapped
-   (:mod:`dsauto.runtime.checkpointing`). Both must happen first: ZeRO-3 converts and partitions
+   (:mod:`dsauto.runtime.checkpointing`), and the modules the plan recomputes selectively
+   (:mod:`dsauto.runtime.recompute`). All must happen first: ZeRO-3 converts and partitions
    the parameters and hooks every submodule while the engine is built, and the optimizer is built
    over the parameters that exist then;
 2. after the engine is built (:func:`apply_persistence`): under ZeRO-3 the parameters of the layer
@@ -60,6 +61,7 @@ from dsauto.plan import Plan
 from dsauto.plan_io import PLAN_KEY, check_artifact_set, plan_from_data
 from dsauto.runtime.checkpointing import checkpoint_module
 from dsauto.runtime.layers import ModelLayers, check_plan_matches, find_layers
+from dsauto.runtime.recompute import apply_selective_recompute
 from dsauto.runtime.split import (
     Replacements,
     chunk_head_loss,
@@ -92,9 +94,13 @@ class AppliedPlan:
     splits: dict[int, int] = field(default_factory=dict)
     """Flat layer -> number of slices (head: token chunks), for the layers split."""
     replacements: Replacements = field(default_factory=dict)
-    """Parameters replaced by splitting: old -> new slices."""
+    """Parameters replaced by splitting: old -> new slices; emptied once the model and optimizer
+    point at the slices (:func:`initialize`), so that the old parameters are freed."""
     resident: tuple[int, ...] = ()
     """Under ZeRO-3: flat layers whose parameters are persistent (replicated groups)."""
+    recomputed: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    """Flat layers (1..L) that recompute modules selectively, and those modules
+    (:mod:`dsauto.runtime.recompute`)."""
 
 
 def warn_if_untested(version: str) -> None:
@@ -162,7 +168,8 @@ def check_moe_layers(plan: Plan, model: nn.Module) -> None:
 
 
 def prepare_model(plan: Plan, model: nn.Module) -> AppliedPlan:
-    """Checks the plan against ``model`` and applies splitting and checkpointing (before the engine)."""
+    """Checks the plan against ``model`` and applies splitting, checkpointing and selective
+    recomputation (before the engine)."""
     if getattr(model, _PREPARED, False):
         raise DsautoError(f"This {type(model).__name__} was already prepared by dsauto.deepspeed.initialize "
                           f"(its layers are split or wrapped); build a fresh model for another engine.")
@@ -178,6 +185,7 @@ def prepare_model(plan: Plan, model: nn.Module) -> AppliedPlan:
     if plan.layer_choice(head).split > 1:
         require_chunkable(layers.head, plan.layer_choice(head).split)
     applied = AppliedPlan(plan=plan, layers=layers)
+    applied.recomputed = apply_selective_recompute(plan, layers)  # checks every block before changing one
     for run in plan.layers:
         if run.split == 1:
             continue
@@ -330,6 +338,9 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
         wrap_attention(applied.layers, plan, forwarded["mpu"])
     forwarded["model_parameters"] = repoint_parameters(model_parameters, applied.replacements)
     repoint_optimizer(optimizer, applied.replacements)
+    # The replaced parameters are garbage once the model and the optimizer point at their slices:
+    # kept in the mapping, they would hold a whole unsplit copy of every split layer for the run.
+    applied.replacements = {}
     engine, ds_optimizer, dataloader, scheduler = ds_initialize(**forwarded)
     check_engine(engine, plan)
     apply_persistence(engine, applied)

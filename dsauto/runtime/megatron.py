@@ -23,6 +23,8 @@ per-layer recompute modules            ``recompute_granularity="selective"``,
 flash attention on unfused attention    ``recompute_granularity="selective"`` of ``core_attn``
 dtype                                   ``params_dtype``, ``bf16`` / ``fp16``, ``pipeline_dtype``
 zero_stage 1                            distributed optimizer
+dist_opt_instances                      ``num_distributed_optimizer_instances`` (process groups and
+                                        DDP config): the partial distributed optimizer
 zero_stage 2 / 3                        Megatron-FSDP ``optim_grads`` / ``optim_grads_params``
 reduce_bucket_bytes, prefetch           ``bucket_size``, ``suggested_communication_unit_size``
 micro_batch, grad_accum, seq_len        the schedule's ``micro_batch_size``, ``num_microbatches``,
@@ -114,12 +116,15 @@ def initialize_model_parallel(plan: Plan, **kwargs: Any) -> None:
             f"{world} devices."
         )
     degrees = degree_fields(plan.dims, experts=plan.model.moe)
-    for name in (*degrees, "virtual_pipeline_model_parallel_size"):
+    for name in (*degrees, "virtual_pipeline_model_parallel_size", "num_distributed_optimizer_instances"):
         if name in kwargs:
             raise DsautoError(f"initialize_model_parallel(plan) takes {name} from the plan; drop the "
                               f"{name}={kwargs[name]!r} argument.")
     if plan.virtual_stages > 1:
         kwargs["virtual_pipeline_model_parallel_size"] = plan.virtual_stages
+    if plan.dist_opt_instances > 1:
+        # The partial distributed optimizer's groups: an instance's ranks and one shard across instances.
+        kwargs["num_distributed_optimizer_instances"] = plan.dist_opt_instances
     parallel_state.initialize_model_parallel(**degrees, **kwargs)
     dp = parallel_state.get_data_parallel_world_size()
     if dp != plan.dp:  # only possible with context or expert parallelism passed in kwargs
@@ -345,6 +350,8 @@ def ddp_config(plan: Plan, *, megatron_fsdp: bool = True, **overrides: Any) -> D
         overlap_param_gather=zero >= 1,  # needs the distributed optimizer or Megatron-FSDP
         bucket_size=max(1, plan.reduce_bucket_bytes // grad_bytes),
         grad_reduce_in_fp32=plan.dtype == "bf16",
+        # Partial distributed optimizer: needs the groups initialize_model_parallel(plan) creates.
+        num_distributed_optimizer_instances=plan.dist_opt_instances,
     )
     if zero in FSDP_STRATEGY and megatron_fsdp:
         fields.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=FSDP_STRATEGY[zero])

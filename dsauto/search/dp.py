@@ -2,20 +2,24 @@
 
 A pure function over cost arrays (the shape of Alpa's stage DP and Galvatron's layer DP): for layers
 j = 1..n and options o, ``time[j, o]`` adds up, ``memory[j, o]`` (integer units) adds up, and
-``transient[j, o]`` (integer units) is a short-lived peak, so a choice is feasible when
+``transient[j, o]`` (units, not rounded) is a short-lived peak, so a choice is feasible when
 
     sum_j memory[j, o_j] + max_j transient[j, o_j] <= budget.
 
 The max term is handled exactly by enumerating its value: for each distinct transient value c the
-knapsack runs over the options with transient <= c, with budget - c left for the sum. The knapsack
-keeps, for every memory amount m, the least time of a choice that uses at most m (0/1 knapsack with
-one item per layer chosen from a group; Kellerer, Pferschy and Pisinger 2004, Ch. 11, multiple-choice
-knapsack). Every prefix of the layers is answered in the same pass, which is what the pipeline
-layout search needs: the best time of a stage's first j layers, for every j, under its budget.
+knapsack runs over the options with transient <= c, with budget - c left for the sum (rounded down:
+the sum is whole units). Only the memory that adds up comes in whole units (the caller rounds it
+up), so a choice whose memory the rounding leaves exact (the planner's smallest options: 0 units)
+is found however close its peak is to the budget. The knapsack keeps, for every memory amount m,
+the least time of a choice that uses at most m (0/1 knapsack with one item per layer chosen from a
+group; Kellerer, Pferschy and Pisinger 2004, Ch. 11, multiple-choice knapsack). Every prefix of the
+layers is answered in the same pass, which is what the pipeline layout search needs: the best time
+of a stage's first j layers, for every j, under its budget.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +51,7 @@ class PrefixSolution:
             return ()
         k = int(self._cap_index[j])
         back = self._backpointers[k]
-        m = int(self._budgets[j] - self._caps[k])
+        m = math.floor(self._budgets[j] - self._caps[k])
         m = min(m, back.shape[1] - 1)
         picked = []
         for layer in range(j - 1, -1, -1):
@@ -61,13 +65,14 @@ def solve_prefixes(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
                    budgets: np.ndarray) -> PrefixSolution:
     """Least-time option per layer for every prefix, prefix j within ``budgets[j]``.
 
-    ``time`` is float (n, k) with ``inf`` marking an option a layer may not take; ``memory`` and
-    ``transient`` are non-negative integers (n, k); ``budgets`` is an integer array (n + 1,).
+    ``time`` is float (n, k) with ``inf`` marking an option a layer may not take; ``memory`` is
+    non-negative integers (n, k), ``transient`` non-negative numbers (n, k); ``budgets`` is an array
+    of numbers (n + 1,).
     """
     time = np.asarray(time, dtype=float)
     memory = np.asarray(memory, dtype=np.int64)
-    transient = np.asarray(transient, dtype=np.int64)
-    budgets = np.asarray(budgets, dtype=np.int64)
+    transient = np.asarray(transient, dtype=float)
+    budgets = np.asarray(budgets, dtype=float)
     n, k = time.shape
     if memory.shape != (n, k) or transient.shape != (n, k) or budgets.shape != (n + 1,):
         raise ValueError("time, memory and transient must be (n, k) and budgets (n + 1,)")
@@ -89,7 +94,7 @@ def solve_prefixes(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
     for ci in range(len(caps) - 1, -1, -1):
         cap = caps[ci]
         allowed = allowed_any & (transient <= cap)
-        room = budgets - cap
+        room = np.floor(budgets - cap)  # whole units left for the memory that adds up
         size = int(min(max(room.max(), -1), most_memory)) + 1
         back = np.zeros((n, max(size, 1)), dtype=np.int8 if k < 128 else np.int16)
         backpointers[ci] = back
@@ -140,9 +145,9 @@ def _all_fastest_fit(time: np.ndarray, memory: np.ndarray, transient: np.ndarray
 
 
 def solve(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
-          budget: int) -> tuple[float, tuple[int, ...]]:
+          budget: float) -> tuple[float, tuple[int, ...]]:
     """Least total time and the option per layer for all layers within ``budget``."""
     n = np.asarray(time).shape[0]
-    solution = solve_prefixes(time, memory, transient, np.full(n + 1, budget, dtype=np.int64))
+    solution = solve_prefixes(time, memory, transient, np.full(n + 1, budget, dtype=float))
     value = float(solution.best_time[n])
     return value, (solution.choices(n) if np.isfinite(value) else ())

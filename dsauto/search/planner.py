@@ -35,6 +35,14 @@ from dsauto.cost.step import (
     stage_constant_bytes,
 )
 from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.cost.terms import sharded_gather_bytes
+from dsauto.cost.zero3 import (
+    head_moment_bytes,
+    layer_backward_bytes,
+    regathered_head_bytes,
+    sharded_param_bytes,
+    zero3_moments_apply,
+)
 from dsauto.errors import DsautoError
 from dsauto.plan import LayerChoice, Plan, rank_layers
 from dsauto.search.dp import solve_prefixes
@@ -47,7 +55,7 @@ from dsauto.search.space import (
     strategies,
 )
 from dsauto.spec.cluster import ClusterSpec
-from dsauto.spec.model import ModelSpec, layer_groups
+from dsauto.spec.model import LayerGroup, ModelSpec, layer_groups
 from dsauto.spec.training import TrainSpec
 from dsauto.units import format_bytes
 
@@ -76,6 +84,7 @@ class _Priced:
     constant_bytes: float  # what every rank holds besides its layers (reduction buckets)
     budget_bytes: float  # for layers: the device budget less constant_bytes
     reserves: tuple[float, ...] = ()  # per pipeline rank: bytes of budget_bytes kept back (_fit_tighter)
+    zero3: _Zero3Rows | None = None  # ZeRO-3's moments, exact but for the gathered parameters (_fit_zero3)
 
     def reserve(self, rank: int) -> float:
         return self.reserves[rank] if self.reserves else 0.0
@@ -114,6 +123,81 @@ def _least_peak(priced: _Priced, num_layers: int) -> float:
     return total / s.pp + transient + priced.constant_bytes
 
 
+def _beside_activations(strategy: Strategy, stage_constant: float, grads_bytes: float) -> float:
+    """Of a rank's constant bytes (:func:`dsauto.cost.step.stage_constant_bytes`; ``grads_bytes``: the
+    gradients it was given), those alive at the moments the layer DP prices: the kept state, the
+    activations in flight and a layer's transient. DeepSpeed without ZeRO flattens its gradients into
+    a copy for the all-reduce only after backward, when the activations are gone (``predict_step``
+    takes the largest of the moments), so that copy is not counted with them; and in a step's only
+    micro-batch the loss comes before any gradient exists, so the gradients the layers' state counts
+    are not all there yet: a lower bound then, whose plans the prediction checks
+    (:meth:`Planner._fit_tighter`), as after backward, which depends on no per-layer option."""
+    if strategy.engine == "deepspeed" and strategy.zero_stage == 0 and strategy.dims.replicas > 1:
+        return min(stage_constant, 0.0 if strategy.grad_accum > 1 else -grads_bytes)
+    return stage_constant
+
+
+@dataclass(frozen=True)
+class _Zero3Rows:
+    """ZeRO-3's moments (dsauto.cost.zero3) per group and option, exact but for what depends on
+    several layers' options: the gathered parameters of the stage and a tied table's second copy."""
+
+    activation: np.ndarray
+    transient: np.ndarray  # each layer's moment without its gathered unit
+    sharded: np.ndarray  # bool: the option keeps the layer sharded
+    params: np.ndarray  # the layer's parameter bytes where sharded (their sum: the sharded bytes)
+    units: np.ndarray  # its gathered unit's bytes where sharded (their max: the prefetch bucket)
+    regathered: np.ndarray  # per option of the head: the tied table's second copy when sharded
+
+
+def _zero3_moment_rows(model: ModelSpec, groups: Sequence[LayerGroup], options: Sequence[LayerOption],
+                       cost: CostModel, time: np.ndarray, act: np.ndarray, trans: np.ndarray,
+                       awaiting: float) -> _Zero3Rows:
+    """ZeRO-3's moments (dsauto.cost.zero3) in the layer DP's arrays, in place, as a lower bound of
+    the prediction: a layer's backward holds the weight gradient ``awaiting`` its hook, the loss
+    its head's moment (:func:`head_moment_bytes`); the gathered parameters, which the prediction
+    counts for the stage at every moment (:func:`dsauto.cost.zero3.gathered_params_bytes`), are
+    counted at every moment for the embedding and the head (their floor) and at their own moment
+    for a block (its unit in use). A tied head's second copy depends on the embedding's option too:
+    a sharded embedding's moment is at least the least of the head's (``time``: inf where an option
+    is not allowed). Returns the rows without those bounds, for :meth:`Planner._fit_zero3`."""
+    dynamic, ctx = cost.calibration.activation_memory, cost.context
+    shape = trans.shape
+    sharded, params, units = np.zeros(shape, dtype=bool), np.zeros(shape), np.zeros(shape)
+    in_use = np.zeros(shape)
+    trans[[EMBEDDING, BLOCK]] += awaiting
+    head = groups[HEAD]
+    for gi, group in enumerate(groups):
+        for oi, option in enumerate(options):
+            if ctx.shards(option):
+                sharded[gi, oi] = True
+                params[gi, oi] = dynamic * sharded_param_bytes([group], [option], [0], ctx.tp, ctx.dtype_bytes)
+                units[gi, oi] = dynamic * gathered_unit_params(group, option, ctx.tp) * ctx.dtype_bytes
+                in_use[gi, oi] = dynamic * sharded_gather_bytes(group, option, ctx)
+    trans -= in_use
+    trans[BLOCK] += dynamic * layer_backward_bytes(cost.tokens, model.hidden_size, model.ffn_hidden_size, ctx.tp,
+                                                   ctx.dtype_bytes)
+    for oi, option in enumerate(options):
+        trans[HEAD, oi] = head_moment_bytes(trans[HEAD, oi], head, option,
+                                            option.shard_params and not model.tied_embeddings,
+                                            cost.tokens, ctx.tp, ctx.dtype_bytes, dynamic)
+    # The head's kept activations are freed by its backward, before any other layer's: they belong
+    # to the loss's moment alone (one stage, one micro-batch in flight).
+    trans[HEAD] += act[HEAD]
+    act[HEAD] = 0.0
+    regathered = np.array([dynamic * regathered_head_bytes(head, option, model.tied_embeddings, ctx.tp,
+                                                           ctx.dtype_bytes) for option in options])
+    exact = _Zero3Rows(act.copy(), trans.copy(), sharded, params, units, regathered)
+    trans[BLOCK] += in_use[BLOCK]
+    for row in (EMBEDDING, HEAD):
+        act[row] += np.where(sharded[row], np.minimum(params[row], 2 * units[row]), 0.0)
+    if model.tied_embeddings:
+        finite = np.isfinite(time[HEAD])
+        least = (trans[HEAD] + regathered)[finite].min() if finite.any() else 0.0
+        trans[EMBEDDING] = np.where(sharded[EMBEDDING], np.maximum(trans[EMBEDDING], least), trans[EMBEDDING])
+    return exact
+
+
 @dataclass(frozen=True)
 class _Solved:
     strategy: Strategy
@@ -121,15 +205,32 @@ class _Solved:
     options: tuple[LayerOption, ...]  # per flat layer
 
 
-def _needless_selective(strategy: Strategy, fitted: dict[Strategy, Plan]) -> bool:
-    """Whether selective recomputation cannot help ``strategy``: its twin without it already has a
-    plan that checkpoints no layer, so every layer fits keeping its activations, and recomputing
-    parts of each only adds time (the search skips the twin; what it may miss is a layout that only
-    the memory freed would fill, off the twin's by a layer or so)."""
+def _takes_fastest(priced: _Priced, options: Sequence[LayerOption]) -> bool:
+    """Whether every layer of ``options`` (one per flat layer) takes its fastest option in ``priced``."""
+    rows = [EMBEDDING, *[BLOCK] * (len(options) - 2), HEAD]
+    return all(priced.time[row, priced.options.index(option)] <= priced.time[row].min()
+               for row, option in zip(rows, options))
+
+
+def _plan_options(plan: Plan) -> list[LayerOption]:
+    """``plan``'s option of each flat layer."""
+    return [LayerOption(c.checkpoint, c.shard_params, c.split, c.recompute_modules)
+            for c in (plan.layer_choice(j) for j in range(plan.model.num_layers + 2))]
+
+
+def _needless_selective(strategy: Strategy, bound: float, fitted: dict[Strategy, tuple[Plan, _Priced]]) -> bool:
+    """Whether selective recomputation cannot help ``strategy`` (whose lower bound is ``bound``): its
+    twin without it already has a plan whose every layer takes its fastest option, and recomputing
+    parts of each layer only adds time to them. With one stage that plan is then at least as fast as
+    any of ``strategy``; with more, a layout that only the memory freed would fit could be faster,
+    unless ``strategy``'s bound rules it out. (A twin plan that merely checkpoints no layer is not
+    enough: the memory freed may let the head split its loss less, or a layer stay resident.)"""
     if not strategy.recompute_modules:
         return False
     twin = fitted.get(dataclasses.replace(strategy, recompute_modules=()))
-    return twin is not None and not twin.checkpointed_layers()
+    if twin is None or not _takes_fastest(twin[1], _plan_options(twin[0])):
+        return False
+    return strategy.pp == 1 or bound >= twin[0].prediction.step_seconds
 
 
 def _one_stage_order(picked: Sequence[int]) -> list[int]:
@@ -175,18 +276,25 @@ class Planner:
         bucket = bucket_bytes(groups, strategy.tp, self.train.dtype_bytes)
         # Any stage may hold the model's largest matrix (a bound: predict_step uses its own stage's).
         largest_grad = max(gathered_unit_params(g, o, strategy.tp) for g in groups for o in options) * self.train.dtype_bytes
-        constant = (stage_constant_bytes(strategy, bucket, grads)
+        zero3 = None
+        if zero3_moments_apply(strategy):
+            zero3 = _zero3_moment_rows(self.model, groups, options, cost, time, act, trans,
+                                       min(largest_grad * cost.calibration.static_memory,
+                                           grads * strategy.dims.replicas))
+        constant = (_beside_activations(strategy, stage_constant_bytes(strategy, bucket, grads), grads)
                     + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory,
                                                grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1)))
         return _Priced(strategy, options, time, compute, static, act, trans,
                        cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer, constant,
-                       self.cluster.memory_budget_bytes - constant)
+                       self.cluster.memory_budget_bytes - constant, zero3=zero3)
 
     def _price_selective(self, strategy: Strategy, plain: _Priced) -> _Priced:
         """``strategy``, which recomputes modules selectively, priced from ``plain``: the same
         strategy without selective recomputation. Only the transformer layers' row changes: the
         options of both start with the same uncheckpointed ones (:func:`layer_options`), which the
         embedding and head take, and the CostModel does not depend on the strategy's modules."""
+        if plain.zero3 is not None:
+            return self._price(strategy)  # ZeRO-3's moments span the rows (_zero3_moment_rows)
         options = layer_options(strategy)
         cost = CostModel(self.cluster, self.train, strategy, self.model.hidden_size, self.profile,
                          self.calibration)
@@ -217,10 +325,12 @@ class Planner:
         delta = np.where(finite, memory - baseline[:, None], 0.0)
         unit = max(delta.max(axis=1).sum() / MEMORY_STEPS, 1.0)
         q_memory = np.ceil(delta / unit - 1e-9).astype(np.int64)
-        q_transient = np.ceil(transient / unit - 1e-9).astype(np.int64)
+        # The transient and the room are not rounded (the DP subtracts one from the other before it
+        # rounds down), so the smallest choices fit however close their peak is to the budget; the
+        # room gains 1e-9 of a unit against the float division.
         room = priced.budget_bytes - reserve - np.concatenate([[0.0], np.cumsum(baseline)])
-        budgets = np.floor(np.maximum(room, -unit) / unit).astype(np.int64)
-        return solve_prefixes(time, q_memory, q_transient, budgets)
+        budgets = np.maximum(room, -unit) / unit + 1e-9
+        return solve_prefixes(time, q_memory, transient / unit, budgets)
 
     def _solve(self, priced: _Priced) -> _Solved | None:
         s, L = priced.strategy, self.model.num_layers
@@ -301,14 +411,12 @@ class Planner:
 
         The layer DP adds up each moment's largest part of a rank's memory (kept state, activations,
         the largest transient, the stage's buffers), which can overstate the peak the prediction
-        finds: under DeepSpeed ZeRO-0 the flattened gradient copy of the all-reduce and the
-        activations are never alive together (``predict_step``). When the DP gave up a faster option
+        finds: the buffers are bounded with the whole replica's gradients and largest matrix, where
+        ``predict_step`` takes its own stage's. When the DP gave up a faster option
         and its plan leaves more than 1% of the budget unused, the DP runs again with its layer
         budget raised by what was left, a few times at most, and the fastest plan that fits is kept."""
-        rows = [EMBEDDING, *[BLOCK] * self.model.num_layers, HEAD]
-        chosen = [priced.time[row, priced.options.index(option)] for row, option in zip(rows, solved.options)]
-        if all(t <= priced.time[row].min() for row, t in zip(rows, chosen)):
-            return fits  # every layer already takes its fastest option
+        if _takes_fastest(priced, solved.options):
+            return fits
         budget = self.cluster.memory_budget_bytes
         best, last, raised = fits, fits, 0.0
         for _ in range(3):
@@ -348,6 +456,42 @@ class Planner:
             if plan.prediction.peak_memory_bytes <= budget:
                 return plan
         return None
+
+    def _fit_zero3(self, priced: _Priced) -> Plan | None:
+        """The fastest plan of a ZeRO-3 strategy (one stage) that fits with the gathered parameters
+        counted exactly, or None. They are min(S, 2b) (:func:`dsauto.cost.zero3.gathered_params_bytes`:
+        S the sharded layers' parameter bytes, b their largest unit), a sum or a bound on a max over
+        the layers, which the DP prices in two regimes: S, each sharded layer's parameters at every
+        moment; or 2u for each unit u a sharded layer may gather, the layers kept to units of at
+        most u. Each regime counts a plan at or above its prediction, and each plan exactly in the
+        regime its own min(S, 2b) takes, so the fastest of the regimes' plans that fits is the
+        fastest plan that fits. A tied table's second copy (a chunked head's) adds the embedding's
+        residency to the regimes."""
+        z = priced.zero3
+        assert z is not None and priced.strategy.pp == 1
+        budget = self.cluster.memory_budget_bytes
+        best: Plan | None = None
+        embedding_choices = (False, True) if self.model.tied_embeddings else (None,)
+        for embedding_sharded in embedding_choices:
+            time, trans = priced.time.copy(), z.transient.copy()
+            if embedding_sharded is not None:
+                time[EMBEDDING, z.sharded[EMBEDDING] != embedding_sharded] = np.inf
+                if embedding_sharded:
+                    trans[HEAD] += z.regathered
+            regimes = [(time, z.activation + z.params, 0.0)]
+            for unit in np.unique(z.units[z.sharded & np.isfinite(time)]):
+                regimes.append((np.where(z.sharded & (z.units > unit), np.inf, time), z.activation, 2 * unit))
+            for masked, act, gathered in regimes:
+                candidate = dataclasses.replace(priced, time=masked, activation=act, transient=trans,
+                                                budget_bytes=priced.budget_bytes - gathered)
+                solved = self._solve(candidate)
+                if solved is None:
+                    continue
+                plan = self.build_plan(solved.strategy, solved.stage_layers, solved.options)
+                if plan.prediction.peak_memory_bytes <= budget and (
+                        best is None or plan.prediction.step_seconds < best.prediction.step_seconds):
+                    best = plan
+        return best
 
     def _uncounted(self, priced: _Priced, plan: Plan, options: Sequence[LayerOption]) -> list[float]:
         """Per pipeline rank: bytes of ``plan``'s predicted peak beyond what the layer DP counts for
@@ -448,7 +592,7 @@ class Planner:
         near: list[tuple[float, int, Plan]] = []  # beyond the top_k, within ``within`` of the best
         best = math.inf
         spilled: list[int] = []  # strategies with no plan that fits: offload may make one fit
-        fitted: dict[Strategy, Plan] = {}  # each strategy's plan once solved (see _needless_selective)
+        fitted: dict[Strategy, tuple[Plan, _Priced]] = {}  # each strategy's plan once solved, as priced
 
         def bounded_out(bound: float) -> bool:
             return len(kept) >= top_k and bound >= max(-kept[0][0], best * (1 + within))
@@ -463,12 +607,13 @@ class Planner:
                     return True  # whatever fits would be slower than the plans kept
                 # Over the budget at a moment the layer DP does not see (the optimizer update):
                 # look for the per-layer choices that fit it too.
-                plan = self._fit_update(candidate) or self._fit_tighter(candidate, plan, solved)
+                plan = self._fit_update(candidate) or (self._fit_zero3(candidate) if candidate.zero3 is not None
+                                                       else self._fit_tighter(candidate, plan, solved))
             elif plan is not None and solved is not None and not bounded_out(bound):
                 plan = self._fit_looser(candidate, solved, plan)
             if plan is None or not self._host_fits(plan):
                 return False
-            fitted[candidate.strategy] = plan
+            fitted[candidate.strategy] = (plan, candidate)  # (see _needless_selective)
             item = (-plan.prediction.step_seconds, -i, plan)
             best = min(best, plan.prediction.step_seconds)
             if len(kept) < top_k:
@@ -484,7 +629,7 @@ class Planner:
                 progress(done, len(order))
             if bounded_out(bounds[i]):
                 break  # every remaining strategy is bounded out
-            if _needless_selective(priced[i].strategy, fitted):
+            if _needless_selective(priced[i].strategy, bounds[i], fitted):
                 continue
             if not consider(i, priced[i], bounds[i]):
                 spilled.append(i)
@@ -571,4 +716,5 @@ class Planner:
                                    if prefetch_bucket is None else prefetch_bucket),
             layers=tuple(runs), stages=step.stages, prediction=step.prediction, engine=strategy.engine,
             virtual_stages=strategy.virtual_stages, offload=strategy.offload, hpz=strategy.hpz,
+            dist_opt_instances=strategy.dist_opt_instances,
         )

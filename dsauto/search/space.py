@@ -12,12 +12,12 @@ from dsauto.engines.rules import (
     VIRTUAL_STAGES,
     context_parallel_refusal,
     expert_parallel_refusal,
+    dist_opt_instances_refusal,
     hpz_refusal,
     offload_refusal,
     per_layer_residency,
     recompute_module_refusal,
     refusal,
-    selective_recompute_refusal,
     virtual_stage_refusal,
 )
 from dsauto.errors import DsautoError
@@ -82,8 +82,9 @@ class Constraints:
     recompute_modules: str | None = field(default=None, metadata={
         "flag": "--recompute-modules",
         "help": "selective recomputation in every transformer layer: comma-separated modules among "
-                "core_attn, layernorm, mlp (Megatron-core's --recompute-modules), or 'none' (default: "
-                "chosen by the search)"})
+                "core_attn, layernorm, mlp (Megatron-core's --recompute-modules; under DeepSpeed the "
+                "dsauto hook checkpoints the same modules of each block), or 'none' (default: chosen "
+                "by the search)"})
     """Modules every transformer layer recomputes, comma-separated (``"core_attn,mlp"``), or
     ``"none"`` for no selective recomputation; None lets the search choose."""
     offload: Offload | None = field(default=None, metadata={
@@ -97,6 +98,12 @@ class Constraints:
                                  "holding a secondary copy of the sharded parameters; 1: off)"})
     """ZeRO++ hpZ partition size (default: searched among 1 and a node's devices when ZeRO-3's data
     parallelism spans nodes)."""
+    dist_opt_instances: int | None = field(default=None, metadata={
+        "flag": "--dist-opt-instances",
+        "help": "pin Megatron-core's distributed optimizer instances (--num-distributed-optimizer-instances: "
+                "each instance of dp x cp / N ranks shards the optimizer state over itself; 1: off)"})
+    """Megatron-core's partial distributed optimizer instances (default: searched among 1 and one
+    instance per node when the distributed optimizer's data parallelism spans nodes)."""
 
 
 def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -178,14 +185,39 @@ def _host_and_hpz(strategy: Strategy, cluster: ClusterSpec, pins: Constraints) -
         sizes = (1, per_node)
     else:
         sizes = (1,)
-    return [dataclasses.replace(strategy, offload=offload, hpz=hpz) for hpz in sizes
-            if hpz_refusal(strategy.engine, strategy.dims, strategy.zero_stage, hpz, per_node) is None]
+    return [dataclasses.replace(strategy, offload=offload, hpz=hpz, dist_opt_instances=instances) for hpz in sizes
+            if hpz_refusal(strategy.engine, strategy.dims, strategy.zero_stage, hpz, per_node) is None
+            for instances in dist_opt_instance_counts(strategy, cluster, pins)]
+
+
+def dist_opt_instance_counts(strategy: Strategy, cluster: ClusterSpec, pins: Constraints) -> tuple[int, ...]:
+    """The instance counts of Megatron-core's partial distributed optimizer the search tries for
+    ``strategy``: the pinned one, else 1, plus one instance per node when the distributed optimizer
+    (ZeRO-1) shards over ranks on several nodes. A dp x cp group spans tp x dp x cp consecutive ranks
+    (the rank order of :mod:`dsauto.parallel`, pipeline stages outermost), so an instance of
+    devices-per-node / tp replicas fills a node: its reduce-scatter and all-gather stay on the node's
+    links and only the shard's all-reduce crosses nodes, for optimizer state sharded over fewer
+    ranks. Each count obeys :func:`dsauto.engines.rules.dist_opt_instances_refusal`."""
+    if pins.dist_opt_instances is not None:
+        counts: tuple[int, ...] = (pins.dist_opt_instances,)
+    else:
+        counts = (1,)
+        per_node, tp, replicas = cluster.devices_per_node, strategy.tp, strategy.dims.replicas
+        if (strategy.engine == "megatron" and strategy.zero_stage == 1 and tp * replicas > per_node
+                and per_node % tp == 0 and replicas % (per_node // tp) == 0):
+            counts = (1, replicas // (per_node // tp))
+    return tuple(n for n in counts
+                 if dist_opt_instances_refusal(strategy.engine, strategy.dims, strategy.zero_stage, n) is None)
 
 
 def offloaded_variants(strategy: Strategy, cluster: ClusterSpec, pins: Constraints) -> list[Strategy]:
     """``strategy`` with its optimizer offloaded, and under DeepSpeed ZeRO-3 its parameters too: what
-    the planner tries for a strategy that fits nowhere without offload, unless ``offload`` is pinned."""
+    the planner tries for a strategy that fits nowhere without offload, unless ``offload`` is pinned.
+    Not for distributed-optimizer instances: one instance over all ranks keeps less optimizer state, so
+    it is the one offloaded when nothing fits."""
     if pins.offload is not None or strategy.offload != "none" or host_problem(cluster):
+        return []
+    if strategy.dist_opt_instances > 1:
         return []
     strategy = _single_replica_zero(strategy, pins)
     return [dataclasses.replace(strategy, offload=offload) for offload in OFFLOADS[1:]
@@ -304,6 +336,13 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                              cluster.devices_per_node)
         if reason:
             return DsautoError(f"--hpz {pins.hpz} cannot run: {reason}.")
+    if (pins.dist_opt_instances or 1) > 1:
+        dims = ParallelDims(dp=max(1, world // (tp * pp * (pins.cp or 1))), tp=tp, pp=pp, cp=pins.cp or 1)
+        reason = dist_opt_instances_refusal(pins.engine or "megatron", dims,
+                                            pins.zero_stage if pins.zero_stage is not None else 1,
+                                            pins.dist_opt_instances or 1)
+        if reason:
+            return DsautoError(f"--dist-opt-instances {pins.dist_opt_instances} cannot run: {reason}.")
     if pins.vpp is not None and pins.vpp > 1:
         reason = virtual_stage_refusal(pins.engine or "megatron", pp, pins.vpp, pp, model.num_layers // pp)
         if reason:
@@ -311,13 +350,11 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         return DsautoError(f"--vpp {pins.vpp} cannot run: the interleaved schedule needs Megatron-core, "
                            f"pp > 1, micro-batches per step a multiple of pp and at least {pins.vpp} layers "
                            f"per stage; change --pp, --micro-batch or --global-batch.")
-    if pins.recompute_modules is not None and parse_recompute_modules(pins.recompute_modules, model):
+    if pins.recompute_modules is not None and parse_recompute_modules(pins.recompute_modules, model, pins.engine):
         if pins.checkpoint is True:
             return DsautoError(f"--recompute-modules {pins.recompute_modules} recomputes parts of every transformer "
-                               f"layer and --checkpoint all recomputes them whole; Megatron-core runs one of "
+                               f"layer and --checkpoint all recomputes them whole; a layer runs one of "
                                f"the two, so drop one.")
-        if pins.engine is not None and (reason := selective_recompute_refusal(pins.engine)):
-            return DsautoError(f"--recompute-modules {pins.recompute_modules} cannot run: {reason}.")
     if pins.micro_batch is not None:
         return DsautoError(f"No data-parallel degree allowed by the other settings divides the global "
                            f"batch {train.global_batch} into micro-batches of {pins.micro_batch}; change "
@@ -350,15 +387,16 @@ other modules free a smaller share (the norms' outputs 4 of the 34, the MLP's 16
 price of two thirds of the layer's forward). A pin (``--recompute-modules``) asks for any set."""
 
 
-def parse_recompute_modules(text: str, model: ModelSpec | None = None) -> tuple[str, ...]:
+def parse_recompute_modules(text: str, model: ModelSpec | None = None,
+                            engine: Engine | None = None) -> tuple[str, ...]:
     """The modules of a ``--recompute-modules`` value (``"none"``: no selective recomputation); a
-    name dsauto does not know, or knows but does not price, or that Megatron-core cannot recompute
-    for ``model``, is refused in one sentence."""
+    name dsauto does not know, or knows but does not price, or that ``engine`` (None: either)
+    cannot recompute for ``model``, is refused in one sentence."""
     if text.strip().lower() in ("", "none"):
         return ()
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     for name in names:
-        reason = recompute_module_refusal(name, model is not None and model.linear_bias)
+        reason = recompute_module_refusal(name, model is not None and model.linear_bias, engine)
         if reason:
             raise DsautoError(f"--recompute-modules {text}: {reason}.")
     return names
@@ -368,16 +406,18 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
                           pins: Constraints) -> tuple[tuple[str, ...], ...]:
     """The selective recomputations the search tries for ``engine``, as strategy-wide module sets
     (empty: none, whole layers checkpointed or not per layer): the pinned one, or none and
-    :data:`SEARCHED_RECOMPUTE` (less what Megatron-core cannot recompute for ``model``), where the
-    engine runs it (:func:`selective_recompute_refusal`)."""
+    :data:`SEARCHED_RECOMPUTE`, less what ``engine`` cannot recompute for ``model``
+    (:func:`recompute_module_refusal`). Megatron-core runs them through ``recompute_modules``, DeepSpeed
+    through the dsauto hook (dsauto.runtime.recompute)."""
     if pins.recompute_modules is not None:
-        modules = parse_recompute_modules(pins.recompute_modules, model)
-        if modules and (pins.checkpoint is True or selective_recompute_refusal(engine) is not None):
+        modules = parse_recompute_modules(pins.recompute_modules, model, pins.engine)
+        if modules and (pins.checkpoint is True
+                        or any(recompute_module_refusal(m, model.linear_bias, engine) for m in modules)):
             return ()
         return (modules,)
     searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention]
-                     if recompute_module_refusal(m, model.linear_bias) is None)
-    if pins.checkpoint is True or selective_recompute_refusal(engine) is not None or not searched:
+                     if recompute_module_refusal(m, model.linear_bias, engine) is None)
+    if pins.checkpoint is True or not searched:
         return ((),)
     return ((), searched)
 

@@ -448,6 +448,9 @@ class LayerGroup:
     the activation function's output, the gate): what recomputing the MLP (``mlp``) frees."""
     mlp_matmul_flops_per_token: float = 0.0
     """Of ``matmul_flops_per_token``, the dense MLP's (averaged over the group's layers)."""
+    mlp_out_matmul_flops_per_token: float = 0.0
+    """Of ``mlp_matmul_flops_per_token``, the MLP output projection's: the layer's last matrix
+    multiply."""
     mlp_elementwise_bytes_per_token: float = 0.0
     """Of ``elementwise_tp_bytes_per_token``, the dense MLP's activation function."""
     norm_elementwise_bytes_per_token: float = 0.0
@@ -568,6 +571,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         norm_output_bytes_per_token=0.0 if post_norm else branch_inputs * h * b,
         mlp_act_bytes_per_token=dense_fraction * inner * f * b,
         mlp_matmul_flops_per_token=2.0 * dense_fraction * (mlp_in + mlp_out),
+        mlp_out_matmul_flops_per_token=2.0 * dense_fraction * mlp_out,
         mlp_elementwise_bytes_per_token=dense_fraction * inner * f * b,
         norm_elementwise_bytes_per_token=model.norms_per_layer * 2 * h * b,
     )

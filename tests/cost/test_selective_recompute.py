@@ -112,3 +112,16 @@ def test_embedding_and_head_are_not_recomputed_selectively():
     model = cost_model()
     for group in (layer_groups(GPT, S, 2, 1)[0], layer_groups(GPT, S, 2, 1)[2]):
         assert model.layer(group, selective("core_attn", "mlp")) == model.layer(group, PLAIN)
+
+
+def test_deepspeed_prices_the_hooks_modules_under_fused_attention():
+    # What the DeepSpeed hook frees (dsauto.runtime.recompute; measured in
+    # tests/runtime/test_deepspeed_selective.py): a fused attention kernel keeps no scores, so the core
+    # frees nothing counted; the two norm outputs are 2h elements per token and the GeLU MLP's input
+    # and output 4h each, 4 bytes apiece in fp32.
+    model, group = cost_model(engine="deepspeed", flash=True, dtype="fp32"), block(dtype_bytes=4)
+    kept = model.layer(group, PLAIN).activation_bytes
+    for modules, per_token in [(("core_attn",), 0), (("layernorm",), 2 * H * 4), (("mlp",), 8 * H * 4),
+                               (("core_attn", "layernorm", "mlp"), 10 * H * 4)]:
+        freed = kept - model.layer(group, selective(*modules)).activation_bytes
+        assert freed == pytest.approx(S * B * per_token)

@@ -10,8 +10,10 @@ A case is ``{"name", "config", "plan", "api", "optimizer", "steps", "seed", "seq
 is ``"dsauto"`` (dsauto.deepspeed.initialize) or ``"deepspeed"`` (deepspeed.initialize),
 ``optimizer`` is ``"config"`` or ``"client"`` (a torch.optim.AdamW built before initialize over
 ``model.parameters()``). Rank 0 writes, per case, the data-parallel mean loss of every step, which
-layers the hook checkpointed and split, and, under ZeRO-3, the parameter and optimizer elements
-rank 0 holds.
+layers the hook checkpointed, split and recomputed selectively, and, under ZeRO-3, the parameter and
+optimizer elements rank 0 holds. A case with ``"measure": true`` also records the tensor bytes the
+last step's first forward leaves alive (what backward keeps, dsauto.profile.memory.MemoryTracker)
+and the parameter elements ZeRO-3 all-gathers in each step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dsauto.emit.ds_config import PLAN_KEY
 from dsauto.models import build_model
 from dsauto.models.data import synthetic_batch
 from dsauto.plan import Plan
+from dsauto.profile.memory import MemoryTracker
 from dsauto.runtime.checkpointing import is_checkpointed
 from dsauto.spec.model import ModelSpec
 
@@ -46,12 +49,19 @@ def run_case(case: dict[str, Any], spec: ModelSpec, rank: int) -> dict[str, Any]
     initialize = dsauto.deepspeed.initialize if case["api"] == "dsauto" else deepspeed.initialize
     engine, *_ = initialize(model=model, optimizer=optimizer, config=config)
     micro, seq_len, vocab = config["train_micro_batch_size_per_gpu"], case["seq_len"], case["vocab_size"]
-    losses = []
+    losses, kept_bytes, gathered = [], None, GatheredElements() if case.get("measure") else None
     for step in range(case["steps"]):
+        if gathered is not None:
+            gathered.per_step.append(0)
         for micro_step in range(engine.gradient_accumulation_steps()):
             tokens, labels = synthetic_batch(vocab, micro, seq_len, step * 100 + micro_step, rank,
                                              seed=case["seed"])
-            loss = engine(tokens, labels)
+            if case.get("measure") and step == case["steps"] - 1 and micro_step == 0:
+                with MemoryTracker() as forward:
+                    loss = engine(tokens, labels)
+                kept_bytes = forward.final_bytes()  # allocated in forward and alive: what backward keeps
+            else:
+                loss = engine(tokens, labels)
             engine.backward(loss)
             engine.step()
         mean = loss.detach().clone()
@@ -64,6 +74,11 @@ def run_case(case: dict[str, Any], spec: ModelSpec, rank: int) -> dict[str, Any]
         "forward_patched": any("forward" in vars(m) for m in engine.module.modules()),
         "checkpointed": [i + 1 for i, block in enumerate(engine.module.layers) if is_checkpointed(block)],
         "splits": applied.splits if applied else {},
+        # the parameters splitting replaced are let go once the engine is built (not held for the run)
+        "replacements_kept": len(applied.replacements) if applied else 0,
+        "recomputed": {str(k): list(v) for k, v in applied.recomputed.items()} if applied else {},
+        "kept_bytes": kept_bytes,
+        "gathered_per_step": gathered.stop() if gathered is not None else None,
         # Where DeepSpeed's ZeRO optimizer keeps its state (stage_1_and_2.py's cpu_offload, stage3.py's
         # offload_optimizer / offload_param): on the CPU accelerator every device is the host, so the
         # engine's own flags are what tells an offloaded run apart.
@@ -75,6 +90,26 @@ def run_case(case: dict[str, Any], spec: ModelSpec, rank: int) -> dict[str, Any]
         result.update(zero3_holdings(engine))
     engine.destroy()
     return result
+
+
+class GatheredElements:
+    """Counts the elements ZeRO-3 all-gathers (every parameter fetch goes through
+    ``deepspeed.comm.allgather_fn``: deepspeed/runtime/zero/partition_parameters.py, _dist_allgather_fn)."""
+
+    def __init__(self) -> None:
+        self.per_step: list[int] = []
+        self.original = dist.allgather_fn
+
+        def counted(output_tensor, input_tensor, *args, **kwargs):
+            if self.per_step:
+                self.per_step[-1] += output_tensor.numel()
+            return self.original(output_tensor, input_tensor, *args, **kwargs)
+
+        dist.allgather_fn = counted
+
+    def stop(self) -> list[int]:
+        dist.allgather_fn = self.original
+        return self.per_step
 
 
 def zero3_holdings(engine: Any) -> dict[str, Any]:

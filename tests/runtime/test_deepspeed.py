@@ -168,6 +168,7 @@ def test_the_planned_layers_are_checkpointed_and_split(results):
     assert results["zero3-checkpoint"]["splits"] == {}
     assert results["zero3-split"]["checkpointed"] == []
     assert results["zero3-split"]["splits"] == {"0": 2, "1": 2, "2": 2, "3": 2, "4": 2, "5": 4}
+    assert results["zero3-split"]["replacements_kept"] == 0
     assert results["zero1-checkpoint-split-client"]["checkpointed"] == [1]
     assert results["zero1-checkpoint-split-client"]["splits"] == {"2": 2, "5": 4}
 

@@ -6,14 +6,14 @@ As in test_memory_oracle.py: on small instances every plan of the space the sear
 pinned choices that select the dimension) is priced with ``predict_step``; for budgets around the
 peaks it can reach, the search finds a plan that fits whenever one exists, its predicted peak and
 time are those of its own choices, and it is no slower than the fastest fitting plan beyond the
-DP's memory rounding. And on full-size models the lower bound that orders the strategies never
-exceeds the plan solving the strategy yields, so branch and bound stays exact with these dimensions.
+DP's memory rounding, also exactly at the peaks where the fastest fitting plan changes. And on
+full-size models the lower bound that orders the strategies never exceeds the plan solving the
+strategy yields, so branch and bound stays exact with these dimensions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from functools import lru_cache
 
 import pytest
@@ -21,14 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsauto.cost.step import predict_step
-from dsauto.cost.strategy import LayerOption
 from dsauto.errors import DsautoError
 from dsauto.search.planner import Planner
-from dsauto.search.space import Constraints, allowed, layer_options, strategies
+from dsauto.search.space import Constraints, strategies
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.loaders import load_cluster, load_hardware, load_model
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import TrainSpec
+from oracle_helpers import assert_own_prediction, assignments, frontier, strategy_key
 
 NARROW = ModelSpec(name="narrow", architecture="decoder", num_layers=2, hidden_size=64, num_attention_heads=2,
                    ffn_hidden_size=256, vocab_size=2048, max_position_embeddings=64, dropout=False)
@@ -53,40 +53,24 @@ def cluster(budget_bytes: int | None = None):
     return load_cluster("cpu", nodes=1, gpus_per_node=2, memory_limit=limit)
 
 
-def _key(strategy) -> tuple:
-    return (strategy.dims, strategy.zero_stage, strategy.micro_batch, strategy.engine, strategy.sequence_parallel,
-            strategy.virtual_stages)
-
-
-def _assignments(strategy, model, pins):
-    """Every (stage layout, per-layer options) of the search's space for ``strategy``: with one stage
-    the multisets of block options (identical blocks in one stage are interchangeable); with two,
-    every split leaving each rank at least one layer per chunk, and every option per block."""
-    options = layer_options(strategy)
-    embedding = [o for o in options if allowed("embedding", o, pins)]
-    head = [o for o in options if allowed("head", o, pins)]
-    block = [o for o in options if allowed("transformer", o, pins)]
-    L, v = model.num_layers, strategy.virtual_stages
-    if strategy.pp == 1:
-        for e, h in itertools.product(embedding, head):
-            for blocks in itertools.combinations_with_replacement(block, L):
-                yield (L,), (e, *blocks, h)
-        return
-    assert strategy.pp == 2
-    for first in range(v, L - v + 1):
-        for e, h, blocks in itertools.product(embedding, head, itertools.product(block, repeat=L)):
-            yield (first, L - first), (e, *blocks, h)
+# Shared with test_memory_oracle.py (oracle_helpers); the names here stay for the tests that import them.
+_key = strategy_key  # (dims, zero stage, micro-batch, engine, sp, virtual stages, ...)
+_assignments = assignments
 
 
 @lru_cache(maxsize=None)
 def brute_force(case: str) -> tuple[tuple[tuple, float, int], ...]:
     """(strategy key, step seconds, peak bytes) of every plan in the case's space, for any budget."""
     model, pins = CASES[case]
+    return _every_plan(model, pins, TRAIN)
+
+
+def _every_plan(model, pins, train) -> tuple[tuple[tuple, float, int], ...]:
     c = cluster()
     out = []
-    for strategy in strategies(model, c, TRAIN, pins):
+    for strategy in strategies(model, c, train, pins):
         for stage_layers, options in _assignments(strategy, model, pins):
-            prediction = predict_step(model, c, TRAIN, strategy, stage_layers, options).prediction
+            prediction = predict_step(model, c, train, strategy, stage_layers, options).prediction
             out.append((_key(strategy), prediction.step_seconds, prediction.peak_memory_bytes))
     return tuple(out)
 
@@ -122,16 +106,43 @@ def test_the_search_finds_a_fitting_plan_whenever_one_exists(case, position):
         return
     assert exists
     assert plan.prediction.peak_memory_bytes <= budget
-    options = [LayerOption(plan.layer_choice(j).checkpoint, plan.layer_choice(j).shard_params,
-                           plan.layer_choice(j).split) for j in range(model.num_layers + 2)]
-    strategy = next(s for s in strategies(model, planner.cluster, TRAIN, pins)
-                    if _key(s) == (plan.dims, plan.zero_stage, plan.micro_batch, plan.engine,
-                                   plan.sequence_parallel, plan.virtual_stages))
-    again = predict_step(model, planner.cluster, TRAIN, strategy, plan.stage_layers, options).prediction
-    assert again.peak_memory_bytes == plan.prediction.peak_memory_bytes
-    assert again.step_seconds == plan.prediction.step_seconds
+    assert_own_prediction(model, planner.cluster, TRAIN, plan, strategies(model, planner.cluster, TRAIN, pins))
     fastest = min(step for _, step, peak in plans if peak <= budget)
     assert plan.prediction.step_seconds <= fastest * 1.05
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_search_keeps_up_with_brute_force_where_the_fastest_plan_changes(case):
+    """Budgets exactly at the peaks where the fastest fitting plan changes (where any rounding of
+    memory, or a moment counted twice, loses it): the search finds a plan as fast there."""
+    model, pins = CASES[case]
+    for peak, step in frontier((step, peak) for _, step, peak in brute_force(case)):
+        plan = Planner(model, cluster(peak), TRAIN, pins).search()[0]
+        assert plan.prediction.peak_memory_bytes <= peak
+        assert plan.prediction.step_seconds <= step * 1.05, f"{case} at {peak} B: {plan.prediction.step_seconds} s"
+
+
+# Ulysses' neighbours, only where the fastest plan changes (their spaces are as large as the cases').
+EDGES = {
+    # One micro-batch per step: DeepSpeed without ZeRO holds no gradient yet at the loss.
+    "one-micro-batch": (Constraints(cp=2, engine="deepspeed", micro_batch=4, **PLAIN), TRAIN),
+    # Eager attention: the attention core's selective recomputation is searched too, and what it
+    # frees can let the head split its loss less.
+    "selective": (Constraints(cp=2, engine="deepspeed", micro_batch=2, offload="none"),
+                  dataclasses.replace(TRAIN, flash_attention=False)),
+}
+
+
+@pytest.mark.parametrize("edge", sorted(EDGES))
+def test_ulysses_edges_keep_up_with_brute_force_where_the_fastest_plan_changes(edge):
+    pins, train = EDGES[edge]
+    plans = _every_plan(NARROW, pins, train)
+    if edge == "selective":
+        assert {key[7] for key, _, _ in plans} == {(), ("core_attn",)}
+    for peak, step in frontier((step, peak) for _, step, peak in plans):
+        plan = Planner(NARROW, cluster(peak), train, pins).search()[0]
+        assert plan.prediction.peak_memory_bytes <= peak
+        assert plan.prediction.step_seconds <= step * 1.05, f"{edge} at {peak} B: {plan.prediction.step_seconds} s"
 
 
 MIXTRAL_LIKE = dataclasses.replace(load_model("llama2-7b"), name="moe-7b", num_layers=8, num_experts=8,

@@ -82,3 +82,14 @@ def test_transient_peak_counts_once_not_per_layer():
     transient = np.array([[4], [4], [4]])
     assert solve(time, memory, transient, 7)[0] == 3.0  # 3 + max(4) = 7
     assert solve(time, memory, transient, 6)[0] == float("inf")
+
+
+def test_transient_and_budget_need_not_be_whole_units():
+    """Only the memory that adds up is in whole units: a peak of 2 + 2.5 fits 4.5 exactly."""
+    time = np.array([[1.0, 5.0], [1.0, 5.0]])
+    memory = np.array([[1, 0], [1, 0]])
+    transient = np.array([[2.5, 0.25], [2.5, 0.25]])
+    assert solve(time, memory, transient, 4.5) == (2.0, (0, 0))
+    assert solve(time, memory, transient, 4.49)[0] == 6.0  # one layer gives up its memory
+    assert solve(time, memory, transient, 0.25) == (10.0, (1, 1))
+    assert solve(time, memory, transient, 0.2)[0] == float("inf")

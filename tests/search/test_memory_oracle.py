@@ -3,12 +3,12 @@
 For small models every plan of the space the search defines is priced with ``predict_step`` (the
 prediction the emitted plan carries, every moment of the step included: forward, backward and
 the optimizer update). For many budgets: whenever some plan fits, the search finds one that fits,
-and its predicted peak is the prediction of its own choices; when none fits, it says so.
+and its predicted peak is the prediction of its own choices; when none fits, it says so. At the
+peaks where the fastest fitting plan changes, the search's plan is as fast.
 """
 
 from __future__ import annotations
 
-import itertools
 from functools import lru_cache
 
 import pytest
@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsauto.cost.step import predict_step
-from dsauto.cost.strategy import LayerOption
 from dsauto.errors import DsautoError
 from dsauto.search.planner import Planner
-from dsauto.search.space import Constraints, allowed, layer_options, offloaded_variants, strategies
+from dsauto.search.space import Constraints, offloaded_variants, strategies
 from dsauto.spec.loaders import load_cluster
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import TrainSpec
+from oracle_helpers import assert_own_prediction, assignments, frontier
 
 MODELS = {
     "narrow": ModelSpec(name="narrow", architecture="decoder", num_layers=2, hidden_size=64,
@@ -40,26 +40,6 @@ def cluster(budget_bytes: int | None = None):
     return load_cluster("cpu", nodes=1, gpus_per_node=2, memory_limit=limit)
 
 
-def _assignments(strategy, model):
-    """Every (stage layout, per-layer options) of the search's space for ``strategy``: the layouts
-    the planner considers (each stage at least one transformer layer) and, in one stage, the
-    multisets of block options (identical blocks in one stage are interchangeable)."""
-    options = layer_options(strategy)
-    pins = Constraints()
-    embedding = [o for o in options if allowed("embedding", o, pins)]
-    head = [o for o in options if allowed("head", o, pins)]
-    block = [o for o in options if allowed("transformer", o, pins, strategy.recompute_modules)]
-    L = model.num_layers
-    if strategy.pp == 1:
-        for e, h in itertools.product(embedding, head):
-            for blocks in itertools.combinations_with_replacement(block, L):
-                yield (L,), (e, *blocks, h)
-    else:
-        assert strategy.pp == 2 and L == 2
-        for e, h, b1, b2 in itertools.product(embedding, head, block, block):
-            yield (1, 1), (e, b1, b2, h)
-
-
 def all_strategies(model, c):
     return [variant for strategy in strategies(model, c, TRAIN, Constraints())
             for variant in (strategy, *offloaded_variants(strategy, c, Constraints()))]
@@ -74,7 +54,7 @@ def brute_force(name: str) -> tuple[tuple[float, int], ...]:
     # The search's space: every strategy, and each offloaded (which the planner tries for the ones
     # that fit nowhere without it).
     for strategy in all_strategies(model, c):
-        for stage_layers, options in _assignments(strategy, model):
+        for stage_layers, options in assignments(strategy, model, Constraints()):
             prediction = predict_step(model, c, TRAIN, strategy, stage_layers, options).prediction
             out.append((prediction.step_seconds, prediction.peak_memory_bytes))
     return tuple(out)
@@ -105,20 +85,20 @@ def test_the_search_finds_a_fitting_plan_whenever_one_exists(name, position):
     assert exists
     assert plan.prediction.peak_memory_bytes <= budget
     # The plan's predicted peak is the prediction of its own choices.
-    options = [LayerOption(plan.layer_choice(j).checkpoint, plan.layer_choice(j).shard_params,
-                           plan.layer_choice(j).split, plan.layer_choice(j).recompute_modules)
-               for j in range(model.num_layers + 2)]
-    strategy = next(s for s in all_strategies(model, planner.cluster)
-                    if (s.dims, s.zero_stage, s.micro_batch, s.engine, s.sequence_parallel, s.offload,
-                        s.recompute_modules)
-                    == (plan.dims, plan.zero_stage, plan.micro_batch, plan.engine, plan.sequence_parallel,
-                        plan.offload, plan.uniform_recompute_modules()))
-    again = predict_step(model, planner.cluster, TRAIN, strategy, plan.stage_layers, options).prediction
-    assert again.peak_memory_bytes == plan.prediction.peak_memory_bytes
-    assert again.step_seconds == plan.prediction.step_seconds
+    assert_own_prediction(model, planner.cluster, TRAIN, plan, all_strategies(model, planner.cluster))
     # And it is no slower than the fastest fitting plan by more than the DP's memory rounding allows.
     fastest = min(step for step, peak in plans if peak <= budget)
     assert plan.prediction.step_seconds <= fastest * 1.05
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_search_keeps_up_with_brute_force_where_the_fastest_plan_changes(name):
+    """Budgets exactly at the peaks where the fastest fitting plan changes: the search finds a plan
+    as fast there (as test_dimension_oracle.py does for the newer dimensions)."""
+    for peak, step in frontier(brute_force(name)):
+        plan = Planner(MODELS[name], cluster(peak), TRAIN).search()[0]
+        assert plan.prediction.peak_memory_bytes <= peak
+        assert plan.prediction.step_seconds <= step * 1.05, f"{name} at {peak} B: {plan.prediction.step_seconds} s"
 
 
 def test_zero3_with_layers_resident_fits_where_all_resident_does_not():

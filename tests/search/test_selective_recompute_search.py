@@ -71,14 +71,14 @@ def test_mixed_selective_layers_are_not_expressed_by_flags(eager_plans):
     assert any(line.startswith("# Not expressed: selective recomputation") for line in megatron_args(mixed))
 
 
-def test_deepspeed_strategies_do_not_recompute_modules_and_megatron_ones_come_in_pairs():
+def test_strategies_of_both_engines_come_in_pairs():
     problem = make_problem("gpt-tiny", "cpu", global_batch=8, seq_len=64, flash_attention=False)
     space = strategies(problem.model, problem.cluster, problem.train, problem.pins)
-    assert all(not s.recompute_modules for s in space if s.engine == "deepspeed")
-    megatron = [s for s in space if s.engine == "megatron"]
-    plain = {dataclasses.replace(s, recompute_modules=()) for s in megatron}
-    assert {s.recompute_modules for s in megatron} == {(), ("core_attn",)}
-    assert len(megatron) == 2 * len(plain)
+    for engine in ("deepspeed", "megatron"):
+        ours = [s for s in space if s.engine == engine]
+        plain = {dataclasses.replace(s, recompute_modules=()) for s in ours}
+        assert {s.recompute_modules for s in ours} == {(), ("core_attn",)}
+        assert len(ours) == 2 * len(plain)
     # Under fused attention the attention core keeps nothing: the search tries no selective
     # recomputation unless pinned.
     flash = make_problem("gpt-tiny", "cpu", global_batch=8, seq_len=64)
@@ -91,11 +91,11 @@ def test_deepspeed_strategies_do_not_recompute_modules_and_megatron_ones_come_in
 @pytest.mark.parametrize(("pins", "message"), [
     (dict(recompute_modules="core_attn,flash"), "'flash' is not a module Megatron-core recomputes"),
     (dict(recompute_modules="moe_act"), "Megatron-core's 'moe_act' recomputation is not priced by dsauto"),
-    (dict(recompute_modules="mlp"), "cannot recompute the MLP of a model whose linear layers have biases"),
+    (dict(recompute_modules="mlp", engine="megatron"),
+     "cannot recompute the MLP of a model whose linear layers have biases"),
     (dict(recompute_modules="core_attn", checkpoint=True), "--checkpoint all recomputes them whole"),
-    (dict(recompute_modules="core_attn", engine="deepspeed"), "planned for Megatron-core only"),
 ])
-def test_pins_megatron_cannot_run_are_refused_in_one_sentence(pins, message):
+def test_pins_an_engine_cannot_run_are_refused_in_one_sentence(pins, message):
     problem = make_problem("gpt-tiny", "cpu", global_batch=8, seq_len=64, **pins)
     with pytest.raises(DsautoError, match=message):
         find_plans(problem)
@@ -112,3 +112,10 @@ def test_the_pin_reaches_the_plan_from_the_command_line(tmp_path, capsys):
     assert main(["plan", "--model", "gpt-tiny", "--hardware", "cpu", "--recompute-modules", "moe"]) == 2
     assert "not priced by dsauto" in capsys.readouterr().err
     assert Constraints.__dataclass_fields__["recompute_modules"].metadata["flag"] == "--recompute-modules"
+
+
+def test_deepspeed_recomputes_the_mlp_of_a_biased_model_that_megatron_cannot():
+    # gpt-tiny's linear layers have biases: Megatron-core cannot recompute its MLP, the DeepSpeed hook can.
+    plans = find_plans(make_problem("gpt-tiny", "cpu", global_batch=8, seq_len=64, recompute_modules="mlp"), top_k=50)
+    assert plans and {p.engine for p in plans} == {"deepspeed"}
+    assert all(p.uniform_recompute_modules() == ("mlp",) for p in plans)
