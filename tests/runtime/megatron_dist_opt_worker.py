@@ -11,17 +11,12 @@ distributed optimizer's process groups and the losses of the last stage.
 
 from __future__ import annotations
 
-import json
-import sys
-import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import dsauto.megatron as dm
-from dsauto.compat import megatron_cpu
-from megatron_worker import layout_free_init, load_example
+from megatron_worker import layout_free_init, load_example, serve
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -66,24 +61,8 @@ def run(example, job: dict, spec: dict) -> dict:
 
 
 def main() -> None:
-    job_path, out_path = sys.argv[1:3]
-    job = json.loads(Path(job_path).read_text())
-    shim = megatron_cpu.enable()
-    dist.init_process_group("gloo")
     example = load_example()
-    results = {}
-    for spec in job["runs"]:
-        try:
-            results[spec["name"]] = run(example, job, spec)
-        except Exception:  # noqa: BLE001 (each failure goes to the test, which shows its traceback)
-            results[spec["name"]] = {"traceback": traceback.format_exc()}
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-    if dist.get_rank() == 0:
-        Path(out_path).write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
-    shim.disable()
+    serve(lambda job, spec: run(example, job, spec))
 
 
 if __name__ == "__main__":

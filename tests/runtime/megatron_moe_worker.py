@@ -14,18 +14,14 @@ which CPU ranks do not have.
 
 from __future__ import annotations
 
-import json
 import re
-import sys
-import traceback
 import zlib
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import dsauto.megatron as dm
-from dsauto.compat import megatron_cpu
+from megatron_worker import serve
 
 
 def run(job: dict, spec: dict) -> dict:
@@ -81,22 +77,7 @@ def run(job: dict, spec: dict) -> dict:
 
 
 def main() -> None:
-    job_path, out_path = sys.argv[1:3]
-    job = json.loads(Path(job_path).read_text())
-    megatron_cpu.enable()
-    dist.init_process_group("gloo")
-    results = {}
-    for spec in job["runs"]:
-        try:
-            results[spec["name"]] = run(job, spec)
-        except Exception:  # noqa: BLE001 (each failure goes to the test, which shows its traceback)
-            results[spec["name"]] = {"traceback": traceback.format_exc()}
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-    if dist.get_rank() == 0:
-        Path(out_path).write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    serve(run)
 
 
 if __name__ == "__main__":

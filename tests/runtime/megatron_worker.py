@@ -189,17 +189,17 @@ def run_deepspeed(example, job: dict, spec: dict) -> dict:
     return result
 
 
-def main() -> None:
+def serve(run_one) -> None:
+    """One rank of a job: ``run_one(job, spec)`` for each run of the job file (argv[1]) on gloo with
+    the CPU shim, each failure kept as its traceback; rank 0 writes the results to argv[2]."""
     job_path, out_path = sys.argv[1:3]
     job = json.loads(Path(job_path).read_text())
     shim = megatron_cpu.enable()
     dist.init_process_group("gloo")
-    example = load_example()
     results = {}
     for spec in job["runs"]:
         try:
-            runner = run_deepspeed if spec.get("engine") == "deepspeed" else run
-            results[spec["name"]] = runner(example, job, spec)
+            results[spec["name"]] = run_one(job, spec)
         except Exception:  # noqa: BLE001 (each failure goes to the test, which shows its traceback)
             results[spec["name"]] = {"traceback": traceback.format_exc()}
             from megatron.core import parallel_state
@@ -214,6 +214,11 @@ def main() -> None:
     else:
         dist.destroy_process_group()
     shim.disable()
+
+
+def main() -> None:
+    example = load_example()
+    serve(lambda job, spec: (run_deepspeed if spec.get("engine") == "deepspeed" else run)(example, job, spec))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from dsauto.search.space import Constraints, strategies
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.loaders import load_cluster, load_hardware, load_model
 from dsauto.spec.training import TrainSpec
-from oracle_helpers import plan_key, plan_options, strategy_key
+from oracle_helpers import assert_own_prediction, strategy_key
 from test_dimension_oracle import NARROW, PLAIN, TRAIN, _assignments
 
 # dp 4 over two nodes of two ranks: one instance of all four, or one per node.
@@ -32,7 +32,7 @@ def cluster(budget_bytes: int | None = None):
 
 
 def _key(strategy) -> tuple:
-    return (*strategy_key(strategy), strategy.dist_opt_instances)
+    return strategy_key(strategy)
 
 
 @lru_cache(maxsize=None)
@@ -70,11 +70,7 @@ def test_the_search_finds_a_fitting_plan_whenever_one_exists(position):
     assert exists
     assert plan.prediction.peak_memory_bytes <= budget
     # Its prediction is that of its own choices (the instance count included).
-    strategy = next(s for s in strategies(NARROW, planner.cluster, TRAIN, PINS)
-                    if strategy_key(s) == plan_key(plan) and s.dist_opt_instances == plan.dist_opt_instances)
-    again = predict_step(NARROW, planner.cluster, TRAIN, strategy, plan.stage_layers, plan_options(plan)).prediction
-    assert (again.peak_memory_bytes, again.step_seconds) == (plan.prediction.peak_memory_bytes,
-                                                             plan.prediction.step_seconds)
+    assert_own_prediction(NARROW, planner.cluster, TRAIN, plan, strategies(NARROW, planner.cluster, TRAIN, PINS))
     fastest = min(step for _, step, peak in plans if peak <= budget)
     assert plan.prediction.step_seconds <= fastest * 1.05
 
