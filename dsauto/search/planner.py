@@ -578,15 +578,25 @@ class Planner:
         # A layer's costs do not depend on how its rank's layers are chunked: price each strategy
         # once for all its virtual-stage counts.
         by_base: dict[Strategy, _Priced] = {}
-        priced = []
-        for s in space:
+
+        def price(s: Strategy) -> _Priced:
             base = dataclasses.replace(s, virtual_stages=1)
             if base not in by_base:
                 plain = by_base.get(dataclasses.replace(base, recompute_modules=()))
                 by_base[base] = self._price_selective(base, plain) if base.recompute_modules and plain else \
                     self._price(base)
-            priced.append(dataclasses.replace(by_base[base], strategy=s))
-        bounds = [p.lower_bound(L) for p in priced]
+            return dataclasses.replace(by_base[base], strategy=s)
+
+        # A partial distributed optimizer's variant is priced when the search reaches it: its bound is
+        # at least its one-instance twin's (the same passes; more optimizer state per rank to update),
+        # so most variants are bounded out unpriced.
+        single = set(space)
+        priced: list[_Priced | None] = [None if s.dist_opt_instances > 1 and
+                                        dataclasses.replace(s, dist_opt_instances=1) in single else price(s)
+                                        for s in space]
+        twin_bound = {p.strategy: p.lower_bound(L) for p in priced if p is not None}
+        bounds = [p.lower_bound(L) if p is not None else twin_bound[dataclasses.replace(s, dist_opt_instances=1)]
+                  for s, p in zip(space, priced)]
         order = sorted(range(len(priced)), key=lambda i: (bounds[i], i))
         kept: list[tuple[float, int, Plan]] = []  # max-heap by step time via negation
         near: list[tuple[float, int, Plan]] = []  # beyond the top_k, within ``within`` of the best
@@ -629,6 +639,11 @@ class Planner:
                 progress(done, len(order))
             if bounded_out(bounds[i]):
                 break  # every remaining strategy is bounded out
+            if priced[i] is None:
+                priced[i] = price(space[i])
+                bounds[i] = priced[i].lower_bound(L)
+                if bounded_out(bounds[i]):
+                    continue
             if _needless_selective(priced[i].strategy, bounds[i], fitted):
                 continue
             if not consider(i, priced[i], bounds[i]):
@@ -642,7 +657,7 @@ class Planner:
                 f"{self.model.name} does not fit on {self.cluster.world_size} x "
                 f"{self.cluster.device.name} with {format_bytes(self.cluster.memory_budget_bytes)} per "
                 f"device under any allowed setting: the smallest plan needs about "
-                f"{format_bytes(min(p.least_memory(L) for p in priced))} per device; add devices, "
+                f"{format_bytes(min(p.least_memory(L) for p in priced if p is not None))} per device; add devices, "
                 f"raise --memory-limit or unpin choices."
             )
         near = [e for e in near if -e[0] <= best * (1 + within)] if within > 0 else []
