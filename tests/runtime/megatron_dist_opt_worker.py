@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dsauto.megatron as dm
-from megatron_worker import layout_free_init, load_example, serve
+from megatron_worker import load_example, seeded_chunks, serve
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -28,15 +28,9 @@ def optimizer_state_bytes(optimizer) -> int:
 
 def run(example, job: dict, spec: dict) -> dict:
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     plan = dm.load_plan(spec["plan"])
-    dm.initialize_model_parallel(plan)
-    torch.manual_seed(job["seed"])
-    model_parallel_cuda_manual_seed(job["seed"])
-    chunks = example.build_model(plan, on_cpu=True)
-    for chunk in chunks:
-        layout_free_init(chunk, job["seed"])
+    chunks = seeded_chunks(example, plan, job["seed"])
     model, optimizer = example.wrap(plan, chunks, lr=job["lr"], weight_decay=0.0)
     data = [example.batches(plan, job["seed"]) for _ in model]
     losses, state_bytes = [], None

@@ -33,6 +33,20 @@ from dsauto.errors import DsautoError
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "train_gpt.py"
 
 
+def seeded_chunks(example, plan, seed: int) -> list:
+    """The plan's model chunks built by the example on CPU after the plan's process groups, with
+    weights that do not depend on the layout (:func:`layout_free_init`)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    dm.initialize_model_parallel(plan)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    chunks = example.build_model(plan, on_cpu=True)
+    for chunk in chunks:
+        layout_free_init(chunk, seed)
+    return chunks
+
+
 def load_example():
     spec = importlib.util.spec_from_file_location("train_gpt", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
@@ -103,7 +117,6 @@ class SavedBytes:
 
 def run(example, job: dict, spec: dict) -> dict:
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     plan = dm.load_plan(spec["plan"])
     if spec.get("expect_error"):
@@ -112,12 +125,7 @@ def run(example, job: dict, spec: dict) -> dict:
         except DsautoError as error:
             return {"error": str(error)}
         return {"error": None}
-    dm.initialize_model_parallel(plan)
-    torch.manual_seed(job["seed"])
-    model_parallel_cuda_manual_seed(job["seed"])
-    chunks = example.build_model(plan, on_cpu=True)
-    for chunk in chunks:
-        layout_free_init(chunk, job["seed"])
+    chunks = seeded_chunks(example, plan, job["seed"])
     layers = [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks]
     measure = SavedBytes(chunks) if spec.get("measure") else None
     model, optimizer = example.wrap(plan, chunks, lr=job["lr"], weight_decay=0.0)
