@@ -4,6 +4,7 @@
     python benchmarks/accuracy.py --plans dp      # data-parallel plans through DeepSpeed only
     python benchmarks/accuracy.py --plans mp      # model-parallel plans through Megatron-core only
     python benchmarks/accuracy.py --plans moe     # mixture-of-experts plans through DeepSpeed only
+    python benchmarks/accuracy.py --plans variants  # DeepSpeed's pipeline engine, offload and bf16 plans only
     python benchmarks/accuracy.py --quick         # fewer steps, for a smoke run
 
 For each of two model shapes it (1) profiles the layers with ``dsauto profile`` launched on two ranks
@@ -19,7 +20,7 @@ uneven layouts; recomputation of all, some or none of the layers; several micro-
 Megatron-core's own GPT in fp32 on two ranks through dsauto's Megatron plugin, with the worker of
 benchmarks/megatron_memory.py (one measurement code path for both benchmarks): peak tensor bytes
 over tracked steps, then the median time of timed steps without the tracker (slowest rank; on a
-shared machine scaled to the ranks' time on a core, from the scheduler's statistics). They
+shared machine less the time other processes ran on the ranks' cores). They
 are priced with a profile measured in the same run (``dsauto profile`` in fp32, TP shards 1 and 2:
 layer times, and the gloo collectives, send/recv included, that price the tensor-parallel all-reduces
 and the pipeline transfers). Each is also predicted by the model calibrated on the other plans'
@@ -31,6 +32,7 @@ last lines printed are
     median_time_error=X max_time_error=Y median_memory_error=Z max_under_prediction=U plans=N
     mp_median_time_error=X mp_max_time_error=Y mp_median_memory_error=Z mp_max_under_prediction=U mp_plans=N
     moe_median_time_error=X moe_max_time_error=Y moe_median_memory_error=Z moe_max_under_prediction=U moe_plans=N
+    variants_median_time_error=X ... variants_max_under_prediction=U variants_plans=N
 
 where U, the largest under-prediction of a peak, is the maximum over plans of (measured - predicted) /
 measured, 0 when no peak is under-predicted: a plan predicted below its real peak is an
@@ -94,13 +96,21 @@ class Case:
     checkpoint: str  # "none", "all" or "half" (the first half of the blocks)
     shard: str = "all"  # ZeRO-3: "all" sharded, "mixed" (blocks replicated, embedding and head sharded)
     split: int = 1  # operator splitting of the sharded blocks and the head's loss chunks
+    pp: int = 1  # DeepSpeed's pipeline engine over pp of the two ranks (even stages; dp = 2 / pp)
+    offload: str = "none"  # "optimizer": ZeRO-Offload, the optimizer state and its update on the host
+    dtype: str = "fp32"
 
     def label(self) -> str:
-        parts = [f"zero{self.zero}", f"mb{self.micro_batch}", f"acc{self.grad_accum}", f"ckpt-{self.checkpoint}"]
+        parts = [f"pp{self.pp}"] if self.pp > 1 else []
+        parts += [f"zero{self.zero}", f"mb{self.micro_batch}", f"acc{self.grad_accum}", f"ckpt-{self.checkpoint}"]
         if self.zero == 3:
             parts.append(f"shard-{self.shard}")
         if self.split > 1:
             parts.append(f"split{self.split}")
+        if self.offload != "none":
+            parts.append(f"offload-{self.offload}")
+        if self.dtype != "fp32":
+            parts.append(self.dtype)
         return " ".join(parts)
 
 
@@ -111,6 +121,22 @@ CASES = (
     Case(3, 2, 1, "none"), Case(3, 4, 1, "half", shard="mixed"),
     Case(3, 1, 2, "none", split=2), Case(3, 8, 1, "all", shard="mixed", split=4),
 )
+
+VARIANT_CASES = (  # (index of the shape in SHAPES, case)
+    # DeepSpeed's pipeline engine (1F1B, 3 + 3 blocks): the untied bench-llama, as a PipelineModule
+    # (dsauto.profile.steps.pipeline_module). Two ranks leave dp = 1, where ZeRO-1 partitions over
+    # one rank (the search plans ZeRO-0 there; the pipeline engine runs either).
+    (1, Case(0, 1, 1, "none", pp=2)), (1, Case(0, 2, 4, "none", pp=2)), (1, Case(0, 1, 4, "all", pp=2)),
+    (1, Case(1, 2, 2, "half", pp=2)), (1, Case(1, 4, 1, "none", pp=2)),
+    # ZeRO-Offload: the optimizer on the host (DeepSpeedCPUAdam).
+    (0, Case(1, 1, 1, "none", offload="optimizer")), (0, Case(1, 2, 1, "none", offload="optimizer")),
+    (0, Case(1, 4, 2, "half", offload="optimizer")), (0, Case(2, 1, 1, "none", offload="optimizer")),
+    (0, Case(2, 2, 2, "none", offload="optimizer")), (0, Case(2, 4, 1, "all", offload="optimizer")),
+    # bf16 (DeepSpeed's CPU accelerator trains bf16: CPU_Accelerator.is_bf16_supported).
+    (0, Case(0, 2, 1, "none", dtype="bf16")), (0, Case(1, 1, 1, "none", dtype="bf16")),
+    (0, Case(1, 2, 2, "half", dtype="bf16")), (0, Case(2, 4, 1, "all", dtype="bf16")),
+)
+"""Plans beyond the data-parallel fp32 ones (``--plans variants``)."""
 
 
 def options_of(case: Case, num_layers: int) -> list[LayerOption]:
@@ -125,16 +151,19 @@ def options_of(case: Case, num_layers: int) -> list[LayerOption]:
     return options
 
 
-def build_plans(model: ModelSpec, profile_dir: Path) -> list[tuple[Case, Plan]]:
+def build_plans(model: ModelSpec, profile_dir: Path, cases=CASES) -> list[tuple[Case, Plan]]:
     cluster = load_cluster("cpu", nodes=1, gpus_per_node=2)
     plans = []
-    for case in CASES:
-        train = TrainSpec(global_batch=2 * case.micro_batch * case.grad_accum, seq_len=SEQ_LEN, dtype="fp32")
-        profile = find_profile(profile_dir, model, "fp32", SEQ_LEN)
+    for case in cases:
+        dp = 2 // case.pp
+        train = TrainSpec(global_batch=dp * case.micro_batch * case.grad_accum, seq_len=SEQ_LEN, dtype=case.dtype)
+        profile = find_profile(profile_dir, model, case.dtype, SEQ_LEN)
         planner = Planner(model, cluster, train, profile=profile)
-        strategy = Strategy(dims=ParallelDims(dp=2, tp=1, pp=1), zero_stage=case.zero, micro_batch=case.micro_batch,
-                            grad_accum=case.grad_accum, sequence_parallel=False)
-        plans.append((case, planner.build_plan(strategy, [model.num_layers], options_of(case, model.num_layers))))
+        strategy = Strategy(dims=ParallelDims(dp=dp, tp=1, pp=case.pp), zero_stage=case.zero,
+                            micro_batch=case.micro_batch, grad_accum=case.grad_accum, sequence_parallel=False,
+                            offload=case.offload)
+        plans.append((case, planner.build_plan(strategy, [model.num_layers // case.pp] * case.pp,
+                                               options_of(case, model.num_layers))))
     return plans
 
 
@@ -150,15 +179,17 @@ def _launch(args: list[str], log: Path) -> None:
         sys.exit(f"{' '.join(command)} failed (exit {result.returncode}); see {log}")
 
 
-def _profile(model: ModelSpec, dtype: str, micro_batches: str, tps: str, quick: bool, work: Path, log: Path) -> None:
+def _profile(model: ModelSpec, dtype: str, micro_batches: str, tps: str, quick: bool, work: Path, log: Path,
+             engine: str = "deepspeed") -> None:
     """``dsauto profile`` of ``model`` on 2 ranks into ``work/profiles``: layer times and activations
-    at every micro-batch size and TP shard, the gloo collectives of 2 ranks."""
+    at every micro-batch size and TP shard (of ``engine``'s transformer layers), the gloo collectives
+    of 2 ranks."""
     model_file = work / f"{model.name}.yaml"
     model_file.write_text(yaml.safe_dump(to_dict(model), sort_keys=False))
     print(f"{model.name}: profiling on 2 ranks ({dtype})", file=sys.stderr, flush=True)
     _launch(["-m", "dsauto.cli", "profile", "--model", str(model_file), "--hardware", "cpu", "--dtype", dtype,
              "--seq-len", str(SEQ_LEN), "--micro-batches", micro_batches, "--tp", tps,
-             "--repeats", "3" if quick else "11", "--out", str(work / "profiles")], log)
+             "--repeats", "3" if quick else "11", "--out", str(work / "profiles"), "--engine", engine], log)
 
 
 def measure_dp(quick: bool, work: Path, log: Path) -> list[tuple]:
@@ -166,17 +197,42 @@ def measure_dp(quick: bool, work: Path, log: Path) -> list[tuple]:
     rows = []
     for model in SHAPES:
         _profile(model, "fp32", "1,2,4,8", "1", quick, work, log)
-        plans = build_plans(model, work / "profiles")
-        plans_file = work / f"{model.name}-plans.json"
-        plans_file.write_text(json.dumps([plan.to_dict() for _, plan in plans]))
-        measured_file = work / f"{model.name}-measured.json"
+        rows += _measure(model, build_plans(model, work / "profiles"), quick, work, log, model.name)
+    return rows
+
+
+def measure_variants(quick: bool, work: Path, log: Path, render_only: bool = False) -> list[tuple]:
+    """The pipeline, offload and bf16 plans (:data:`VARIANT_CASES`), measured through DeepSpeed.
+
+    On CPU ranks the host is the device: the tracker counts an offloaded optimizer's host buffers
+    with the rest, so an offloaded plan's predicted peak is its device peak plus its host bytes
+    (``Prediction.offloaded_bytes``). ``render_only``: price the plans again against the
+    measurements a run left in ``work``, measuring nothing."""
+    rows = []
+    for index, model in enumerate(SHAPES):
+        cases = [case for shape, case in VARIANT_CASES if shape == index]
+        for dtype in sorted({case.dtype for case in cases}) if not render_only else ():
+            _profile(model, dtype, "1,2,4", "1", quick, work, log)
+        if cases:
+            rows += _measure(model, build_plans(model, work / "profiles", cases), quick, work, log,
+                             f"{model.name}-variants", render_only)
+    return rows
+
+
+def _measure(model: ModelSpec, plans: list[tuple[Case, Plan]], quick: bool, work: Path, log: Path,
+             name: str, render_only: bool = False) -> list[tuple]:
+    """Trains ``plans`` on 2 ranks (``render_only``: reads what an earlier run measured): (model,
+    plan, predicted s, measured s, predicted bytes, measured bytes) rows."""
+    plans_file = work / f"{name}-plans.json"
+    plans_file.write_text(json.dumps([plan.to_dict() for _, plan in plans]))
+    measured_file = work / f"{name}-measured.json"
+    if not render_only:
         print(f"{model.name}: measuring {len(plans)} plans on 2 ranks", file=sys.stderr, flush=True)
         _launch(["-m", "dsauto.profile.steps", "--plans", str(plans_file), "--out", str(measured_file),
                  "--steps", "3" if quick else "15", "--warmup", "3"], log)
-        for (case, plan), measured in zip(plans, json.loads(measured_file.read_text())):
-            rows.append((model.name, case.label(), plan.prediction.step_seconds, measured["step_seconds"],
-                         plan.prediction.peak_memory_bytes, measured["peak_bytes"]))
-    return rows
+    return [(model.name, case.label(), plan.prediction.step_seconds, measured["step_seconds"],
+             plan.prediction.peak_memory_bytes + plan.prediction.offloaded_bytes, measured["peak_bytes"])
+            for (case, plan), measured in zip(plans, json.loads(measured_file.read_text()))]
 
 
 # ---- model-parallel plans through Megatron-core ------------------------------------------------------
@@ -214,7 +270,7 @@ class MpRow:
     plan: Plan
     step_seconds: float
     """Median measured step time on cores of the ranks' own: the slowest rank's wall time, less
-    the share of it the ranks spent waiting for a core while other processes ran."""
+    the most time other processes ran on the core a rank is bound to."""
     peak_bytes: int
     """Measured peak live tensor bytes (largest rank)."""
     cross_validated_seconds: float = 0.0
@@ -222,7 +278,13 @@ class MpRow:
     wall_seconds: float = 0.0
     """Median wall time of a step, as it ran on the shared machine."""
     waiting_share: float = 0.0
-    """Median share of the ranks' time in a step spent waiting for a core."""
+    """Median share of a step's wall time that other processes ran on a rank's core (the most of any
+    rank)."""
+    all_threads_seconds: float = 0.0
+    """Median wall time scaled by all the ranks' threads' time on a core over their time on a core or
+    waiting for one: counts the gloo threads' waits for the core their rank's step holds, which the
+    step does not lose, as other processes' time (below the busiest rank's own compute time in
+    pipelines with idle stages)."""
 
     @property
     def time_error(self) -> float:
@@ -244,14 +306,14 @@ class MpRow:
 
 def measure_mp(quick: bool, work: Path, log: Path, render_only: bool = False) -> tuple[list[MpRow], dict[str, float]]:
     """The model-parallel plans, each trained by Megatron-core on 2 ranks, priced with the profile;
-    and Megatron-core's layers timed against the reference layers the profile timed
-    (:func:`megatron_memory.layer_times`). ``render_only``: read the measurements a run left in
+    and Megatron-core's layers timed against the reference layers
+    (:func:`megatron_memory.layer_times`; the profile times Megatron-core's transformer layer). ``render_only``: read the measurements a run left in
     ``work`` instead of measuring."""
     model = megatron_memory.bench_model()
     if not render_only:
-        _profile(model, MP_DTYPE, "1,2,4", "1,2", quick, work, log)
-    profile = find_profile(work / "profiles", model, MP_DTYPE, SEQ_LEN)
-    # What the profile's reference layers miss of Megatron-core's own, on one rank.
+        _profile(model, MP_DTYPE, "1,2,4", "1,2", quick, work, log, engine="megatron")
+    profile = find_profile(work / "profiles", model, MP_DTYPE, SEQ_LEN, "megatron")
+    # Megatron-core's layers against the reference layers, on one rank.
     if not render_only:
         one_rank = megatron_memory.build_plan(megatron_memory.Case(dtype=MP_DTYPE))
         megatron_memory.launch(write_plan_yaml(one_rank, work / "one-rank.yaml"), work / "layer-times.json", log, 1,
@@ -269,11 +331,12 @@ def measure_mp(quick: bool, work: Path, log: Path, render_only: bool = False) ->
         ranks = json.loads(out.read_text())
         steps = ranks[0]["timed_steps"]  # the slowest rank's wall time, the ranks' time on and off cores
         row = MpRow(case.label(), plan,
-                    statistics.median(t["wall_seconds"] * t["on_core_seconds"]
-                                      / (t["on_core_seconds"] + t["waiting_seconds"]) for t in steps),
+                    statistics.median(t["wall_seconds"] - t["others_seconds"] for t in steps),
                     max(r["step"] for r in ranks), wall_seconds=statistics.median(t["wall_seconds"] for t in steps),
-                    waiting_share=statistics.median(t["waiting_seconds"] / (t["on_core_seconds"] + t["waiting_seconds"])
-                                                    for t in steps))
+                    waiting_share=statistics.median(t["others_seconds"] / t["wall_seconds"] for t in steps),
+                    all_threads_seconds=statistics.median(t["wall_seconds"] * t["on_core_seconds"]
+                                                          / (t["on_core_seconds"] + t["waiting_seconds"])
+                                                          for t in steps))
         print(f"  step {row.step_seconds * 1e3:.1f} ms (predicted {row.time_error:+.1%}), peak "
               f"{row.peak_bytes / 2**20:.1f} MiB (predicted {row.memory_error:+.1%})", file=sys.stderr, flush=True)
         rows.append(row)
@@ -315,16 +378,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="3 timed steps instead of 15 (5 for Megatron-core), 3 profiling repeats instead of 11")
-    parser.add_argument("--plans", choices=("all", "dp", "mp", "moe"), default="all",
+    parser.add_argument("--plans", choices=("all", "dp", "mp", "moe", "variants"), default="all",
                         help="data-parallel plans (DeepSpeed), model-parallel plans (Megatron-core), "
-                             "mixture-of-experts plans (DeepSpeed), or all")
+                             "mixture-of-experts plans (DeepSpeed), DeepSpeed's pipeline engine, offload "
+                             "and bf16 plans, or all")
     parser.add_argument("--work", type=Path, default=None, help="folder for profiles and logs (default: a temporary one)")
     parser.add_argument("--render-only", action="store_true",
-                        help="with --plans mp and --work: write the results of the run that left its measurements "
-                             "in the work folder, measuring nothing")
+                        help="with --plans mp or variants and --work: write the results of the run that left its "
+                             "measurements in the work folder, measuring nothing")
     args = parser.parse_args()
-    if args.render_only and (args.plans != "mp" or args.work is None):
-        parser.error("--render-only needs --plans mp and the --work folder of a finished run")
+    if args.render_only and (args.plans not in ("mp", "variants") or args.work is None):
+        parser.error("--render-only needs --plans mp or variants and the --work folder of a finished run")
     work = args.work or Path(tempfile.mkdtemp(prefix="dsauto-accuracy-"))
     work.mkdir(parents=True, exist_ok=True)
     log = work / "log.txt"
@@ -352,12 +416,19 @@ def main() -> None:
         summary = "moe_" + " moe_".join(dp_summary(rows).split())
         write_section("moe", moe_lines(rows, summary, time.perf_counter() - started, command))
         summaries.append(summary)
+    if args.plans in ("all", "variants"):
+        started = time.perf_counter()
+        rows = measure_variants(args.quick, work, log, render_only=args.render_only)
+        summary = "variants_" + " variants_".join(dp_summary(rows).split())
+        wall = 0.0 if args.render_only else time.perf_counter() - started
+        write_section("variants", variant_lines(rows, summary, wall, command))
+        summaries.append(summary)
     for summary in summaries:
         print(summary)
 
 
 TITLE = "# Accuracy: predicted vs measured training steps on 2 CPU ranks"
-SECTIONS = ("dp", "mp", "moe")
+SECTIONS = ("dp", "mp", "moe", "variants")
 
 
 def write_section(name: str, lines: list[str]) -> None:
@@ -419,24 +490,29 @@ def mp_lines(rows: list[MpRow], summary: str, wall: float, command: str,
          f"tied head, {SEQ_LEN} tokens per sequence), Megatron-core's own GPTModel (local layer spec, unfused "
          f"attention) in **{MP_DTYPE}**, trained through `dsauto.megatron` with its CPU shim by the worker of "
          "benchmarks/megatron_memory.py. Each plan is priced by `Planner.build_plan` (engine megatron) with "
-         "the profile measured in the same run (`dsauto profile --dtype fp32 --tp 1,2` on 2 ranks: the "
-         "reference layers' times at each micro-batch size and TP shard; the gloo all-reduce and send/recv "
+         "the profile measured in the same run (`dsauto profile --engine megatron --dtype fp32 --tp 1,2` on 2 "
+         "ranks: Megatron-core's own transformer layer, local spec, and the reference embedding and head, "
+         "timed at each micro-batch size and TP shard; the gloo all-reduce and send/recv "
          "fits price the tensor-parallel all-reduces and the pipeline transfers). Measured: the median of "
          "the timed steps (after 3 tracked and 2 untimed ones; each between barriers, so the slowest "
          "rank's), timed without the memory tracker. The machine is shared with other work, whose time "
-         "slices stretch every step: each step's wall time is scaled by the ranks' time on a core over their "
-         "time on a core or waiting for one (the scheduler's statistics, `run_queue_seconds` in "
-         "dsauto/profile/resources.py, all threads of both ranks), and the profile's layer timings are "
-         "scaled alike (`dsauto.profile.layers.uncontended`); *wall* is the step as it ran, *waiting* the "
-         "ranks' share of time spent waiting for a core. Memory is the peak of live tensor bytes per rank "
+         "slices stretch every step: from each step's wall time is taken the most time other processes "
+         "ran on the core a rank is bound to (the core's busy time, `busy_seconds` in "
+         "dsauto/profile/resources.py, less the rank's threads' time on it from the scheduler's statistics, "
+         "`run_queue_seconds`), and the profile's layer timings are scaled to their thread's time on its "
+         "core (`dsauto.profile.layers.uncontended`); *wall* is the step as it ran, *waiting* the share of "
+         "it other processes took. *All threads*: the wall time scaled by all the ranks' threads' time on "
+         "a core over their time on a core or waiting for one, which counts the waits of each rank's gloo "
+         "threads for the core its own step holds as other processes' time (in pipelines with an idle "
+         "stage it falls below the busiest rank's own compute time). Memory is the peak of live tensor bytes per rank "
          "over the tracked steps. The columns *TP comm*, *p2p* and *bubble* are the prediction's share of the step "
          "(`Prediction.tp_comm_seconds`, `p2p_seconds`, `bubble_seconds`). *Cross-validated*: the step "
          "predicted by the model calibrated (`fit_calibration`) on the other plans' measurements, leaving "
          "this one out."),
         "",
         ("| plan | micro-batches | predicted step | TP comm | p2p | bubble | measured step | wall (waiting, error) "
-         "| time error | cross-validated | predicted peak | measured peak | memory error |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+         "| all threads | time error | cross-validated | predicted peak | measured peak | memory error |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r.plan.prediction
@@ -444,6 +520,7 @@ def mp_lines(rows: list[MpRow], summary: str, wall: float, command: str,
             f"| {r.label} | {r.plan.grad_accum} x {r.plan.micro_batch} | {p.step_seconds * ms:.1f} ms | "
             f"{p.tp_comm_seconds * ms:.1f} ms | {p.p2p_seconds * ms:.1f} ms | {p.bubble_seconds * ms:.1f} ms | "
             f"{r.step_seconds * ms:.1f} ms | {r.wall_seconds * ms:.0f} ms ({r.waiting_share:.0%}, {r.wall_error:+.0%}) | "
+            f"{r.all_threads_seconds * ms:.0f} ms | "
             f"{r.time_error:+.1%} | {r.cross_validated_error:+.1%} | "
             f"{p.peak_memory_bytes / 2**20:.1f} MiB | {r.peak_bytes / 2**20:.1f} MiB | {r.memory_error:+.1%} |")
     cross = [abs(r.cross_validated_error) for r in rows]
@@ -453,7 +530,8 @@ def mp_lines(rows: list[MpRow], summary: str, wall: float, command: str,
                f"max {max(cross):.3f}. Against the wall time as the steps ran (other processes' time "
                f"included): median {statistics.median(walls):.3f}, max {max(walls):.3f}."),
               "",
-              (f"Megatron-core's layers against the reference layers the profile times, one micro-batch of "
+              (f"Megatron-core's layers against the reference layers (which a profile without `--engine "
+               f"megatron` times), one micro-batch of "
                f"{megatron_memory.MICRO_BATCH} x {SEQ_LEN} tokens forward and backward on one rank "
                "(`megatron_memory.layer_times`, median of 15 runs, each scaled to its time on the core):"),
               "",
@@ -567,6 +645,22 @@ def moe_lines(rows, summary: str, wall: float, command: str) -> list[str]:
             "is priced from the CPU hardware file. The measured step is the median step on cores of the "
             "ranks' own (`StepMeasurement.on_core_step_seconds`: each step's wall time times the ranks' "
             "time on a core over their time on a core and waiting for one; the machine is shared).")
+    return [*lines[:2], note, "", *lines[2:]]
+
+
+def variant_lines(rows, summary: str, wall: float, command: str) -> list[str]:
+    lines = dp_lines(rows, summary, wall, command)
+    if not wall:
+        lines[2] = lines[2].replace("(wall 0 s for this part; ", "(this text written again from that run's "
+                                    "measurements with --work and --render-only; ")
+    lines[0] = "## Pipeline, offload and bf16 plans (DeepSpeed)"
+    note = ("pp2: DeepSpeed's pipeline engine (`PipelineModule` of the reference layers, logits as the last "
+            "layer and the cross-entropy as its `loss_fn`, 3 + 3 blocks, `engine.train_batch`; "
+            "`dsauto.profile.steps.measure_pipeline_plan`: the DeepSpeed hook takes data-parallel plans only), "
+            "dp 1. offload-optimizer: ZeRO-Offload (`offload_optimizer` to the CPU, DeepSpeedCPUAdam); on CPU "
+            "ranks the host is the device, so the predicted peak is the device peak plus the host bytes "
+            "(`Prediction.offloaded_bytes`). bf16: the model and gradients in bf16 on DeepSpeed's CPU "
+            "accelerator, priced with a bf16 profile.")
     return [*lines[:2], note, "", *lines[2:]]
 
 

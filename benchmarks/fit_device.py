@@ -7,6 +7,8 @@ kernels and collectives get to the datasheet:
   peak FLOP/s, ``d`` their smallest dimension (the hidden size over TP, or the tokens);
 - ``memory_bandwidth_efficiency``: bandwidth-bound kernels (norms, activations, softmax, optimizer);
 - ``attention_efficiency``: the fused (flash) attention kernel, its backward counted at 2.5x;
+- ``fused_attention_efficiency``: cuDNN's fused attention (Transformer Engine's FusedAttention) on
+  Hopper, counted the same way; fitted only where runs ran it (Strategy.attention_kernel);
 - ``comm_overlap_efficiency``: how much of overlapped communication hides;
 - ``inter_node_efficiency``: the fraction of the NICs' bandwidth collectives across nodes reach.
 
@@ -54,12 +56,15 @@ class Constants:
     attention_efficiency: float
     comm_overlap_efficiency: float
     inter_node_efficiency: float
+    fused_attention_efficiency: float | None = None
+    """None: not fitted (no run of the device ran cuDNN's fused attention)."""
 
     @classmethod
     def of(cls, hardware: HardwareSpec) -> Constants:
         d = hardware.device
         return cls(d.matmul_efficiency, d.matmul_half_dim, d.memory_bandwidth_efficiency,
-                   d.attention_efficiency, d.comm_overlap_efficiency, hardware.inter_node.efficiency)
+                   d.attention_efficiency, d.comm_overlap_efficiency, hardware.inter_node.efficiency,
+                   d.fused_attention_efficiency)
 
     @classmethod
     def generic(cls, hardware: HardwareSpec) -> Constants:
@@ -71,20 +76,23 @@ class Constants:
         device = dataclasses.replace(
             hardware.device, matmul_efficiency=self.matmul_efficiency, matmul_half_dim=self.matmul_half_dim,
             memory_bandwidth_efficiency=self.memory_bandwidth_efficiency,
-            attention_efficiency=self.attention_efficiency, comm_overlap_efficiency=self.comm_overlap_efficiency)
+            attention_efficiency=self.attention_efficiency, comm_overlap_efficiency=self.comm_overlap_efficiency,
+            fused_attention_efficiency=self.fused_attention_efficiency)
         inter = dataclasses.replace(hardware.inter_node, efficiency=self.inter_node_efficiency)
         return dataclasses.replace(hardware, device=device, inter_node=inter)
 
-    def vector(self) -> list[float]:
+    def vector(self) -> list[float | None]:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
     def describe(self) -> str:
-        return " ".join(f"{f.name}={_round(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        return " ".join(f"{f.name}={_round(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                        if getattr(self, f.name) is not None)
 
 
 BOUNDS = Constants(matmul_efficiency=(0.3, 1.0), matmul_half_dim=(0.0, 2048.0),  # type: ignore[arg-type]
                    memory_bandwidth_efficiency=(0.5, 0.95), attention_efficiency=(0.1, 1.0),
-                   comm_overlap_efficiency=(0.5, 1.0), inter_node_efficiency=(0.05, 1.0))
+                   comm_overlap_efficiency=(0.5, 1.0), inter_node_efficiency=(0.05, 1.0),
+                   fused_attention_efficiency=(0.1, 1.0))
 """Physical range of each constant. Fractions of a peak stay below 1; bandwidth-bound kernels over
 tensors of a layer's size reach at least half the datasheet bandwidth and no streaming kernel all
 of it; overlapped collectives slow the GEMMs under them by 10-30% (Pati et al. 2024, "T3", Sec.
@@ -144,16 +152,31 @@ FREE = ("matmul_efficiency", "matmul_half_dim", "memory_bandwidth_efficiency", "
         "comm_overlap_efficiency")
 """The constants the fit moves; the others keep their preset values."""
 
+FUSED = "fused_attention_efficiency"
+"""Moved too where some of the cases ran cuDNN's fused attention (:func:`free_constants`)."""
+
+
+def free_constants(cases: Sequence[Case]) -> tuple[str, ...]:
+    """FREE, and the cuDNN attention efficiency where a case can run that kernel: a constant no
+    case prices is not fitted (it would keep an arbitrary start)."""
+    cudnn = any(c.strategy.attention_kernel == "cudnn" for case in cases for c in case.candidates)
+    return (*FREE, FUSED) if cudnn else FREE
+
 
 def fit(cases: Sequence[Case], start: Constants, say: Callable[[str], None] = lambda _: None,
-        free: Sequence[str] = FREE, starts: Sequence[dict[str, float]] = STARTS) -> Constants:
+        free: Sequence[str] | None = None, starts: Sequence[dict[str, float]] = STARTS) -> Constants:
     """The constants that minimise the weighted soft-L1 of the log errors of ``cases``, moving
-    ``free`` from ``start`` and from each of ``starts``."""
+    ``free`` (default :func:`free_constants`) from ``start`` and from each of ``starts``. The
+    cuDNN attention efficiency, when not free, is dropped (None: that kernel is then priced at
+    ``attention_efficiency``), and when free starts from ``attention_efficiency`` where ``start``
+    has none."""
     try:
         from scipy.optimize import least_squares
     except ImportError as e:  # a benchmark-only dependency
         raise SystemExit("benchmarks/fit_device.py needs scipy for its least-squares fit: pip install scipy") from e
-    names = list(free)
+    names = list(free_constants(cases) if free is None else free)
+    if FUSED not in names:
+        start = dataclasses.replace(start, fused_attention_efficiency=None)
     low = [getattr(BOUNDS, n)[0] for n in names]
     high = [getattr(BOUNDS, n)[1] for n in names]
     scale = [max(abs(h), 1.0) if n == "matmul_half_dim" else 1.0 for n, h in zip(names, high)]
@@ -170,6 +193,8 @@ def fit(cases: Sequence[Case], start: Constants, say: Callable[[str], None] = la
     # starts from ``start`` and from each of ``starts``, and the lowest loss wins.
     best = None
     for origin in (start, *(dataclasses.replace(start, **point) for point in starts)):
+        if origin.fused_attention_efficiency is None:
+            origin = dataclasses.replace(origin, fused_attention_efficiency=origin.attention_efficiency)
         x0 = [min(max(getattr(origin, n), lo), hi) / s for n, s, lo, hi in zip(names, scale, low, high)]
         result = least_squares(residuals, x0, bounds=([lo / s for lo, s in zip(low, scale)],
                                                       [hi / s for hi, s in zip(high, scale)]),
@@ -196,7 +221,7 @@ def _round(value: float) -> float:
 # ---- presets -----------------------------------------------------------------------------------
 
 PRESET_KEYS = ("matmul_efficiency", "matmul_half_dim", "memory_bandwidth_efficiency", "attention_efficiency",
-               "comm_overlap_efficiency")
+               FUSED, "comm_overlap_efficiency")
 FIT_COMMENT = "# Fitted by benchmarks/fit_device.py"
 STALE_HEADER = "efficiencies are left at their defaults until calibrated"
 
@@ -212,7 +237,8 @@ def write_preset(name: str, constants: Constants, note: str) -> None:
         out.append(line.replace(STALE_HEADER, "device efficiencies fitted below"))
         if line.strip().startswith("memory_bandwidth_gbps:"):
             out.append(f"  {FIT_COMMENT}: {note}")
-            out += [f"  {key}: {_round(getattr(constants, key))}" for key in PRESET_KEYS]
+            out += [f"  {key}: {_round(getattr(constants, key))}" for key in PRESET_KEYS
+                    if getattr(constants, key) is not None]
     path.write_text("\n".join(out) + "\n")
 
 

@@ -214,7 +214,7 @@ def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: 
     import dsauto.megatron as dm
     from dsauto.compat import megatron_cpu
     from dsauto.profile.memory import MemoryTracker
-    from dsauto.profile.resources import run_queue_seconds
+    from dsauto.profile.resources import busy_seconds, run_queue_seconds
     from dsauto.profile.run import bind_cpu_rank
 
     shim = megatron_cpu.enable()
@@ -275,23 +275,29 @@ def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: 
     # Timed steps: the tracker is off (its hooks cost time), the schedules are Megatron's own; each
     # step starts and ends with a barrier, so its time is the slowest rank's. On a machine other
     # processes share, their time slices stretch the step: each step also records the ranks' time
-    # on a core and waiting for one (all their threads, summed over the ranks), and
-    # wall x on / (on + waiting) is its time on cores of their own.
+    # on a core and waiting for one (all their threads, summed over the ranks), and the time other
+    # processes ran on the core a rank is bound to (its core's busy time less its own threads' time
+    # on it; ``others_seconds``: the most of any rank). A rank's gloo threads share its core and wait
+    # for it while the step computes, time the step does not lose to other work, so that
+    # benchmarks/accuracy.py takes wall - others as the step on cores of the ranks' own. Under load it
+    # removes too much where a rank idles (waiting for the other) while other work runs on its core.
+    cores = sorted(os.sched_getaffinity(0))
     steps = []
     for _ in range(warmup_steps if timed_steps else 0):
         train_step(model, optimizer)
     for _ in range(timed_steps):
         dist.barrier()
-        start, (on, waiting) = time.perf_counter(), run_queue_seconds(whole_process=True)
+        start, (on, waiting), busy = time.perf_counter(), run_queue_seconds(whole_process=True), busy_seconds(cores)
         train_step(model, optimizer)
         dist.barrier()
-        wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        own = [a - b for a, b in zip(run_queue_seconds(whole_process=True), (on, waiting))]
+        others = busy_seconds(cores) - busy - own[0] if len(cores) == 1 else 0.0
+        wall = torch.tensor([time.perf_counter() - start, max(0.0, others)], dtype=torch.float64)
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-        cpu = torch.tensor([a - b for a, b in zip(run_queue_seconds(whole_process=True), (on, waiting))],
-                           dtype=torch.float64)
+        cpu = torch.tensor(own, dtype=torch.float64)
         dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
-        steps.append({"wall_seconds": float(wall), "on_core_seconds": float(cpu[0]),
-                      "waiting_seconds": float(cpu[1])})
+        steps.append({"wall_seconds": float(wall[0]), "on_core_seconds": float(cpu[0]),
+                      "waiting_seconds": float(cpu[1]), "others_seconds": float(wall[1])})
     mine = {"rank": dist.get_rank(), "stage": parallel_state.get_pipeline_model_parallel_rank(),
             "losses": losses, "timed_steps": steps,
             **{name: tracker.peak_bytes(name)

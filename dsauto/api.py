@@ -204,7 +204,8 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
     if isinstance(profile, (str, os.PathLike)):
         from dsauto.profile.store import find_profile  # imports torch: only when a profile is named
 
-        profile = find_profile(Path(profile), problem.model, problem.train.dtype, problem.train.seq_len)
+        profile = find_profile(Path(profile), problem.model, problem.train.dtype, problem.train.seq_len,
+                               problem.pins.engine)
     planner = Planner(problem.model, problem.cluster, problem.train, problem.pins, profile)
     # Every plan within the tie tolerance of the fastest competes for first place on memory headroom.
     plans = planner.search(top_k=top_k, progress=progress, within=TIE_TOLERANCE)

@@ -216,6 +216,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _add_profile_args(p: argparse.ArgumentParser) -> None:
     from dsauto.api import DEFAULT_MODEL, DEFAULT_TEXT
+    from dsauto.plan import Engine
     from dsauto.spec.training import Dtype
 
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"{_MODEL_HELP} (default: {DEFAULT_MODEL})")
@@ -232,6 +233,9 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--factory", default=None, metavar="package.module:function",
                    help="build the model with your own function (called with the model spec) instead of "
                         "dsauto's reference implementation")
+    p.add_argument("--engine", choices=typing.get_args(Engine), default="deepspeed",
+                   help="whose transformer layers to time: deepspeed, the reference layers DeepSpeed trains; "
+                        "megatron, Megatron-core's own (default: deepspeed)")
     p.add_argument("--warmup", type=_whole(1, 1000), default=2, help="untimed runs before timing (default: 2)")
     p.add_argument("--repeats", type=_whole(1, 1000), default=5, help="timed runs; the median is kept (default: 5)")
     p.add_argument("--force", action="store_true", help="measure again even if a matching profile is stored")
@@ -287,7 +291,8 @@ def _search(args: argparse.Namespace):
     if args.profile is not None:  # read before the clock starts: the store imports torch
         from dsauto.profile.store import find_profile
 
-        profile = find_profile(args.profile, problem.model, problem.train.dtype, problem.train.seq_len)
+        profile = find_profile(args.profile, problem.model, problem.train.dtype, problem.train.seq_len,
+                               problem.pins.engine)
     started = time.perf_counter()
     with SearchProgress() as progress:
         plans = find_plans(problem, top_k=1 + args.top, profile=profile, progress=progress.update)
@@ -393,7 +398,8 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     from dsauto.profile.launch import clean_stale_launches
     from dsauto.profile.resources import check_fits, profiling_rank_bytes, ranks_on_cpu
     from dsauto.profile.run import launch_profile
-    from dsauto.profile.store import find_profile
+    from dsauto.profile.layers import REFERENCE_ENGINE
+    from dsauto.profile.store import NoMatchingProfile, find_profile
     from dsauto.refine.artifacts import write_trials
     from dsauto.refine.history import record_study
     from dsauto.refine.study import check_trials, leading_nodes, open_storage, refine
@@ -411,7 +417,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     source = Path(args.profile or args.profile_dir)
     profile = None
     if args.profile is not None:
-        profile = find_profile(source, model, train.dtype, train.seq_len)  # given: it must be there
+        profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine)  # given: it must be there
     else:
         check_writable_folder(args.profile_dir, "--profile-dir")
     if settings.storage is not None:
@@ -423,7 +429,11 @@ def _cmd_refine(args: argparse.Namespace) -> int:
             _say(line)
         if profile is None:
             try:
-                profile = find_profile(source, model, train.dtype, train.seq_len)
+                with warnings.catch_warnings():  # another engine's profile: profiled now, not used
+                    warnings.simplefilter("ignore")
+                    profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine)
+                if pins.engine is not None and profile.engine != pins.engine:
+                    raise NoMatchingProfile(f"{source} has no profile of {pins.engine}'s layers")
             except DsautoError:
                 ranks = cluster.devices_per_node
                 tps = (pins.tp,) if pins.tp else tuple(t for t in (1, 2, 4, 8) if t <= ranks
@@ -434,8 +444,9 @@ def _cmd_refine(args: argparse.Namespace) -> int:
                                "profile on a machine with a GPU, or pass a profile measured elsewhere with "
                                "--profile, or use fewer --gpus-per-node or a shorter --seq-len")
                 _say(f"profiling {model.name} on {ranks} ranks into {source} first (once; later tunes reuse it)")
-                launch_profile(args.model, train.dtype, train.seq_len, tps, ranks, source, _say)
-                profile = find_profile(source, model, train.dtype, train.seq_len)
+                launch_profile(args.model, train.dtype, train.seq_len, tps, ranks, source, _say,
+                               engine=pins.engine or REFERENCE_ENGINE)
+                profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine)
         if profile.calibration is not None:
             _say(f"the profile's calibration applies: {profile.calibration.describe()}")
         planner = Planner(model, cluster, train, pins, profile)
@@ -559,7 +570,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
                      f"{', '.join(map(str, tps))}")
         profile, path, reused = run_profile(model, dtype, seq_len, args.micro_batches, tps, args.out,
                                             force=args.force, factory=args.factory, warmup=args.warmup,
-                                            repeats=args.repeats, progress=progress)
+                                            repeats=args.repeats, progress=progress, engine=args.engine)
         if rank == 0:
             if reused:
                 print(f"reused {path} (measured earlier with the same model, device, dtype and "

@@ -163,6 +163,7 @@ class CostModel:
             recompute_early_stop=strategy.recompute_early_stop,
             # Only under sequence parallelism (megatron/training/arguments.py, validate_args asserts it).
             tp_comm_overlap=strategy.tp_comm_overlap and strategy.sequence_parallel and strategy.tp > 1,
+            attention_kernel=strategy.attention_kernel,
         )
 
     def _fits(self, size: int, spans_nodes: bool,

@@ -13,6 +13,7 @@ bucketing), gathers the parameters ZeRO sharded and updates its optimizer shard.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from dsauto.cost.terms import (
     megatron_boundary_bytes_per_token,
     megatron_score_buffer_bytes,
     megatron_tied_output_table,
+    megatron_weight_grad_bytes,
     model_state,
     selective_recompute_flops_per_token,
     sharded_gather_bytes,
@@ -136,6 +138,11 @@ def stage_constant_bytes(strategy: Strategy, bucket: int, grads_bytes: float) ->
     gradient bytes already count (megatron/core/distributed/param_and_grad_buffer.py: a bucket's
     ``grad_data`` is a view of the buffer): nothing more.
     """
+    if deepspeed_pipeline_applies(strategy):
+        # DeepSpeed's pipeline engine over one data-parallel rank: its moments
+        # (:func:`deepspeed_pipeline_moment_peak`) include one where no gradient exists yet (the
+        # loss of a step's first micro-batch), so, as a lower bound, none of the gradient column.
+        return -int(grads_bytes)
     if strategy.dims.replicas <= 1 or strategy.engine == "megatron":
         return 0
     if strategy.zero_stage == 0:
@@ -147,8 +154,10 @@ def stage_constant_bytes(strategy: Strategy, bucket: int, grads_bytes: float) ->
         # buckets at every moment and ZeRO-2 its gradient partition (counted in the layers'
         # columns); in a step's only micro-batch the loss comes before any gradient exists, so the
         # gradient column the layers count is not there yet (a negative constant).
-        if strategy.grad_accum > 1:
+        if strategy.grad_accum > 1 and strategy.offload == "none":
             return 2 * bucket if strategy.zero_stage == 1 else 0
+        # In a step's only micro-batch, or with offload at every moment (no gradient stays on the
+        # device), the gradient column is not there.
         return -int(grads_bytes)
     if strategy.zero_stage == 1 and strategy.grad_accum == 1:
         # ZeRO-1 under the pipeline engine without accumulation reduces once, after the flush, when
@@ -198,20 +207,39 @@ def gradient_transient_bytes(strategy: Strategy, bucket: int, largest_grad_bytes
 
 def deepspeed_moments_apply(strategy: Strategy) -> bool:
     """Whether :func:`deepspeed_moment_peak` prices the strategy's stage: DeepSpeed with data
-    parallelism, without ZeRO, or with ZeRO-1/2 on one pipeline stage without offload (the
-    pipeline engine reduces ZeRO-1 gradients after the flush, and offload keeps the gradients on
-    the host: their buffers differ)."""
+    parallelism, without ZeRO, or with ZeRO-1/2 on one pipeline stage, with or without the
+    optimizer offloaded (the pipeline engine reduces ZeRO-1 gradients after the flush: its buffers
+    differ)."""
     if strategy.engine != "deepspeed" or strategy.dims.replicas <= 1:
         return False
     if strategy.zero_stage == 0:
         return True
-    return strategy.zero_stage in (1, 2) and strategy.pp == 1 and strategy.offload == "none"
+    return strategy.zero_stage in (1, 2) and strategy.pp == 1
+
+
+def offload_staging_bytes(strategy: Strategy, largest_param_bytes: float, partition_grads_bytes: float
+                          ) -> tuple[float, float]:
+    """(device, host) bytes ZeRO-1/2 with ``offload_optimizer`` keeps besides the optimizer state
+    (deepspeed/runtime/zero/stage_1_and_2.py, DeepSpeed 0.19.8, ``DeepSpeedZeroOptimizer.__init__``):
+    ``temp_grad_buffer_for_gpu_offload`` on the device and ``temp_grad_buffer_for_cpu_offload`` on
+    the host, each the size of the model's largest parameter, for the whole run; and under ZeRO-2,
+    when a step accumulates micro-batches, the host copies of the gradients of this rank's
+    partition (``async_accumulate_grad_in_cpu_via_gpu``: one buffer per parameter in the partition,
+    from the first micro-batch's reduction on, kept for the run). Measured tensor by tensor on two
+    CPU ranks (benchmarks/accuracy.py --plans variants): 4 + 4 MiB for the 4 MiB table of
+    bench-gpt, and under ZeRO-2 8.25 MiB of accumulated gradients for its 8.15 MiB partition (the
+    parameter at the partition's edge counts whole); ZeRO-1, which reduces only at the last
+    micro-batch, kept none. (0, 0) without offload or ZeRO-1/2."""
+    if strategy.engine != "deepspeed" or strategy.offload == "none" or strategy.zero_stage not in (1, 2):
+        return 0.0, 0.0
+    accumulated = partition_grads_bytes if strategy.grad_accum > 1 and strategy.zero_stage == 2 else 0.0
+    return largest_param_bytes, largest_param_bytes + accumulated
 
 
 def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim: float, activation: float,
                           head_transient: float, layers: Sequence[tuple[float, float]], bucket: int,
                           awaiting_grad: float, local_grads: float, embedding_grad: float, tied_grad: float,
-                          backward_working: float, single_tensor: bool) -> float:
+                          backward_working: float, single_tensor: bool, staging: float = 0.0) -> float:
     """Peak bytes of a DeepSpeed rank over the moments of a step, each with what the engine holds
     then. ``grads``: the gradient column (whole under ZeRO 0/1, this rank's partition under ZeRO-2);
     ``activation``: the kept activations; ``layers``: per transformer layer of the stage, in
@@ -262,6 +290,21 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
     m = strategy.grad_accum
     later = m > 1  # a micro-batch after the first holds what the earlier ones left
     buffers = 2.0 * bucket if strategy.zero_stage else 0.0
+    if strategy.offload != "none" and strategy.zero_stage in (1, 2):
+        # ZeRO-Offload: ``optim`` is on the host, and no gradient stays on the device: each is
+        # copied into the reduction buckets by its hook (``contiguous_gradients`` is forced on) and
+        # from there to the host's fp32 partition, or under accumulation to the host copies
+        # (stage_1_and_2.py, ``copy_grads_in_partition``). Measured tensor by tensor (see
+        # :func:`offload_staging_bytes`): the parameters, both buckets from the first gradient
+        # hook on, the device staging buffer and the activations of the moment, no gradients;
+        # ZeRO-1 with offload measured the same peak as ZeRO-2 in one micro-batch. ZeRO-1 reduces
+        # only at the last micro-batch, so before it the gradients accumulate in ``.grad`` and it
+        # keeps its buckets, as without offload: measured at the second micro-batch's loss, the
+        # whole 16.3 MiB of gradients beside the two buckets.
+        kept = grads if later and strategy.zero_stage == 1 else 0.0
+        held = max((h + backward_working + awaiting_grad for h, _ in layers), default=0.0)
+        loss = activation + head_transient + (buffers if later and strategy.zero_stage == 1 else 0.0)
+        return params + staging + kept + max(loss, held + buffers, buffers + embedding_grad + 2 * tied_grad)
     partition = local_grads / strategy.dims.replicas  # ZeRO-1's partition (ZeRO-2's is ``grads``)
     layer = 0.0
     for held_activation, after in layers:
@@ -286,6 +329,72 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
         embedding += (grads if later else 0.0) + (grads if reduces else 0.0)
     stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor)
     return max(params + optim + max(loss, layer, embedding), stepping)
+
+
+def deepspeed_pipeline_applies(strategy: Strategy) -> bool:
+    """Whether :func:`deepspeed_pipeline_moment_peak` prices the strategy's stages: DeepSpeed's
+    pipeline engine (pp > 1, ZeRO 0 or 1) over one data-parallel rank (over more, ZeRO-0 stages keep
+    the data-parallel moments, ZeRO-1 the columns)."""
+    return (strategy.engine == "deepspeed" and strategy.pp > 1 and strategy.dims.replicas == 1
+            and strategy.zero_stage <= 1)
+
+
+def deepspeed_pipeline_moment_peak(strategy: Strategy, stage: int, flight: float, params: float, grads: float,
+                                   optim: float, activation: float, head_transient: float,
+                                   layers: Sequence[tuple[float, float]], bucket: int, boundary: float,
+                                   logits: float, backward_working: float) -> float:
+    """Peak bytes of a rank of DeepSpeed's pipeline engine over the moments of a step (1F1B,
+    deepspeed/runtime/pipe/schedule.py ``TrainSchedule``; engine.py ``PipelineEngine``, DeepSpeed
+    0.19.8). ``activation``: what one micro-batch keeps on this stage; ``flight``: micro-batches in
+    flight (:func:`in_flight`); ``layers`` as in :func:`deepspeed_moment_peak` for one micro-batch;
+    ``boundary``: one micro-batch's activation between stages; ``logits``: one micro-batch's logits
+    (the head's output).
+
+    What the engine holds besides the layers' own:
+
+    - ``pipe_buffers['outputs']``: a stage's output of each micro-batch in flight, until its
+      backward ends (``_exec_backward_pass`` frees it); on the last stage the logits, which its
+      backward never frees (it returns after the loss's backward): each of the
+      ``num_pipe_buffers()`` = max(2, min(pp - stage, m)) slots keeps the logits of the last
+      micro-batch that used it, across steps, so min(2, m) of them at every moment;
+    - ``pipe_recv_buf`` on every stage but the first and ``grad_layer`` on every stage but the last:
+      one boundary activation each, allocated once (``_exec_recv_activations``, ``_exec_recv_grads``);
+      and on every stage but the first a copy of each received activation in
+      ``pipe_buffers['inputs']`` (``recvd``, cloned again by ``_exec_forward_pass`` for the layers,
+      which the layers' activations count), until its gradient is sent back: as many as the slots
+      the micro-batches fill, min(max(2, pp - stage), m) (measured: two on the last stage of pp 2
+      with 2 micro-batches);
+    - gradients: ``.grad`` accumulates over the micro-batches (the engine's gradient-accumulation
+      boundary is forced only in ``_exec_reduce_grads``); after the flush ZeRO-0 all-reduces them
+      flattened into one copy (``allreduce_gradients`` -> ``buffered_allreduce_fallback``), even
+      over one data-parallel rank: twice the gradients. ZeRO-1 runs without ``overlap_comm`` under
+      the pipeline engine (engine.py ``_configure_zero_optimizer`` turns it off for a
+      ``PipelineModule``), so it allocates one ``reduce_bucket_size`` buffer at the first gradient
+      hook of the step (stage_1_and_2.py ``setup_buckets``; the second is for overlap only) and
+      keeps it until the reduction after the flush, whose ``reduce_gradients(pipeline_parallel=True)``
+      appends another before releasing both. Measured tensor by tensor on two CPU ranks: one 16 MiB
+      bucket in backward.
+
+    The moments: each layer's backward in the first micro-batch (the others in flight kept, the
+    gradients of the layers after it) and in the second (as many in flight as remain, every
+    gradient); the loss on the last stage; the reduction after the flush.
+    """
+    m = strategy.grad_accum
+    last = stage == strategy.pp - 1
+    out = 0.0 if last else boundary  # this stage's output, kept until its backward
+    received = (1 + min(max(2, strategy.pp - stage), m)) * boundary if stage > 0 else 0.0
+    pipe = received + (0.0 if last else boundary) + (logits * min(2, m) if last else 0.0)
+    buffers = float(bucket) if strategy.zero_stage == 1 else 0.0
+    working = max((held + backward_working for held, _ in layers), default=0.0)
+    after = max((held + backward_working + later for held, later in layers), default=0.0)
+    first = (flight - 1) * (activation + out) + out + after + buffers
+    moments = [first]
+    if m > 1:
+        moments.append(min(flight - 1, m - 2) * (activation + out) + out + working + grads + buffers)
+    if last:
+        moments.append(activation + head_transient + (grads + buffers if m > 1 else 0.0))
+    moments.append(2 * grads if strategy.zero_stage == 0 else grads + 2 * bucket)
+    return params + optim + pipe + max(moments)
 
 
 def mlp_backward_bytes(model: ModelSpec, tokens: int, tp: int, dtype_bytes: int) -> float:
@@ -350,7 +459,8 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
     layer), and the peak is the largest of them on top of every kept activation. This adds what
     Megatron-core allocates per rank rather than per layer (the ``megatron_*`` terms of
     :mod:`dsauto.cost.terms`, each with its source and measurement): the tied output copy on a last
-    stage, the score buffer of unfused attention, the pipeline outputs the schedule keeps and the
+    stage, a tied table's gradient at the transformer layers' backward on a rank holding both ends,
+    the score buffer of unfused attention, the pipeline outputs the schedule keeps and the
     gradient a stage receives in backward, and the optimizer update's temporaries on a CPU
     (:func:`optimizer_step_bytes`). Measured with tracker regions around forward, backward and the
     optimizer step (benchmarks/megatron_memory.py). ``transient`` is what the other columns miss.
@@ -376,7 +486,14 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
     buffer = (max(megatron_score_buffer_bytes(g, tokens, tp, b) for g in blocks) * dynamic
               if blocks and not train.flash_attention else 0.0)
     received = boundary if strategy.pp > 1 and not holds_head else 0.0
-    transient = buffer + received + max((c.transient_bytes for c in costs), default=0.0)
+    # On a rank that holds both ends of a tied word embedding, the table's gradient lives from the
+    # head's backward to the embedding's, through every transformer layer's backward moment
+    # (megatron_weight_grad_bytes).
+    tied_grad = (megatron_weight_grad_bytes(layer_group_of(groups, 0, num_layers), tp, b) * dynamic
+                 if model.tied_embeddings and holds_head and 0 in held else 0.0)
+    moments = [c.transient_bytes + (tied_grad if layer_group_of(groups, j, num_layers).kind == "transformer" else 0.0)
+               for j, c in zip(held, costs)]
+    transient = buffer + received + max(moments, default=0.0)
     peak = params + grads + optim + activation + transient
 
     # The update's temporaries follow the largest fp32 main parameter, or its shard under the
@@ -407,6 +524,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         raise ValueError(f"{len(options)} options for {num_layers + 2} layers")
     groups = layer_groups(model, train.seq_len, train.dtype_bytes, strategy.tp)
     cost = CostModel(cluster, train, strategy, model.hidden_size, profile, calibration)
+    layer_cost = functools.cache(cost.layer)  # pure: the layers of one group and option cost the same
     m, pp = strategy.grad_accum, strategy.pp
     p2p = cost.p2p_seconds() if pp > 1 else 0.0
     bucket = bucket_bytes(groups, strategy.tp, train.dtype_bytes) if reduce_bucket is None else reduce_bucket
@@ -425,7 +543,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         costs: list[LayerCost] = []
         for j in held:
             group = layer_group_of(groups, j, num_layers)
-            costs.append(cost.layer(group, options[j]))
+            costs.append(layer_cost(group, options[j]))
             passes = 4 if options[j].checkpoint else 3  # forward, backward (2x), recomputation
             hardware_flops += passes * executed_flops_per_token(group, train.flash_attention) * cost.tokens
             hardware_flops += selective_recompute_flops_per_token(group, options[j], train.flash_attention) * cost.tokens
@@ -445,6 +563,10 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         layer_transient = max((c.transient_bytes for c in costs), default=0.0)  # a stage may be empty
         largest_grad = max((gathered_unit_params(layer_group_of(groups, j, num_layers), options[j], strategy.tp)
                             for j in held), default=0.0) * train.dtype_bytes
+        staging, host_staging = offload_staging_bytes(
+            strategy, max((layer_group_of(groups, j, num_layers).largest_op_params for j in held), default=0.0)
+            / strategy.tp * train.dtype_bytes * cost.calibration.static_memory,
+            grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1) / max(1, strategy.dims.replicas))
         transient = (layer_transient + stage_constant_bytes(strategy, bucket, grads)
                      + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory,
                                                 grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1)))
@@ -483,7 +605,29 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                 embedding_grad=embedding_grad, tied_grad=tied_grad,
                 backward_working=mlp_backward_bytes(model, cost.tokens, strategy.tp, train.dtype_bytes)
                 * cost.calibration.activation_memory if any(1 <= j <= num_layers for j in held) else 0.0,
-                single_tensor=cluster.device.name == "cpu")
+                single_tensor=cluster.device.name == "cpu", staging=staging)
+            transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
+        elif deepspeed_pipeline_applies(strategy):
+            # DeepSpeed's pipeline engine: the moments of its 1F1B step (deepspeed_pipeline_moment_peak).
+            head = num_layers + 1
+            dynamic = cost.calibration.activation_memory
+            one = sum(c.activation_bytes for c in costs)  # one micro-batch's
+            layers, later_activation, later_grads = [], 0.0, 0.0
+            for j, c in reversed(list(zip(held, costs))):  # backward order
+                if 1 <= j <= num_layers:
+                    layers.append((one - later_activation + c.transient_bytes, later_grads))
+                later_activation += c.activation_bytes
+                later_grads += c.grads_bytes
+            head_group = layer_group_of(groups, head, num_layers)
+            peak = deepspeed_pipeline_moment_peak(
+                strategy, i, flight, params, grads, optim, one,
+                head_transient=max((c.transient_bytes for j, c in zip(held, costs) if j == head), default=0.0),
+                layers=layers, bucket=bucket,
+                boundary=cost.tokens * model.hidden_size * train.dtype_bytes * dynamic,
+                logits=cost.tokens * head_group.largest_op_params / model.hidden_size / strategy.tp
+                * train.dtype_bytes * dynamic,
+                backward_working=mlp_backward_bytes(model, cost.tokens, strategy.tp, train.dtype_bytes) * dynamic
+                if any(1 <= j <= num_layers for j in held) else 0.0)
             transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
         elif zero3_moments_apply(strategy):
             # DeepSpeed ZeRO-3: the moments of the step, with the parameters the coordinator holds
@@ -533,7 +677,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         else:  # DeepSpeed's pipeline engine reduces after the flush
             exposed = sync + gather
         tails.append((exposed, sum(c.optimizer_seconds for c in costs)))
-        offloaded.append(sum(c.offloaded_bytes for c in costs))
+        offloaded.append(sum(c.offloaded_bytes for c in costs) + host_staging)
 
     slowest = max(times)
     compute = m * slowest

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from dsauto.parallel import ParallelDims
 from dsauto.plan import Engine, Offload
+
+AttentionKernel = Literal["flash", "cudnn"]
+"""The fused attention kernel a strategy runs: ``flash`` (FlashAttention-2 or PyTorch's SDPA over
+it, priced at DeviceSpec.attention_efficiency) or ``cudnn`` (cuDNN's fused attention, which
+Transformer Engine runs as FusedAttention; DeviceSpec.fused_attention_efficiency)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,17 @@ class Strategy:
     parallelism): the tensor-parallel collectives overlap the linear layers' GEMMs
     (:func:`dsauto.cost.terms.tp_overlap_exposed_seconds`). dsauto does not emit the flag, so its
     plans keep the default; it prices published runs that set it."""
+    attention_kernel: AttentionKernel = "flash"
+    """The fused attention kernel (eager attention, TrainSpec.flash_attention False, is priced
+    apart). ``cudnn``: Transformer Engine's FusedAttention, which TE selects on Hopper when both it
+    and FlashAttention are allowed (transformer_engine/pytorch/attention/dot_product_attention/
+    utils.py, get_attention_backend; transformer_engine/pytorch/attention.py in TE 1.x), priced at
+    the device's ``fused_attention_efficiency`` and, on a device without one, at its
+    ``attention_efficiency``. dsauto's Megatron-core plans pass ``--attention-backend flash``
+    (dsauto/emit/megatron.py), under which Megatron-core sets NVTE_FUSED_ATTN=0 (megatron/core/
+    models/common/language_module/language_module.py, _set_attention_backend) and TE runs
+    FlashAttention; its DeepSpeed plans run FlashAttention-2. So its plans keep the default; it
+    prices published runs whose stack ran cuDNN's kernel."""
 
     @property
     def tp(self) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from dsauto.cost.calibration import Calibration
 from dsauto.cost.collectives import AllToAll, Group
 from dsauto.cost.measured import MeasuredCosts, MeasuredLayer
-from dsauto.cost.strategy import LayerOption
+from dsauto.cost.strategy import AttentionKernel, LayerOption
 from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR
 from dsauto.plan import Engine
 from dsauto.spec.cluster import DeviceSpec
@@ -82,6 +82,9 @@ class DeviceModel:
     """Fraction of the shorter of compute and communication that hides under the longer."""
     attention_efficiency: float = 0.0
     """Fraction of peak that the fused attention kernel reaches; 0: priced as a GEMM."""
+    fused_attention_efficiency: float = 0.0
+    """Fraction of peak that cuDNN's fused attention reaches; 0: the device has none, and that
+    kernel is priced at ``attention_efficiency``."""
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> DeviceModel:
@@ -90,7 +93,8 @@ class DeviceModel:
                    memory_bytes_per_second=device.memory_bandwidth_gbps * 1e9 * device.memory_bandwidth_efficiency,
                    kernel_launch_seconds=device.kernel_launch_seconds,
                    comm_overlap_efficiency=device.comm_overlap_efficiency,
-                   attention_efficiency=device.attention_efficiency)
+                   attention_efficiency=device.attention_efficiency,
+                   fused_attention_efficiency=device.fused_attention_efficiency or 0.0)
 
     def matmul_seconds(self, flops: float, dim: float) -> float:
         """A GEMM of ``flops`` whose smallest dimension is ``dim``: efficiency saturates with size."""
@@ -182,6 +186,8 @@ class LayerContext:
     tp_comm_overlap: bool = False
     """Tensor-parallel collectives overlapped with the linear layers' matrix multiplies
     (:attr:`dsauto.cost.strategy.Strategy.tp_comm_overlap`)."""
+    attention_kernel: AttentionKernel = "flash"
+    """The fused attention kernel (:attr:`dsauto.cost.strategy.Strategy.attention_kernel`)."""
 
     def shards(self, option: LayerOption) -> bool:
         """Whether ZeRO-3 keeps this layer's parameters sharded (gathered per use)."""
@@ -363,13 +369,18 @@ def attention_passes(group: LayerGroup, ctx: LayerContext) -> Passes:
     attention's four backward GEMMs cost twice the forward's two, like any matrix multiply. A fused
     kernel priced at the device's ``attention_efficiency`` runs five in backward, recomputing the
     scores instead of reading them (FlashAttention-2, Dao 2023, Sec. 3.1.2; its Sec. 4.1 counts the
-    backward at 2.5x the forward FLOPs, as that efficiency is quoted)."""
+    backward at 2.5x the forward FLOPs, as that efficiency is quoted). cuDNN's fused attention
+    (``ctx.attention_kernel`` cudnn) runs at the device's ``fused_attention_efficiency`` where it
+    has one, counted the same way."""
     flops = group.attention_flops_per_token * ctx.tokens / ctx.tp
     if ctx.flash_attention and group.causal:
         flops *= group.attention_window_fraction / 2
     device = ctx.device
-    if ctx.flash_attention and device.attention_efficiency > 0:
-        forward = flops / (device.peak_flops * device.attention_efficiency)
+    efficiency = device.attention_efficiency
+    if ctx.attention_kernel == "cudnn" and device.fused_attention_efficiency > 0:
+        efficiency = device.fused_attention_efficiency
+    if ctx.flash_attention and efficiency > 0:
+        forward = flops / (device.peak_flops * efficiency)
         return Passes(forward, FUSED_ATTENTION_BACKWARD * forward)
     forward = device.matmul_seconds(flops, group.head_dim)
     return Passes(forward, 2 * forward)
@@ -504,8 +515,22 @@ def tp_comm_seconds(group: LayerGroup, ctx: LayerContext) -> float:
     """Tensor-parallel collectives of one pass (forward, or as many again in backward)."""
     # Megatron tensor parallelism: all-reduces in forward and as many in backward (Shoeybi et
     # al. 2019, Fig. 4); with sequence parallelism all-gather + reduce-scatter of equal volume
-    # (Korthikanti et al. 2022, Sec. 4.2.2). Not overlapped with compute.
-    return ctx.tp_group.all_reduce(group.tp_comm_bytes_per_token * ctx.tokens)
+    # (Korthikanti et al. 2022, Sec. 4.2.2). Not overlapped with compute. Each collective is its
+    # own call and pays the latency: a transformer layer's two in forward are the row-parallel
+    # attention projection's and MLP output's (megatron/core/tensor_parallel/layers.py,
+    # RowParallelLinear.forward -> reduce_from_tensor_model_parallel_region), its two in backward
+    # the column-parallel QKV and MLP input's input gradients (ColumnParallelLinear: the
+    # ``allreduce_dgrad`` all-reduce of LinearWithGradAccumulationAndAsyncCommunication.backward).
+    calls = max(group.tp_collectives, 1.0)
+    return calls * ctx.tp_group.all_reduce(group.tp_comm_bytes_per_token * ctx.tokens / calls)
+
+
+def tp_loss_seconds(group: LayerGroup, ctx: LayerContext) -> float:
+    """The vocabulary-parallel cross entropy's collectives, in the head's forward: three all-reduces
+    of one fp32 value per token, the maximum logit, the target's logit and the sum of exponentials
+    (megatron/core/tensor_parallel/cross_entropy.py, ``_VocabParallelCrossEntropy.forward``; its
+    backward has none). Latency-bound: on a gloo group they cost as much as a layer's all-reduces."""
+    return group.tp_loss_collectives * ctx.tp_group.all_reduce(4 * ctx.tokens)
 
 
 def tp_overlap_exposed_seconds(matmul_seconds: float, tp_comm: float, ctx: LayerContext) -> tuple[float, float]:
@@ -528,9 +553,10 @@ def tp_comm_passes(group: LayerGroup, option: LayerOption, ctx: LayerContext) ->
     forward and in backward, and a checkpointed layer's recomputed forward issues its collectives
     again inside backward (Korthikanti et al. 2022, Sec. 4.2.2; Megatron-core's
     ``CheckpointFunction.backward`` in megatron/core/tensor_parallel/random.py reruns the forward,
-    row-parallel all-reduces included). The part of the step the ``tensor_parallel`` factor scales."""
+    row-parallel all-reduces included). The head's forward adds the loss's (:func:`tp_loss_seconds`).
+    The part of the step the ``tensor_parallel`` factor scales."""
     once = tp_comm_seconds(group, ctx)
-    return Passes(once, once * (2 if option.checkpoint else 1))
+    return Passes(once + tp_loss_seconds(group, ctx), once * (2 if option.checkpoint else 1))
 
 
 def pass_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext,
@@ -557,6 +583,7 @@ def pass_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     forward_tp, backward_tp = tp_comm, tp_comm
     if ctx.tp_comm_overlap and tp_comm > 0:
         forward_tp, backward_tp = tp_overlap_exposed_seconds(speed * matmul_seconds(group, option, ctx), tp_comm, ctx)
+    forward_tp += tp_loss_seconds(group, ctx)
     forward = compute + forward_tp + launches
     backward = (2 * (compute + launches) + fused_extra + backward_tp + recompute_seconds(option, forward)
                 - early_stop_saved_seconds(group, option, ctx) + selective_recompute_seconds(group, option, ctx))
@@ -836,10 +863,19 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     transient += sharded_gather_bytes(group, option, ctx)
     if megatron:
         # Megatron-core: each moment of backward holds the gradient of the weight being
-        # differentiated; the head's larger moment is the loss (megatron_loss_bytes_per_token) or
-        # its backward, the logits' gradient next to the output weight's. It runs the loss whole.
+        # differentiated; a transformer layer's larger moments are its MLP output projection's
+        # backward and its eager attention's (megatron_mlp_backward_bytes_per_token,
+        # megatron_attention_backward_bytes_per_token); the head's is the loss
+        # (megatron_loss_bytes_per_token) or its backward, the logits' gradient next to the output
+        # weight's. It runs the loss whole.
         grad = megatron_weight_grad_bytes(group, t, ctx.dtype_bytes)
-        transient += grad
+        if group.kind == "transformer":
+            mlp = megatron_mlp_backward_bytes_per_token(group, t, ctx.dtype_bytes, replicated_div)
+            projection = grad + tokens * mlp
+            softmax = 0.0 if flash else tokens * megatron_attention_backward_bytes_per_token(group, t, ctx.dtype_bytes)
+            transient += max(projection, softmax)
+        else:
+            transient += grad
         if group.kind == "head":
             vocab = group.largest_op_params / group.gemm_dim  # the LM head is vocabulary x hidden
             transient = max(transient, tokens * megatron_loss_bytes_per_token(vocab, t, ctx.dtype_bytes),
@@ -879,6 +915,46 @@ def megatron_softmax_fp32_bytes_per_token(group: LayerGroup, tp: int, dtype_byte
     return attention_scores_per_token(group) * 4 / tp if dtype_bytes < 4 else 0.0
 
 
+def megatron_mlp_backward_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int,
+                                         replicated_div: int) -> float:
+    """Bytes per token a transformer layer's backward holds beyond its kept activations and its
+    weight's gradient (:func:`megatron_weight_grad_bytes`) at its MLP output projection:
+    ``LinearWithGradAccumulationAndAsyncCommunication.backward`` (megatron/core/tensor_parallel/
+    layers.py) computes ``grad_input = grad_output.matmul(weight)`` and then ``grad_weight =
+    grad_output.t().matmul(total_input)``, so the gradient of the layer's output (hidden size, split
+    by sequence parallelism), the gradient of the MLP's inner activation (the FFN width over tp) and
+    the weight's gradient live together. (On a pipeline stage's last layer the output's gradient is
+    the one the stage received, which :func:`dsauto.cost.step.megatron_stage_bytes` counts too.)
+    Measured on one rank in fp32 (hidden 256, FFN 1024, 2 x 256 tokens): 0.5 MiB, 2 MiB and 1 MiB
+    above the recomputed layer's activations, the peak of its backward; with every layer recomputed
+    on two ranks in fp32 (benchmarks/accuracy.py), the peak of tp 2 and pp 2 at this moment."""
+    inner = group.mlp_out_matmul_flops_per_token / (2 * group.gemm_dim) if group.gemm_dim else 0.0
+    return group.checkpoint_bytes_per_token / replicated_div + inner * dtype_bytes / tp
+
+
+def megatron_attention_backward_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int) -> float:
+    """Bytes per token beyond a transformer layer's kept activations at the backward of Megatron-core's
+    unfused attention softmax, where the score-sized gradients peak: the fp32 ones alive then, less
+    the kept scores (freed by their backward) and the MLP's inner activations (freed before).
+
+    In fp32, ``DotProductAttention.forward`` (megatron/core/transformer/dot_product_attention.py)
+    views the ``baddbmm`` result as the scores and ``FusedScaleMaskSoftmax.forward_torch_softmax``
+    (megatron/core/fusions/fused_softmax.py) masks that view in place (``attention_mask_func``,
+    megatron/core/transformer/utils.py: ``masked_fill_``), so autograd (torch 2.13) rebuilds the
+    view's gradient on the base and backs the in-place fill through ``CopySlices``: the base's zero-filled gradient,
+    CopySlices' result, the clone of its slice and ``masked_fill``'s output, 4 score tensors at
+    once. In 16 bits the softmax runs on an fp32 copy (``input.float()``, no view): its saved fp32
+    output, the up-cast gradient of the probabilities and the softmax's input gradient, 3. Measured
+    on one rank (hidden 256, 4 heads, 1 x 1024 tokens, 16 MiB per fp32 score tensor): 4 and 3 of
+    them at the peak of the layer's backward, which the layer's count puts within 0.05% in both
+    dtypes beside the s x s boolean causal mask Megatron makes per call, not counted
+    (tests/cost/test_megatron_memory.py)."""
+    scores = attention_scores_per_token(group) / tp
+    alive = (4 if dtype_bytes >= 4 else 3) * 4 * scores
+    kept = group.attention_score_bytes_per_token / tp + megatron_softmax_fp32_bytes_per_token(group, tp, dtype_bytes)
+    return alive - kept - group.mlp_act_bytes_per_token / tp
+
+
 def megatron_score_buffer_bytes(group: LayerGroup, tokens: int, tp: int, dtype_bytes: int) -> float:
     """The buffer Megatron-core's unfused attention computes its raw scores into, one ``[b * a / tp,
     s, s]`` tensor per rank in the activation dtype (one layer's scores for a micro-batch of
@@ -897,8 +973,9 @@ def megatron_weight_grad_bytes(group: LayerGroup, tp: int, dtype_bytes: int) -> 
     ``param.main_grad.add_(param.grad.data); param.grad = None``). Measured: on a first pipeline
     stage the word embedding's 2 MiB bf16 gradient, at the end of its backward; with pp 1 the tied
     word embedding's, which autograd sums over its two uses before the hook runs, so that it lives
-    from the head's backward to the embedding's (that hold is not added to the transformer layers'
-    moments: the loss was the larger moment in every measured plan)."""
+    from the head's backward to the embedding's, through every transformer layer's backward
+    (:func:`dsauto.cost.step.megatron_stage_bytes` adds it to their moments; measured in fp32 at
+    tp 2: the table's 2 MiB gradient alive at the backward of the last transformer layer)."""
     return group.largest_op_params / tp * dtype_bytes
 
 

@@ -1,7 +1,8 @@
 """Measure one rank's cost of each distinct layer: forward and backward time, activation and peak bytes.
 
 Each layer group of the model (embedding, one transformer layer, head) is built from the reference
-implementation (:mod:`dsauto.models`), or taken from a user's model, at the per-rank shapes of every
+implementation (:mod:`dsauto.models`), from Megatron-core's for its plans' transformer layer
+(:mod:`dsauto.profile.megatron_layers`), or taken from a user's model, at the per-rank shapes of every
 tensor-parallel degree asked for (a TP-t layer's shard runs on one device; its collectives are priced
 from the bandwidth table), and timed for every micro-batch size, with and without recomputation.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -25,10 +27,15 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from dsauto.cost.measured import MOE_GROUP_SUFFIX
 from dsauto.models.gpt import Block, Embedding, Head
+from dsauto.plan import Engine
 from dsauto.profile.memory import MemoryTracker
 from dsauto.spec.model import ModelSpec
 
 GROUPS = ("embedding", "block", "head")
+ENGINES = typing.get_args(Engine)
+"""Engines whose transformer layers the profiler times: ``deepspeed`` trains the reference layers
+(or the user's own), ``megatron`` Megatron-core's."""
+REFERENCE_ENGINE = "deepspeed"
 
 
 @dataclass(frozen=True)
@@ -211,13 +218,31 @@ class _HeadWithLabels(nn.Module):
 
 def profile_layers(model: ModelSpec, seq_len: int, micro_batches: Sequence[int], tps: Iterable[int],
                    dtype: torch.dtype, device: torch.device, warmup: int = 2, repeats: int = 5,
-                   progress: Callable[[str], None] | None = None) -> tuple[LayerMeasurement, ...]:
-    """Every (group, tp, micro-batch, checkpoint) measurement of the reference layers of ``model``.
+                   progress: Callable[[str], None] | None = None,
+                   engine: str = REFERENCE_ENGINE) -> tuple[LayerMeasurement, ...]:
+    """Every (group, tp, micro-batch, checkpoint) measurement of the layers of ``model`` that
+    ``engine`` trains: the reference layers for ``deepspeed``; for ``megatron`` Megatron-core's own
+    dense transformer layer (:mod:`dsauto.profile.megatron_layers`), with the reference embedding,
+    head and MoE layer.
 
     Transformer layers are measured with and without checkpointing; the embedding and head only
     without (the planner never checkpoints them). The vocabulary is padded for each TP degree as
     Megatron pads it, as the plans are.
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
+    if engine == "megatron":
+        from dsauto.profile.megatron_layers import megatron_layer_state
+
+        with megatron_layer_state(device):
+            return _profile_layers(model, seq_len, micro_batches, tps, dtype, device, warmup, repeats,
+                                   progress, engine)
+    return _profile_layers(model, seq_len, micro_batches, tps, dtype, device, warmup, repeats, progress, engine)
+
+
+def _profile_layers(model: ModelSpec, seq_len: int, micro_batches: Sequence[int], tps: Iterable[int],
+                    dtype: torch.dtype, device: torch.device, warmup: int, repeats: int,
+                    progress: Callable[[str], None] | None, engine: str) -> tuple[LayerMeasurement, ...]:
     tps = tuple(tps)
     jobs = [(g, t, b, c) for t in tps for g in layer_groups_of(model, t) for b in micro_batches
             for c in ((False, True) if g in ("block", "moe-block") else (False,))]
@@ -225,8 +250,14 @@ def profile_layers(model: ModelSpec, seq_len: int, micro_batches: Sequence[int],
     for n, (group, tp, micro_batch, ckpt) in enumerate(jobs, 1):
         torch.manual_seed(0)
         vocab_size = model.padded_vocab_size(tp)
-        layer = reference_layer(model, group, tp, vocab_size).to(device=device, dtype=dtype)
-        shape = (micro_batch, seq_len)
+        if engine == "megatron" and group == "block":
+            from dsauto.profile.megatron_layers import megatron_layer
+
+            layer = megatron_layer(model, tp, dtype).to(device=device, dtype=dtype)
+            shape = (seq_len, micro_batch)  # Megatron's layout: [sequence, batch, hidden]
+        else:
+            layer = reference_layer(model, group, tp, vocab_size).to(device=device, dtype=dtype)
+            shape = (micro_batch, seq_len)
         width = model.hidden_size
 
         if group == "embedding":

@@ -14,7 +14,7 @@ import contextlib
 import os
 import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from dsauto.errors import DsautoError
@@ -143,15 +143,17 @@ def run_queue_seconds(whole_process: bool = False) -> tuple[float, float]:
     return on / 1e9, waiting / 1e9
 
 
-def busy_seconds() -> float:
-    """CPU seconds the whole machine has been busy since boot, over all cores (stolen time
-    included, idle and I/O wait not)."""
+def busy_seconds(cores: Collection[int] | None = None) -> float:
+    """CPU seconds the whole machine (or only ``cores``) has been busy since boot, over all its cores
+    (stolen time included, idle and I/O wait not)."""
     import psutil
 
-    t = psutil.cpu_times()
-    idle = t.idle + getattr(t, "iowait", 0.0)
-    guest = getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)  # counted in user already
-    return sum(t) - idle - guest
+    total = 0.0
+    for t in ([psutil.cpu_times()] if cores is None else [psutil.cpu_times(percpu=True)[c] for c in cores]):
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        guest = getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)  # counted in user already
+        total += sum(t) - idle - guest
+    return total
 
 
 def _children_seconds() -> float:

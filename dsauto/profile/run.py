@@ -18,7 +18,7 @@ import torch
 from dsauto.errors import DsautoError
 from dsauto.profile.cpu_optimizer import measure_cpu_optimizer
 from dsauto.profile.launch import launch, stop
-from dsauto.profile.layers import LayerMeasurement, measure_layer, median_seconds, profile_layers
+from dsauto.profile.layers import REFERENCE_ENGINE, LayerMeasurement, measure_layer, median_seconds, profile_layers
 from dsauto.profile.store import Profile, load_profile, profile_path, software_versions, update_profile
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype
@@ -109,8 +109,10 @@ def profile_factory_layers(model: ModelSpec, factory: Callable[[ModelSpec], torc
 
 def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Sequence[int],
                 tps: Sequence[int], out_dir: Path | str, force: bool = False, factory: str | None = None,
-                warmup: int = 2, repeats: int = 5, progress: Report | None = None) -> tuple[Profile, Path, bool]:
-    """Profile ``model`` (reusing a stored profile with the same key unless ``force``).
+                warmup: int = 2, repeats: int = 5, progress: Report | None = None,
+                engine: str = REFERENCE_ENGINE) -> tuple[Profile, Path, bool]:
+    """Profile ``model`` (reusing a stored profile with the same key unless ``force``), its
+    transformer layers as ``engine`` trains them (:func:`dsauto.profile.layers.profile_layers`).
 
     Returns the profile, its path, and whether it was reused. Call on every rank when launched on
     several; only rank 0 writes.
@@ -120,7 +122,10 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
     device = current_device()
     torch_dtype = TORCH_DTYPES[dtype]
     versions = software_versions()
-    path = profile_path(out_dir, model, device_name(device), dtype, seq_len, versions)
+    if factory is not None and engine != REFERENCE_ENGINE:
+        raise DsautoError(f"--factory times the factory's own layers and --engine {engine} {engine}'s; "
+                          f"give one of the two.")
+    path = profile_path(out_dir, model, device_name(device), dtype, seq_len, versions, engine)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     say = progress if rank == 0 else None
@@ -145,7 +150,7 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
                                         torch_dtype, device, warmup, repeats, say)
     else:
         layers = profile_layers(model, seq_len, micro_batches, tps, torch_dtype, device, warmup,
-                                repeats, say)
+                                repeats, say, engine)
     optimizer_rate = measure_optimizer(model.num_parameters(), torch_dtype, device)
     cpu_rate, cpu_optimizer = measure_cpu_optimizer(model.num_parameters())
     if distributed:
@@ -180,7 +185,7 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
                       threads=torch.get_num_threads(), versions=versions, layers=layers,
                       optimizer_seconds_per_param=optimizer_rate, collectives=tuple(collectives),
                       world_size=world, zero3_module_seconds=zero3_seconds, layer_modules=modules,
-                      cpu_optimizer_seconds_per_param=cpu_rate, cpu_optimizer=cpu_optimizer)
+                      cpu_optimizer_seconds_per_param=cpu_rate, cpu_optimizer=cpu_optimizer, engine=engine)
     if rank == 0:
         # Measured again (--force, more ranks, a corrupt file): the steps earlier studies measured,
         # and the calibration fitted to them, stay with the profile.
@@ -232,7 +237,7 @@ def _slowest_rank(layers: tuple[LayerMeasurement, ...], optimizer_rate: float,
 
 
 def launch_profile(model: str, dtype: Dtype, seq_len: int, tps: Sequence[int], ranks: int,
-                   out_dir: Path | str, progress: Report | None = None) -> None:
+                   out_dir: Path | str, progress: Report | None = None, engine: str = REFERENCE_ENGINE) -> None:
     """Run ``dsauto profile`` on ``ranks`` local processes (torchrun), so that the collectives and the
     ZeRO-3 hook cost are measured too; ``model`` is what ``--model`` takes. The ranks run under a
     guard (:mod:`dsauto.profile.launch`): they end with this process, however it ends. Raises
@@ -246,7 +251,7 @@ def launch_profile(model: str, dtype: Dtype, seq_len: int, tps: Sequence[int], r
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(port), "-m", "dsauto.cli", "profile", "--model", model, "--dtype", dtype, "--seq-len",
-               str(seq_len), "--tp", ",".join(map(str, tps)), "--out", str(out_dir)]
+               str(seq_len), "--tp", ",".join(map(str, tps)), "--out", str(out_dir), "--engine", engine]
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")

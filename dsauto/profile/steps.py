@@ -7,7 +7,8 @@ Run on every rank of a distributed job, one engine per plan in turn:
 ``plans.json`` is a list of plans (``Plan.to_dict()``); ``measured.json`` gets one
 :class:`StepMeasurement` per plan. Each plan trains the reference model of its ``model`` spec on
 random tokens through the DeepSpeed hook (:func:`dsauto.runtime.deepspeed.initialize`: the plan's
-ds_config, per-layer choices applied). Memory is tracked tensor by tensor (:mod:`dsauto.profile.memory`) from before
+ds_config, per-layer choices applied); a pipeline-parallel plan trains it as DeepSpeed's
+``PipelineModule`` (:func:`measure_pipeline_plan`). Memory is tracked tensor by tensor (:mod:`dsauto.profile.memory`) from before
 the model is built, over the first steps; time is measured afterwards without the tracker.
 A list of Megatron-core plans (engine ``megatron``) is measured by :mod:`dsauto.profile.megatron_steps`
 instead, which trains them with Megatron-core's own modules.
@@ -67,6 +68,8 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
     from dsauto.models import build_model
     from dsauto.runtime.deepspeed import initialize
 
+    if plan.pp > 1:
+        return measure_pipeline_plan(plan, steps, warmup, memory_steps, seed)
     device = current_device()
     rank = dist.get_rank()
     config = ds_config(plan)
@@ -117,6 +120,100 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
         measured.step_seconds_samples, run_queue, device))
     engine.destroy()
     del engine, model
+    gc.collect()
+    return measured
+
+
+def pipeline_module(plan: Plan):
+    """The reference model of ``plan`` as DeepSpeed's ``PipelineModule``, the way a DeepSpeed pipeline
+    script writes it (deepspeed/runtime/pipe/module.py): ``LayerSpec``s of the embedding, the blocks
+    and the head's logits, so that each rank builds its own stage's layers only; the cross-entropy
+    as ``loss_fn``; ``plan.stage_layers`` blocks per stage (``partition_method="type:Block"``
+    balances the blocks, the embedding joins the first stage and the head the last). The blocks the
+    plan checkpoints are wrapped by :func:`dsauto.runtime.checkpointing.checkpoint_module`. Untied
+    embeddings only (a tied table needs ``TiedLayerSpec``)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from dsauto.models.gpt import Block, Embedding
+    from dsauto.runtime.checkpointing import checkpoint_module
+
+    model, vocab = plan.model, plan.padded_vocab_size
+    if model.tied_embeddings or len(set(plan.stage_layers)) != 1:
+        raise ValueError("the pipeline measurement builds untied models cut into equal stages")
+    layers = [LayerSpec(Embedding, model, vocab), *(LayerSpec(Block, model) for _ in range(model.num_layers)),
+              LayerSpec(_Logits, model, vocab)]
+    module = PipelineModule(layers, num_stages=plan.pp, loss_fn=_cross_entropy, partition_method="type:Block")
+    for name, layer in module.named_children():  # registered under their flat layer number
+        if name.isdigit() and 1 <= int(name) <= model.num_layers and plan.layer_choice(int(name)).checkpoint:
+            checkpoint_module(layer)
+    return module
+
+
+class _Logits(torch.nn.Module):
+    """The reference head without its loss: the last layer of a pipeline, whose engine applies the
+    loss (``PipelineModule.loss_fn``)."""
+
+    def __init__(self, model, vocab_size: int):
+        from dsauto.models.gpt import Head
+
+        super().__init__()
+        self.head = Head(model, vocab_size, tied_weight=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head.lm_head(self.head.hidden(x))
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def measure_pipeline_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int = 2,
+                          seed: int = 0) -> StepMeasurement:
+    """:func:`measure_plan` for a pipeline-parallel plan, trained by DeepSpeed's pipeline engine
+    (``engine.train_batch``: 1F1B over the plan's micro-batches, then the gradient reduction and the
+    optimizer step). The per-layer choices are applied here, the DeepSpeed hook taking data-parallel
+    plans only."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from dsauto.emit.ds_config import ds_config
+
+    device = current_device()
+    generator = torch.Generator().manual_seed(seed + dist.get_rank())
+
+    def batches():
+        while True:
+            tokens = torch.randint(0, plan.model.vocab_size, (plan.micro_batch, plan.seq_len + 1),
+                                   generator=generator).to(device)
+            yield tokens[:, :-1], tokens[:, 1:]
+
+    data = batches()
+
+    def step(engine) -> float:
+        return float(engine.train_batch(data))
+
+    tracker = MemoryTracker(device)
+    with tracker:
+        engine, *_ = deepspeed.initialize(model=pipeline_module(plan), config=ds_config(plan))
+        with tracker.region("static"):
+            pass
+        for _ in range(memory_steps):
+            with tracker.region("step"):
+                step(engine)
+        with tracker.region("static"):
+            pass
+    for _ in range(warmup):
+        step(engine)
+    times, losses = [], []
+    for _ in range(steps):
+        sync_ranks(device)
+        start = time.perf_counter()
+        losses.append(step(engine))
+        sync_ranks(device)
+        times.append(time.perf_counter() - start)
+    measured = slowest_rank(times, tracker.peak_bytes("step"), tracker.peak_bytes("static"), losses, device)
+    engine.destroy()
+    del engine
     gc.collect()
     return measured
 

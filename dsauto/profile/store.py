@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 from dsauto.cost.calibration import Calibration
 from dsauto.errors import DsautoError
 from dsauto.profile.collectives import CollectiveFit
-from dsauto.profile.layers import LayerMeasurement
+from dsauto.profile.layers import REFERENCE_ENGINE, LayerMeasurement
 from dsauto.serde import from_dict, read_data, to_dict, write_json
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import ModelSpec
@@ -110,6 +111,10 @@ class Profile:
     cpu_optimizer: str = ""
     """Which host optimizer that was: ``DeepSpeedCPUAdam`` (when its extension was built) or
     ``torch AdamW``; empty if not measured."""
+    engine: str = REFERENCE_ENGINE
+    """Whose transformer layers were timed: ``deepspeed``, the reference layers (or the user's own),
+    as DeepSpeed trains them; ``megatron``, Megatron-core's own (local layer spec). Profiles written
+    before this field timed the reference layers."""
     calibration: Calibration | None = None
     """Correction factors fitted to measured training steps by ``dsauto tune --trials``; every
     search that uses this profile applies them. None until a tune has measured steps."""
@@ -136,7 +141,7 @@ class Profile:
     @property
     def key(self) -> str:
         """The profile's store key (its file stem), how a plan names the profile it was priced from."""
-        return profile_key(self.model, self.device, self.dtype, self.seq_len, self.versions)
+        return profile_key(self.model, self.device, self.dtype, self.seq_len, self.versions, self.engine)
 
     def measurement(self, group: str, tp: int, micro_batch: int, checkpoint: bool) -> LayerMeasurement | None:
         """The measurement of exactly this layer setting, if it was measured."""
@@ -205,25 +210,31 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
-def profile_key(model: ModelSpec, device: str, dtype: str, seq_len: int, versions: dict[str, str]) -> str:
-    """File stem of a profile: readable parts, then a hash of everything that keys it."""
-    digest = hashlib.sha256(json.dumps([to_dict(model), device, dtype, seq_len, versions],
-                                       sort_keys=True).encode()).hexdigest()[:10]
-    slug = re.sub(r"[^a-z0-9]+", "-", f"{model.name}-{device}-{dtype}-s{seq_len}".lower()).strip("-")
+def profile_key(model: ModelSpec, device: str, dtype: str, seq_len: int, versions: dict[str, str],
+                engine: str = REFERENCE_ENGINE) -> str:
+    """File stem of a profile: readable parts, then a hash of everything that keys it (the engine
+    only when it is not the reference layers', so that earlier profiles keep their keys)."""
+    keyed: list[Any] = [to_dict(model), device, dtype, seq_len, versions]
+    name = f"{model.name}-{device}-{dtype}-s{seq_len}"
+    if engine != REFERENCE_ENGINE:
+        keyed.append(engine)
+        name += f"-{engine}"
+    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     return f"{slug}-{digest}"
 
 
 def profile_path(directory: Path | str, model: ModelSpec, device: str, dtype: str, seq_len: int,
-                 versions: dict[str, str] | None = None) -> Path:
+                 versions: dict[str, str] | None = None, engine: str = REFERENCE_ENGINE) -> Path:
     """Where the profile with this key lives in ``directory``."""
-    key = profile_key(model, device, dtype, seq_len, versions or software_versions())
+    key = profile_key(model, device, dtype, seq_len, versions or software_versions(), engine)
     return Path(directory) / f"{key}.json"
 
 
 def save_profile(profile: Profile, directory: Path | str) -> Path:
     """Write ``profile`` into ``directory`` under its key (atomically) and return the path."""
     path = profile_path(directory, profile.model, profile.device, profile.dtype, profile.seq_len,
-                        profile.versions)
+                        profile.versions, profile.engine)
     path.parent.mkdir(parents=True, exist_ok=True)
     return _write(profile, path)
 
@@ -238,9 +249,14 @@ def load_profile(path: Path | str) -> Profile:
     return Profile.from_dict(read_data(path, str(path)), str(path))
 
 
-def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int) -> Profile:
+def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int,
+                 engine: str | None = None) -> Profile:
     """The profile for this workload: ``source`` is a profile file, or a folder searched for one
-    measured on ``model`` with ``dtype`` and ``seq_len`` under the current software versions."""
+    measured on ``model`` with ``dtype`` and ``seq_len``, preferably of the layers of ``engine``
+    (the engine the plans are for; None: either, the reference layers first), then under the
+    current software versions. A profile of another engine's layers is used when there is no other,
+    with a warning: its transformer layers run other kernels (Megatron-core's are slower than the
+    reference layers on a CPU, benchmarks/results/accuracy.md)."""
     source = Path(source)
     unreadable: list[str] = []
     if source.is_file():
@@ -257,11 +273,15 @@ def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int)
         raise DsautoError(f"The profile {source} does not exist; run `dsauto profile --out {source}` first.")
     versions = software_versions()
     matching = [p for p in candidates if p.model == model and p.dtype == dtype and p.seq_len == seq_len]
-    current = [p for p in matching if p.versions == versions]
-    if current:
-        return current[0]
+    # Same engine first, then current versions: other versions are still the best measurement there
+    # is (the plan says so), but another engine's layers are other code.
+    matching.sort(key=lambda p: (p.engine != (engine or REFERENCE_ENGINE), p.versions != versions))
     if matching:
-        return matching[0]  # other versions: still the best measurement there is; the plan says so
+        if engine is not None and matching[0].engine != engine:
+            warnings.warn(f"{source} has no profile of {engine}'s layers for {model.name}; pricing with "
+                          f"the {matching[0].engine} profile's layers, whose time may differ; run `dsauto "
+                          f"profile --engine {engine}` for {engine}'s own.", stacklevel=2)
+        return matching[0]
     have = ", ".join(f"{p.model.name} {p.dtype} seq {p.seq_len}" for p in candidates) or "none"
     if unreadable:
         have += f"; unreadable, skipped: {', '.join(unreadable)}"
@@ -285,7 +305,7 @@ def update_profile(source: Path | str, profile: Profile, change: Callable[[Profi
 
     source = Path(source)
     path = source if source.is_file() else profile_path(source, profile.model, profile.device, profile.dtype,
-                                                        profile.seq_len, profile.versions)
+                                                        profile.seq_len, profile.versions, profile.engine)
     with folder_lock(path.parent, "a profile store", wait=True, name=PROFILE_LOCK_NAME):
         try:
             current = load_profile(path) if path.exists() else profile

@@ -14,7 +14,10 @@ is found however close its peak is to the budget. The knapsack keeps, for every 
 the least time of a choice that uses at most m (0/1 knapsack with one item per layer chosen from a
 group; Kellerer, Pferschy and Pisinger 2004, Ch. 11, multiple-choice knapsack). Every prefix of the
 layers is answered in the same pass, which is what the pipeline layout search needs: the best time
-of a stage's first j layers, for every j, under its budget.
+of a stage's first j layers, for every j, under its budget. Two cuts leave the answers as they are:
+a cap's knapsack stops after the last prefix that its fastest options (memory aside) could make
+faster than the best found under the larger caps, and each row of the knapsack stops at the largest
+room of the prefixes that read it.
 """
 
 from __future__ import annotations
@@ -89,6 +92,10 @@ def solve_prefixes(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
     backpointers: list[np.ndarray] = [np.zeros((0, 0), dtype=np.int8)] * len(caps)
     # Beyond the largest possible sum of memory every budget is unconstrained.
     most_memory = int(np.where(allowed_any, memory, 0).max(axis=1).sum()) if n else 0
+    # Each layer's allowed options as (index, memory, time, transient), in Python numbers for the
+    # inner loop (the same float64 values).
+    options = [[(o, w, t, c) for o, (ok, w, t, c) in enumerate(zip(*cells)) if ok]
+               for cells in zip(allowed_any.tolist(), memory.tolist(), time.tolist(), transient.tolist())]
     # Least constrained cap first: on equal time the plan keeps the options listed first (the
     # simplest ones) rather than ones that only save memory nobody needs.
     for ci in range(len(caps) - 1, -1, -1):
@@ -100,21 +107,32 @@ def solve_prefixes(time: np.ndarray, memory: np.ndarray, transient: np.ndarray,
         backpointers[ci] = back
         if size <= 0:
             continue
+        # A prefix takes at least its layers' fastest options under this cap, and a cap keeps only a
+        # strictly better time: the DP stops after the last prefix it could still improve.
+        fastest = np.where(allowed, time, INFEASIBLE).min(axis=1)
+        hopeful = np.flatnonzero((np.concatenate([[0.0], np.cumsum(fastest)]) < best) & (room >= 0))
+        if not len(hopeful):
+            continue
+        # Row j serves prefix j + 1 and the rows after it: no read goes past the largest room of
+        # those prefixes, so the rows are cut there.
+        reach = np.minimum(np.maximum.accumulate(room[::-1])[::-1], size - 1).astype(np.int64)
         dp = np.zeros(size)  # least time using at most m units, for the empty prefix: 0
         if room[0] >= 0 and best[0] > 0:
             best[0], best_cap[0] = 0.0, ci
-        for j in range(n):
-            row = np.full(size, INFEASIBLE)
-            arg = back[j]
-            for o in np.flatnonzero(allowed[j]):
-                w = int(memory[j, o])
-                if w >= size:
+        for j in range(hopeful[-1]):
+            width = int(reach[j + 1]) + 1
+            if width <= 0:
+                break  # no longer prefix has any room under this cap
+            row = np.full(width, INFEASIBLE)
+            arg = back[j, :width]
+            for o, w, t, c in options[j]:
+                if c > cap or w >= width:
                     continue
-                candidate = dp[: size - w] + time[j, o]
+                candidate = dp[: width - w] + t
                 current = row[w:]
                 better = candidate < current  # strict: on ties the earlier option stays
-                current[better] = candidate[better]
-                arg[w:][better] = o
+                np.copyto(current, candidate, where=better)
+                np.copyto(arg[w:], o, where=better)
             dp = row
             if not np.isfinite(dp[-1]):
                 break  # no choice of this prefix fits under this cap; longer ones cannot either

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsauto.cost.calibration import Calibration
-from dsauto.cost.layer import CostModel, gathered_unit_params
+from dsauto.cost.layer import CostModel, LayerCost, gathered_unit_params
 from dsauto.cost.measured import MeasuredCosts
 from dsauto.cost.step import (
     bucket_bytes,
@@ -258,21 +258,26 @@ class Planner:
         shape = (3, len(options))
         time, compute, static, act, trans = (np.full(shape, np.inf), np.full(shape, np.inf),
                                              np.zeros(shape), np.zeros(shape), np.zeros(shape))
-        optimizer = 0.0
+        optimizer, grads = 0.0, 0.0
         for gi, group in enumerate(groups):
+            first: LayerCost | None = None  # the group's cost under options[0]
             for oi, option in enumerate(options):
                 if not allowed(group.kind, option, self.pins, strategy.recompute_modules):
                     continue
                 c = cost.layer(group, option)
+                if oi == 0:
+                    first = c
                 compute[gi, oi] = c.forward_seconds + c.backward_seconds
                 time[gi, oi] = compute[gi, oi] + c.step_seconds / strategy.grad_accum
                 static[gi, oi] = c.static_bytes
                 act[gi, oi] = c.activation_bytes
                 trans[gi, oi] = c.transient_bytes
-            # The optimizer update does not depend on the per-layer option.
-            optimizer += group.count * cost.layer(group, options[0]).optimizer_seconds
-        # Gradients of the whole replica bound any one stage's (ZeRO-0's flattened copy).
-        grads = sum(g.count * cost.layer(g, options[0]).grads_bytes for g in groups)
+            if first is None:  # options[0] is not one this group may take
+                first = cost.layer(group, options[0])
+            # The optimizer update does not depend on the per-layer option. Gradients of the whole
+            # replica bound any one stage's (ZeRO-0's flattened copy).
+            optimizer += group.count * first.optimizer_seconds
+            grads += group.count * first.grads_bytes
         bucket = bucket_bytes(groups, strategy.tp, self.train.dtype_bytes)
         # Any stage may hold the model's largest matrix (a bound: predict_step uses its own stage's).
         largest_grad = max(gathered_unit_params(g, o, strategy.tp) for g in groups for o in options) * self.train.dtype_bytes
@@ -313,9 +318,12 @@ class Planner:
                 arrays["transient"][BLOCK, oi] = c.transient_bytes
         return dataclasses.replace(plain, strategy=strategy, options=options, **arrays)
 
-    def _stage_dp(self, priced: _Priced, sequence: Sequence[int], flight: int, reserve: float = 0.0):
+    def _stage_dp(self, priced: _Priced, sequence: Sequence[int], flight: int, reserve: float = 0.0,
+                  prefixes: int | None = None):
         """Prefix DP over the layer groups in ``sequence`` with ``flight`` micro-batches in flight,
-        ``reserve`` bytes of the layer budget kept back."""
+        ``reserve`` bytes of the layer budget kept back; answered for the first ``prefixes`` layers
+        only when given. The memory unit is the whole sequence's either way, so each prefix's answer
+        does not depend on ``prefixes``."""
         rows = np.asarray(sequence, dtype=np.int64)
         time = priced.time[rows]
         finite = np.isfinite(time)
@@ -330,7 +338,8 @@ class Planner:
         # room gains 1e-9 of a unit against the float division.
         room = priced.budget_bytes - reserve - np.concatenate([[0.0], np.cumsum(baseline)])
         budgets = np.maximum(room, -unit) / unit + 1e-9
-        return solve_prefixes(time, q_memory, transient / unit, budgets)
+        n = len(rows) if prefixes is None else prefixes
+        return solve_prefixes(time[:n], q_memory[:n], transient[:n] / unit, budgets[: n + 1])
 
     def _solve(self, priced: _Priced) -> _Solved | None:
         s, L = priced.strategy, self.model.num_layers
@@ -354,8 +363,14 @@ class Planner:
                     if mids * q <= L - 2 * v and q >= v] if mids else [0]
         if not q_values:
             return None
-        first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * (L - 1), in_flight(0, p, m, v), priced.reserve(0))
-        last = self._stage_dp(priced, [HEAD] + [BLOCK] * (L - 1), in_flight(p - 1, p, m, v), priced.reserve(p - 1))
+        # The first and last stages share the layers the middle ones leave, at most L - mids * min(q),
+        # and each keeps at least v of them: no layout reads either DP past that less v layers (and
+        # its embedding or head).
+        ends = L - mids * min(q_values) - v + 1
+        first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * (L - 1), in_flight(0, p, m, v), priced.reserve(0),
+                               ends)
+        last = self._stage_dp(priced, [HEAD] + [BLOCK] * (L - 1), in_flight(p - 1, p, m, v), priced.reserve(p - 1),
+                              ends)
         most_mid = max(q_values) + 1
         middle = {}
         for i in range(1, p - 1):

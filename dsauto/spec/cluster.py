@@ -48,6 +48,16 @@ class DeviceSpec:
     at 2.5x the forward FLOPs as FlashAttention-2 does (Dao 2023, Sec. 4.1): about 0.7 on A100 and
     0.35 on H100 for FlashAttention-2 (Shah et al. 2024, "FlashAttention-3", Sec. 1). 0 prices fused
     attention like a matrix multiply over the head dimension."""
+    fused_attention_efficiency: float | None = None
+    """Fraction of peak FLOP/s that cuDNN's fused attention reaches, counted as ``attention_efficiency``
+    is: the kernel Transformer Engine's DotProductAttention runs as FusedAttention (the
+    F16_arbitrary_seqlen backend), which it prefers over FlashAttention on Hopper (compute
+    capability 9.0 on: transformer_engine/pytorch/attention/dot_product_attention/utils.py,
+    get_attention_backend, "Disabling FlashAttention to give FusedAttention preference on Hopper+
+    for performance reasons"). Hopper attention kernels run 1.5-2.0x faster than FlashAttention-2
+    (Shah et al. 2024, "FlashAttention-3", Abstract). None: the device has no such kernel
+    (pre-Hopper), and a strategy asking for it is priced at ``attention_efficiency``
+    (:attr:`dsauto.cost.strategy.Strategy.attention_kernel`)."""
     kernel_launch_seconds: float = 5e-6
     """Fixed cost of launching one kernel; operator splitting launches more of them."""
     memory_reserve_bytes: int = 0
@@ -67,6 +77,8 @@ class DeviceSpec:
             (self.memory_bandwidth_efficiency, "memory_bandwidth_efficiency", dict(above=0, maximum=1)),
             (self.comm_overlap_efficiency, "comm_overlap_efficiency", dict(minimum=0, maximum=1)),
             (self.attention_efficiency, "attention_efficiency", dict(minimum=0, maximum=1)),
+            *(((self.fused_attention_efficiency, "fused_attention_efficiency", dict(above=0, maximum=1)),)
+              if self.fused_attention_efficiency is not None else ()),
             (self.kernel_launch_seconds, "kernel_launch_seconds", dict(minimum=0, maximum=MAX_SECONDS)),
             (self.memory_reserve_bytes, "memory_reserve_bytes", dict(minimum=0, maximum=self.memory_bytes - 1)),
         ])

@@ -404,6 +404,13 @@ class LayerGroup:
     logits_bytes_per_token: float = 0.0
     """Head only: bytes per token of the logits and their fp32 softmax while the loss runs, split by
     TP; chunked (operator-split) loss divides it."""
+    tp_collectives: float = 1.0
+    """Collectives per pass that carry ``tp_comm_bytes_per_token`` between them, in equal shares: each
+    pays the group's latency (a transformer layer's two, averaged over its layers when some are MoE
+    layers; see :func:`dsauto.cost.terms.tp_comm_seconds`)."""
+    tp_loss_collectives: int = 0
+    """Head only: the all-reduces of one fp32 value per token that the vocabulary-parallel cross
+    entropy runs in forward (:func:`dsauto.cost.terms.tp_loss_seconds`)."""
     attention_window_fraction: float = 1.0
     """Of the causal attention a fused kernel computes, the fraction sliding windows leave, averaged
     over the group's layers (1 without sliding windows). Eager attention computes the whole square
@@ -554,6 +561,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         # two all-reduces: after attention and after the MLP; an MoE layer's tokens go to their
         # experts from the sequence-parallel shard instead (the experts' own in cost.terms)
         tp_comm_bytes_per_token=(2 - moe_fraction) * h * b if moe_fraction else 2 * h * b,
+        tp_collectives=2 - moe_fraction,
         gemm_dim=h,
         head_dim=q_width // a,
         causal=model.architecture == "decoder",
@@ -621,10 +629,15 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         attention_score_bytes_per_token=0.0,
         checkpoint_bytes_per_token=h * b,
         tp_comm_bytes_per_token=h * b,  # gradient of the column-parallel head's input (backward)
+        tp_loss_collectives=3,  # the maximum logit, the target's logit and the sum of exponentials
         gemm_dim=h,
         # Backward of the loss holds the saved fp32 log-softmax, its gradient and the logits' gradient
-        # (measured: 1.5x two fp32 logits tensors, benchmarks/results/hook_memory.md).
-        logits_bytes_per_token=vocab * (2 * 4 + b),
+        # (measured: 1.5x two fp32 logits tensors, benchmarks/results/hook_memory.md), the last in
+        # fp32 too: the loss runs on an fp32 copy of the logits (dsauto.models.gpt.Head:
+        # ``logits.float()``), whose gradient log_softmax's backward makes before the cast back
+        # (measured in bf16 on two CPU ranks: three 8 MiB fp32 tensors at 512 tokens x 4096,
+        # benchmarks/accuracy.py --plans variants).
+        logits_bytes_per_token=vocab * 3 * 4,
     )
     return embedding, block, head
 

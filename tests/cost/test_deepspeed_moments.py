@@ -7,8 +7,11 @@ import pytest
 
 from dsauto.cost.step import (
     deepspeed_moment_peak,
+    deepspeed_pipeline_applies,
+    deepspeed_pipeline_moment_peak,
     deepspeed_moments_apply,
     mlp_backward_bytes,
+    offload_staging_bytes,
     optimizer_step_bytes,
     predict_step,
     stage_constant_bytes,
@@ -27,12 +30,28 @@ def strategy(zero: int, accum: int = 1, pp: int = 1, offload: str = "none") -> S
                     sequence_parallel=False, offload=offload)
 
 
-def test_the_moments_apply_to_zero_0_to_2_on_one_stage_without_offload():
+def test_the_moments_apply_to_zero_0_to_2_on_one_stage():
     assert deepspeed_moments_apply(strategy(0)) and deepspeed_moments_apply(strategy(0, pp=2))
     assert deepspeed_moments_apply(strategy(1)) and deepspeed_moments_apply(strategy(2, accum=4))
     assert not deepspeed_moments_apply(strategy(1, pp=2))  # the pipeline engine reduces after the flush
-    assert not deepspeed_moments_apply(strategy(2, offload="optimizer"))
+    assert deepspeed_moments_apply(strategy(2, offload="optimizer"))
     assert not deepspeed_moments_apply(strategy(3))
+
+
+def test_offload_keeps_no_gradient_on_the_device_but_both_buckets_and_a_staging_buffer():
+    # Measured on two CPU ranks (bench-gpt of benchmarks/accuracy.py, ZeRO-1 and -2 offloaded, one
+    # micro-batch): the parameters, two 16 MiB buckets, the 4 MiB staging buffer, the activations.
+    assert offload_staging_bytes(strategy(2, offload="optimizer"), 4 * MiB, 8 * MiB) == (4 * MiB, 4 * MiB)
+    assert offload_staging_bytes(strategy(2, accum=2, offload="optimizer"), 4 * MiB, 8 * MiB) == (4 * MiB, 12 * MiB)
+    assert offload_staging_bytes(strategy(1, accum=2, offload="optimizer"), 4 * MiB, 8 * MiB) == (4 * MiB, 4 * MiB)
+    assert offload_staging_bytes(strategy(1), 4 * MiB, 8 * MiB) == (0.0, 0.0)
+    for zero in (1, 2):
+        peak = deepspeed_moment_peak(
+            strategy(zero, offload="optimizer"), params=16 * MiB, grads=16 * MiB, optim=0.0, activation=10 * MiB,
+            head_transient=2 * MiB, layers=[(10 * MiB, 0.0)], bucket=16 * MiB, awaiting_grad=0.0,
+            local_grads=16 * MiB, embedding_grad=4 * MiB, tied_grad=0.0, backward_working=1 * MiB,
+            single_tensor=True, staging=4 * MiB)
+        assert peak == (16 + 4 + 32 + 10 + 1) * MiB
 
 
 def test_the_mlp_backward_holds_the_inner_gradients_and_the_output_weight_gradient():
@@ -124,3 +143,28 @@ def test_the_peaks_of_zero_1_and_2_match_the_measured_ones(zero, mb, accum, meas
     options = [LayerOption(checkpoint=False, shard_params=False, split=1)] * (WIDE.num_layers + 2)
     predicted = predict_step(WIDE, cpu, TrainSpec(2 * mb * accum, 128, "fp32"), s, [WIDE.num_layers], options)
     assert predicted.prediction.peak_memory_bytes / MiB == pytest.approx(measured_mib, rel=0.002)
+
+
+def pipeline(zero: int, accum: int) -> Strategy:
+    return Strategy(dims=ParallelDims(dp=1, tp=1, pp=2), zero_stage=zero, micro_batch=1, grad_accum=accum,
+                    sequence_parallel=False)
+
+
+def test_the_pipeline_engine_keeps_its_buffers_and_the_last_logits():
+    assert deepspeed_pipeline_applies(pipeline(0, 1)) and deepspeed_pipeline_applies(pipeline(1, 4))
+    assert not deepspeed_pipeline_applies(strategy(0)) and not deepspeed_pipeline_applies(strategy(0, pp=2))
+    common = dict(params=6 * MiB, grads=6 * MiB, optim=12 * MiB, activation=10 * MiB, head_transient=6 * MiB,
+                  layers=[(10 * MiB, 0.0)], bucket=16 * MiB, boundary=1 * MiB, logits=2 * MiB,
+                  backward_working=1 * MiB)
+    # Last stage, one micro-batch: the loss (10 + 6) over the received buffer, the received copy
+    # and one slot of logits.
+    assert deepspeed_pipeline_moment_peak(pipeline(0, 1), 1, 1, **common) == (6 + 12 + 2 + 2 + 16) * MiB
+    # Two micro-batches: both slots keep logits and received copies, and the second loss has the gradients.
+    assert deepspeed_pipeline_moment_peak(pipeline(0, 2), 1, 1, **common) == (6 + 12 + 3 + 4 + 22) * MiB
+    # First stage, two in flight: the other's activations and output, its own output, the gradient buffer.
+    assert deepspeed_pipeline_moment_peak(pipeline(0, 2), 0, 2, **common) == (6 + 12 + 1 + 11 + 1 + 11) * MiB
+    # ZeRO-1 (no overlap_comm under the pipeline engine): one bucket from the first gradient hook
+    # on, a second with the gradients at the reduction after the flush.
+    assert deepspeed_pipeline_moment_peak(pipeline(1, 2), 0, 2, **common) == (6 + 12 + 1 + 11 + 1 + 11 + 16) * MiB
+    assert deepspeed_pipeline_moment_peak(pipeline(1, 1), 0, 1, **dict(common, activation=0.0, layers=[])) \
+        == (6 + 12 + 1 + 6 + 32) * MiB

@@ -1,6 +1,7 @@
 """Engine behaviours of published runs that dsauto's own plans do not use, priced against hand counts:
 pipeline scatter/gather (Megatron-LM 2021-22), gradients reduced in bf16, and PyTorch's
-non-reentrant checkpoint stopping its recomputation early (checked on the real torch.utils.checkpoint)."""
+non-reentrant checkpoint stopping its recomputation early (checked on the real torch.utils.checkpoint),
+and cuDNN's fused attention on Hopper."""
 
 import dataclasses
 
@@ -12,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dsauto.cost.layer import CostModel
 from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.cost.terms import attention_passes, tp_comm_seconds
 from dsauto.parallel import ParallelDims
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.loaders import load_hardware
@@ -24,8 +26,8 @@ GPT = ModelSpec(name="gpt-test", architecture="decoder", num_layers=8, hidden_si
 CHECKPOINTED = LayerOption(checkpoint=True, shard_params=True, split=1)
 
 
-def cost_model(nodes=1, tp=1, pp=1, zero=0, sp=False, **options) -> CostModel:
-    cluster = ClusterSpec(load_hardware("a100-80gb"), nodes=nodes, gpus_per_node=8)
+def cost_model(nodes=1, tp=1, pp=1, zero=0, sp=False, hardware=None, **options) -> CostModel:
+    cluster = ClusterSpec(hardware or load_hardware("a100-80gb"), nodes=nodes, gpus_per_node=8)
     dp = nodes * 8 // (tp * pp)
     strategy = Strategy(dims=ParallelDims(dp=dp, tp=tp, pp=pp), zero_stage=zero, micro_batch=B, grad_accum=4,
                         sequence_parallel=sp, engine="megatron", **options)
@@ -123,7 +125,7 @@ def test_tp_comm_overlap_hides_the_collectives_under_the_linear_layers():
     exposed = cost_model(tp=8, sp=True).layer(block, option)
     model = cost_model(tp=8, sp=True, tp_comm_overlap=True)
     overlapped = model.layer(block, option)
-    tp_comm = model.context.tp_group.all_reduce(block.tp_comm_bytes_per_token * B * S)
+    tp_comm = tp_comm_seconds(block, model.context)  # its two all-reduces
     gemms = model.device.matmul_seconds(block.matmul_flops_per_token * B * S / 8, min(H / 8, B * S))
     hidden = model.device.comm_overlap_efficiency
     # Forward: the collectives' share the GEMMs hide (DeviceModel.overlapped) is gone; backward hides
@@ -133,3 +135,19 @@ def test_tp_comm_overlap_hides_the_collectives_under_the_linear_layers():
     # Megatron-core refuses the flag without sequence parallelism: nothing is hidden then.
     assert (cost_model(tp=8, tp_comm_overlap=True).layer(block, option).forward_seconds
             == pytest.approx(cost_model(tp=8).layer(block, option).forward_seconds))
+
+
+def test_cudnn_attention_runs_at_the_devices_fused_attention_efficiency_where_it_has_one():
+    block = layer_groups(GPT, S, 2, 1)[1]
+    h100 = load_hardware("h100-80gb")
+    hopper = dataclasses.replace(h100, device=dataclasses.replace(
+        h100.device, attention_efficiency=0.25, fused_attention_efficiency=0.5))
+    flash = attention_passes(block, cost_model(hardware=hopper).context)
+    cudnn = attention_passes(block, cost_model(hardware=hopper, attention_kernel="cudnn").context)
+    # Twice the fraction of peak: half the time, forward and backward (2.5x the forward both).
+    assert cudnn.forward_seconds == pytest.approx(flash.forward_seconds / 2)
+    assert cudnn.backward_seconds == pytest.approx(2.5 * cudnn.forward_seconds)
+    # A device without the kernel (the A100 preset) prices it as FlashAttention.
+    assert load_hardware("a100-80gb").device.fused_attention_efficiency is None
+    assert (attention_passes(block, cost_model(attention_kernel="cudnn").context)
+            == attention_passes(block, cost_model().context))

@@ -49,15 +49,24 @@ def predict(tp: int, pp: int, checkpoint: bool):
     return planner.build_plan(strategy, [model.num_layers // pp] * pp, options).prediction
 
 
+def all_reduces_seconds(group) -> float:
+    """A pass of ``group``'s layers: each of its collectives one measured all-reduce of its share."""
+    calls = group.tp_collectives
+    return group.count * calls * ALL_REDUCE.predict_seconds(group.tp_comm_bytes_per_token * 2 * SEQ / calls)
+
+
 def test_tensor_parallel_collectives_come_from_the_measured_all_reduce_and_recompute_adds_a_pass():
     groups = layer_groups(load_model("gpt-tiny"), SEQ, 4, 2)
-    per_pass = sum(g.count * ALL_REDUCE.predict_seconds(g.tp_comm_bytes_per_token * 2 * SEQ) for g in groups)
+    # Megatron-core's calls: two per transformer layer and pass, the embedding's and the output
+    # layer's, and the vocabulary-parallel loss's three of one fp32 value per token in forward
+    assert [g.tp_collectives for g in groups] == [1, 2, 1] and groups[-1].tp_loss_collectives == 3
+    per_pass = sum(all_reduces_seconds(g) for g in groups)
+    loss = 3 * ALL_REDUCE.predict_seconds(4 * 2 * SEQ)
     plain, recomputed = predict(2, 1, False), predict(2, 1, True)
     assert plain.basis == "measured" and plain.p2p_seconds == 0.0
     # forward and backward of 4 micro-batches, and the recomputed forward of the 4 blocks again
-    assert plain.tp_comm_seconds == pytest.approx(4 * 2 * per_pass)
-    blocks = sum(g.count * ALL_REDUCE.predict_seconds(g.tp_comm_bytes_per_token * 2 * SEQ)
-                 for g in groups if g.kind == "transformer")
+    assert plain.tp_comm_seconds == pytest.approx(4 * (2 * per_pass + loss))
+    blocks = sum(all_reduces_seconds(g) for g in groups if g.kind == "transformer")
     assert recomputed.tp_comm_seconds == pytest.approx(plain.tp_comm_seconds + 4 * blocks)
     # the step grows by the recomputation the profile measured plus the recomputed collectives
     measured_recompute = 4 * 4 * 0.02 / 2 * 0.5
