@@ -90,13 +90,25 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
             engine.step()
         return float(loss.detach())
 
-    tracker = MemoryTracker(device)
-    with tracker:
+    def build():
         # Expert parallelism under DeepSpeed is DeepSpeed-MoE's; with ep = 1 the reference's own MoE
         # layers keep every expert local (and run under any ZeRO stage).
         model = build_model(plan.model, seed=seed, vocab_size=plan.padded_vocab_size, device=device,
                             deepspeed_ep=plan.ep if plan.model.moe and plan.ep > 1 else None)
         engine, *_ = initialize(dict(model=model, model_parameters=model.parameters(), config=config))
+        return engine
+
+    return _measure_engine(build, step, steps, warmup, memory_steps, device)
+
+
+def _measure_engine(build: Callable[[], object], step: Callable[[object], float], steps: int, warmup: int,
+                    memory_steps: int, device: torch.device) -> StepMeasurement:
+    """Build a DeepSpeed engine with the memory tracker on (from before the model exists), run
+    ``memory_steps`` tracked steps (the static bytes before and after them), ``warmup`` more, then
+    ``steps`` timed ones between barriers; the slowest rank's times and the largest rank's memory."""
+    tracker = MemoryTracker(device)
+    with tracker:
+        engine = build()
         with tracker.region("static"):
             pass
         for _ in range(memory_steps):
@@ -119,7 +131,7 @@ def measure_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int 
     measured = dataclasses.replace(measured, on_core_step_seconds=on_core_median(
         measured.step_seconds_samples, run_queue, device))
     engine.destroy()
-    del engine, model
+    del engine
     gc.collect()
     return measured
 
@@ -192,30 +204,11 @@ def measure_pipeline_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_st
     def step(engine) -> float:
         return float(engine.train_batch(data))
 
-    tracker = MemoryTracker(device)
-    with tracker:
+    def build():
         engine, *_ = deepspeed.initialize(model=pipeline_module(plan), config=ds_config(plan))
-        with tracker.region("static"):
-            pass
-        for _ in range(memory_steps):
-            with tracker.region("step"):
-                step(engine)
-        with tracker.region("static"):
-            pass
-    for _ in range(warmup):
-        step(engine)
-    times, losses = [], []
-    for _ in range(steps):
-        sync_ranks(device)
-        start = time.perf_counter()
-        losses.append(step(engine))
-        sync_ranks(device)
-        times.append(time.perf_counter() - start)
-    measured = slowest_rank(times, tracker.peak_bytes("step"), tracker.peak_bytes("static"), losses, device)
-    engine.destroy()
-    del engine
-    gc.collect()
-    return measured
+        return engine
+
+    return _measure_engine(build, step, steps, warmup, memory_steps, device)
 
 
 def sync_ranks(device: torch.device) -> None:
