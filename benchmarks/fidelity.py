@@ -48,11 +48,11 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: benchmarks/ is not a package path
 from fit_device import DEVICES, Candidate, Case, Constants, fit, group_folds  # noqa: E402
 
-from dsauto.cost.strategy import AttentionKernel, LayerOption, Strategy  # noqa: E402
+from dsauto.cost.strategy import LayerOption, Strategy  # noqa: E402
 from dsauto.engines.rules import VIRTUAL_STAGES  # noqa: E402
 from dsauto.errors import DsautoError  # noqa: E402
 from dsauto.parallel import ParallelDims  # noqa: E402
-from dsauto.plan import Plan  # noqa: E402
+from dsauto.plan import AttentionKernel, Plan  # noqa: E402
 from dsauto.search.planner import Planner  # noqa: E402
 from dsauto.search.space import Constraints  # noqa: E402
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec  # noqa: E402
@@ -402,10 +402,13 @@ def configure(record: dict) -> PublishedRun | str:
     if source.key == "megatron-readme24":
         sp = tp > 1
     # No published run offloads, keeps ZeRO++ secondary partitions or splits the distributed optimizer
-    # into instances: the planner may not reach for them to fit its memory model.
+    # into instances: the planner may not reach for them to fit its memory model. The attention
+    # kernel is the one the run's stack ran.
+    kernel = _attention_kernel(record, source)
     pins = Constraints(tp=tp, pp=pp, cp=cp, vpp=vpp, zero_stage=source.zero_stage, micro_batch=p.get("micro_batch"),
                        checkpoint=checkpoint, sequence_parallel=sp if tp > 1 else None, engine=source.engine,
-                       recompute_modules=recompute_modules, offload="none", hpz=1, dist_opt_instances=1)
+                       recompute_modules=recompute_modules, offload="none", hpz=1, dist_opt_instances=1,
+                       attention_kernel=kernel)
     train = TrainSpec(global_batch=p["global_batch"], seq_len=seq, dtype=source.dtype,
                       flash_attention=source.flash_attention)
     published = _published(record, model, source)
@@ -414,7 +417,7 @@ def configure(record: dict) -> PublishedRun | str:
     seconds, figure = published
     fp32_reduce, early_stop = _engine_options(record, source)
     return PublishedRun(rid, source, record["hardware"], record["gpus"], model, m.get("name") or rid, train, pins,
-                        seconds, figure, tuple(notes), fp32_reduce, early_stop, _attention_kernel(record, source))
+                        seconds, figure, tuple(notes), fp32_reduce, early_stop, kernel)
 
 
 def load_runs(path: Path = RUNS_FILE) -> tuple[list[PublishedRun], list[tuple[str, str]]]:

@@ -24,7 +24,7 @@ from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype, TrainSpec
 
 if TYPE_CHECKING:
-    from dsauto.plan import Engine, Offload, Plan
+    from dsauto.plan import AttentionKernel, Engine, Offload, Plan
     from dsauto.profile.store import Profile
     from dsauto.search.planner import Progress
 
@@ -110,6 +110,7 @@ def make_problem(
     hpz: int | None = None,
     dist_opt_instances: int | None = None,
     recompute_modules: str | None = None,
+    attention_kernel: AttentionKernel | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
 
@@ -153,6 +154,9 @@ def make_problem(
         recompute_modules: selective recomputation in every transformer layer, comma-separated
             modules among ``core_attn``, ``layernorm`` and ``mlp`` (Megatron-core's names; the
             DeepSpeed hook checkpoints the same modules), or ``"none"`` (default: searched).
+        attention_kernel: ``"flash"`` (FlashAttention) or ``"cudnn"`` (cuDNN's fused attention
+            through Transformer Engine, Megatron-core plans only); None: cudnn for Megatron-core on
+            devices that have it (Hopper), as Transformer Engine picks there, flash otherwise.
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -175,7 +179,10 @@ def make_problem(
     pins = Constraints(tp=tp, pp=pp, zero_stage=zero_stage, micro_batch=micro_batch, checkpoint=checkpoint,
                        sequence_parallel=sequence_parallel, cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp,
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,
-                       recompute_modules=recompute_modules)
+                       recompute_modules=recompute_modules, attention_kernel=attention_kernel)
+    if attention_kernel == "cudnn" and not cluster.device.fused_attention_efficiency:
+        warnings.warn(f"{cluster.device.name} has no fused attention efficiency of its own; cuDNN's fused "
+                      f"attention is priced at its FlashAttention efficiency.", stacklevel=2)
     return Problem(model_spec, cluster, train, pins)
 
 
@@ -238,6 +245,7 @@ def make_plan(
     hpz: int | None = None,
     dist_opt_instances: int | None = None,
     recompute_modules: str | None = None,
+    attention_kernel: AttentionKernel | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """The fastest plan that fits: :func:`find_plans` of :func:`make_problem` with these arguments
@@ -251,5 +259,5 @@ def make_plan(
                            micro_batch=micro_batch, checkpoint=checkpoint, sequence_parallel=sequence_parallel,
                            cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp, offload=offload, hpz=hpz,
                            dist_opt_instances=dist_opt_instances,
-                           recompute_modules=recompute_modules)
+                           recompute_modules=recompute_modules, attention_kernel=attention_kernel)
     return find_plans(problem, profile=profile)[0]

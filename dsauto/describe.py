@@ -38,7 +38,8 @@ def describe_plan(plan: Plan) -> str:
     """
     pred = plan.prediction
     sp = ", sequence parallel" if plan.sequence_parallel and plan.tp > 1 else ""
-    attention = "flash attention" if plan.flash_attention else "eager attention"
+    attention = ({"flash": "flash attention", "cudnn": "cuDNN fused attention"}[plan.attention_kernel]
+                 if plan.flash_attention else "eager attention")
     lines = [
         f"dsauto plan: {plan.model.name} on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} "
         f"({plan.world_size} devices), {format_count(plan.model.num_parameters())} parameters",

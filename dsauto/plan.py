@@ -43,6 +43,12 @@ Offload = Literal["none", "optimizer", "optimizer+params"]
 CPU; or that and, under ZeRO-3, the parameters' partitions, fetched over the host link for each use."""
 OFFLOADS: tuple[Offload, ...] = ("none", "optimizer", "optimizer+params")
 
+AttentionKernel = Literal["flash", "cudnn"]
+"""The fused attention kernel a plan runs: ``flash`` (FlashAttention-2, or PyTorch's SDPA over it;
+Megatron-core's ``--attention-backend flash``) or ``cudnn`` (cuDNN's fused attention, which
+Transformer Engine runs as FusedAttention; Megatron-core's ``--attention-backend fused``)."""
+ATTENTION_KERNELS: tuple[AttentionKernel, ...] = ("flash", "cudnn")
+
 
 def stage_bounds(stage_layers: Sequence[int]) -> list[tuple[int, int]]:
     """First and last flat layer of each stage: the embedding joins stage 0, the head the last."""
@@ -327,6 +333,9 @@ class Plan:
     dp x cp replicas form this many instances of consecutive ranks, each sharding the optimizer
     state over its own ranks only (a node's, when an instance fills one); gradients are
     reduce-scattered inside an instance and all-reduced across instances. 1 shards over all of dp x cp."""
+    attention_kernel: AttentionKernel = "flash"
+    """The fused attention kernel the plan is priced with and runs (:data:`AttentionKernel`);
+    ``cudnn`` only in a 16-bit Megatron-core plan with fused attention."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -354,6 +363,13 @@ class Plan:
                                              or self.gpus_per_node % self.hpz):
             raise ValueError(f"hpz {self.hpz} needs ZeRO stage 3 (not {self.zero_stage}) and must divide dp "
                              f"({self.dp}) and the {self.gpus_per_node} devices of a node")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
+                             f"got {self.attention_kernel!r}")
+        if self.attention_kernel == "cudnn" and (self.engine != "megatron" or not self.flash_attention
+                                                 or self.dtype == "fp32"):
+            raise ValueError(f"attention_kernel cudnn needs a Megatron-core plan (not {self.engine}) with fused "
+                             f"attention (flash_attention {self.flash_attention}) in bf16 or fp16 (not {self.dtype})")
         replicas = self.dp * self.cp
         if self.dist_opt_instances < 1 or self.dist_opt_instances > 1 and (
                 self.engine != "megatron" or self.zero_stage != 1 or replicas % self.dist_opt_instances

@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from dsauto.parallel import ParallelDims
-from dsauto.plan import Engine, Offload
-
-AttentionKernel = Literal["flash", "cudnn"]
-"""The fused attention kernel a strategy runs: ``flash`` (FlashAttention-2 or PyTorch's SDPA over
-it, priced at DeviceSpec.attention_efficiency) or ``cudnn`` (cuDNN's fused attention, which
-Transformer Engine runs as FusedAttention; DeviceSpec.fused_attention_efficiency)."""
+from dsauto.plan import AttentionKernel, Engine, Offload
 
 
 @dataclass(frozen=True)
@@ -68,15 +62,12 @@ class Strategy:
     plans keep the default; it prices published runs that set it."""
     attention_kernel: AttentionKernel = "flash"
     """The fused attention kernel (eager attention, TrainSpec.flash_attention False, is priced
-    apart). ``cudnn``: Transformer Engine's FusedAttention, which TE selects on Hopper when both it
-    and FlashAttention are allowed (transformer_engine/pytorch/attention/dot_product_attention/
-    utils.py, get_attention_backend; transformer_engine/pytorch/attention.py in TE 1.x), priced at
-    the device's ``fused_attention_efficiency`` and, on a device without one, at its
-    ``attention_efficiency``. dsauto's Megatron-core plans pass ``--attention-backend flash``
-    (dsauto/emit/megatron.py), under which Megatron-core sets NVTE_FUSED_ATTN=0 (megatron/core/
-    models/common/language_module/language_module.py, _set_attention_backend) and TE runs
-    FlashAttention; its DeepSpeed plans run FlashAttention-2. So its plans keep the default; it
-    prices published runs whose stack ran cuDNN's kernel."""
+    apart): ``flash`` at the device's ``attention_efficiency``; ``cudnn``, Transformer Engine's
+    FusedAttention, at its ``fused_attention_efficiency`` and, on a device without one, at its
+    ``attention_efficiency``. The search gives a Megatron-core strategy ``cudnn`` where the device
+    has that kernel and the model allows it (:func:`dsauto.engines.rules.default_attention_kernel`)
+    and the plan passes ``--attention-backend fused``; ``flash`` otherwise, with ``--attention-backend
+    flash`` (dsauto/emit/megatron.py)."""
 
     @property
     def tp(self) -> int:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from dsauto.cost.calibration import Calibration
 from dsauto.cost.collectives import AllToAll, Group
 from dsauto.cost.measured import MeasuredCosts, MeasuredLayer
-from dsauto.cost.strategy import AttentionKernel, LayerOption
+from dsauto.cost.strategy import LayerOption
 from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR
-from dsauto.plan import Engine
+from dsauto.plan import AttentionKernel, Engine
 from dsauto.spec.cluster import DeviceSpec
 from dsauto.spec.model import LayerGroup
 

@@ -284,9 +284,12 @@ def _batch_and_precision(plan: Plan) -> list[str]:
     if plan.dtype in ("bf16", "fp16"):
         lines.append(f"--{plan.dtype}")
     # --use-flash-attn is still defined but no longer read by Megatron-LM; the backend flag is.
-    # Flash attention keeps no s x s scores, as the plan's memory prediction assumes; "unfused" is
-    # the eager softmax whose scores the plan counts.
-    lines.append("--attention-backend " + ("flash" if plan.flash_attention else "unfused"))
+    # Fused attention keeps no s x s scores, as the plan's memory prediction assumes; "unfused" is
+    # the eager softmax whose scores the plan counts. "fused" is cuDNN's kernel (Transformer
+    # Engine's FusedAttention), "flash" FlashAttention: the kernel the plan's time is priced with,
+    # named rather than left to Transformer Engine's "auto".
+    backend = {"flash": "flash", "cudnn": "fused"}[plan.attention_kernel] if plan.flash_attention else "unfused"
+    lines.append("--attention-backend " + backend)
     return lines
 
 

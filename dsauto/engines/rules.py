@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 from dsauto.parallel import ParallelDims
-from dsauto.plan import RECOMPUTE_MODULES, Engine, Offload
+from dsauto.plan import RECOMPUTE_MODULES, AttentionKernel, Engine, Offload
+from dsauto.spec.model import ModelSpec
+from dsauto.spec.training import Dtype
 
 
 def refusal(engine: Engine, dims: ParallelDims, zero_stage: int) -> str | None:
@@ -236,3 +238,52 @@ def dist_opt_instances_refusal(engine: Engine, dims: ParallelDims, zero_stage: i
     if dims.expert_dp % instances:
         return f"{instances} instances must divide the expert data-parallel degree {dims.expert_dp}"
     return None
+
+
+CUDNN_MAX_HEAD_DIM = 128
+"""The widest attention head cuDNN's fused attention trains on every Hopper cuDNN that Transformer
+Engine's F16_arbitrary_seqlen backend accepts (head dimensions up to 128, multiples of 16; wider
+ones only for inference or on newer cuDNN: transformer_engine/common/fused_attn/fused_attn.cpp,
+``nvte_get_fused_attn_backend``)."""
+
+
+def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dtype, flash_attention: bool,
+                             model: ModelSpec) -> str | None:
+    """Why ``kernel`` cannot run this model's attention under ``engine``, or None.
+
+    cuDNN's fused attention is Transformer Engine's FusedAttention, which dsauto's Megatron-core plans
+    select with ``--attention-backend fused`` (Megatron-core then sets NVTE_FUSED_ATTN=1 and the other
+    backends' variables to 0: megatron/core/models/common/language_module/language_module.py,
+    ``_set_attention_backend``); dsauto's DeepSpeed plans run the model's own attention (PyTorch's SDPA
+    or FlashAttention-2). Its kernels take 16-bit inputs and heads of :data:`CUDNN_MAX_HEAD_DIM` or
+    less; latent attention's unequal key and value widths and sliding windows are left to
+    FlashAttention, which a run with the backend forced to ``fused`` could not fall back to."""
+    if kernel == "flash":
+        return None
+    if engine != "megatron":
+        return ("cuDNN's fused attention runs through Transformer Engine, which only dsauto's Megatron-core "
+                "plans use (--engine megatron)")
+    if not flash_attention:
+        return "eager attention (--no-flash-attention) runs no fused kernel"
+    if dtype == "fp32":
+        return "cuDNN's fused attention runs in bf16 or fp16, not fp32"
+    if model.latent_attention:
+        return "latent attention's unequal key and value widths are planned with FlashAttention"
+    if model.sliding_window:
+        return f"sliding-window attention ({model.sliding_window} tokens) is planned with FlashAttention"
+    if model.head_dim > CUDNN_MAX_HEAD_DIM or model.head_dim % 16:
+        return (f"cuDNN's fused attention trains heads up to {CUDNN_MAX_HEAD_DIM} wide in multiples of 16, "
+                f"not {model.head_dim}")
+    return None
+
+
+def default_attention_kernel(engine: Engine, device_has_fused: bool, dtype: Dtype, flash_attention: bool,
+                             model: ModelSpec) -> AttentionKernel:
+    """The kernel a plan runs unless pinned: cuDNN's fused attention where the device has one
+    (``DeviceSpec.fused_attention_efficiency``: Hopper) and :func:`attention_kernel_refusal` allows it,
+    which is what Transformer Engine picks on Hopper when Megatron-core leaves the backend to it
+    (transformer_engine/pytorch/attention/dot_product_attention/utils.py, ``get_attention_backend``);
+    FlashAttention otherwise."""
+    if device_has_fused and attention_kernel_refusal(engine, "cudnn", dtype, flash_attention, model) is None:
+        return "cudnn"
+    return "flash"

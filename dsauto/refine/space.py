@@ -133,7 +133,8 @@ def strategy_of(plan: Plan) -> Strategy:
                     micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
                     sequence_parallel=plan.sequence_parallel, engine=plan.engine,
                     virtual_stages=plan.virtual_stages, recompute_modules=plan.uniform_recompute_modules(),
-                    offload=plan.offload, hpz=plan.hpz, dist_opt_instances=plan.dist_opt_instances)
+                    offload=plan.offload, hpz=plan.hpz, dist_opt_instances=plan.dist_opt_instances,
+                    attention_kernel=plan.attention_kernel)
 
 
 def options_of(plan: Plan) -> tuple[LayerOption, ...]:

@@ -225,6 +225,7 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
         fields["microbatch_group_size_per_vp_stage"] = plan.pp
     fields.update(pipeline_layout_fields(plan.stage_layers, plan.virtual_stages))
     fields.update(recompute_fields(plan, config))
+    _report_kernel(plan, config)
     _report_unsplit(plan)
     for gap in megatron_gaps(plan.model):  # the model's own details Megatron-core cannot build
         _report(f"Megatron-core does not build {gap}.")
@@ -537,6 +538,22 @@ def _check_model(model: ModelSpec, config: TransformerConfig) -> None:
             raise DsautoError(f"The TransformerConfig has {name}={got} but the plan was made for "
                               f"{model.name} with {name}={want}; build the model the plan describes "
                               f"or re-plan for this one.")
+
+
+def _report_kernel(plan: Plan, config: TransformerConfig) -> None:
+    """Says when the config's attention backend is not the fused kernel the plan's time was priced
+    with (``flash`` against ``fused``); the config's choice is kept, as it may be the only one the
+    installed Transformer Engine runs. ``auto`` lets Transformer Engine pick, which on Hopper is
+    cuDNN's kernel, the plan's default there."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    planned = {"flash": AttnBackend.flash, "cudnn": AttnBackend.fused}[plan.attention_kernel]
+    other = {AttnBackend.flash: AttnBackend.fused, AttnBackend.fused: AttnBackend.flash}[planned]
+    if plan.flash_attention and config.attention_backend == other:
+        _report(f"The plan's step time was priced with attention_backend {planned.name} and the config runs "
+                f"{other.name}, so the measured step may differ from the prediction; set "
+                f"attention_backend={planned.name} or re-plan with --attention-kernel "
+                f"{'flash' if other == AttnBackend.flash else 'cudnn'}.")
 
 
 def _report_unsplit(plan: Plan) -> None:

@@ -746,5 +746,5 @@ class Planner:
                                    if prefetch_bucket is None else prefetch_bucket),
             layers=tuple(runs), stages=step.stages, prediction=step.prediction, engine=strategy.engine,
             virtual_stages=strategy.virtual_stages, offload=strategy.offload, hpz=strategy.hpz,
-            dist_opt_instances=strategy.dist_opt_instances,
+            dist_opt_instances=strategy.dist_opt_instances, attention_kernel=strategy.attention_kernel,
         )

@@ -10,7 +10,9 @@ from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.engines.rules import (
     MIN_CONTEXT_PARALLEL_TOKENS,
     VIRTUAL_STAGES,
+    attention_kernel_refusal,
     context_parallel_refusal,
+    default_attention_kernel,
     expert_parallel_refusal,
     dist_opt_instances_refusal,
     hpz_refusal,
@@ -22,7 +24,7 @@ from dsauto.engines.rules import (
 )
 from dsauto.errors import DsautoError
 from dsauto.parallel import ParallelDims, divisors, layouts
-from dsauto.plan import ENGINES, OFFLOADS, Engine, Offload
+from dsauto.plan import ATTENTION_KERNELS, ENGINES, OFFLOADS, AttentionKernel, Engine, Offload
 from dsauto.search.limits import check_search_size, check_strategies
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import ModelSpec
@@ -104,6 +106,13 @@ class Constraints:
                 "each instance of dp x cp / N ranks shards the optimizer state over itself; 1: off)"})
     """Megatron-core's partial distributed optimizer instances (default: searched among 1 and one
     instance per node when the distributed optimizer's data parallelism spans nodes)."""
+    attention_kernel: AttentionKernel | None = field(default=None, metadata={
+        "flag": "--attention-kernel", "choices": {"auto": None, **{name: name for name in ATTENTION_KERNELS}},
+        "help": "the fused attention kernel: flash (FlashAttention) or cudnn (cuDNN's fused attention through "
+                "Transformer Engine, Megatron-core only) (default: auto, cudnn for Megatron-core on devices "
+                "that have it, as Transformer Engine picks on Hopper)"})
+    """The fused attention kernel (:data:`dsauto.plan.AttentionKernel`); None: each engine's default
+    (:func:`dsauto.engines.rules.default_attention_kernel`)."""
 
 
 def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -163,8 +172,14 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                     out.extend(_host_and_hpz(Strategy(
                                         dims=expert_dims, zero_stage=zero, micro_batch=micro, grad_accum=accum,
                                         sequence_parallel=sp, engine=engine, virtual_stages=v), cluster, pins))
-    # Each with the selective recomputations its engine runs (none among them unless pinned).
-    out = [dataclasses.replace(s, recompute_modules=modules) for s in out for modules in recompute_sets[s.engine]]
+    # Each with the selective recomputations its engine runs (none among them unless pinned), and
+    # the attention kernel it runs: the pinned one, which an engine that cannot run it drops.
+    kernels = {engine: pins.attention_kernel or default_attention_kernel(
+        engine, bool(cluster.device.fused_attention_efficiency), train.dtype, train.flash_attention, model)
+        for engine in engines}
+    out = [dataclasses.replace(s, recompute_modules=modules, attention_kernel=kernels[s.engine])
+           for s in out for modules in recompute_sets[s.engine]
+           if attention_kernel_refusal(s.engine, kernels[s.engine], train.dtype, train.flash_attention, model) is None]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
 
 
@@ -314,6 +329,13 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                          pins.zero_stage or 0)
         if reason:
             return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}.")
+    if pins.attention_kernel is not None:
+        engines = ENGINES if pins.engine is None else (pins.engine,)
+        reasons = [attention_kernel_refusal(e, pins.attention_kernel, train.dtype, train.flash_attention, model)
+                   for e in engines]
+        if all(reasons):
+            return DsautoError(f"--attention-kernel {pins.attention_kernel} cannot run: "
+                               f"{'; and '.join(dict.fromkeys(reasons))}; use --attention-kernel flash or leave it out.")
     if pins.cp is not None and pins.cp > 1:
         engines = ENGINES if pins.engine is None else (pins.engine,)
         reasons = [context_parallel_refusal(e, pins.cp, train.seq_len, train.flash_attention,

@@ -427,3 +427,17 @@ def test_the_example_trains_under_a_tuned_plan(tmp_path, ranks, pins):
     assert result.returncode == 0, result.stderr[-5000:]
     losses = [float(m.group(2)) for m in re.finditer(r"^step (\d+) loss (\S+)$", result.stdout, re.MULTILINE)]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_an_attention_backend_other_than_the_planned_kernel_is_reported(caplog):
+    from dsauto.api import make_plan as plan_for
+
+    with pytest.warns(UserWarning, match="no fused attention efficiency"):
+        plan = plan_for("gpt-tiny", "cpu", engine="megatron", dtype="bf16", attention_kernel="cudnn")
+    dm.apply(plan, config_for(plan.model, attention_backend=AttnBackend.flash))
+    [message] = [m for m in warnings_of(caplog) if "attention_backend" in m]
+    assert "priced with attention_backend fused and the config runs flash" in message
+    caplog.clear()
+    for matching in (AttnBackend.fused, AttnBackend.auto):
+        dm.apply(plan, config_for(plan.model, attention_backend=matching))
+    assert not [m for m in warnings_of(caplog) if "attention_backend" in m]

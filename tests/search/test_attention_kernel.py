@@ -1,0 +1,96 @@
+"""The fused attention kernel a plan runs: cuDNN's fused attention for Megatron-core on Hopper (what
+Transformer Engine picks there), FlashAttention otherwise; priced, emitted and reported as chosen."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dsauto.api import make_plan
+from dsauto.cli import main
+from dsauto.describe import describe_plan
+from dsauto.emit.megatron import megatron_args
+from dsauto.engines.rules import attention_kernel_refusal, default_attention_kernel
+from dsauto.plan_io import read_plan
+from dsauto.refine.space import strategy_of
+from dsauto.spec.loaders import as_model
+
+LLAMA = as_model("llama3-8b")
+
+
+def backend(plan) -> str:
+    [line] = [line for line in megatron_args(plan) if line.startswith("--attention-backend ")]
+    return line.split()[1]
+
+
+@pytest.mark.parametrize("engine, fused, dtype, flash, model, expected", [
+    ("megatron", True, "bf16", True, LLAMA, "cudnn"),
+    ("megatron", True, "fp16", True, LLAMA, "cudnn"),
+    ("deepspeed", True, "bf16", True, LLAMA, "flash"),  # DeepSpeed plans run the model's own attention
+    ("megatron", False, "bf16", True, LLAMA, "flash"),  # no cuDNN constant: pre-Hopper
+    ("megatron", True, "fp32", True, LLAMA, "flash"),
+    ("megatron", True, "bf16", False, LLAMA, "flash"),  # eager attention
+    ("megatron", True, "bf16", True, dataclasses.replace(LLAMA, attention_head_dim=256), "flash"),
+    ("megatron", True, "bf16", True, dataclasses.replace(LLAMA, attention_head_dim=72), "flash"),
+    ("megatron", True, "bf16", True, dataclasses.replace(LLAMA, sliding_window=4096), "flash"),
+])
+def test_default_kernel(engine, fused, dtype, flash, model, expected):
+    assert default_attention_kernel(engine, fused, dtype, flash, model) == expected
+    refusal = attention_kernel_refusal(engine, "cudnn", dtype, flash, model)
+    assert (refusal is None) == (expected == "cudnn" or not fused)
+    assert attention_kernel_refusal(engine, "flash", dtype, flash, model) is None
+
+
+def test_megatron_plan_on_hopper_runs_cudnn_and_says_so(tmp_path):
+    plan = make_plan("llama3-8b", "h100-80gb", engine="megatron", seq_len=8192, global_batch=16)
+    assert plan.attention_kernel == "cudnn"
+    assert backend(plan) == "fused"
+    assert "cuDNN fused attention" in describe_plan(plan)
+    assert strategy_of(plan).attention_kernel == "cudnn"
+    assert main(["tune", "--model", "llama3-8b", "--hardware", "h100-80gb", "--engine", "megatron",
+                 "--out", str(tmp_path)]) == 0
+    assert read_plan(tmp_path / "plan.yaml").attention_kernel == "cudnn"
+    assert "--attention-backend fused" in (tmp_path / "megatron_args.txt").read_text().splitlines()
+
+
+def test_cudnn_is_priced_at_the_devices_fused_rate():
+    pins = dict(engine="megatron", tp=1, pp=1, zero_stage=1, micro_batch=1, checkpoint=True)
+    fused = make_plan("llama3-8b", "h100-80gb", seq_len=8192, global_batch=16, **pins)
+    flash = make_plan("llama3-8b", "h100-80gb", seq_len=8192, global_batch=16, attention_kernel="flash", **pins)
+    assert flash.attention_kernel == "flash" and backend(flash) == "flash"
+    assert fused.layers == flash.layers and fused.dims == flash.dims
+    # Same plan, only attention priced differently: cuDNN's kernel runs faster on H100.
+    assert fused.prediction.compute_seconds < flash.prediction.compute_seconds
+    assert fused.prediction.peak_memory_bytes == flash.prediction.peak_memory_bytes
+    # Pinned on a device without a cuDNN rate: priced at the FlashAttention rate, with a warning.
+    with pytest.warns(UserWarning, match="priced at its FlashAttention efficiency"):
+        a100 = make_plan("llama3-8b", "a100-80gb", seq_len=8192, global_batch=16, attention_kernel="cudnn", **pins)
+    a100_flash = make_plan("llama3-8b", "a100-80gb", seq_len=8192, global_batch=16, **pins)
+    assert a100_flash.attention_kernel == "flash" and a100.attention_kernel == "cudnn"
+    assert a100.prediction.step_seconds == pytest.approx(a100_flash.prediction.step_seconds)
+
+
+def test_deepspeed_plans_keep_flash():
+    plan = make_plan("llama3-8b", "h100-80gb", engine="deepspeed")
+    assert plan.attention_kernel == "flash"
+
+
+def test_cudnn_pinned_where_it_cannot_run_is_one_sentence(tmp_path, capsys):
+    assert main(["tune", "--model", "llama3-8b", "--hardware", "h100-80gb", "--engine", "deepspeed",
+                 "--attention-kernel", "cudnn", "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "only dsauto's Megatron-core plans" in error
+    assert not list(tmp_path.iterdir())
+    # Left to the search, the engine follows the pin: Megatron-core.
+    assert main(["tune", "--model", "llama3-8b", "--hardware", "h100-80gb", "--attention-kernel", "cudnn",
+                 "--out", str(tmp_path)]) == 0
+    assert read_plan(tmp_path / "plan.yaml").engine == "megatron"
+
+
+def test_a_plan_edited_to_cudnn_under_deepspeed_is_refused():
+    plan = make_plan("llama3-8b", "h100-80gb", engine="deepspeed")
+    with pytest.raises(ValueError, match="attention_kernel cudnn needs a Megatron-core plan"):
+        dataclasses.replace(plan, attention_kernel="cudnn")
+    with pytest.raises(ValueError, match="attention_kernel must be one of flash, cudnn"):
+        dataclasses.replace(plan, attention_kernel="sdpa")
