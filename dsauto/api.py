@@ -211,12 +211,19 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
     if isinstance(profile, (str, os.PathLike)):
         from dsauto.profile.store import find_profile  # imports torch: only when a profile is named
 
-        profile = find_profile(Path(profile), problem.model, problem.train.dtype, problem.train.seq_len,
-                               problem.pins.engine)
+        with warnings.catch_warnings():  # another engine's profile: said below, of the plan found
+            warnings.simplefilter("ignore")
+            profile = find_profile(Path(profile), problem.model, problem.train.dtype, problem.train.seq_len,
+                                   problem.pins.engine)
     planner = Planner(problem.model, problem.cluster, problem.train, problem.pins, profile)
     # Every plan within the tie tolerance of the fastest competes for first place on memory headroom.
-    plans = planner.search(top_k=top_k, progress=progress, within=TIE_TOLERANCE)
-    return rank_by_headroom(plans)[:top_k]
+    plans = rank_by_headroom(planner.search(top_k=top_k, progress=progress, within=TIE_TOLERANCE))[:top_k]
+    measured_engine = getattr(profile, "engine", None)
+    if measured_engine is not None and plans[0].engine != measured_engine:
+        warnings.warn(f"The {plans[0].engine} plan is priced from a profile of {measured_engine}'s layers, whose "
+                      f"time may differ from {plans[0].engine}'s own; run `dsauto profile --engine "
+                      f"{plans[0].engine}` to price it from them.", stacklevel=2)
+    return plans
 
 
 def make_plan(

@@ -291,8 +291,10 @@ def _search(args: argparse.Namespace):
     if args.profile is not None:  # read before the clock starts: the store imports torch
         from dsauto.profile.store import find_profile
 
-        profile = find_profile(args.profile, problem.model, problem.train.dtype, problem.train.seq_len,
-                               problem.pins.engine)
+        with warnings.catch_warnings():  # another engine's profile: find_plans says so, of the plan found
+            warnings.simplefilter("ignore")
+            profile = find_profile(args.profile, problem.model, problem.train.dtype, problem.train.seq_len,
+                                   problem.pins.engine)
     started = time.perf_counter()
     with SearchProgress() as progress:
         plans = find_plans(problem, top_k=1 + args.top, profile=profile, progress=progress.update)

@@ -3,11 +3,13 @@ that it did, and is what a megatron plan is priced from; a profile of the refere
 fallback, with a warning."""
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from dsauto.api import find_plans, make_problem
 from dsauto.profile.layers import profile_layers
 from dsauto.profile.store import Profile, find_profile, load_profile, save_profile, software_versions
 from dsauto.spec.loaders import load_model
@@ -74,6 +76,19 @@ def test_megatron_profile_is_keyed_apart_and_found_for_megatron_plans(tmp_path, 
     save_profile(deepspeed_profile, tmp_path / "reference")
     with pytest.warns(UserWarning, match="no profile of megatron's layers"):
         assert find_profile(tmp_path / "reference", tiny, "fp32", SEQ, "megatron").engine == "deepspeed"
+
+    # A plan priced from another engine's layers says so once, whether the profile was looked up or handed over.
+    for given in (tmp_path / "reference", deepspeed_profile):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            [plan] = find_plans(make_problem(tiny, "cpu", seq_len=SEQ, dtype="fp32", engine="megatron"), profile=given)
+        said = [str(w.message) for w in caught if "profile" in str(w.message)]
+        assert plan.engine == "megatron" and len(said) == 1, said
+        assert "The megatron plan is priced from a profile of deepspeed's layers" in said[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        find_plans(make_problem(tiny, "cpu", seq_len=SEQ, dtype="fp32", engine="megatron"), profile=megatron_profile)
+        find_plans(make_problem(tiny, "cpu", seq_len=SEQ, dtype="fp32", engine="deepspeed"), profile=deepspeed_profile)
 
 
 def test_a_profile_written_before_the_engine_field_reads_as_the_reference_layers(tmp_path, tiny, both):
