@@ -111,6 +111,8 @@ def make_problem(
     dist_opt_instances: int | None = None,
     recompute_modules: str | None = None,
     attention_kernel: AttentionKernel | None = None,
+    tp_comm_overlap: bool | None = None,
+    grad_reduce_in_fp32: bool | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
 
@@ -157,6 +159,10 @@ def make_problem(
         attention_kernel: ``"flash"`` (FlashAttention) or ``"cudnn"`` (cuDNN's fused attention
             through Transformer Engine, Megatron-core plans only); None: cudnn for Megatron-core on
             devices that have it (Hopper), as Transformer Engine picks there, flash otherwise.
+        tp_comm_overlap: True turns on Megatron-core's ``--tp-comm-overlap`` where the plan has tp > 1
+            with sequence parallelism (Megatron-core plans only; default: off).
+        grad_reduce_in_fp32: False keeps and reduces gradients in bf16 (Megatron-core's
+            ``--grad-reduce-in-bf16``, bf16 plans only; default: fp32).
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -179,7 +185,8 @@ def make_problem(
     pins = Constraints(tp=tp, pp=pp, zero_stage=zero_stage, micro_batch=micro_batch, checkpoint=checkpoint,
                        sequence_parallel=sequence_parallel, cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp,
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,
-                       recompute_modules=recompute_modules, attention_kernel=attention_kernel)
+                       recompute_modules=recompute_modules, attention_kernel=attention_kernel,
+                       tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32)
     if attention_kernel == "cudnn" and not cluster.device.fused_attention_efficiency:
         warnings.warn(f"{cluster.device.name} has no fused attention efficiency of its own; cuDNN's fused "
                       f"attention is priced at its FlashAttention efficiency.", stacklevel=2)
@@ -223,6 +230,10 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
         warnings.warn(f"The {plans[0].engine} plan is priced from a profile of {measured_engine}'s layers, whose "
                       f"time may differ from {plans[0].engine}'s own; run `dsauto profile --engine "
                       f"{plans[0].engine}` to price it from them.", stacklevel=2)
+    if problem.pins.tp_comm_overlap and not plans[0].tp_comm_overlap:
+        warnings.warn(f"--tp-comm-overlap takes effect with tp > 1 and sequence parallelism, and the plan has tp "
+                      f"{plans[0].tp}{'' if plans[0].tp == 1 else ' without sequence parallelism'}, so it is off; "
+                      f"pin --tp 2 or more (with sequence parallelism) to use it.", stacklevel=2)
     return plans
 
 
@@ -253,6 +264,8 @@ def make_plan(
     dist_opt_instances: int | None = None,
     recompute_modules: str | None = None,
     attention_kernel: AttentionKernel | None = None,
+    tp_comm_overlap: bool | None = None,
+    grad_reduce_in_fp32: bool | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """The fastest plan that fits: :func:`find_plans` of :func:`make_problem` with these arguments
@@ -266,5 +279,6 @@ def make_plan(
                            micro_batch=micro_batch, checkpoint=checkpoint, sequence_parallel=sequence_parallel,
                            cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp, offload=offload, hpz=hpz,
                            dist_opt_instances=dist_opt_instances,
-                           recompute_modules=recompute_modules, attention_kernel=attention_kernel)
+                           recompute_modules=recompute_modules, attention_kernel=attention_kernel,
+                           tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32)
     return find_plans(problem, profile=profile)[0]

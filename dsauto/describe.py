@@ -38,6 +38,7 @@ def describe_plan(plan: Plan) -> str:
     """
     pred = plan.prediction
     sp = ", sequence parallel" if plan.sequence_parallel and plan.tp > 1 else ""
+    sp += " with its collectives overlapped (--tp-comm-overlap)" if plan.tp_comm_overlap else ""
     attention = ({"flash": "flash attention", "cudnn": "cuDNN fused attention"}[plan.attention_kernel]
                  if plan.flash_attention else "eager attention")
     lines = [
@@ -49,7 +50,8 @@ def describe_plan(plan: Plan) -> str:
         + (" (DeepSpeed-Ulysses)" if plan.cp > 1 and plan.engine == "deepspeed" else "")
         + f", ZeRO stage {plan.zero_stage}{sp}",
         f"  batch       micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation steps x dp "
-        f"{plan.dp} = {plan.global_batch} sequences of {plan.seq_len} tokens; {plan.dtype}, {attention}",
+        f"{plan.dp} = {plan.global_batch} sequences of {plan.seq_len} tokens; {plan.dtype}"
+        f"{'' if plan.grad_reduce_in_fp32 else ' (gradients too)'}, {attention}",
         f"  layout      {plan.pp} stage{'s' if plan.pp > 1 else ''}, transformer layers per stage "
         f"{_run_lengths(plan.stage_layers)}" + _interleaving_text(plan),
         "  layers      (0 = embedding, 1-{0} = {1} layers, {2} = head)".format(

@@ -336,6 +336,13 @@ class Plan:
     attention_kernel: AttentionKernel = "flash"
     """The fused attention kernel the plan is priced with and runs (:data:`AttentionKernel`);
     ``cudnn`` only in a 16-bit Megatron-core plan with fused attention."""
+    tp_comm_overlap: bool = False
+    """Megatron-core's ``--tp-comm-overlap``: Transformer Engine's userbuffers overlap the
+    tensor-parallel all-gathers and reduce-scatters with the linear layers' GEMMs (tp > 1 with
+    sequence parallelism)."""
+    grad_reduce_in_fp32: bool = True
+    """Megatron-core under bf16: gradients accumulated and reduced in fp32 (its default); False is
+    ``--grad-reduce-in-bf16`` (a bf16 gradient buffer, half the bytes and half the reduction)."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -370,6 +377,12 @@ class Plan:
                                                  or self.dtype == "fp32"):
             raise ValueError(f"attention_kernel cudnn needs a Megatron-core plan (not {self.engine}) with fused "
                              f"attention (flash_attention {self.flash_attention}) in bf16 or fp16 (not {self.dtype})")
+        if self.tp_comm_overlap and (self.engine != "megatron" or self.tp == 1 or not self.sequence_parallel):
+            raise ValueError(f"tp_comm_overlap needs a Megatron-core plan (not {self.engine}) with tp > 1 (not "
+                             f"{self.tp}) and sequence parallelism (not {self.sequence_parallel})")
+        if not self.grad_reduce_in_fp32 and (self.engine != "megatron" or self.dtype != "bf16"):
+            raise ValueError(f"grad_reduce_in_fp32 False (bf16 gradients) needs a Megatron-core plan (not "
+                             f"{self.engine}) in bf16 (not {self.dtype})")
         replicas = self.dp * self.cp
         if self.dist_opt_instances < 1 or self.dist_opt_instances > 1 and (
                 self.engine != "megatron" or self.zero_stage != 1 or replicas % self.dist_opt_instances

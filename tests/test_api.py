@@ -45,7 +45,8 @@ def test_make_plan_takes_the_keywords_of_make_problem_and_a_profile():
 SAMPLES = {"global_batch": 16, "seq_len": 64, "dtype": "fp16", "flash_attention": False, "tp": 2, "pp": 2,
            "zero_stage": 1, "micro_batch": 4, "checkpoint": True, "sequence_parallel": False, "engine": "megatron",
            "vpp": 2, "cp": 2, "ep": 2, "etp": 2, "recompute_modules": "core_attn", "offload": "optimizer",
-           "hpz": 2, "dist_opt_instances": 2, "attention_kernel": "flash"}
+           "hpz": 2, "dist_opt_instances": 2, "attention_kernel": "flash", "tp_comm_overlap": True,
+           "grad_reduce_in_fp32": False}
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))

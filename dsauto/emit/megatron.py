@@ -19,6 +19,7 @@ from dsauto.engines.megatron import (
     FSDP_STRATEGY,
     block_recompute_layers,
     degree_flags,
+    megatron_grad_bytes,
     pipeline_layout,
     selective_recompute_modules,
 )
@@ -82,6 +83,8 @@ def _parallelism(plan: Plan) -> list[str]:
     lines = degree_flags(plan.dims, experts=plan.model.moe)
     if plan.sequence_parallel:
         lines.append("--sequence-parallel")
+    if plan.tp_comm_overlap:
+        lines.append("--tp-comm-overlap")  # Transformer Engine's userbuffers; needs --sequence-parallel
     return lines
 
 
@@ -283,6 +286,8 @@ def _batch_and_precision(plan: Plan) -> list[str]:
     ]
     if plan.dtype in ("bf16", "fp16"):
         lines.append(f"--{plan.dtype}")
+    if not plan.grad_reduce_in_fp32:
+        lines.append("--grad-reduce-in-bf16")
     # --use-flash-attn is still defined but no longer read by Megatron-LM; the backend flag is.
     # Fused attention keeps no s x s scores, as the plan's memory prediction assumes; "unfused" is
     # the eager softmax whose scores the plan counts. "fused" is cuDNN's kernel (Transformer
@@ -311,9 +316,9 @@ def _data_parallel(plan: Plan) -> list[str]:
         lines.append("--overlap-param-gather")  # needs the distributed optimizer or Megatron-FSDP
     lines += optimizer_offload_flags(plan)
     # --ddp-bucket-size counts parameters. Megatron-LM reduces gradients in fp32 under bf16
-    # (validate_args sets accumulate_allreduce_grads_in_fp32) and in the parameter dtype otherwise.
-    grad_bytes = 2 if plan.dtype == "fp16" else 4
-    lines.append(f"--ddp-bucket-size {max(1, plan.reduce_bucket_bytes // grad_bytes)}")
+    # (validate_args sets accumulate_allreduce_grads_in_fp32) unless --grad-reduce-in-bf16, and in
+    # the parameter dtype otherwise.
+    lines.append(f"--ddp-bucket-size {max(1, plan.reduce_bucket_bytes // megatron_grad_bytes(plan))}")
     return lines
 
 

@@ -62,6 +62,17 @@ class PipelineLayout:
     """``pipeline_model_parallel_layout`` (``--pipeline-model-parallel-layout``)."""
 
 
+def megatron_grad_bytes(plan: Plan) -> int:
+    """Bytes of one gradient in Megatron-core's gradient buffer, which its ``bucket_size`` (Megatron-LM's
+    ``--ddp-bucket-size``, in parameters) fills: fp32 under bf16 (Megatron-LM's validate_args sets
+    ``accumulate_allreduce_grads_in_fp32``) unless the plan reduces in bf16 (``--grad-reduce-in-bf16``),
+    and the parameter dtype otherwise (distributed_data_parallel.py: the grad dtype is fp32 only with
+    ``grad_reduce_in_fp32``)."""
+    if plan.dtype == "bf16":
+        return 4 if plan.grad_reduce_in_fp32 else 2
+    return 2 if plan.dtype == "fp16" else 4
+
+
 def pipeline_layout(stage_layers: Sequence[int], virtual_stages: int = 1) -> PipelineLayout:
     """The Megatron setting that places ``stage_layers`` transformer layers on each stage.
 

@@ -287,3 +287,24 @@ def default_attention_kernel(engine: Engine, device_has_fused: bool, dtype: Dtyp
     if device_has_fused and attention_kernel_refusal(engine, "cudnn", dtype, flash_attention, model) is None:
         return "cudnn"
     return "flash"
+
+
+def tp_comm_overlap_refusal(engine: Engine) -> str | None:
+    """Why ``--tp-comm-overlap`` cannot be asked of ``engine``, or None. It is Megatron-core's
+    (Transformer Engine's userbuffers: megatron/core/model_parallel_config.py, ``tp_comm_overlap``),
+    and takes effect where tp > 1 with sequence parallelism, which Megatron-LM's validate_args
+    requires of it (it turns both off at tp 1)."""
+    if engine != "megatron":
+        return "--tp-comm-overlap is Megatron-core's (Transformer Engine's userbuffers); plan with --engine megatron"
+    return None
+
+
+def grad_reduce_refusal(engine: Engine, dtype: Dtype) -> str | None:
+    """Why gradients cannot be kept and reduced in bf16 (Megatron-LM's ``--grad-reduce-in-bf16``,
+    DistributedDataParallelConfig.grad_reduce_in_fp32 False), or None: Megatron-core only, and only
+    under bf16 (fp16 gradients are 16-bit already, fp32 ones stay fp32)."""
+    if engine != "megatron":
+        return "--grad-reduce-in-bf16 is Megatron-core's; plan with --engine megatron"
+    if dtype != "bf16":
+        return f"--grad-reduce-in-bf16 applies to bf16 training, not {dtype}"
+    return None

@@ -134,7 +134,8 @@ def strategy_of(plan: Plan) -> Strategy:
                     sequence_parallel=plan.sequence_parallel, engine=plan.engine,
                     virtual_stages=plan.virtual_stages, recompute_modules=plan.uniform_recompute_modules(),
                     offload=plan.offload, hpz=plan.hpz, dist_opt_instances=plan.dist_opt_instances,
-                    attention_kernel=plan.attention_kernel)
+                    attention_kernel=plan.attention_kernel, tp_comm_overlap=plan.tp_comm_overlap,
+                    grad_reduce_in_fp32=plan.grad_reduce_in_fp32)
 
 
 def options_of(plan: Plan) -> tuple[LayerOption, ...]:

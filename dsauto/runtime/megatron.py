@@ -54,6 +54,7 @@ from dsauto.engines.megatron import (
     FSDP_STRATEGY,
     block_recompute_layers,
     degree_fields,
+    megatron_grad_bytes,
     pipeline_layout,
     selective_recompute_modules,
 )
@@ -225,6 +226,12 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
         fields["microbatch_group_size_per_vp_stage"] = plan.pp
     fields.update(pipeline_layout_fields(plan.stage_layers, plan.virtual_stages))
     fields.update(recompute_fields(plan, config))
+    if plan.tp_comm_overlap:
+        fields["tp_comm_overlap"] = True  # Transformer Engine's userbuffers (its layers only)
+    elif config.tp_comm_overlap and fields["sequence_parallel"]:
+        _report("The config overlaps the tensor-parallel collectives (tp_comm_overlap) and the plan was "
+                "priced without it; dsauto keeps it on, so the step may be faster than predicted "
+                "(re-plan with --tp-comm-overlap to price it).")
     _report_kernel(plan, config)
     _report_unsplit(plan)
     for gap in megatron_gaps(plan.model):  # the model's own details Megatron-core cannot build
@@ -342,15 +349,13 @@ def ddp_config(plan: Plan, *, megatron_fsdp: bool = True, **overrides: Any) -> D
     from megatron.core.distributed import DistributedDataParallelConfig
 
     zero = plan.zero_stage
-    # bucket_size counts parameters. Megatron-LM reduces gradients in fp32 under bf16
-    # (validate_args sets accumulate_allreduce_grads_in_fp32) and in the parameter dtype otherwise.
-    grad_bytes = 2 if plan.dtype == "fp16" else 4
     fields: dict[str, Any] = dict(
         use_distributed_optimizer=zero >= 1,
         overlap_grad_reduce=True,
         overlap_param_gather=zero >= 1,  # needs the distributed optimizer or Megatron-FSDP
-        bucket_size=max(1, plan.reduce_bucket_bytes // grad_bytes),
-        grad_reduce_in_fp32=plan.dtype == "bf16",
+        bucket_size=max(1, plan.reduce_bucket_bytes // megatron_grad_bytes(plan)),  # counts parameters
+        # Megatron-LM reduces in fp32 under bf16 (validate_args) unless --grad-reduce-in-bf16.
+        grad_reduce_in_fp32=plan.dtype == "bf16" and plan.grad_reduce_in_fp32,
         # Partial distributed optimizer: needs the groups initialize_model_parallel(plan) creates.
         num_distributed_optimizer_instances=plan.dist_opt_instances,
     )

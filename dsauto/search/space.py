@@ -13,6 +13,7 @@ from dsauto.engines.rules import (
     attention_kernel_refusal,
     context_parallel_refusal,
     default_attention_kernel,
+    grad_reduce_refusal,
     expert_parallel_refusal,
     dist_opt_instances_refusal,
     hpz_refusal,
@@ -20,6 +21,7 @@ from dsauto.engines.rules import (
     per_layer_residency,
     recompute_module_refusal,
     refusal,
+    tp_comm_overlap_refusal,
     virtual_stage_refusal,
 )
 from dsauto.errors import DsautoError
@@ -113,6 +115,19 @@ class Constraints:
                 "that have it, as Transformer Engine picks on Hopper)"})
     """The fused attention kernel (:data:`dsauto.plan.AttentionKernel`); None: each engine's default
     (:func:`dsauto.engines.rules.default_attention_kernel`)."""
+    tp_comm_overlap: bool | None = field(default=None, metadata={
+        "flag": "--tp-comm-overlap", "const": True,
+        "help": "overlap the tensor-parallel collectives with the GEMMs (Megatron-core's --tp-comm-overlap, "
+                "Transformer Engine's userbuffers; Megatron-core plans only, on where tp > 1 with sequence "
+                "parallelism) (default: off)"})
+    """Megatron-core's ``--tp-comm-overlap`` on the plans where it applies (tp > 1, sequence parallel);
+    None or False: off, as Megatron-core's default."""
+    grad_reduce_in_fp32: bool | None = field(default=None, metadata={
+        "flag": "--grad-reduce-in-bf16", "const": False,
+        "help": "keep and reduce gradients in bf16 instead of fp32 (Megatron-core's --grad-reduce-in-bf16; "
+                "bf16 Megatron-core plans only) (default: fp32, Megatron-core's default)"})
+    """False: gradients kept and reduced in bf16 (Megatron-core's ``--grad-reduce-in-bf16``); None:
+    fp32, the engine's default (never chosen by the search: it trades precision for memory)."""
 
 
 def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -177,9 +192,14 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     kernels = {engine: pins.attention_kernel or default_attention_kernel(
         engine, bool(cluster.device.fused_attention_efficiency), train.dtype, train.flash_attention, model)
         for engine in engines}
-    out = [dataclasses.replace(s, recompute_modules=modules, attention_kernel=kernels[s.engine])
-           for s in out for modules in recompute_sets[s.engine]
-           if attention_kernel_refusal(s.engine, kernels[s.engine], train.dtype, train.flash_attention, model) is None]
+    runnable = {engine: attention_kernel_refusal(engine, kernels[engine], train.dtype, train.flash_attention, model)
+                is None and (not pins.tp_comm_overlap or tp_comm_overlap_refusal(engine) is None)
+                and (pins.grad_reduce_in_fp32 is not False or grad_reduce_refusal(engine, train.dtype) is None)
+                for engine in engines}
+    out = [dataclasses.replace(s, recompute_modules=modules, attention_kernel=kernels[s.engine],
+                               tp_comm_overlap=bool(pins.tp_comm_overlap) and s.tp > 1 and s.sequence_parallel,
+                               grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False)
+           for s in out if runnable[s.engine] for modules in recompute_sets[s.engine]]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
 
 
@@ -336,6 +356,15 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         if all(reasons):
             return DsautoError(f"--attention-kernel {pins.attention_kernel} cannot run: "
                                f"{'; and '.join(dict.fromkeys(reasons))}; use --attention-kernel flash or leave it out.")
+    engines = ENGINES if pins.engine is None else (pins.engine,)
+    pinned_options = []  # each pinned engine option's refusals, one per engine allowed
+    if pins.tp_comm_overlap:
+        pinned_options.append([tp_comm_overlap_refusal(e) for e in engines])
+    if pins.grad_reduce_in_fp32 is False:
+        pinned_options.append([grad_reduce_refusal(e, train.dtype) for e in engines])
+    for reasons in pinned_options:
+        if all(reasons):
+            return DsautoError(f"{reasons[-1]}.")
     if pins.cp is not None and pins.cp > 1:
         engines = ENGINES if pins.engine is None else (pins.engine,)
         reasons = [context_parallel_refusal(e, pins.cp, train.seq_len, train.flash_attention,

@@ -441,3 +441,19 @@ def test_an_attention_backend_other_than_the_planned_kernel_is_reported(caplog):
     for matching in (AttnBackend.fused, AttnBackend.auto):
         dm.apply(plan, config_for(plan.model, attention_backend=matching))
     assert not [m for m in warnings_of(caplog) if "attention_backend" in m]
+
+
+def test_pinned_tp_comm_overlap_and_bf16_gradients_reach_megatron_core(caplog):
+    from dsauto.api import make_plan as plan_for
+
+    plan = plan_for("gpt-tiny", "cpu", engine="megatron", dtype="bf16", tp=2, tp_comm_overlap=True,
+                    grad_reduce_in_fp32=False)
+    assert plan.tp_comm_overlap and not plan.grad_reduce_in_fp32
+    ddp = dm.ddp_config(plan)
+    assert ddp.grad_reduce_in_fp32 is False and ddp.bucket_size == plan.reduce_bucket_bytes // 2
+    assert dm.apply(plan, config_for(plan.model)).tp_comm_overlap is True
+    # A config that overlaps where the plan did not keeps it, and the prediction's gap is said.
+    plain = plan_for("gpt-tiny", "cpu", engine="megatron", dtype="bf16", tp=2)
+    assert dm.ddp_config(plain).grad_reduce_in_fp32 is True
+    assert dm.apply(plain, config_for(plain.model, tp_comm_overlap=True)).tp_comm_overlap is True
+    assert any("priced without it" in m for m in warnings_of(caplog))

@@ -1,0 +1,84 @@
+"""Megatron-core options an expert pins: --tp-comm-overlap and --grad-reduce-in-bf16 are priced,
+recorded in the plan, emitted as Megatron-LM's flags, and refused in one sentence where they cannot run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dsauto.api import make_plan
+from dsauto.cli import main
+from dsauto.emit.megatron import megatron_args
+from dsauto.plan_io import read_plan
+from dsauto.refine.space import strategy_of
+
+PINS = dict(engine="megatron", tp=2, pp=1, zero_stage=1, micro_batch=1, checkpoint=False)
+
+
+def flags(plan) -> dict[str, str | None]:
+    return {line.partition(" ")[0]: line.partition(" ")[2] or None
+            for line in megatron_args(plan) if not line.startswith("# ")}
+
+
+def test_tp_comm_overlap_hides_the_tensor_parallel_collectives():
+    plain = make_plan("llama3-8b", "h100-80gb", **PINS)
+    overlapped = make_plan("llama3-8b", "h100-80gb", tp_comm_overlap=True, **PINS)
+    assert not plain.tp_comm_overlap and overlapped.tp_comm_overlap
+    assert "--tp-comm-overlap" in flags(overlapped) and "--tp-comm-overlap" not in flags(plain)
+    assert strategy_of(overlapped).tp_comm_overlap
+    assert overlapped.layers == plain.layers
+    assert overlapped.prediction.step_seconds < plain.prediction.step_seconds
+    assert overlapped.prediction.peak_memory_bytes == plain.prediction.peak_memory_bytes
+
+
+def test_tp_comm_overlap_without_tensor_parallelism_is_off_and_said(recwarn):
+    plan = make_plan("llama3-8b", "h100-80gb", **{**PINS, "tp": 1}, tp_comm_overlap=True)
+    assert not plan.tp_comm_overlap and "--tp-comm-overlap" not in flags(plan)
+    assert any("takes effect with tp > 1" in str(w.message) for w in recwarn)
+
+
+def test_bf16_gradients_halve_the_gradient_buffer_and_its_bucket():
+    fp32 = make_plan("llama3-8b", "h100-80gb", **PINS)
+    bf16 = make_plan("llama3-8b", "h100-80gb", grad_reduce_in_fp32=False, **PINS)
+    assert fp32.grad_reduce_in_fp32 and not bf16.grad_reduce_in_fp32
+    assert strategy_of(bf16).grad_reduce_in_fp32 is False
+    assert "--grad-reduce-in-bf16" in flags(bf16) and "--grad-reduce-in-bf16" not in flags(fp32)
+    for stage_bf16, stage_fp32 in zip(bf16.stages, fp32.stages):
+        assert stage_bf16.grads_bytes == pytest.approx(stage_fp32.grads_bytes / 2)
+    assert bf16.prediction.peak_memory_bytes < fp32.prediction.peak_memory_bytes
+    # --ddp-bucket-size counts parameters: bf16 gradients fill a bucket of the same bytes with twice as many.
+    assert int(flags(bf16)["--ddp-bucket-size"]) == bf16.reduce_bucket_bytes // 2
+    assert int(flags(fp32)["--ddp-bucket-size"]) == fp32.reduce_bucket_bytes // 4
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--tp-comm-overlap", "--engine", "deepspeed"], "--tp-comm-overlap is Megatron-core's"),
+    (["--grad-reduce-in-bf16", "--engine", "deepspeed"], "--grad-reduce-in-bf16 is Megatron-core's"),
+    (["--grad-reduce-in-bf16", "--dtype", "fp16"], "applies to bf16 training, not fp16"),
+])
+def test_options_that_cannot_run_are_one_sentence(tmp_path, capsys, argv, said):
+    assert main(["tune", "--model", "llama3-8b", "--hardware", "h100-80gb", *argv, "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and said in error
+    assert not list(tmp_path.iterdir())
+
+
+def test_pinned_options_reach_plan_yaml_and_the_engine_left_open_follows_them(tmp_path):
+    assert main(["tune", "--model", "llama3-8b", "--hardware", "h100-80gb", "--tp", "2", "--tp-comm-overlap",
+                 "--grad-reduce-in-bf16", "--out", str(tmp_path)]) == 0
+    plan = read_plan(tmp_path / "plan.yaml")
+    assert plan.engine == "megatron" and plan.tp_comm_overlap and not plan.grad_reduce_in_fp32
+    text = (tmp_path / "megatron_args.txt").read_text().splitlines()
+    assert "--tp-comm-overlap" in text and "--grad-reduce-in-bf16" in text
+
+
+def test_plans_edited_to_options_their_engine_cannot_run_are_refused():
+    deepspeed = make_plan("llama3-8b", "h100-80gb", engine="deepspeed")
+    with pytest.raises(ValueError, match="tp_comm_overlap needs a Megatron-core plan"):
+        dataclasses.replace(deepspeed, tp_comm_overlap=True)
+    with pytest.raises(ValueError, match="bf16 gradients"):
+        dataclasses.replace(deepspeed, grad_reduce_in_fp32=False)
+    megatron_tp1 = make_plan("llama3-8b", "h100-80gb", **{**PINS, "tp": 1})
+    with pytest.raises(ValueError, match="with tp > 1"):
+        dataclasses.replace(megatron_tp1, tp_comm_overlap=True)
