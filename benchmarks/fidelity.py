@@ -227,8 +227,7 @@ class PublishedRun:
     @property
     def rebuilt(self) -> bool:
         """Whether the planner's plans are re-priced with ``engine_options`` or ``shard_all``."""
-        return (self.source.shard_all or not self.grad_reduce_in_fp32 or self.recompute_early_stop
-                or self.source.scatter_gather or self.source.tp_comm_overlap or self.attention_kernel != "flash")
+        return self.source.shard_all or self.recompute_early_stop or self.source.scatter_gather
 
     @property
     def generation(self) -> str:
@@ -404,18 +403,21 @@ def configure(record: dict) -> PublishedRun | str:
     # No published run offloads, keeps ZeRO++ secondary partitions or splits the distributed optimizer
     # into instances: the planner may not reach for them to fit its memory model. The attention
     # kernel is the one the run's stack ran.
+    # The attention kernel, the tensor-parallel overlap and the gradients' dtype are the ones the
+    # run's stack ran.
     kernel = _attention_kernel(record, source)
+    fp32_reduce, early_stop = _engine_options(record, source)
     pins = Constraints(tp=tp, pp=pp, cp=cp, vpp=vpp, zero_stage=source.zero_stage, micro_batch=p.get("micro_batch"),
                        checkpoint=checkpoint, sequence_parallel=sp if tp > 1 else None, engine=source.engine,
                        recompute_modules=recompute_modules, offload="none", hpz=1, dist_opt_instances=1,
-                       attention_kernel=kernel)
+                       attention_kernel=kernel, tp_comm_overlap=source.tp_comm_overlap or None,
+                       grad_reduce_in_fp32=None if fp32_reduce else False)
     train = TrainSpec(global_batch=p["global_batch"], seq_len=seq, dtype=source.dtype,
                       flash_attention=source.flash_attention)
     published = _published(record, model, source)
     if isinstance(published, str):
         return published
     seconds, figure = published
-    fp32_reduce, early_stop = _engine_options(record, source)
     return PublishedRun(rid, source, record["hardware"], record["gpus"], model, m.get("name") or rid, train, pins,
                         seconds, figure, tuple(notes), fp32_reduce, early_stop, kernel)
 
@@ -496,31 +498,14 @@ def plans(run: PublishedRun, hardware: HardwareSpec, top_k: int = 1) -> tuple[li
     if not found:
         found, fits = _search(run, hardware, searched, run.pins, GENEROUS_BYTES)
     if run.rebuilt:
-        candidates = found
-        if not run.grad_reduce_in_fp32:
-            # bf16 gradient buffers are half the fp32 ones the planner assumes (Megatron-core's
-            # grad_reduce_in_fp32): layouts over the budget under the planner's default may fit the
-            # run's own, so those are re-priced too and kept where they fit.
-            candidates = _unique(found + _search(run, hardware, searched, run.pins, GENEROUS_BYTES)[0])
         planner = Planner(run.model, _cluster(run, hardware, GENEROUS_BYTES), run.train, run.pins)
         rebuilt = [planner.build_plan(_strategy(p, run), p.stage_layers, _options(p, run.source.shard_all))
-                   for p in candidates]
+                   for p in found]
         budget = _cluster(run, hardware).memory_budget_bytes
         fitting = [p for p in rebuilt if p.prediction.peak_memory_bytes <= budget]
         rebuilt, fits = (fitting, True) if fitting else (rebuilt, False)
         found = sorted(rebuilt, key=lambda p: p.prediction.step_seconds)[:top_k]
     return found, fits
-
-
-def _unique(found: Sequence[Plan]) -> list[Plan]:
-    """``found`` without repeats of one strategy, layout and per-layer options."""
-    seen, out = set(), []
-    for plan in found:
-        key = (_strategy(plan), plan.stage_layers, _options(plan, False))
-        if key not in seen:
-            seen.add(key)
-            out.append(plan)
-    return out
 
 
 def predict(run: PublishedRun, constants: Constants) -> tuple[Plan, bool]:
@@ -768,10 +753,13 @@ CHANGES = [
     "Harness: a published configuration is priced as it ran, without offload, ZeRO++ secondary partitions or "
     "distributed-optimizer instances (pinned off; the planner reached for optimizer offload where its memory "
     "model refused a run), and a plan re-priced with the run's engine options keeps them (Strategy.offload, hpz, "
-    "dist_opt_instances). Runs that reduce gradients in bf16 halve the gradient buffer the planner assumes, so "
-    "the layouts over the budget under fp32 are re-priced too and the fastest that fits is taken "
-    "(dgxc2501-llama31-405b-576gpu: the published even 14 layers per stage instead of 13..15, +18.6% -> +13.0% "
-    "at the presets' constants). No earlier run moved by more than 1% at the presets' constants.",
+    "dist_opt_instances). The attention kernel, --tp-comm-overlap and bf16 gradients are pinned as each run "
+    "ran them (--attention-kernel, --tp-comm-overlap, --grad-reduce-in-bf16), so the search prices them and "
+    "bounds memory with them: a run that reduces gradients in bf16 gets the layouts its half-size gradient "
+    "buffer fits (dgxc2501-llama31-405b-576gpu: the published even 14 layers per stage instead of 13..15, "
+    "+18.6% -> +13.0% at the presets' constants); the other engine options (early stop, the pipeline "
+    "scatter/gather, every layer sharded) re-price the planner's first plans. No earlier run moved by more "
+    "than 1% at the presets' constants.",
 ]
 """Changes to the cost model that the evidence of this benchmark asked for, each with its source."""
 
