@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory per rank of real Megatron-core training, on two CPU ranks.
 
-    python benchmarks/megatron_memory.py              # 8 plans, one torchrun launch each; ~2 minutes
+    python benchmarks/megatron_memory.py              # 10 plans, one torchrun launch each; ~3 minutes
     python benchmarks/megatron_memory.py --only pp2   # the plans whose label contains "pp2"
 
 Megatron-core's own modules train a small GPT in bf16 (GPTModel with the local layer spec, wrapped in
@@ -9,7 +9,8 @@ get_forward_backward_func) through dsauto's Megatron plugin (:mod:`dsauto.megatr
 initialize_model_parallel, apply, model_chunks, ddp_config, optimizer_config), on two CPU ranks
 (torchrun, gloo, one thread each) with :mod:`dsauto.compat.megatron_cpu`. The plans: TP=2, PP=2
 (1F1B over 4 micro-batches), DP=2 with the distributed optimizer (ZeRO-1) and DP=2 with plain DDP
-(ZeRO-0), each with full recomputation of every layer and with none. Each is built and priced by
+(ZeRO-0), each with full recomputation of every layer and with none, and the two DP=2 plans with
+their gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``). Each is built and priced by
 dsauto's planner with engine ``megatron``. Every rank tracks the bytes of live tensors
 (:class:`dsauto.profile.memory.MemoryTracker`, started before the model is built) over
 :data:`STEPS` optimizer steps, with regions around each forward and backward of a micro-batch (as the
@@ -74,6 +75,8 @@ class Case:
     """Without ``recompute``: the first N transformer layers of every stage recomputed (Megatron's
     block method)."""
     dtype: str = DTYPE
+    grad_reduce_in_fp32: bool = True
+    """False: gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``)."""
 
     def label(self) -> str:
         degrees = f"tp{self.tp}" if self.tp > 1 else f"pp{self.pp}" if self.pp > 1 else f"dp{self.dp}"
@@ -85,6 +88,8 @@ class Case:
             extra += f" layers-{'+'.join(map(str, self.layout))}"
         if (self.micro_batch, self.micro_batches) != (MICRO_BATCH, GLOBAL_MICRO_BATCHES):
             extra += f" mb{self.micro_batch}x{self.micro_batches // self.dp}"
+        if not self.grad_reduce_in_fp32:
+            extra += " bf16-grads"
         return f"{degrees}{zero}{extra} {recompute}"
 
     def stage_layers(self, num_layers: int) -> list[int]:
@@ -106,7 +111,10 @@ class Case:
 
 CASES = tuple(Case(**dims, recompute=recompute)
               for dims in ({"tp": 2}, {"pp": 2}, {"dp": 2, "zero_stage": 1}, {"dp": 2, "zero_stage": 0})
-              for recompute in (False, True))
+              for recompute in (False, True)) + tuple(
+    Case(dp=2, zero_stage=zero, grad_reduce_in_fp32=False) for zero in (1, 0))
+"""TP 2, PP 2, DP 2 with and without the distributed optimizer, each with and without recomputation;
+and the two DP plans with bf16 gradients."""
 
 
 def bench_model():
@@ -143,7 +151,7 @@ def build_plan(case: Case, profile=None):
     model = bench_model()
     strategy = Strategy(dims=ParallelDims(dp=case.dp, tp=case.tp, pp=case.pp), zero_stage=case.zero_stage,
                         micro_batch=case.micro_batch, grad_accum=case.micro_batches // case.dp,
-                        sequence_parallel=False, engine="megatron")
+                        sequence_parallel=False, engine="megatron", grad_reduce_in_fp32=case.grad_reduce_in_fp32)
     options = [LayerOption(checkpoint=case.checkpointed(layer, model.num_layers), shard_params=False, split=1)
                for layer in range(model.num_layers + 2)]
     return planner_of(case, profile).build_plan(strategy, case.stage_layers(model.num_layers), options)
@@ -512,8 +520,8 @@ def write_results(rows: list[Row], summary: str, command: str, wall: float) -> N
         (f"Model: GPT of {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
          f"FFN {model.ffn_hidden_size}, vocabulary {model.vocab_size} (tied head), {SEQ_LEN} tokens per sequence; "
          f"micro-batches of {MICRO_BATCH}, {GLOBAL_MICRO_BATCHES} per step over all data-parallel ranks; "
-         f"**{DTYPE}** (Megatron-core trains in bf16 on CPU: Float16Module, fp32 main gradients and "
-         "main weights, torch's AdamW); Megatron-core's unfused local attention, no dropout, no sequence "
+         f"**{DTYPE}** (Megatron-core trains in bf16 on CPU: Float16Module, fp32 main gradients, bf16 ones in the "
+         "bf16-grads plans, fp32 main weights, torch's AdamW); Megatron-core's unfused local attention, no dropout, no sequence "
          "parallelism. Plans built and priced by `Planner.build_plan` with engine `megatron`. Memory is the "
          "peak of live tensor bytes per rank (`dsauto.profile.memory.MemoryTracker`, every storage an "
          f"operator creates until it is freed; not RSS) over {STEPS} optimizer steps, tracked from before "
