@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory per rank of real Megatron-core training, on two CPU ranks.
 
-    python benchmarks/megatron_memory.py              # 10 plans, one torchrun launch each; ~3 minutes
+    python benchmarks/megatron_memory.py              # 12 plans, one torchrun launch each; ~4 minutes
     python benchmarks/megatron_memory.py --only pp2   # the plans whose label contains "pp2"
 
 Megatron-core's own modules train a small GPT in bf16 (GPTModel with the local layer spec, wrapped in
@@ -9,8 +9,8 @@ get_forward_backward_func) through dsauto's Megatron plugin (:mod:`dsauto.megatr
 initialize_model_parallel, apply, model_chunks, ddp_config, optimizer_config), on two CPU ranks
 (torchrun, gloo, one thread each) with :mod:`dsauto.compat.megatron_cpu`. The plans: TP=2, PP=2
 (1F1B over 4 micro-batches), DP=2 with the distributed optimizer (ZeRO-1) and DP=2 with plain DDP
-(ZeRO-0), each with full recomputation of every layer and with none, and the two DP=2 plans with
-their gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``). Each is built and priced by
+(ZeRO-0), each with full recomputation of every layer and with none, and the four DP=2 plans again
+with their gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``). Each is built and priced by
 dsauto's planner with engine ``megatron``. Every rank tracks the bytes of live tensors
 (:class:`dsauto.profile.memory.MemoryTracker`, started before the model is built) over
 :data:`STEPS` optimizer steps, with regions around each forward and backward of a micro-batch (as the
@@ -112,9 +112,10 @@ class Case:
 CASES = tuple(Case(**dims, recompute=recompute)
               for dims in ({"tp": 2}, {"pp": 2}, {"dp": 2, "zero_stage": 1}, {"dp": 2, "zero_stage": 0})
               for recompute in (False, True)) + tuple(
-    Case(dp=2, zero_stage=zero, grad_reduce_in_fp32=False) for zero in (1, 0))
+    Case(dp=2, zero_stage=zero, recompute=recompute, grad_reduce_in_fp32=False)
+    for zero in (1, 0) for recompute in (False, True))
 """TP 2, PP 2, DP 2 with and without the distributed optimizer, each with and without recomputation;
-and the two DP plans with bf16 gradients."""
+and the DP plans again with bf16 gradients (recomputed, their optimizer update is the peak)."""
 
 
 def bench_model():

@@ -411,7 +411,8 @@ def mlp_backward_bytes(model: ModelSpec, tokens: int, tp: int, dtype_bytes: int)
 
 
 def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim: float, bucket: int,
-                         single_tensor: bool, largest_main_param_bytes: float = 0.0) -> float:
+                         single_tensor: bool, largest_main_param_bytes: float = 0.0,
+                         grads_in_16_bits: bool = False) -> float:
     """Memory of a rank during the optimizer update of ZeRO 1-3 (0 otherwise), when the activations
     are gone. The ZeRO optimizers hand torch's AdamW (the emitted ``torch_adam``) one flat fp32
     partition (``optim`` holds it and the two moments, 12 bytes per parameter), and the update makes
@@ -434,9 +435,23 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
     second moment's square root and its quotient by the bias correction): ``largest_main_param_bytes``
     twice. Measured
     (benchmarks/megatron_memory.py, bf16, tp 1): the update peaked 8 MiB above the model state,
-    twice the 4 MiB fp32 word embedding."""
+    twice the 4 MiB fp32 word embedding.
+
+    A 16-bit gradient buffer (fp16 training, or bf16 with ``--grad-reduce-in-bf16``:
+    ``grads_in_16_bits``) is no fp32 gradient the main parameters can take as theirs: both Megatron-core
+    optimizers hand each fp32 main parameter (or shard) ``.float()`` of its gradient, a new fp32 tensor
+    that lives from the update to the next step's ``zero_grad`` (megatron/core/optimizer/optimizer.py,
+    ``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads``; distrib_optimizer.py, the
+    same method, which Megatron-FSDP skips, as the precision-aware optimizer of an offloaded plan
+    does with its ``decoupled_grad``): 4 bytes per main parameter of the rank, a third of ``optim``.
+    Measured (benchmarks/megatron_memory.py, bf16 gradients, DP 2): the update peaked 16.3 MiB (ZeRO 0)
+    and 8.2 MiB (ZeRO 1) above the model state, the fp32 copies of 4.3M and 2.1M gradients."""
     if strategy.engine == "megatron":
-        return params + grads + optim + 2 * largest_main_param_bytes if single_tensor else 0.0
+        copies = (optim / 3 if grads_in_16_bits and strategy.zero_stage <= 1 and strategy.offload == "none"
+                  else 0.0)
+        if single_tensor:
+            return params + grads + optim + copies + 2 * largest_main_param_bytes
+        return params + grads + optim + copies if copies else 0.0
     if strategy.dims.replicas <= 1 or strategy.zero_stage == 0:
         return 0.0
     partition = optim / 3
@@ -502,7 +517,9 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
                   default=0.0)
     if strategy.zero_stage >= 1 and strategy.dims.replicas > 1:  # sharded over dp x cp (or an instance)
         largest = min(largest, params / b / (strategy.dims.replicas // strategy.dist_opt_instances))
-    stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor, 4 * largest) + buffer
+    grads_in_16_bits = train.dtype != "fp32" and ctx.grad_bytes_per_param == 2
+    stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor, 4 * largest,
+                                    grads_in_16_bits) + buffer
     if stepping > peak:
         peak = stepping
         transient = peak - (params + grads + optim + activation)
