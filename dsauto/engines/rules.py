@@ -295,7 +295,7 @@ def tp_comm_overlap_refusal(engine: Engine) -> str | None:
     and takes effect where tp > 1 with sequence parallelism, which Megatron-LM's validate_args
     requires of it (it turns both off at tp 1)."""
     if engine != "megatron":
-        return "--tp-comm-overlap is Megatron-core's (Transformer Engine's userbuffers); plan with --engine megatron"
+        return "the tensor-parallel overlap is Megatron-core's (Transformer Engine's userbuffers); plan with --engine megatron"
     return None
 
 
@@ -304,7 +304,7 @@ def grad_reduce_refusal(engine: Engine, dtype: Dtype) -> str | None:
     DistributedDataParallelConfig.grad_reduce_in_fp32 False), or None: Megatron-core only, and only
     under bf16 (fp16 gradients are 16-bit already, fp32 ones stay fp32)."""
     if engine != "megatron":
-        return "--grad-reduce-in-bf16 is Megatron-core's; plan with --engine megatron"
+        return "bf16 gradient buffers are Megatron-core's; plan with --engine megatron"
     if dtype != "bf16":
-        return f"--grad-reduce-in-bf16 applies to bf16 training, not {dtype}"
+        return f"bf16 gradients apply to bf16 training, not {dtype}"
     return None

@@ -349,22 +349,20 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                          pins.zero_stage or 0)
         if reason:
             return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}.")
-    if pins.attention_kernel is not None:
-        engines = ENGINES if pins.engine is None else (pins.engine,)
-        reasons = [attention_kernel_refusal(e, pins.attention_kernel, train.dtype, train.flash_attention, model)
-                   for e in engines]
-        if all(reasons):
-            return DsautoError(f"--attention-kernel {pins.attention_kernel} cannot run: "
-                               f"{'; and '.join(dict.fromkeys(reasons))}; use --attention-kernel flash or leave it out.")
     engines = ENGINES if pins.engine is None else (pins.engine,)
-    pinned_options = []  # each pinned engine option's refusals, one per engine allowed
+    pinned = []  # each pinned engine option: its flag, why each engine allowed refuses it (ENGINES order), what to do
+    if pins.attention_kernel is not None:
+        pinned.append((f"--attention-kernel {pins.attention_kernel}",
+                       [attention_kernel_refusal(e, pins.attention_kernel, train.dtype, train.flash_attention, model)
+                        for e in engines], "use --attention-kernel flash or leave it out"))
     if pins.tp_comm_overlap:
-        pinned_options.append([tp_comm_overlap_refusal(e) for e in engines])
+        pinned.append(("--tp-comm-overlap", [tp_comm_overlap_refusal(e) for e in engines], "otherwise leave it out"))
     if pins.grad_reduce_in_fp32 is False:
-        pinned_options.append([grad_reduce_refusal(e, train.dtype) for e in engines])
-    for reasons in pinned_options:
-        if all(reasons):
-            return DsautoError(f"{reasons[-1]}.")
+        pinned.append(("--grad-reduce-in-bf16", [grad_reduce_refusal(e, train.dtype) for e in engines],
+                       "leave it out"))
+    for flag, reasons, remedy in pinned:
+        if all(reasons):  # each is a Megatron-core option: with the engine open, Megatron-core's reason
+            return DsautoError(f"{flag} cannot run: {reasons[-1]}; {remedy}.")
     if pins.cp is not None and pins.cp > 1:
         engines = ENGINES if pins.engine is None else (pins.engine,)
         reasons = [context_parallel_refusal(e, pins.cp, train.seq_len, train.flash_attention,

@@ -53,9 +53,10 @@ def test_bf16_gradients_halve_the_gradient_buffer_and_its_bucket():
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--tp-comm-overlap", "--engine", "deepspeed"], "--tp-comm-overlap is Megatron-core's"),
-    (["--grad-reduce-in-bf16", "--engine", "deepspeed"], "--grad-reduce-in-bf16 is Megatron-core's"),
-    (["--grad-reduce-in-bf16", "--dtype", "fp16"], "applies to bf16 training, not fp16"),
+    (["--tp-comm-overlap", "--engine", "deepspeed"], "--tp-comm-overlap cannot run: the tensor-parallel overlap "
+                                                     "is Megatron-core's"),
+    (["--grad-reduce-in-bf16", "--engine", "deepspeed"], "--grad-reduce-in-bf16 cannot run: bf16 gradient buffers"),
+    (["--grad-reduce-in-bf16", "--dtype", "fp16"], "bf16 gradients apply to bf16 training, not fp16; leave it out."),
 ])
 def test_options_that_cannot_run_are_one_sentence(tmp_path, capsys, argv, said):
     assert main(["tune", "--model", "llama3-8b", "--hardware", "h100-80gb", *argv, "--out", str(tmp_path)]) == 2
