@@ -1,5 +1,5 @@
 """What the brute-force oracle tests share: the search's space enumerated, and a searched plan's
-own choices priced again.
+own choices priced again, and the two checks they run the search through.
 
 ``test_memory_oracle.py`` and ``test_dimension_oracle.py`` (tests/search is on sys.path as pytest
 imports them) price every assignment of small spaces (:func:`assignments`) and check that the plan
@@ -10,11 +10,13 @@ per-layer options from the plan and call ``predict_step`` on them (:func:`assert
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from dsauto.cost.step import predict_step
+from dsauto.errors import DsautoError
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.plan import Plan, Prediction
+from dsauto.search.planner import Planner
 from dsauto.search.space import Constraints, allowed, layer_options
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import ModelSpec
@@ -97,3 +99,44 @@ def frontier(plans: Iterable[tuple[float, int]]) -> list[tuple[int, float]]:
         if not out or step < out[-1][1]:
             out.append((peak, step))
     return out
+
+
+STEP_TOLERANCE = 1.05
+"""How much slower than the fastest fitting brute-force plan a searched plan may be: the DP rounds
+memory to units, which may cost it the fastest plan right at a budget."""
+
+
+def check_search_at(model: ModelSpec, pins: Constraints, train: TrainSpec, cluster: Callable[[int], ClusterSpec],
+                    plans: Sequence[tuple[float, int]], position: float,
+                    candidates: Callable[[ClusterSpec], Iterable[Strategy]]) -> None:
+    """Searches at a budget ``position`` of the way from 3% below the least peak of the brute-forced
+    ``plans`` ((step seconds, peak bytes) of every plan of the space) to 2% above the largest, where
+    decisions flip: a plan comes back exactly when one of ``plans`` fits; it fits, carries the
+    prediction of its own choices (its strategy found among ``candidates`` of the budget's cluster)
+    and is no slower than the fastest fitting plan beyond :data:`STEP_TOLERANCE`."""
+    peaks = sorted({peak for _, peak in plans})
+    low, high = int(peaks[0] * 0.97), int(peaks[-1] * 1.02)
+    budget = low + int(position * (high - low))
+    exists = any(peak <= budget for _, peak in plans)
+    planner = Planner(model, cluster(budget), train, pins)
+    try:
+        plan = planner.search()[0]
+    except DsautoError as error:
+        assert not exists, f"a plan fits {budget} B but the search says: {error}"
+        return
+    assert exists
+    assert plan.prediction.peak_memory_bytes <= budget
+    assert_own_prediction(model, planner.cluster, train, plan, candidates(planner.cluster))
+    fastest = min(step for step, peak in plans if peak <= budget)
+    assert plan.prediction.step_seconds <= fastest * STEP_TOLERANCE
+
+
+def check_search_at_frontier(model: ModelSpec, pins: Constraints, train: TrainSpec,
+                             cluster: Callable[[int], ClusterSpec], plans: Iterable[tuple[float, int]],
+                             name: str) -> None:
+    """Searches at every budget where the fastest fitting plan of ``plans`` changes (where any
+    rounding of memory, or a moment counted twice, loses it): a plan as fast fits there."""
+    for peak, step in frontier(plans):
+        plan = Planner(model, cluster(peak), train, pins).search()[0]
+        assert plan.prediction.peak_memory_bytes <= peak
+        assert plan.prediction.step_seconds <= step * STEP_TOLERANCE, f"{name} at {peak} B: {plan.prediction.step_seconds} s"

@@ -21,14 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsauto.cost.step import predict_step
-from dsauto.errors import DsautoError
 from dsauto.search.planner import Planner
 from dsauto.search.space import Constraints, strategies
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.loaders import load_cluster, load_hardware, load_model
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import TrainSpec
-from oracle_helpers import assert_own_prediction, assignments, frontier, strategy_key
+from oracle_helpers import assignments, check_search_at, check_search_at_frontier, strategy_key
 
 NARROW = ModelSpec(name="narrow", architecture="decoder", num_layers=2, hidden_size=64, num_attention_heads=2,
                    ffn_hidden_size=256, vocab_size=2048, max_position_embeddings=64, dropout=False)
@@ -93,22 +92,8 @@ def test_each_space_holds_the_dimension_and_spans_budgets(case):
 @given(case=st.sampled_from(sorted(CASES)), position=st.floats(0.0, 1.0))
 def test_the_search_finds_a_fitting_plan_whenever_one_exists(case, position):
     model, pins = CASES[case]
-    plans = brute_force(case)
-    peaks = sorted({peak for _, _, peak in plans})
-    low, high = int(peaks[0] * 0.97), int(peaks[-1] * 1.02)
-    budget = low + int(position * (high - low))
-    exists = any(peak <= budget for _, _, peak in plans)
-    planner = Planner(model, cluster(budget), TRAIN, pins)
-    try:
-        plan = planner.search()[0]
-    except DsautoError as error:
-        assert not exists, f"a plan fits {budget} B but the search says: {error}"
-        return
-    assert exists
-    assert plan.prediction.peak_memory_bytes <= budget
-    assert_own_prediction(model, planner.cluster, TRAIN, plan, strategies(model, planner.cluster, TRAIN, pins))
-    fastest = min(step for _, step, peak in plans if peak <= budget)
-    assert plan.prediction.step_seconds <= fastest * 1.05
+    check_search_at(model, pins, TRAIN, cluster, [(step, peak) for _, step, peak in brute_force(case)], position,
+                    lambda c: strategies(model, c, TRAIN, pins))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -116,10 +101,7 @@ def test_the_search_keeps_up_with_brute_force_where_the_fastest_plan_changes(cas
     """Budgets exactly at the peaks where the fastest fitting plan changes (where any rounding of
     memory, or a moment counted twice, loses it): the search finds a plan as fast there."""
     model, pins = CASES[case]
-    for peak, step in frontier((step, peak) for _, step, peak in brute_force(case)):
-        plan = Planner(model, cluster(peak), TRAIN, pins).search()[0]
-        assert plan.prediction.peak_memory_bytes <= peak
-        assert plan.prediction.step_seconds <= step * 1.05, f"{case} at {peak} B: {plan.prediction.step_seconds} s"
+    check_search_at_frontier(model, pins, TRAIN, cluster, [(step, peak) for _, step, peak in brute_force(case)], case)
 
 
 # Ulysses' neighbours, only where the fastest plan changes (their spaces are as large as the cases').
@@ -139,10 +121,7 @@ def test_ulysses_edges_keep_up_with_brute_force_where_the_fastest_plan_changes(e
     plans = _every_plan(NARROW, pins, train)
     if edge == "selective":
         assert {key[7] for key, _, _ in plans} == {(), ("core_attn",)}
-    for peak, step in frontier((step, peak) for _, step, peak in plans):
-        plan = Planner(NARROW, cluster(peak), train, pins).search()[0]
-        assert plan.prediction.peak_memory_bytes <= peak
-        assert plan.prediction.step_seconds <= step * 1.05, f"{edge} at {peak} B: {plan.prediction.step_seconds} s"
+    check_search_at_frontier(NARROW, pins, train, cluster, [(step, peak) for _, step, peak in plans], edge)
 
 
 MIXTRAL_LIKE = dataclasses.replace(load_model("llama2-7b"), name="moe-7b", num_layers=8, num_experts=8,

@@ -13,13 +13,12 @@ from functools import lru_cache
 import pytest
 
 from dsauto.cost.step import predict_step
-from dsauto.errors import DsautoError
 from dsauto.search.planner import Planner
 from dsauto.search.space import Constraints, strategies
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.loaders import load_cluster, load_hardware, load_model
 from dsauto.spec.training import TrainSpec
-from oracle_helpers import assert_own_prediction, strategy_key
+from oracle_helpers import check_search_at, strategy_key
 from test_dimension_oracle import NARROW, PLAIN, TRAIN, _assignments
 
 # dp 4 over two nodes of two ranks: one instance of all four, or one per node.
@@ -56,23 +55,9 @@ def test_the_space_holds_both_instance_counts_and_spans_budgets():
 
 @pytest.mark.parametrize("position", [i / 15 for i in range(16)])
 def test_the_search_finds_a_fitting_plan_whenever_one_exists(position):
-    plans = brute_force()
-    peaks = sorted({peak for _, _, peak in plans})
-    low, high = int(peaks[0] * 0.97), int(peaks[-1] * 1.02)
-    budget = low + int(position * (high - low))
-    exists = any(peak <= budget for _, _, peak in plans)
-    planner = Planner(NARROW, cluster(budget), TRAIN, PINS)
-    try:
-        plan = planner.search()[0]
-    except DsautoError as error:
-        assert not exists, f"a plan fits {budget} B but the search says: {error}"
-        return
-    assert exists
-    assert plan.prediction.peak_memory_bytes <= budget
     # Its prediction is that of its own choices (the instance count included).
-    assert_own_prediction(NARROW, planner.cluster, TRAIN, plan, strategies(NARROW, planner.cluster, TRAIN, PINS))
-    fastest = min(step for _, step, peak in plans if peak <= budget)
-    assert plan.prediction.step_seconds <= fastest * 1.05
+    check_search_at(NARROW, PINS, TRAIN, cluster, [(step, peak) for _, step, peak in brute_force()], position,
+                    lambda c: strategies(NARROW, c, TRAIN, PINS))
 
 
 FULL_PINS = Constraints(engine="megatron", zero_stage=1, pp=1, micro_batch=1, **PLAIN)

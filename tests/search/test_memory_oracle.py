@@ -16,13 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsauto.cost.step import predict_step
-from dsauto.errors import DsautoError
 from dsauto.search.planner import Planner
 from dsauto.search.space import Constraints, offloaded_variants, strategies
 from dsauto.spec.loaders import load_cluster
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import TrainSpec
-from oracle_helpers import assert_own_prediction, assignments, frontier
+from oracle_helpers import assignments, check_search_at, check_search_at_frontier
 
 MODELS = {
     "narrow": ModelSpec(name="narrow", architecture="decoder", num_layers=2, hidden_size=64,
@@ -69,36 +68,16 @@ def test_the_space_spans_fitting_and_not_fitting_budgets(name):
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(sorted(MODELS)), position=st.floats(0.0, 1.0))
 def test_the_search_finds_a_fitting_plan_whenever_one_exists(name, position):
-    plans = brute_force(name)
-    peaks = sorted({peak for _, peak in plans})
-    # Budgets at, between and around the peaks the space can reach, where decisions flip.
-    low, high = int(peaks[0] * 0.97), int(peaks[-1] * 1.02)
-    budget = low + int(position * (high - low))
-    exists = any(peak <= budget for _, peak in plans)
     model = MODELS[name]
-    planner = Planner(model, cluster(budget), TRAIN)
-    try:
-        plan = planner.search()[0]
-    except DsautoError as error:
-        assert not exists, f"a plan fits {budget} B but the search says: {error}"
-        return
-    assert exists
-    assert plan.prediction.peak_memory_bytes <= budget
-    # The plan's predicted peak is the prediction of its own choices.
-    assert_own_prediction(model, planner.cluster, TRAIN, plan, all_strategies(model, planner.cluster))
-    # And it is no slower than the fastest fitting plan by more than the DP's memory rounding allows.
-    fastest = min(step for step, peak in plans if peak <= budget)
-    assert plan.prediction.step_seconds <= fastest * 1.05
+    check_search_at(model, Constraints(), TRAIN, cluster, brute_force(name), position,
+                    lambda c: all_strategies(model, c))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_the_search_keeps_up_with_brute_force_where_the_fastest_plan_changes(name):
     """Budgets exactly at the peaks where the fastest fitting plan changes: the search finds a plan
     as fast there (as test_dimension_oracle.py does for the newer dimensions)."""
-    for peak, step in frontier(brute_force(name)):
-        plan = Planner(MODELS[name], cluster(peak), TRAIN).search()[0]
-        assert plan.prediction.peak_memory_bytes <= peak
-        assert plan.prediction.step_seconds <= step * 1.05, f"{name} at {peak} B: {plan.prediction.step_seconds} s"
+    check_search_at_frontier(MODELS[name], Constraints(), TRAIN, cluster, brute_force(name), name)
 
 
 def test_zero3_with_layers_resident_fits_where_all_resident_does_not():
