@@ -162,7 +162,7 @@ class CostModel:
             if strategy.dist_opt_instances > 1 else None,
             recompute_early_stop=strategy.recompute_early_stop,
             # Only under sequence parallelism (megatron/training/arguments.py, validate_args asserts it).
-            tp_comm_overlap=strategy.tp_comm_overlap and strategy.sequence_parallel and strategy.tp > 1,
+            tp_comm_overlap=strategy.tp_comm_overlap,
             attention_kernel=strategy.attention_kernel,
         )
 

@@ -42,7 +42,8 @@ class Strategy:
     grad_reduce_in_fp32: bool = True
     """Megatron-core under bf16: gradients accumulated and reduced in fp32 (DistributedDataParallel
     Config.grad_reduce_in_fp32, which dsauto's plans set); False: in bf16, as PyTorch FSDP's
-    mixed precision with ``reduce_dtype`` bf16 does. Plans dsauto emits keep the default."""
+    mixed precision with ``reduce_dtype`` bf16 does, and as a plan pinned with
+    ``--grad-reduce-in-bf16`` emits."""
     pipeline_scatter_gather: bool = False
     """Megatron-LM 2021-22's pipeline scatter/gather (``--scatter-gather-tensors-in-pipeline``, on by
     default then, off under sequence parallelism): each tensor-parallel rank sends 1/tp of a stage
@@ -58,8 +59,9 @@ class Strategy:
     tp_comm_overlap: bool = False
     """Megatron-core's ``--tp-comm-overlap`` (Transformer Engine userbuffers, with sequence
     parallelism): the tensor-parallel collectives overlap the linear layers' GEMMs
-    (:func:`dsauto.cost.terms.tp_overlap_exposed_seconds`). dsauto does not emit the flag, so its
-    plans keep the default; it prices published runs that set it."""
+    (:func:`dsauto.cost.terms.tp_overlap_exposed_seconds`). It takes effect only with tp > 1 and
+    sequence parallelism (Megatron-LM's validate_args turns it off at tp 1), so a strategy without
+    them holds False. Plans emit it when pinned (``--tp-comm-overlap``); published runs set it."""
     attention_kernel: AttentionKernel = "flash"
     """The fused attention kernel (eager attention, TrainSpec.flash_attention False, is priced
     apart): ``flash`` at the device's ``attention_efficiency``; ``cudnn``, Transformer Engine's
@@ -68,6 +70,10 @@ class Strategy:
     has that kernel and the model allows it (:func:`dsauto.engines.rules.default_attention_kernel`)
     and the plan passes ``--attention-backend fused``; ``flash`` otherwise, with ``--attention-backend
     flash`` (dsauto/emit/megatron.py)."""
+
+    def __post_init__(self) -> None:
+        if self.tp_comm_overlap and not (self.dims.tp > 1 and self.sequence_parallel):
+            object.__setattr__(self, "tp_comm_overlap", False)  # as Megatron-LM does: nothing to overlap
 
     @property
     def tp(self) -> int:

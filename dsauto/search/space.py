@@ -187,20 +187,33 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                     out.extend(_host_and_hpz(Strategy(
                                         dims=expert_dims, zero_stage=zero, micro_batch=micro, grad_accum=accum,
                                         sequence_parallel=sp, engine=engine, virtual_stages=v), cluster, pins))
-    # Each with the selective recomputations its engine runs (none among them unless pinned), and
-    # the attention kernel it runs: the pinned one, which an engine that cannot run it drops.
+    # Each with the selective recomputations its engine runs (none among them unless pinned), the
+    # attention kernel it runs and the pinned engine options; an engine refusing a pin is dropped.
     kernels = {engine: pins.attention_kernel or default_attention_kernel(
         engine, bool(cluster.device.fused_attention_efficiency), train.dtype, train.flash_attention, model)
         for engine in engines}
-    runnable = {engine: attention_kernel_refusal(engine, kernels[engine], train.dtype, train.flash_attention, model)
-                is None and (not pins.tp_comm_overlap or tp_comm_overlap_refusal(engine) is None)
-                and (pins.grad_reduce_in_fp32 is not False or grad_reduce_refusal(engine, train.dtype) is None)
-                for engine in engines}
+    runnable = {engine: not pinned_option_refusals(engine, pins, train, model) for engine in engines}
     out = [dataclasses.replace(s, recompute_modules=modules, attention_kernel=kernels[s.engine],
-                               tp_comm_overlap=bool(pins.tp_comm_overlap) and s.tp > 1 and s.sequence_parallel,
+                               tp_comm_overlap=bool(pins.tp_comm_overlap),
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False)
            for s in out if runnable[s.engine] for modules in recompute_sets[s.engine]]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
+
+
+def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
+                           model: ModelSpec) -> dict[str, tuple[str, str]]:
+    """Flag -> (why ``engine`` cannot run it, what to do) of each pinned engine option it refuses: the
+    attention kernel (:func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``
+    and ``--grad-reduce-in-bf16``. The search drops the engine's strategies when any is refused."""
+    out = {}
+    if pins.attention_kernel is not None and (why := attention_kernel_refusal(
+            engine, pins.attention_kernel, train.dtype, train.flash_attention, model)):
+        out[f"--attention-kernel {pins.attention_kernel}"] = why, "use --attention-kernel flash or leave it out"
+    if pins.tp_comm_overlap and (why := tp_comm_overlap_refusal(engine)):
+        out["--tp-comm-overlap"] = why, "otherwise leave it out"
+    if pins.grad_reduce_in_fp32 is False and (why := grad_reduce_refusal(engine, train.dtype)):
+        out["--grad-reduce-in-bf16"] = why, "leave it out"
+    return out
 
 
 def _host_and_hpz(strategy: Strategy, cluster: ClusterSpec, pins: Constraints) -> list[Strategy]:
@@ -350,19 +363,10 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         if reason:
             return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}.")
     engines = ENGINES if pins.engine is None else (pins.engine,)
-    pinned = []  # each pinned engine option: its flag, why each engine allowed refuses it (ENGINES order), what to do
-    if pins.attention_kernel is not None:
-        pinned.append((f"--attention-kernel {pins.attention_kernel}",
-                       [attention_kernel_refusal(e, pins.attention_kernel, train.dtype, train.flash_attention, model)
-                        for e in engines], "use --attention-kernel flash or leave it out"))
-    if pins.tp_comm_overlap:
-        pinned.append(("--tp-comm-overlap", [tp_comm_overlap_refusal(e) for e in engines], "otherwise leave it out"))
-    if pins.grad_reduce_in_fp32 is False:
-        pinned.append(("--grad-reduce-in-bf16", [grad_reduce_refusal(e, train.dtype) for e in engines],
-                       "leave it out"))
-    for flag, reasons, remedy in pinned:
-        if all(reasons):  # each is a Megatron-core option: with the engine open, Megatron-core's reason
-            return DsautoError(f"{flag} cannot run: {reasons[-1]}; {remedy}.")
+    refused = [pinned_option_refusals(e, pins, train, model) for e in engines]
+    for flag, (why, remedy) in refused[-1].items():  # each a Megatron-core option: its reason, engine open or not
+        if all(flag in other for other in refused):
+            return DsautoError(f"{flag} cannot run: {why}; {remedy}.")
     if pins.cp is not None and pins.cp > 1:
         engines = ENGINES if pins.engine is None else (pins.engine,)
         reasons = [context_parallel_refusal(e, pins.cp, train.seq_len, train.flash_attention,
