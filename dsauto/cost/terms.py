@@ -559,6 +559,17 @@ def tp_comm_passes(group: LayerGroup, option: LayerOption, ctx: LayerContext) ->
     return Passes(once + tp_loss_seconds(group, ctx), once * (2 if option.checkpoint else 1))
 
 
+def compute_passes(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Passes:
+    """Forward and backward compute of one micro-batch of one layer shard on the roofline, calibrated:
+    no collectives, no recomputation. Backward costs twice the forward (the input's and the
+    weights' gradients) but for a fused attention kernel's extra recomputation."""
+    speed = ctx.calibration.compute
+    compute = speed * roofline_seconds(group, option, ctx)
+    attention = attention_passes(group, ctx)
+    fused_extra = speed * (attention.backward_seconds - 2 * attention.forward_seconds)
+    return Passes(compute, 2 * compute + fused_extra)
+
+
 def pass_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext,
                  measured: MeasuredLayer | None) -> Passes:
     """Forward and backward of one micro-batch before data-parallel traffic: compute (``measured``
@@ -576,16 +587,13 @@ def pass_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext,
         return Passes(speed * measured.forward_seconds + tp.forward_seconds + launches,
                       speed * measured.backward_seconds + tp.backward_seconds + 2 * launches
                       + selective_recompute_seconds(group, option, ctx))
-    compute = speed * roofline_seconds(group, option, ctx)
-    attention = attention_passes(group, ctx)
-    # Backward costs twice the forward but for a fused attention kernel's extra recomputation.
-    fused_extra = speed * (attention.backward_seconds - 2 * attention.forward_seconds)
+    compute = compute_passes(group, option, ctx)
     forward_tp, backward_tp = tp_comm, tp_comm
     if ctx.tp_comm_overlap and tp_comm > 0:
         forward_tp, backward_tp = tp_overlap_exposed_seconds(speed * matmul_seconds(group, option, ctx), tp_comm, ctx)
     forward_tp += tp_loss_seconds(group, ctx)
-    forward = compute + forward_tp + launches
-    backward = (2 * (compute + launches) + fused_extra + backward_tp + recompute_seconds(option, forward)
+    forward = compute.forward_seconds + forward_tp + launches
+    backward = (compute.backward_seconds + 2 * launches + backward_tp + recompute_seconds(option, forward)
                 - early_stop_saved_seconds(group, option, ctx) + selective_recompute_seconds(group, option, ctx))
     return Passes(forward, backward)
 

@@ -1,0 +1,233 @@
+"""The device constants of a GPU preset against layers and GEMMs timed on that GPU.
+
+The H100 / H200 constants of ``templates/hardware`` are fitted to published step times of whole
+runs (benchmarks/fit_device.py); nothing in them was measured on the chip itself. This benchmark
+checks them on one: it times, on a GPU,
+
+- bf16 GEMMs of [8192 x 8192] by [8192 x d] and [8192 x d] by [d x 8192] for d from 128 to 8192,
+  against ``matmul_efficiency * d / (d + matmul_half_dim)`` (the preset's shape model);
+- torch's AdamW over 2^24 fp32 parameters (the update DeepSpeed's ZeRO optimizers run), against the
+  preset's bandwidth-bound price of the update (``memory_bandwidth_efficiency``);
+- the forward and backward of the reference transformer layer (the one DeepSpeed plans train,
+  dsauto.models.gpt.Block, with PyTorch's scaled-dot-product attention) at each tensor-parallel
+  shard shape of several model presets, against the analytic compute of that shard
+  (:func:`dsauto.cost.terms.compute_passes`: the roofline with the preset's constants);
+
+and writes what it timed to a JSON file (``--measure``). Without ``--measure`` it reads that file,
+prices the same shapes with the preset and prints the errors, and writes a table and a plot. Nothing
+is fitted to these numbers: they check constants fitted elsewhere. Collectives are not timed (one
+GPU).
+
+Run: python benchmarks/device_layers.py --measure benchmarks/results/device_layers_h100.json   (on a GPU)
+     python benchmarks/device_layers.py                                                      (anywhere)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_FILE = RESULTS / "device_layers_h100.json"
+MODELS = ("gpt2-xl", "llama2-7b", "llama3-8b", "llama2-13b", "llama3-70b", "gpt3-175b", "llama3-405b")
+"""Model presets whose layers are timed: hidden sizes 1600 to 16384."""
+GEMM_DIMS = (128, 256, 512, 1024, 2048, 4096, 8192)
+GEMM_SIZE = 8192
+"""The two large dimensions of every timed GEMM."""
+MICRO_BATCHES = (1, 2)
+SEQ_LEN = 2048
+
+
+def _gemm_seconds(m: int, k: int, n: int, repeats: int = 20) -> float:
+    """Median seconds of one bf16 [m x k] by [k x n] product on the current GPU (CUDA events)."""
+    import torch
+
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def measure(path: Path, models: list[str]) -> None:
+    """Times the GEMMs and the layers on this machine's GPU and writes them to ``path`` (rewritten
+    after each model, so that a run cut short keeps what it timed)."""
+    import torch
+
+    from dsauto.profile.layers import profile_layers
+    from dsauto.spec.loaders import load_model
+
+    if not torch.cuda.is_available():
+        sys.exit("--measure needs a CUDA GPU.")
+    device = torch.device("cuda", 0)
+    data: dict = {
+        "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(), "seq_len": SEQ_LEN, "dtype": "bf16",
+        "command": "python benchmarks/device_layers.py --measure benchmarks/results/" + path.name, "gemms": [], "layers": [],
+    }
+    for d in GEMM_DIMS:
+        for shape in ((GEMM_SIZE, GEMM_SIZE, d), (GEMM_SIZE, d, GEMM_SIZE)):
+            seconds = _gemm_seconds(*shape)
+            flops = 2 * shape[0] * shape[1] * shape[2]
+            data["gemms"].append({"m": shape[0], "k": shape[1], "n": shape[2], "seconds": seconds})
+            print(f"gemm m={shape[0]} k={shape[1]} n={shape[2]}: {flops / seconds / 1e12:.0f} TFLOP/s", flush=True)
+    from dsauto.profile.run import measure_optimizer
+
+    data["optimizer_seconds_per_param"] = measure_optimizer(2**24, torch.bfloat16, device, warmup=3, repeats=7)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    for name in models:
+        model = load_model(name)
+        tps = [t for t in (1, 2, 4, 8) if model.tp_problem(t) is None]
+        started = time.perf_counter()
+        with torch.device(device):  # build each shard on the GPU: a 16384-wide layer takes minutes on the host
+            layers = profile_layers(model, SEQ_LEN, MICRO_BATCHES, tps, torch.bfloat16, device, warmup=3, repeats=7)
+        for m in layers:
+            data["layers"].append({"model": name, "group": m.group, "tp": m.tp, "micro_batch": m.micro_batch,
+                                   "checkpoint": m.checkpoint, "forward_seconds": m.forward_seconds,
+                                   "backward_seconds": m.backward_seconds})
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"{name}: {len(layers)} layer measurements in {time.perf_counter() - started:.0f} s", flush=True)
+        torch.cuda.empty_cache()
+
+
+def predicted_gemm_seconds(hardware: str, m: int, k: int, n: int) -> float:
+    from dsauto.cost.terms import DeviceModel
+    from dsauto.spec.loaders import load_hardware
+
+    device = DeviceModel.of(load_hardware(hardware).device, "bf16")
+    return device.matmul_seconds(2 * m * k * n, min(m, k, n))
+
+
+def predicted_layer(hardware: str, model_name: str, group_name: str, tp: int, micro_batch: int,
+                    seq_len: int) -> tuple[float, float]:
+    """(forward, backward) seconds the preset's roofline gives one shard of a layer (compute only)."""
+    from dsauto.cost.layer import CostModel
+    from dsauto.cost.strategy import LayerOption, Strategy
+    from dsauto.cost.terms import compute_passes
+    from dsauto.parallel import ParallelDims
+    from dsauto.spec.loaders import load_cluster, load_model
+    from dsauto.spec.model import layer_groups
+    from dsauto.spec.training import TrainSpec
+
+    model = load_model(model_name)
+    cluster = load_cluster(hardware, nodes=1)
+    train = TrainSpec(global_batch=micro_batch, seq_len=seq_len, dtype="bf16")
+    strategy = Strategy(dims=ParallelDims(tp=tp), zero_stage=0, micro_batch=micro_batch, grad_accum=1,
+                        sequence_parallel=False)
+    cost = CostModel(cluster, train, strategy, model.hidden_size)
+    kind = {"embedding": "embedding", "head": "head"}.get(group_name, "transformer")
+    group = next(g for g in layer_groups(model, seq_len, train.dtype_bytes, tp) if g.kind == kind)
+    passes = compute_passes(group, LayerOption(checkpoint=False, shard_params=False, split=1), cost.context)
+    return passes.forward_seconds, passes.backward_seconds
+
+
+def compare(path: Path, hardware: str, out: Path | None) -> None:
+    data = json.loads(path.read_text())
+    lines = [f"# {hardware} constants against {data['device']}", "",
+             f"Measured with `{data['command']}` (torch {data['torch']}, cuDNN {data['cudnn']}, bf16, "
+             f"sequences of {data['seq_len']} tokens); priced with `python benchmarks/device_layers.py "
+             f"--hardware {hardware}`. Error = predicted / measured - 1 (negative: the preset is too fast).", "",
+             "## GEMMs", "", "| m x k x n | measured TFLOP/s | predicted TFLOP/s | error |", "|---|---|---|---|"]
+    gemm_errors = []
+    for g in data["gemms"]:
+        flops = 2 * g["m"] * g["k"] * g["n"]
+        predicted = predicted_gemm_seconds(hardware, g["m"], g["k"], g["n"])
+        error = predicted / g["seconds"] - 1
+        gemm_errors.append(error)
+        lines.append(f"| {g['m']} x {g['k']} x {g['n']} | {flops / g['seconds'] / 1e12:.0f} | "
+                     f"{flops / predicted / 1e12:.0f} | {error:+.1%} |")
+    if "optimizer_seconds_per_param" in data:
+        from dsauto.cost.layer import ADAM_BYTES_PER_PARAM
+        from dsauto.cost.terms import DeviceModel
+        from dsauto.spec.loaders import load_hardware
+
+        measured = data["optimizer_seconds_per_param"]
+        predicted = DeviceModel.of(load_hardware(hardware).device, "bf16").memory_seconds(ADAM_BYTES_PER_PARAM)
+        lines += ["", f"AdamW update: measured {measured * 1e12:.1f} ps per parameter, predicted "
+                      f"{predicted * 1e12:.1f} ps ({predicted / measured - 1:+.1%})."]
+    rows = [r for r in data["layers"] if not r["checkpoint"]]
+    lines += ["", "## Layers (forward + backward, one shard, no recomputation)", "",
+              "| model | layer | tp | micro-batch | measured ms | predicted ms | error |", "|---|---|---|---|---|---|---|"]
+    block_errors, edge_errors, points = [], [], []
+    for r in rows:
+        forward, backward = predicted_layer(hardware, r["model"], r["group"], r["tp"], r["micro_batch"],
+                                            data["seq_len"])
+        measured = r["forward_seconds"] + r["backward_seconds"]
+        error = (forward + backward) / measured - 1
+        (edge_errors if r["group"] in ("embedding", "head") else block_errors).append(error)
+        points.append((measured, forward + backward, r["group"] in ("embedding", "head")))
+        lines.append(f"| {r['model']} | {r['group']} | {r['tp']} | {r['micro_batch']} | {measured * 1e3:.2f} | "
+                     f"{(forward + backward) * 1e3:.2f} | {error:+.1%} |")
+
+    def summary(errors: list[float]) -> str:
+        if not errors:
+            return "none"
+        return (f"median {statistics.median(errors):+.1%}, median |error| "
+                f"{statistics.median(abs(e) for e in errors):.1%}, from {min(errors):+.1%} to {max(errors):+.1%}")
+
+    headline = [f"GEMMs ({len(gemm_errors)}): {summary(gemm_errors)}",
+                f"transformer layers ({len(block_errors)}): {summary(block_errors)}",
+                f"embedding and head ({len(edge_errors)}): {summary(edge_errors)}"]
+    print("\n".join(headline))
+    median_abs = statistics.median(abs(e) for e in block_errors) if block_errors else float("nan")
+    print(f"device_layer_median_error={median_abs:.3f} device_layers={len(block_errors)}")
+    if out is not None:
+        lines[2:2] = [*(f"- {h}" for h in headline), ""]
+        out.write_text("\n".join(lines) + "\n")
+        _plot(points, out.with_suffix(".png"), f"{hardware} roofline vs {data['device']}")
+        print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def _plot(points: list[tuple[float, float, bool]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for edge, label, marker in ((False, "transformer layer", "o"), (True, "embedding / head", "s")):
+        xs = [m * 1e3 for m, _, e in points if e == edge]
+        ys = [p * 1e3 for _, p, e in points if e == edge]
+        ax.scatter(xs, ys, label=label, marker=marker, s=18)
+    low = min(min(m, p) for m, p, _ in points) * 1e3
+    high = max(max(m, p) for m, p, _ in points) * 1e3
+    ax.plot([low, high], [low, high], color="grey", lw=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured forward + backward (ms)")
+    ax.set_ylabel("predicted (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measure", type=Path, default=None, metavar="FILE",
+                        help="time the GEMMs and layers on this GPU into FILE")
+    parser.add_argument("--models", default=",".join(MODELS), help="model presets to time (with --measure)")
+    parser.add_argument("--file", type=Path, default=DEFAULT_FILE, help="measurements to compare against")
+    parser.add_argument("--hardware", default="h100-80gb", help="preset whose constants are checked")
+    args = parser.parse_args()
+    if args.measure is not None:
+        measure(args.measure, args.models.split(","))
+        return
+    compare(args.file, args.hardware, RESULTS / f"device_layers_{args.hardware}.md")
+
+
+if __name__ == "__main__":
+    main()
