@@ -74,7 +74,7 @@ def measure(path: Path, models: list[str]) -> None:
     device = torch.device("cuda", 0)
     data: dict = {
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-        "cudnn": torch.backends.cudnn.version(), "seq_len": SEQ_LEN, "dtype": "bf16",
+        "cudnn": torch.backends.cudnn.version(), "dtype": "bf16",
         "command": "python benchmarks/device_layers.py --measure benchmarks/results/" + path.name, "gemms": [], "layers": [],
     }
     for d in GEMM_DIMS:
@@ -90,11 +90,12 @@ def measure(path: Path, models: list[str]) -> None:
     for name in models:
         model = load_model(name)
         tps = [t for t in (1, 2, 4, 8) if model.tp_problem(t) is None]
+        seq_len = min(SEQ_LEN, model.max_position_embeddings)
         started = time.perf_counter()
         with torch.device(device):  # build each shard on the GPU: a 16384-wide layer takes minutes on the host
-            layers = profile_layers(model, SEQ_LEN, MICRO_BATCHES, tps, torch.bfloat16, device, warmup=3, repeats=7)
+            layers = profile_layers(model, seq_len, MICRO_BATCHES, tps, torch.bfloat16, device, warmup=3, repeats=7)
         for m in layers:
-            data["layers"].append({"model": name, "group": m.group, "tp": m.tp, "micro_batch": m.micro_batch,
+            data["layers"].append({"model": name, "group": m.group, "tp": m.tp, "micro_batch": m.micro_batch, "seq_len": seq_len,
                                    "checkpoint": m.checkpoint, "forward_seconds": m.forward_seconds,
                                    "backward_seconds": m.backward_seconds})
         path.write_text(json.dumps(data, indent=1) + "\n")
@@ -137,7 +138,7 @@ def compare(path: Path, hardware: str, out: Path | None) -> None:
     data = json.loads(path.read_text())
     lines = [f"# {hardware} constants against {data['device']}", "",
              f"Measured with `{data['command']}` (torch {data['torch']}, cuDNN {data['cudnn']}, bf16, "
-             f"sequences of {data['seq_len']} tokens); priced with `python benchmarks/device_layers.py "
+             f"sequences of {SEQ_LEN} tokens or the model's maximum); priced with `python benchmarks/device_layers.py "
              f"--hardware {hardware}`. Error = predicted / measured - 1 (negative: the preset is too fast).", "",
              "## GEMMs", "", "| m x k x n | measured TFLOP/s | predicted TFLOP/s | error |", "|---|---|---|---|"]
     gemm_errors = []
@@ -159,16 +160,16 @@ def compare(path: Path, hardware: str, out: Path | None) -> None:
                       f"{predicted * 1e12:.1f} ps ({predicted / measured - 1:+.1%})."]
     rows = [r for r in data["layers"] if not r["checkpoint"]]
     lines += ["", "## Layers (forward + backward, one shard, no recomputation)", "",
-              "| model | layer | tp | micro-batch | measured ms | predicted ms | error |", "|---|---|---|---|---|---|---|"]
+              "| model | layer | tp | micro-batch x tokens | measured ms | predicted ms | error |", "|---|---|---|---|---|---|---|"]
     block_errors, edge_errors, points = [], [], []
     for r in rows:
         forward, backward = predicted_layer(hardware, r["model"], r["group"], r["tp"], r["micro_batch"],
-                                            data["seq_len"])
+                                            r["seq_len"])
         measured = r["forward_seconds"] + r["backward_seconds"]
         error = (forward + backward) / measured - 1
         (edge_errors if r["group"] in ("embedding", "head") else block_errors).append(error)
         points.append((measured, forward + backward, r["group"] in ("embedding", "head")))
-        lines.append(f"| {r['model']} | {r['group']} | {r['tp']} | {r['micro_batch']} | {measured * 1e3:.2f} | "
+        lines.append(f"| {r['model']} | {r['group']} | {r['tp']} | {r['micro_batch']} x {r['seq_len']} | {measured * 1e3:.2f} | "
                      f"{(forward + backward) * 1e3:.2f} | {error:+.1%} |")
 
     def summary(errors: list[float]) -> str:
