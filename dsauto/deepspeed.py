@@ -8,6 +8,9 @@ choices are applied (see :mod:`dsauto.runtime.deepspeed`): which ZeRO-3 layer gr
 parameters resident, which blocks are checkpointed, which operators are split. A config without
 the block is passed through untouched, and the call is exactly ``deepspeed.initialize``.
 
+A pipeline plan (pp > 1) trains under DeepSpeed's pipeline engine: build the model with
+:func:`pipeline_module`, which cuts the ``PipelineModule`` where the plan does.
+
 Under ``dsauto tune --script`` (``$DSAUTO_TRIAL`` set) the call runs the trial's config instead of
 the script's and measures the steps that follow (see :mod:`dsauto.refine.trial_hook`).
 
@@ -29,11 +32,16 @@ calling :func:`initialize` while installed, applies a plan once.
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from torch import nn
 
+from dsauto.errors import DsautoError
+from dsauto.plan import Plan
+from dsauto.plan_io import PLAN_KEY
 from dsauto.refine.trial_hook import requested_trial, start_trial
 from dsauto.runtime import deepspeed as hook
 
@@ -71,6 +79,35 @@ def initialize(
     if request is not None:  # launched by `dsauto tune --script`: run and measure the trial's plan
         return start_trial(request, forwarded, hook.initialize)
     return hook.initialize(forwarded)
+
+
+def pipeline_module(config: str | os.PathLike[str] | dict[str, Any] | Plan, layers: Sequence[Any],
+                    loss_fn: Callable[..., Any] | None = None, block_type: type | str | None = None,
+                    **kwargs: Any) -> nn.Module:
+    """DeepSpeed's ``PipelineModule`` of ``layers`` cut into the stages of the plan in ``config``
+    (the ``ds_config.json`` dsauto wrote, its dict, or the plan), with the plan's checkpointed
+    transformer layers wrapped; pass it to :func:`initialize` with the same config::
+
+        deepspeed.init_distributed()
+        net = dsauto.deepspeed.pipeline_module("out/ds_config.json", layer_specs, loss_fn=loss)
+        engine, *_ = dsauto.deepspeed.initialize(model=net, config="out/ds_config.json")
+        loss = engine.train_batch(data_iter)
+
+    ``layers`` is the list a ``PipelineModule`` takes (``LayerSpec``s, modules, functions), in model
+    order; the transformer layers are the entries of ``block_type`` (a class or its name), or of
+    the one type that occurs as often as the plan's model has layers. ``kwargs`` go to
+    ``PipelineModule``, except what the plan sets (see :func:`dsauto.runtime.pipeline.pipeline_module`)."""
+    from dsauto.runtime.pipeline import pipeline_module as build
+
+    if isinstance(config, Plan):
+        plan = config
+    else:
+        resolved = hook.config_dict(None, config, None)
+        plan = hook.plan_from_config(resolved) if resolved is not None else None
+        if plan is None:
+            raise DsautoError(f"{config if not isinstance(config, dict) else 'The config'} holds no "
+                              f"{PLAN_KEY!r} plan to cut the pipeline by; pass the ds_config.json dsauto tune wrote.")
+    return build(plan, layers, loss_fn=loss_fn, block_type=block_type, **kwargs)
 
 
 def install() -> None:

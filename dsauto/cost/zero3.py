@@ -35,7 +35,7 @@ from dsauto.spec.model import LayerGroup
 def zero3_moments_apply(strategy: Strategy) -> bool:
     """Whether :func:`zero3_moment_peak` prices the strategy: DeepSpeed ZeRO-3 with data
     parallelism on one pipeline stage, nothing offloaded (offload keeps the partitions and the
-    gradients on the host, and the hook runs data-parallel plans only)."""
+    gradients on the host; DeepSpeed pipelines run ZeRO 0-1 only)."""
     return (strategy.engine == "deepspeed" and strategy.zero_stage == 3 and strategy.dims.replicas > 1
             and strategy.pp == 1 and strategy.offload == "none")
 

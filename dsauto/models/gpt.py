@@ -231,11 +231,32 @@ class Head(nn.Module):
             x = self.norm(x)
         return self.transform(x) if self.transform is not None else x
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits over the vocabulary (soft-capped where the model caps them)."""
         logits = self.lm_head(self.hidden(x))
         if self.softcap:
             logits = self.softcap * torch.tanh(logits / self.softcap)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return logits
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return logits_loss(self.logits(x), labels)
+
+
+def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the logits (in fp32) against the labels."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+class Logits(nn.Module):
+    """The untied head without its loss: the last layer of a pipeline whose engine applies the loss
+    (DeepSpeed's ``PipelineModule.loss_fn``, given :func:`logits_loss`)."""
+
+    def __init__(self, model: ModelSpec, vocab_size: int):
+        super().__init__()
+        self.head = Head(model, vocab_size, tied_weight=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(x)
 
 
 class ReferenceModel(nn.Module):

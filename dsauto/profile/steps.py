@@ -140,55 +140,31 @@ def pipeline_module(plan: Plan):
     """The reference model of ``plan`` as DeepSpeed's ``PipelineModule``, the way a DeepSpeed pipeline
     script writes it (deepspeed/runtime/pipe/module.py): ``LayerSpec``s of the embedding, the blocks
     and the head's logits, so that each rank builds its own stage's layers only; the cross-entropy
-    as ``loss_fn``; ``plan.stage_layers`` blocks per stage (``partition_method="type:Block"``
-    balances the blocks, the embedding joins the first stage and the head the last). The blocks the
-    plan checkpoints are wrapped by :func:`dsauto.runtime.checkpointing.checkpoint_module`. Untied
-    embeddings only (a tied table needs ``TiedLayerSpec``)."""
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    as ``loss_fn``; cut into the plan's stages, its checkpointed blocks wrapped
+    (:func:`dsauto.runtime.pipeline.pipeline_module`). Untied embeddings only (a tied table needs
+    ``TiedLayerSpec``)."""
+    from deepspeed.pipe import LayerSpec
 
-    from dsauto.models.gpt import Block, Embedding
-    from dsauto.runtime.checkpointing import checkpoint_module
+    from dsauto.models.gpt import Block, Embedding, Logits, logits_loss
+    from dsauto.runtime.pipeline import pipeline_module as planned
 
     model, vocab = plan.model, plan.padded_vocab_size
-    if model.tied_embeddings or len(set(plan.stage_layers)) != 1:
-        raise ValueError("the pipeline measurement builds untied models cut into equal stages")
+    if model.tied_embeddings:
+        raise ValueError("the pipeline measurement builds untied models")
     layers = [LayerSpec(Embedding, model, vocab), *(LayerSpec(Block, model) for _ in range(model.num_layers)),
-              LayerSpec(_Logits, model, vocab)]
-    module = PipelineModule(layers, num_stages=plan.pp, loss_fn=_cross_entropy, partition_method="type:Block")
-    for name, layer in module.named_children():  # registered under their flat layer number
-        if name.isdigit() and 1 <= int(name) <= model.num_layers and plan.layer_choice(int(name)).checkpoint:
-            checkpoint_module(layer)
-    return module
-
-
-class _Logits(torch.nn.Module):
-    """The reference head without its loss: the last layer of a pipeline, whose engine applies the
-    loss (``PipelineModule.loss_fn``)."""
-
-    def __init__(self, model, vocab_size: int):
-        from dsauto.models.gpt import Head
-
-        super().__init__()
-        self.head = Head(model, vocab_size, tied_weight=None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head.lm_head(self.head.hidden(x))
-
-
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+              LayerSpec(Logits, model, vocab)]
+    return planned(plan, layers, loss_fn=logits_loss)
 
 
 def measure_pipeline_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int = 2,
                           seed: int = 0) -> StepMeasurement:
     """:func:`measure_plan` for a pipeline-parallel plan, trained by DeepSpeed's pipeline engine
     (``engine.train_batch``: 1F1B over the plan's micro-batches, then the gradient reduction and the
-    optimizer step). The per-layer choices are applied here, the DeepSpeed hook taking data-parallel
-    plans only."""
-    import deepspeed
+    optimizer step), built by the DeepSpeed hook (:func:`dsauto.runtime.deepspeed.initialize`)."""
     import deepspeed.comm as dist
 
     from dsauto.emit.ds_config import ds_config
+    from dsauto.runtime.deepspeed import initialize
 
     device = current_device()
     generator = torch.Generator().manual_seed(seed + dist.get_rank())
@@ -205,7 +181,7 @@ def measure_pipeline_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_st
         return float(engine.train_batch(data))
 
     def build():
-        engine, *_ = deepspeed.initialize(model=pipeline_module(plan), config=ds_config(plan))
+        engine, *_ = initialize(dict(model=pipeline_module(plan), config=ds_config(plan)))
         return engine
 
     return _measure_engine(build, step, steps, warmup, memory_steps, device)

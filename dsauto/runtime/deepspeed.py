@@ -15,6 +15,10 @@ per-layer part has no DeepSpeed key, so the hook applies it to the model:
 3. for a plan with cp > 1 (DeepSpeed-Ulysses), before the engine is built: DeepSpeed's
    sequence-parallel groups become its ``mpu`` and the blocks' attention is wrapped in
    ``DistributedAttention`` (:mod:`dsauto.runtime.ulysses`).
+4. for a plan with pp > 1 (DeepSpeed's pipeline engine): the model must be the ``PipelineModule``
+   that :func:`dsauto.runtime.pipeline.pipeline_module` cut into the plan's stages and whose
+   checkpointed blocks it wrapped as each rank built them; the hook checks that it was cut for
+   this plan and passes it on.
 
 Persistence under ZeRO-3. DeepSpeed keeps a parameter resident when ``param.ds_persist`` is set:
 the coordinator never releases it after use (``PartitionedParameterCoordinator.__params_to_release``
@@ -61,6 +65,7 @@ from dsauto.plan import Plan
 from dsauto.plan_io import PLAN_KEY, check_artifact_set, plan_from_data
 from dsauto.runtime.checkpointing import checkpoint_module
 from dsauto.runtime.layers import ModelLayers, check_plan_matches, find_layers
+from dsauto.runtime.pipeline import check_pipeline_module
 from dsauto.runtime.recompute import apply_selective_recompute
 from dsauto.runtime.split import (
     Replacements,
@@ -125,10 +130,10 @@ def check_config(plan: Plan, config: dict[str, Any]) -> None:
             f"This plan was made for {plan.engine} (its memory and overlap are priced as that engine "
             f"runs); train it with dsauto.megatron, or re-plan with --engine deepspeed."
         )
-    if plan.tp > 1 or plan.pp > 1:
+    if plan.tp > 1:
         raise DsautoError(
-            f"The DeepSpeed hook applies data-parallel plans (tp=1, pp=1), but this plan has tp={plan.tp} "
-            f"and pp={plan.pp}; run it with the Megatron-core plugin, or re-plan with --tp 1 --pp 1."
+            f"DeepSpeed has no tensor parallelism of its own, but this plan has tp={plan.tp}; run it with "
+            f"the Megatron-core plugin (dsauto.megatron), or re-plan with --engine deepspeed."
         )
     # The batch keys are left to check_engine: a Trainer may fill them with its own values.
     problems = config_contradictions(config, plan, batch=False)
@@ -323,7 +328,7 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     import deepspeed
 
     model, model_parameters, optimizer = (forwarded.get(k) for k in ("model", "model_parameters", "optimizer"))
-    resolved = _config_dict(forwarded.get("args"), forwarded.get("config"), forwarded.get("config_params"))
+    resolved = config_dict(forwarded.get("args"), forwarded.get("config"), forwarded.get("config_params"))
     plan = plan_from_config(resolved) if resolved is not None and model is not None else None
     ds_initialize = deepspeed_initialize()
     if plan is None:
@@ -331,6 +336,12 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
 
     warn_if_untested(deepspeed.__version__)
     check_config(plan, resolved)
+    if plan.pp > 1:  # DeepSpeed's pipeline engine: the PipelineModule was cut and wrapped for the plan
+        layout = check_pipeline_module(plan, model)
+        engine, ds_optimizer, dataloader, scheduler = ds_initialize(**forwarded)
+        check_engine(engine, plan)
+        engine.dsauto_plan = layout
+        return engine, ds_optimizer, dataloader, scheduler
     check_moe_layers(plan, model)
     applied = prepare_model(plan, model)
     if plan.cp > 1:  # DeepSpeed-Ulysses: its groups as the mpu, DistributedAttention in the model
@@ -348,7 +359,7 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     return engine, ds_optimizer, dataloader, scheduler
 
 
-def _config_dict(args: Any, config: Any, config_params: Any) -> dict[str, Any] | None:
+def config_dict(args: Any, config: Any, config_params: Any) -> dict[str, Any] | None:
     """The config as DeepSpeed will read it, found where ``deepspeed.initialize`` looks (without
     changing ``args``); None when there is none or it cannot be read (DeepSpeed then says why)."""
     found = config if config is not None else config_params

@@ -425,11 +425,14 @@ def layer_options(strategy: Strategy) -> tuple[LayerOption, ...]:
         shard_values = (False, True) if per_layer_residency(strategy.engine) else (True,)
     else:
         shard_values = (False,)
+    # DeepSpeed's pipeline engine applies the loss (PipelineModule.loss_fn) to the last layer's whole
+    # output, so its head cannot chunk the loss (deepspeed/runtime/pipe/engine.py, _exec_forward_pass).
+    splits = (1,) if strategy.engine == "deepspeed" and strategy.pp > 1 else SPLITS
     if strategy.recompute_modules:
         return tuple(LayerOption(checkpoint=False, shard_params=s, split=k, recompute_modules=r)
-                     for r in ((), strategy.recompute_modules) for s in shard_values for k in SPLITS)
+                     for r in ((), strategy.recompute_modules) for s in shard_values for k in splits)
     return tuple(LayerOption(checkpoint=c, shard_params=s, split=k)
-                 for c in (False, True) for s in shard_values for k in SPLITS)
+                 for c in (False, True) for s in shard_values for k in splits)
 
 
 SEARCHED_RECOMPUTE = {False: ("core_attn",), True: ()}
