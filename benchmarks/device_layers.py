@@ -75,7 +75,7 @@ def measure(path: Path, models: list[str]) -> None:
     data: dict = {
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(), "dtype": "bf16",
-        "command": "python benchmarks/device_layers.py --measure benchmarks/results/" + path.name, "gemms": [], "layers": [],
+        "command": "python benchmarks/device_layers.py --measure benchmarks/results/" + path.name, "gemms": [], "layers": [], "stacks": [],
     }
     for d in GEMM_DIMS:
         for shape in ((GEMM_SIZE, GEMM_SIZE, d), (GEMM_SIZE, d, GEMM_SIZE)):
@@ -86,6 +86,7 @@ def measure(path: Path, models: list[str]) -> None:
     from dsauto.profile.run import measure_optimizer
 
     data["optimizer_seconds_per_param"] = measure_optimizer(2**24, torch.bfloat16, device, warmup=3, repeats=7)
+    data["fused_optimizer_seconds_per_param"] = _fused_adamw_seconds(device)
     path.write_text(json.dumps(data, indent=1) + "\n")
     for name in models:
         model = load_model(name)
@@ -94,6 +95,8 @@ def measure(path: Path, models: list[str]) -> None:
         started = time.perf_counter()
         with torch.device(device):  # build each shard on the GPU: a 16384-wide layer takes minutes on the host
             layers = profile_layers(model, seq_len, MICRO_BATCHES, tps, torch.bfloat16, device, warmup=3, repeats=7)
+        with torch.device(device):
+            data["stacks"] += _stack_rows(name, model, seq_len, tps, device)
         for m in layers:
             data["layers"].append({"model": name, "group": m.group, "tp": m.tp, "micro_batch": m.micro_batch, "seq_len": seq_len,
                                    "checkpoint": m.checkpoint, "forward_seconds": m.forward_seconds,
@@ -101,6 +104,51 @@ def measure(path: Path, models: list[str]) -> None:
         path.write_text(json.dumps(data, indent=1) + "\n")
         print(f"{name}: {len(layers)} layer measurements in {time.perf_counter() - started:.0f} s", flush=True)
         torch.cuda.empty_cache()
+
+
+STACK = 8
+"""Transformer layers in the stack timed as a whole (one synchronisation per pass, as in a step)."""
+
+
+def _stack_rows(name: str, model, seq_len: int, tps: list[int], device) -> list[dict]:
+    """Forward and backward of :data:`STACK` layer shards in a row, micro-batch 1, per layer: a
+    layer timed alone waits for the host to launch its kernels, inside a step the host runs ahead."""
+    import torch
+
+    from dsauto.models.gpt import Block
+    from dsauto.profile.layers import median_seconds
+
+    rows = []
+    for tp in tps:
+        torch.manual_seed(0)
+        first = Block(model, tp=tp).to(dtype=torch.bfloat16)
+        if STACK * sum(p.numel() for p in first.parameters()) > 8e9:
+            continue  # a GPU-bound shard anyway; 8 of them and their gradients would not fit
+        stack = torch.nn.Sequential(first, *(Block(model, tp=tp).to(dtype=torch.bfloat16) for _ in range(STACK - 1)))
+        x = torch.randn(1, seq_len, model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+
+        def step() -> None:
+            stack(x).sum().backward()
+            stack.zero_grad(set_to_none=True)
+
+        forward = median_seconds(lambda: stack(x), device, warmup=3, repeats=7)
+        both = median_seconds(step, device, warmup=3, repeats=7)
+        rows.append({"model": name, "tp": tp, "micro_batch": 1, "seq_len": seq_len, "layers": STACK,
+                     "forward_seconds": forward / STACK, "backward_seconds": (both - forward) / STACK})
+    return rows
+
+
+def _fused_adamw_seconds(device) -> float:
+    """Seconds per parameter of torch's fused AdamW (``fused=True``) over 2^24 fp32 parameters."""
+    import torch
+
+    from dsauto.profile.layers import median_seconds
+
+    n = 2**24
+    param = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32, device=device))
+    param.grad = torch.randn(n, dtype=torch.float32, device=device)
+    optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    return median_seconds(optimizer.step, device, 3, 7) / n
 
 
 def predicted_gemm_seconds(hardware: str, m: int, k: int, n: int) -> float:
@@ -156,8 +204,12 @@ def compare(path: Path, hardware: str, out: Path | None) -> None:
 
         measured = data["optimizer_seconds_per_param"]
         predicted = DeviceModel.of(load_hardware(hardware).device, "bf16").memory_seconds(ADAM_BYTES_PER_PARAM)
-        lines += ["", f"AdamW update: measured {measured * 1e12:.1f} ps per parameter, predicted "
-                      f"{predicted * 1e12:.1f} ps ({predicted / measured - 1:+.1%})."]
+        lines += ["", f"AdamW update (torch, foreach): measured {measured * 1e12:.1f} ps per parameter, "
+                      f"predicted {predicted * 1e12:.1f} ps ({predicted / measured - 1:+.1%})."]
+        if "fused_optimizer_seconds_per_param" in data:
+            fused = data["fused_optimizer_seconds_per_param"]
+            lines.append(f"AdamW update (torch, fused=True): measured {fused * 1e12:.1f} ps per parameter "
+                         f"({predicted / fused - 1:+.1%}).")
     rows = [r for r in data["layers"] if not r["checkpoint"]]
     lines += ["", "## Layers (forward + backward, one shard, no recomputation)", "",
               "| model | layer | tp | micro-batch x tokens | measured ms | predicted ms | error |", "|---|---|---|---|---|---|---|"]
@@ -172,6 +224,22 @@ def compare(path: Path, hardware: str, out: Path | None) -> None:
         lines.append(f"| {r['model']} | {r['group']} | {r['tp']} | {r['micro_batch']} x {r['seq_len']} | {measured * 1e3:.2f} | "
                      f"{(forward + backward) * 1e3:.2f} | {error:+.1%} |")
 
+    alone = {(r["model"], r["tp"]): r for r in rows if r["micro_batch"] == 1 and r["group"] not in ("embedding", "head")}
+    if data.get("stacks"):
+        lines += ["", f"## A layer inside a stack of {STACK} (one synchronisation per pass) against the same layer "
+                  "timed alone", "", "| model | tp | alone ms | in the stack ms | predicted ms | error vs the stack |",
+                  "|---|---|---|---|---|---|"]
+        stack_errors = []
+        for r in data["stacks"]:
+            forward, backward = predicted_layer(hardware, r["model"], alone[(r["model"], r["tp"])]["group"], r["tp"],
+                                                1, r["seq_len"])
+            single = alone[(r["model"], r["tp"])]
+            in_stack = r["forward_seconds"] + r["backward_seconds"]
+            error = (forward + backward) / in_stack - 1
+            stack_errors.append(error)
+            lines.append(f"| {r['model']} | {r['tp']} | {(single['forward_seconds'] + single['backward_seconds']) * 1e3:.2f}"
+                         f" | {in_stack * 1e3:.2f} | {(forward + backward) * 1e3:.2f} | {error:+.1%} |")
+
     def summary(errors: list[float]) -> str:
         if not errors:
             return "none"
@@ -181,6 +249,9 @@ def compare(path: Path, hardware: str, out: Path | None) -> None:
     headline = [f"GEMMs ({len(gemm_errors)}): {summary(gemm_errors)}",
                 f"transformer layers ({len(block_errors)}): {summary(block_errors)}",
                 f"embedding and head ({len(edge_errors)}): {summary(edge_errors)}"]
+    if data.get("stacks"):
+        headline.append(f"transformer layers inside a stack of {STACK}, micro-batch 1 ({len(stack_errors)}): "
+                        f"{summary(stack_errors)}")
     print("\n".join(headline))
     median_abs = statistics.median(abs(e) for e in block_errors) if block_errors else float("nan")
     print(f"device_layer_median_error={median_abs:.3f} device_layers={len(block_errors)}")
