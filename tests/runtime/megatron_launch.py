@@ -10,7 +10,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Collection, Mapping
+import traceback
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 from dsauto.cost.strategy import LayerOption, Strategy
@@ -111,3 +112,28 @@ def launch(nproc: int, runs: Mapping[str, dict], folder: Path, *, steps: int = 4
     failed = {name: r["traceback"] for name, r in results.items() if "traceback" in r}
     assert not failed, "\n".join(f"{name}:\n{tb}" for name, tb in failed.items())
     return results
+
+
+def run_deepspeed_jobs(run: Callable[[dict, int, int, float], dict]) -> None:
+    """The main of a DeepSpeed worker launched by :func:`launch` (``worker.py JOB.json OUT.json``):
+    joins the gloo group, calls ``run(spec, seed, steps, lr)`` for each run of the job (a failure is
+    kept as its traceback, for the test to report) and has rank 0 write the results."""
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+
+    job_path, out_path = sys.argv[1], sys.argv[2]
+    with open(job_path) as f:
+        job = json.load(f)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")  # before any PipelineModule, which reads the ranks
+    results = {}
+    for spec in job["runs"]:
+        try:
+            results[spec["name"]] = run(spec, job["seed"], job["steps"], job["lr"])
+        except Exception:
+            results[spec["name"]] = {"traceback": traceback.format_exc()}
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()

@@ -16,10 +16,9 @@ activation checkpointing, and DeepSpeed's stage boundaries.
 from __future__ import annotations
 
 import json
-import sys
-import traceback
 
 import torch
+from megatron_launch import run_deepspeed_jobs
 from torch import nn
 
 import dsauto.deepspeed
@@ -104,26 +103,5 @@ def run(spec: dict, seed: int, steps: int, lr: float) -> dict:
     return out
 
 
-def main() -> None:
-    import deepspeed
-    import deepspeed.comm as dist
-
-    job_path, out_path = sys.argv[1], sys.argv[2]
-    with open(job_path) as f:
-        job = json.load(f)
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")  # a PipelineModule reads the ranks when built
-    results = {}
-    for spec in job["runs"]:
-        try:
-            results[spec["name"]] = run(spec, job["seed"], job["steps"], job["lr"])
-        except Exception:  # reported to the test with its traceback
-            results[spec["name"]] = {"traceback": traceback.format_exc()}
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_deepspeed_jobs(run)

@@ -15,10 +15,9 @@ and what DeepSpeed reported of its groups.
 from __future__ import annotations
 
 import json
-import sys
-import traceback
 
 import torch
+from megatron_launch import run_deepspeed_jobs
 
 import dsauto.deepspeed
 from dsauto.emit.ds_config import GRADIENT_CLIPPING
@@ -75,24 +74,5 @@ def run(spec: dict, seed: int, steps: int, lr: float) -> dict:
     return out
 
 
-def main() -> None:
-    import deepspeed.comm as dist
-
-    job_path, out_path = sys.argv[1], sys.argv[2]
-    with open(job_path) as f:
-        job = json.load(f)
-    torch.set_num_threads(1)
-    results = {}
-    for spec in job["runs"]:
-        try:
-            results[spec["name"]] = run(spec, job["seed"], job["steps"], job["lr"])
-        except Exception:  # reported to the test with its traceback
-            results[spec["name"]] = {"traceback": traceback.format_exc()}
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_deepspeed_jobs(run)
