@@ -78,8 +78,10 @@ def run(spec: dict, seed: int, steps: int, lr: float) -> dict:
         config = json.load(f)
     config.pop("optimizer")  # the client optimizer below: plain SGD, as in the reference
     config["zero_allow_untested_optimizer"] = True  # SGD under ZeRO-1
-    # No clipping: DeepSpeed's pipeline engine takes the gradient norm over its stage's parameters
-    # (clip_fp32_gradients with the pipeline grid's model-parallel group), not the whole model's.
+    # No clipping: in fp32 without ZeRO, DeepSpeed's pipeline engine clips by the first stage's
+    # gradient norm, not the whole model's (clip_grad_norm_ in deepspeed/runtime/utils.py counts the
+    # parameters of model-parallel rank 0 only, and the pipeline grid's model-parallel group spans
+    # the stages).
     config["gradient_clipping"] = 0.0
     plan = plan_from_config(config)
     net = dsauto.deepspeed.pipeline_module(spec["plan"], layer_specs(plan), loss_fn=logits_loss,
