@@ -123,11 +123,14 @@ CASES = (
 )
 
 VARIANT_CASES = (  # (index of the shape in SHAPES, case)
-    # DeepSpeed's pipeline engine (1F1B, 3 + 3 blocks): the untied bench-llama, as a PipelineModule
+    # DeepSpeed's pipeline engine (1F1B, even stages): the untied bench-llama, as a PipelineModule
     # (dsauto.profile.steps.pipeline_module). Two ranks leave dp = 1, where ZeRO-1 partitions over
     # one rank (the search plans ZeRO-0 there; the pipeline engine runs either).
     (1, Case(0, 1, 1, "none", pp=2)), (1, Case(0, 2, 4, "none", pp=2)), (1, Case(0, 1, 4, "all", pp=2)),
     (1, Case(1, 2, 2, "half", pp=2)), (1, Case(1, 4, 1, "none", pp=2)),
+    # The tied bench-gpt as a pipeline: TiedLayerSpecs at both ends, so the last stage holds the
+    # embedding module too (dsauto.models.pipeline.pipeline_layer_specs).
+    (0, Case(0, 2, 2, "none", pp=2)), (0, Case(1, 1, 4, "all", pp=2)),
     # ZeRO-Offload: the optimizer on the host (DeepSpeedCPUAdam).
     (0, Case(1, 1, 1, "none", offload="optimizer")), (0, Case(1, 2, 1, "none", offload="optimizer")),
     (0, Case(1, 4, 2, "half", offload="optimizer")), (0, Case(2, 1, 1, "none", offload="optimizer")),
@@ -655,7 +658,9 @@ def variant_lines(rows, summary: str, wall: float, command: str) -> list[str]:
                                     "measurements with --work and --render-only; ")
     lines[0] = "## Pipeline, offload and bf16 plans (DeepSpeed)"
     note = ("pp2: DeepSpeed's pipeline engine (`PipelineModule` of the reference layers, logits as the last "
-            "layer and the cross-entropy as its `loss_fn`, 3 + 3 blocks, `engine.train_batch`; "
+            "layer and the cross-entropy as its `loss_fn`, `engine.train_batch`; bench-llama 3 + 3 blocks, the tied "
+            "bench-gpt 2 + 2 with its table as `TiedLayerSpec`s at both ends, so its last stage holds the "
+            "embedding module too; "
             "`dsauto.profile.steps.measure_pipeline_plan`: cut and built through the DeepSpeed hook, "
             "`dsauto.deepspeed.pipeline_module`), "
             "dp 1. offload-optimizer: ZeRO-Offload (`offload_optimizer` to the CPU, DeepSpeedCPUAdam); on CPU "

@@ -627,6 +627,13 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         elif deepspeed_pipeline_applies(strategy):
             # DeepSpeed's pipeline engine: the moments of its 1F1B step (deepspeed_pipeline_moment_peak).
             head = num_layers + 1
+            if model.tied_embeddings and head in held and 0 not in held:
+                # A tied table is a TiedLayerSpec at both ends: the last stage builds the embedding
+                # module too, which its optimizer updates like its own layers, and DeepSpeed keeps the
+                # copies equal by all-reducing their gradients (deepspeed/runtime/pipe/module.py,
+                # _index_tied_modules; engine.py, _exec_reduce_tied_grads).
+                copy = model_state(layer_group_of(groups, 0, num_layers), options[0], cost.context)
+                params, grads, optim = params + copy.params_bytes, grads + copy.grads_bytes, optim + copy.optimizer_bytes
             dynamic = cost.calibration.activation_memory
             one = sum(c.activation_bytes for c in costs)  # one micro-batch's
             layers, later_activation, later_grads = [], 0.0, 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -259,6 +260,30 @@ class Logits(nn.Module):
         return self.head.logits(x)
 
 
+class HeadInput(nn.Module):
+    """The head's layers before its LM-head matrix (the final norm; an encoder's transform): in a
+    pipeline with tied embeddings, the layer before the tied output projection (:func:`tied_logits`)."""
+
+    def __init__(self, model: ModelSpec):
+        super().__init__()
+        self.head = Head(model, 1, tied_weight=None)
+        del self.head.lm_head  # the tied table projects
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head.hidden(x)
+
+
+def tied_logits(softcap: float | None) -> Callable[[Embedding, torch.Tensor], torch.Tensor]:
+    """The output projection through the token embedding's table, as DeepSpeed's ``TiedLayerSpec``
+    calls it (``forward_fn(embedding, x)``), soft-capped where the model caps its logits."""
+
+    def project(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, embedding.tokens.weight)
+        return softcap * torch.tanh(logits / softcap) if softcap else logits
+
+    return project
+
+
 class ReferenceModel(nn.Module):
     """``embedding`` → ``layers`` → ``head``; ``forward(tokens, labels)`` returns the mean loss.
 
@@ -282,7 +307,7 @@ class ReferenceModel(nn.Module):
         return self.head(x, labels)
 
 
-def _init_weights(module: nn.Module, num_layers: int) -> None:
+def init_weights(module: nn.Module, num_layers: int) -> None:
     """GPT-2 initialisation: N(0, 0.02), residual output projections scaled by 1/sqrt(2L)
     (Radford et al. 2019, Sec. 2.3)."""
     for name, param in module.named_parameters():
@@ -302,7 +327,7 @@ def build_model(model: ModelSpec, seed: int = 0, vocab_size: int | None = None,
     torch.manual_seed(seed)
     try:
         net = ReferenceModel(model, vocab_size, deepspeed_ep)
-        _init_weights(net, model.num_layers)
+        init_weights(net, model.num_layers)
     finally:
         torch.random.set_rng_state(generator_state)
     return net.to(device=device, dtype=dtype)

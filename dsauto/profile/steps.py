@@ -138,22 +138,15 @@ def _measure_engine(build: Callable[[], object], step: Callable[[object], float]
 
 def pipeline_module(plan: Plan):
     """The reference model of ``plan`` as DeepSpeed's ``PipelineModule``, the way a DeepSpeed pipeline
-    script writes it (deepspeed/runtime/pipe/module.py): ``LayerSpec``s of the embedding, the blocks
-    and the head's logits, so that each rank builds its own stage's layers only; the cross-entropy
-    as ``loss_fn``; cut into the plan's stages, its checkpointed blocks wrapped
-    (:func:`dsauto.runtime.pipeline.pipeline_module`). Untied embeddings only (a tied table needs
-    ``TiedLayerSpec``)."""
-    from deepspeed.pipe import LayerSpec
-
-    from dsauto.models.gpt import Block, Embedding, Logits, logits_loss
+    script writes it (deepspeed/runtime/pipe/module.py): ``LayerSpec``s, so that each rank builds its
+    own stage's layers only (:func:`dsauto.models.pipeline.pipeline_layer_specs`), the cross-entropy
+    as ``loss_fn``, cut into the plan's stages with its checkpointed blocks wrapped
+    (:func:`dsauto.runtime.pipeline.pipeline_module`)."""
+    from dsauto.models.gpt import logits_loss
+    from dsauto.models.pipeline import pipeline_layer_specs
     from dsauto.runtime.pipeline import pipeline_module as planned
 
-    model, vocab = plan.model, plan.padded_vocab_size
-    if model.tied_embeddings:
-        raise ValueError("the pipeline measurement builds untied models")
-    layers = [LayerSpec(Embedding, model, vocab), *(LayerSpec(Block, model) for _ in range(model.num_layers)),
-              LayerSpec(Logits, model, vocab)]
-    return planned(plan, layers, loss_fn=logits_loss)
+    return planned(plan, pipeline_layer_specs(plan.model, plan.padded_vocab_size), loss_fn=logits_loss)
 
 
 def measure_pipeline_plan(plan: Plan, steps: int = 5, warmup: int = 2, memory_steps: int = 2,

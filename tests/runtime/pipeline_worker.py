@@ -15,6 +15,7 @@ activation checkpointing, and DeepSpeed's stage boundaries.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
@@ -23,7 +24,8 @@ from torch import nn
 
 import dsauto.deepspeed
 from dsauto.models.data import synthetic_batch
-from dsauto.models.gpt import Block, Embedding, Logits, logits_loss
+from dsauto.models.gpt import Block, logits_loss
+from dsauto.models.pipeline import pipeline_layer_specs
 from dsauto.runtime.checkpointing import is_checkpointed
 from dsauto.runtime.deepspeed import plan_from_config
 
@@ -31,11 +33,7 @@ BASE_SEED = 1234
 
 
 def layer_specs(plan) -> list:
-    from deepspeed.pipe import LayerSpec
-
-    model, vocab = plan.model, plan.padded_vocab_size
-    return [LayerSpec(Embedding, model, vocab), *(LayerSpec(Block, model) for _ in range(model.num_layers)),
-            LayerSpec(Logits, model, vocab)]
+    return pipeline_layer_specs(plan.model, plan.padded_vocab_size)
 
 
 def batches(plan, seed: int):
@@ -48,21 +46,34 @@ def batches(plan, seed: int):
 
 def reference(plan, seed: int, steps: int, lr: float) -> list[float]:
     """The same layers in one process: each built after seeding with its list index, as DeepSpeed's
-    ``seed_layers`` does; the mean loss of each step's micro-batches."""
+    ``seed_layers`` does (a tied table once, where it first occurs: DeepSpeed broadcasts the first
+    stage's copy to the others); the mean loss of each step's micro-batches."""
+    from deepspeed.pipe import TiedLayerSpec
     from deepspeed.runtime.utils import set_random_seed
 
-    layers = []
+    tied: dict[str, nn.Module] = {}
+    calls = []
     for index, spec in enumerate(layer_specs(plan)):
         set_random_seed(BASE_SEED + index)
-        layers.append(spec.build())
-    net = nn.Sequential(*layers)
+        if isinstance(spec, TiedLayerSpec):
+            module = tied[spec.key] if spec.key in tied else tied.setdefault(spec.key, spec.build())
+            calls.append(module if spec.forward_fn is None else functools.partial(spec.forward_fn, module))
+        else:
+            calls.append(spec.build())
+    net = nn.ModuleList({id(m): m for m in [*calls, *tied.values()] if isinstance(m, nn.Module)}.values())
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for call in calls:
+            x = call(x)
+        return x
+
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     data, losses = batches(plan, seed), []
     for _ in range(steps):
         total = 0.0
         for _ in range(plan.grad_accum):
             tokens, labels = next(data)
-            loss = logits_loss(net(tokens), labels)
+            loss = logits_loss(forward(tokens), labels)
             (loss / plan.grad_accum).backward()
             total += loss.item()
         optimizer.step()

@@ -209,14 +209,19 @@ def test_zero3_all_sharded_keeps_no_matrix_resident(results):
 
 
 @pytest.mark.slow
-def test_example_trains_with_the_generated_plan(tmp_path):
-    """The two commands of examples/deepspeed/train_gpt.py's docstring, with fewer steps."""
+@pytest.mark.parametrize("pins", [[], ["--pp", "2"]], ids=["data-parallel", "pipeline"])
+def test_example_trains_with_the_generated_plan(tmp_path, pins):
+    """The two commands of examples/deepspeed/train_gpt.py's docstring, with fewer steps; with
+    ``--pp 2`` the plan runs under DeepSpeed's pipeline engine (the tied gpt-tiny's table at both ends)."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1"}
     tune = subprocess.run([sys.executable, "-m", "dsauto", "tune", "--model", "gpt-tiny", "--hardware", "cpu",
-                           "--nodes", "1", "--gpus-per-node", "2", "--out", str(tmp_path / "out")],
+                           "--nodes", "1", "--gpus-per-node", "2", "--engine", "deepspeed", *pins,
+                           "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, env=env, timeout=120)
     assert tune.returncode == 0, tune.stderr
+    plan = json.loads((tmp_path / "out" / "ds_config.json").read_text())["dsauto"]
+    assert plan["pp"] == (2 if pins else 1)
     train = subprocess.run(
         [sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:0,1", "--master_port",
          str(_free_port()), str(root / "examples" / "deepspeed" / "train_gpt.py"),

@@ -1,7 +1,7 @@
 """DeepSpeed pipeline plans (pp > 1) through the hook: dsauto.deepspeed.pipeline_module cuts the
 PipelineModule where the plan cuts it and wraps the blocks it checkpoints; dsauto.deepspeed.initialize
-trains it with DeepSpeed's pipeline engine. On 2 CPU ranks (gloo), an uneven cut (1 + 3 blocks) trains
-like the same layers in one process.
+trains it with DeepSpeed's pipeline engine. On 2 CPU ranks (gloo), an uneven cut (1 + 3 blocks, and 3 + 1 with tied
+embeddings) trains like the same layers in one process.
 
 Tolerance: fp32 throughout, SGD; the pipeline runs each micro-batch's forward and backward stage by
 stage and sums the micro-batches' gradients in another order than the one-process reference, a
@@ -9,6 +9,7 @@ reordering of a few ulps per step."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,11 @@ LLAMA = ModelSpec(name="llama-pipe", architecture="decoder", num_layers=4, hidde
                   num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=128, vocab_size=256,
                   max_position_embeddings=64, mlp="swiglu", norm="rmsnorm", position_embedding="rope",
                   tied_embeddings=False, linear_bias=False, dropout=False)
-STEPS = 4
+# The same with tied embeddings (GPT-style: learned positions, LayerNorm, GeLU): TiedLayerSpecs at
+# both ends, the final norm a layer of its own before the tied projection.
+TIED = dataclasses.replace(LLAMA, name="gpt-pipe", mlp="gelu", norm="layernorm", position_embedding="learned",
+                           num_kv_heads=4, tied_embeddings=True, linear_bias=True)
+STEPS = 6
 PLAIN = LayerOption(checkpoint=False, shard_params=False, split=1)
 CHECKPOINTED = LayerOption(checkpoint=True, shard_params=False, split=1)
 
@@ -51,8 +56,10 @@ def pipeline_plan(zero_stage: int, stage_layers: tuple[int, ...] = (1, 3), check
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     runs = {"zero0": {"plan": pipeline_plan(0), "engine": "deepspeed"},
-            "zero1": {"plan": pipeline_plan(1, checkpointed=(1, 3, 4)), "engine": "deepspeed"}}
-    return launch(2, runs, tmp_path_factory.mktemp("pipeline"), steps=STEPS, seed=5, lr=0.5, worker=WORKER)
+            "zero1": {"plan": pipeline_plan(1, checkpointed=(1, 3, 4)), "engine": "deepspeed"},
+            "tied": {"plan": pipeline_plan(0, stage_layers=(3, 1), checkpointed=(2,), model=TIED),
+                     "engine": "deepspeed"}}
+    return launch(2, runs, tmp_path_factory.mktemp("pipeline"), steps=STEPS, seed=5, lr=0.1, worker=WORKER)
 
 
 @pytest.mark.slow
@@ -67,7 +74,19 @@ def test_uneven_pipeline_trains_like_one_process(results, name, checkpointed):
     assert first["checkpointed_layers"] + last["checkpointed_layers"] == list(checkpointed)
     assert first["checkpointed_blocks"] + last["checkpointed_blocks"] == list(checkpointed)
     assert run["losses"] == pytest.approx(run["reference"], rel=1e-5)
-    assert run["losses"][-1] < run["losses"][0]
+    assert min(run["losses"][1:]) < run["losses"][0] - 0.05  # it learns (the steps' batches differ)
+
+
+@pytest.mark.slow
+def test_tied_embeddings_pipeline_trains_like_one_process(results):
+    run = results["tied"]
+    # List: tied embedding (0), blocks (1..4), final norm (5), tied projection (6); 3 + 1 blocks.
+    assert run["parts"] == run["engine_parts"] == [0, 4, 7]
+    first, last = run["ranks"]
+    assert (first["blocks"], last["blocks"]) == ([1, 2, 3], [4])
+    assert first["checkpointed_layers"] == [2] and last["checkpointed_layers"] == []
+    assert run["losses"] == pytest.approx(run["reference"], rel=1e-5)
+    assert min(run["losses"][1:]) < run["losses"][0] - 0.05  # it learns (the steps' batches differ)
 
 
 class Block(nn.Module):
@@ -118,3 +137,18 @@ def test_search_does_not_split_a_deepspeed_pipeline_head():
     assert plans
     for plan in plans:
         assert plan.pp == 2 and plan.layer_choice(LLAMA.num_layers + 1).split == 1
+
+
+def test_a_tied_last_stage_holds_the_embedding_module_too():
+    # DeepSpeed builds a TiedLayerSpec's module on every stage that uses it: the last stage keeps the
+    # embedding (its token and position tables), their gradients and their optimizer state.
+    tied, untied = (pipeline_plan(1, stage_layers=(3, 1), checkpointed=(), model=m)
+                    for m in (TIED, dataclasses.replace(TIED, tied_embeddings=False)))
+    embedding = 4 * (TIED.padded_vocab_size(1) + TIED.max_position_embeddings) * TIED.hidden_size  # fp32
+    head = 4 * TIED.padded_vocab_size(1) * TIED.hidden_size  # the untied head's own matrix
+    last_tied, last_untied = tied.stages[-1], untied.stages[-1]
+    assert last_tied.params_bytes - (last_untied.params_bytes - head) == pytest.approx(embedding, rel=0.01)
+    assert last_tied.grads_bytes - (last_untied.grads_bytes - head) == pytest.approx(embedding, rel=0.01)
+    per_param = last_untied.optimizer_bytes / (last_untied.params_bytes / 4)
+    extra = last_tied.optimizer_bytes - (last_untied.optimizer_bytes - per_param * head / 4)
+    assert extra == pytest.approx(per_param * embedding / 4, rel=0.01)
