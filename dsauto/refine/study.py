@@ -244,11 +244,10 @@ def check_trials(planner: Planner, settings: TuneSettings) -> None:
         raise DsautoError(f"--trials must be at least 1, got {settings.trials}.")
     check_nodes(planner.cluster.nodes, settings.trial.launcher, settings.nodes, settings.storage)
     pins = planner.pins
-    if pins.engine == "deepspeed" and _model_parallel_pinned(pins):
-        raise DsautoError(f"Trials measure DeepSpeed plans through the dsauto hook, which runs them with tp=1 "
-                          f"and pp=1, but --tp {pins.tp or 1} --pp {pins.pp or 1} were pinned with --engine "
-                          f"deepspeed; use --engine megatron (trials then measure through Megatron-core), "
-                          f"unpin them, or plan without --trials.")
+    if pins.engine == "deepspeed" and (pins.tp or 1) > 1:
+        raise DsautoError(f"DeepSpeed plans have no tensor parallelism, but --tp {pins.tp} was pinned with "
+                          f"--engine deepspeed; use --engine megatron (trials then measure through "
+                          f"Megatron-core), or unpin it.")
 
 
 def _model_parallel_pinned(pins: Constraints) -> bool:
@@ -258,12 +257,12 @@ def _model_parallel_pinned(pins: Constraints) -> bool:
 def trial_pins(pins: Constraints) -> Constraints:
     """The pins of the plans trials measure. Megatron-core plans (tp and pp searched, measured by
     :mod:`dsauto.profile.megatron_steps` or a Megatron-core script) with ``--engine megatron``, or
-    when the engine is left open and ``--tp`` / ``--pp`` pin model parallelism, which only the
-    Megatron-core trials run; otherwise data-parallel DeepSpeed plans (tp = pp = 1), measured through
-    the dsauto hook."""
+    when the engine is left open and ``--tp`` / ``--pp`` pin model parallelism; otherwise DeepSpeed
+    plans, measured through the dsauto hook: data-parallel (tp = pp = 1), or under DeepSpeed's
+    pipeline engine where ``--engine deepspeed --pp N`` pins it."""
     if pins.engine == "megatron" or (pins.engine is None and _model_parallel_pinned(pins)):
         return replace(pins, engine="megatron")
-    return replace(pins, tp=1, pp=1, engine="deepspeed")
+    return replace(pins, tp=1, pp=pins.pp if pins.engine == "deepspeed" and pins.pp else 1, engine="deepspeed")
 
 
 def _measured_planner(planner: Planner) -> Planner:

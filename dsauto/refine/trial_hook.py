@@ -10,9 +10,9 @@ The tuner launches the script once per trial (with the DeepSpeed launcher) and s
 2. counts live tensor bytes from before the engine is built, the model's existing parameters and
    buffers included (:meth:`MemoryTracker.adopt`), over the first ``memory_steps`` optimizer steps,
    then stops counting (the CPU counter slows every operator down);
-3. counts optimizer steps at ``engine.step()``, skips ``warmup_steps`` more, then times ``steps``
-   steps, each from the end of one optimizer step to the end of the next, ranks synchronised at
-   every step end;
+3. counts optimizer steps at ``engine.step()`` (a pipeline engine's at ``engine.train_batch()``),
+   skips ``warmup_steps`` more, then times ``steps`` steps, each from the end of one optimizer step
+   to the end of the next, ranks synchronised at every step end;
 4. after the last timed step, writes the :class:`~dsauto.profile.steps.StepMeasurement` (slowest
    rank's times, largest rank's memory) as JSON at the request's ``out`` from rank 0, leaves the
    process group on every rank and ends the process (``os._exit(0)``, skipping the script's own
@@ -22,8 +22,10 @@ The quantities are those of the built-in harness (:mod:`dsauto.profile.steps`), 
 rank synchronisation and reduction with this module. What the script must do for the measurement to
 be the plan's: take the micro-batch and the accumulation from the engine
 (``engine.train_micro_batch_size_per_gpu()``, ``engine.gradient_accumulation_steps()``), call
-``engine.step()`` after every micro-batch's ``engine.backward(loss)``, and run at least
-``memory_steps + warmup_steps + steps`` optimizer steps.
+``engine.step()`` after every micro-batch's ``engine.backward(loss)`` (or, for a pipeline plan,
+build its model with ``dsauto.deepspeed.pipeline_module``, which cuts it for the trial's plan, and
+call ``engine.train_batch()``), and run at least ``memory_steps + warmup_steps + steps`` optimizer
+steps.
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from typing import Any
 
 import torch
 
-from dsauto.errors import DsautoError
 from dsauto.profile.memory import MemoryTracker
 from dsauto.profile.run import current_device
 from dsauto.profile.steps import StepMeasurement, slowest_rank, sync_ranks
@@ -178,7 +179,8 @@ def _existing_tensors(model: Any, optimizer: Any) -> Iterator[torch.Tensor]:
 
 class _TrialSteps:
     """Counts the engine's optimizer steps and measures them: replaces ``engine.step`` (and
-    ``engine.backward``, to see the loss) on the engine instance by its own methods."""
+    ``engine.backward``, to see the loss) on the engine instance by its own methods, or a pipeline
+    engine's ``train_batch`` (one optimizer step each)."""
 
     def __init__(self, request: TrialRequest, engine: Any, tracker: MemoryTracker, device: torch.device):
         self.request = request
@@ -192,6 +194,7 @@ class _TrialSteps:
         self.rank = 0
         self._engine_step = engine.step
         self._engine_backward = engine.backward
+        self._engine_train_batch: Callable[..., Any] | None = None
         self._loss: torch.Tensor | None = None
         self._clock = 0.0
         self._step_region = tracker.region("step")
@@ -201,16 +204,18 @@ class _TrialSteps:
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
         engine, request = self.engine, self.request
-        if isinstance(engine, PipelineEngine):
-            raise DsautoError("A dsauto trial counts optimizer steps at engine.step(), which a DeepSpeed "
-                              "pipeline engine does not use (it trains with train_batch()); tune a "
-                              "pipeline-parallel model with the Megatron-core plugin.")
         # Between steps: parameters, gradients and optimizer states, as in dsauto.profile.steps.
         with self.tracker.region("static"):
             pass
         self._step_region.__enter__()  # until the last memory step ends
-        engine.step = self.step
-        engine.backward = self.backward
+        if isinstance(engine, PipelineEngine):
+            # DeepSpeed's pipeline engine runs a whole step (its micro-batches, the reduction and the
+            # optimizer) in train_batch() and returns the step's mean loss.
+            self._engine_train_batch = engine.train_batch
+            engine.train_batch = self.train_batch
+        else:
+            engine.step = self.step
+            engine.backward = self.backward
         atexit.register(self._report_unfinished)
         self.rank = dist.get_rank()
         if self.rank == 0:
@@ -219,6 +224,12 @@ class _TrialSteps:
                   f"micro-batches per step, {dist.get_world_size()} ranks, config from ${TRIAL_ENV} "
                   f"(the script's is not used); measuring {request.memory_steps} + "
                   f"{request.warmup_steps} + {request.steps} optimizer steps", flush=True)
+
+    def train_batch(self, *args: Any, **kwargs: Any) -> Any:
+        loss = self._engine_train_batch(*args, **kwargs)
+        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else None
+        self._after_optimizer_step()
+        return loss
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         self._loss = loss.detach()  # a view: nothing allocated, the graph is not kept

@@ -18,13 +18,11 @@ learns in a few steps, so the printed loss falls.
 from __future__ import annotations
 
 import argparse
-import json
 
 import deepspeed
 import deepspeed.comm as dist
 
 import dsauto.deepspeed
-from dsauto.emit.ds_config import PLAN_KEY
 from dsauto.models import build_model
 from dsauto.models.data import synthetic_batch
 from dsauto.models.gpt import logits_loss
@@ -48,9 +46,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    with open(args.deepspeed_config) as f:
-        config = json.load(f)
-    plan = Plan.from_dict(config[PLAN_KEY]) if PLAN_KEY in config else None
+    plan = dsauto.deepspeed.plan_of(args.deepspeed_config)  # under dsauto tune --script: the trial's
     spec = plan.model if plan else load_model(args.model)
     vocab_size = plan.padded_vocab_size if plan else spec.padded_vocab_size(1)
 

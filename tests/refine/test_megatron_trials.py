@@ -41,7 +41,10 @@ def test_trials_take_megatron_and_its_model_parallel_pins():
     assert trial_pins(Constraints(tp=2)).engine == "megatron"  # only Megatron-core trials run tp > 1
     assert trial_pins(Constraints(pp=2, engine="megatron")).pp == 2
     assert trial_pins(Constraints()) == Constraints(tp=1, pp=1, engine="deepspeed")  # as before
-    with pytest.raises(DsautoError, match=r"--tp 2 --pp 1 were pinned with --engine deepspeed; use --engine megatron"):
+    # DeepSpeed's pipeline engine, pinned, is measured as it is; tensor parallelism is not DeepSpeed's.
+    assert trial_pins(Constraints(pp=2, engine="deepspeed")) == Constraints(tp=1, pp=2, engine="deepspeed")
+    check_trials(planner(engine="deepspeed", pp=2), settings)
+    with pytest.raises(DsautoError, match=r"--tp 2 was pinned with --engine deepspeed; use --engine megatron"):
         check_trials(Planner(load_model("gpt-tiny"), load_cluster("cpu", nodes=1, gpus_per_node=2),
                              TrainSpec(8, 64, "fp32"), Constraints(tp=2, engine="deepspeed")), settings)
 

@@ -183,3 +183,45 @@ def test_the_trial_measures_the_memory_the_built_in_harness_measures(trial, tmp_
     measured = trial["measured"]
     assert measured.static_bytes == pytest.approx(harness.static_bytes, rel=1e-3)
     assert measured.peak_bytes == pytest.approx(harness.peak_bytes, rel=1e-3)
+
+
+def pipeline_trial_plan() -> Plan:
+    """A DeepSpeed pipeline trial: gpt-tiny (tied embeddings) cut 3 + 1 over the 2 ranks, ZeRO-0,
+    micro-batch 2, 4 micro-batches per step, layer 2 checkpointed."""
+    planner = Planner(load_model("gpt-tiny"), load_cluster("cpu", nodes=1, gpus_per_node=2),
+                      TrainSpec(global_batch=8, seq_len=64, dtype="fp32"))
+    strategy = Strategy(dims=ParallelDims(dp=1, tp=1, pp=2), zero_stage=0, micro_batch=2, grad_accum=4,
+                        sequence_parallel=False)
+    plain, checkpointed = (LayerOption(checkpoint=c, shard_params=False, split=1) for c in (False, True))
+    return planner.build_plan(strategy, [3, 1], [plain, plain, checkpointed, plain, plain, plain])
+
+
+@pytest.mark.slow
+def test_a_pipeline_trial_runs_through_the_script_and_measures_what_the_harness_does(tmp_path):
+    """The script is given a data-parallel config; the trial is a pipeline plan: the example builds
+    its PipelineModule with dsauto.deepspeed.pipeline_module, which cuts it for the trial's plan, and
+    the hook counts the engine's train_batch() steps. Memory as the built-in harness measures it."""
+    script_config, request, out = tmp_path / "script_config.json", tmp_path / "request.json", tmp_path / "m.json"
+    script_config.write_text(json.dumps(SCRIPT_CONFIG))
+    plan = pipeline_trial_plan()
+    write_request(TrialRequest(config=ds_config(plan), out=str(out), steps=TIMED_STEPS, warmup_steps=WARMUP_STEPS,
+                               memory_steps=MEMORY_STEPS), request)
+    run = deepspeed_launch([str(ROOT / "examples" / "deepspeed" / "train_gpt.py"), "--deepspeed_config",
+                            str(script_config), "--steps", "1000"], {TRIAL_ENV: str(request)})
+    log = run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 0 and out.exists(), log
+    assert "dsauto trial: ZeRO stage 0, micro-batch 2, 4 micro-batches per step, 2 ranks" in run.stdout, log
+    measured = StepMeasurement(**json.loads(out.read_text()))
+    assert len(measured.step_seconds_samples) == TIMED_STEPS and len(measured.losses) == TIMED_STEPS
+    assert all(0 < loss < 20 for loss in measured.losses)
+
+    plans = tmp_path / "plans.json"
+    plans.write_text(json.dumps([plan.to_dict()]))
+    harness_run = deepspeed_launch(["--module", "dsauto.profile.steps", "--plans", str(plans), "--out",
+                                    str(tmp_path / "steps.json"), "--steps", "1", "--warmup", "0"], {})
+    assert harness_run.returncode == 0, harness_run.stdout[-4000:] + harness_run.stderr[-4000:]
+    harness = StepMeasurement(**json.loads((tmp_path / "steps.json").read_text())[0])
+    assert measured.static_bytes == pytest.approx(harness.static_bytes, rel=1e-3)
+    assert measured.peak_bytes == pytest.approx(harness.peak_bytes, rel=1e-2)
+    # And the plan's prediction of that peak (the last stage holds the tied table's copy).
+    assert plan.prediction.peak_memory_bytes == pytest.approx(measured.peak_bytes, rel=0.03)
