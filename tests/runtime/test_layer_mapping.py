@@ -118,7 +118,16 @@ def test_tensor_parallel_plan_is_refused(spec, no_engine):
     planner = Planner(spec, load_cluster("cpu", nodes=1, gpus_per_node=2), TrainSpec(4, 64, "fp32"))
     strategy = Strategy(dims=ParallelDims(dp=1, tp=2, pp=1), zero_stage=0, micro_batch=2, grad_accum=2, sequence_parallel=False)
     plan = planner.build_plan(strategy, [4], [LayerOption(False, False, 1)] * 6)
-    with pytest.raises(DsautoError, match="tp=2 and pp=1"):
+    with pytest.raises(DsautoError, match="this plan has tp=2; run it with the Megatron-core plugin"):
+        dsauto.deepspeed.initialize(model=build_model(spec), config=ds_config(plan))
+
+
+def test_pipeline_plan_needs_the_pipeline_module_cut_for_it(spec, no_engine):
+    planner = Planner(spec, load_cluster("cpu", nodes=1, gpus_per_node=2), TrainSpec(4, 64, "fp32"))
+    strategy = Strategy(dims=ParallelDims(dp=1, tp=1, pp=2), zero_stage=0, micro_batch=2, grad_accum=2,
+                        sequence_parallel=False)
+    plan = planner.build_plan(strategy, [3, 1], [LayerOption(False, False, 1)] * 6)
+    with pytest.raises(DsautoError, match=r"2 pipeline stages of \[3, 1\].*dsauto.deepspeed.pipeline_module"):
         dsauto.deepspeed.initialize(model=build_model(spec), config=ds_config(plan))
 
 
