@@ -6,8 +6,9 @@ checks them on one: it times, on a GPU,
 
 - bf16 GEMMs of [8192 x 8192] by [8192 x d] and [8192 x d] by [d x 8192] for d from 128 to 8192,
   against ``matmul_efficiency * d / (d + matmul_half_dim)`` (the preset's shape model);
-- torch's AdamW over 2^24 fp32 parameters (the update DeepSpeed's ZeRO optimizers run), against the
-  preset's bandwidth-bound price of the update (``memory_bandwidth_efficiency``);
+- torch's AdamW over 2^24 fp32 parameters, multi-tensor and fused (dsauto's DeepSpeed configs ask
+  for the fused one), against the preset's bandwidth-bound price of the update
+  (``memory_bandwidth_efficiency``);
 - the forward and backward of the reference transformer layer (the one DeepSpeed plans train,
   dsauto.models.gpt.Block, with PyTorch's scaled-dot-product attention) at each tensor-parallel
   shard shape of several model presets, against the analytic compute of that shard
@@ -83,10 +84,8 @@ def measure(path: Path, models: list[str]) -> None:
             flops = 2 * shape[0] * shape[1] * shape[2]
             data["gemms"].append({"m": shape[0], "k": shape[1], "n": shape[2], "seconds": seconds})
             print(f"gemm m={shape[0]} k={shape[1]} n={shape[2]}: {flops / seconds / 1e12:.0f} TFLOP/s", flush=True)
-    from dsauto.profile.run import measure_optimizer
-
-    data["optimizer_seconds_per_param"] = measure_optimizer(2**24, torch.bfloat16, device, warmup=3, repeats=7)
-    data["fused_optimizer_seconds_per_param"] = _fused_adamw_seconds(device)
+    data["optimizer_seconds_per_param"] = _adamw_seconds(device, fused=False)
+    data["fused_optimizer_seconds_per_param"] = _adamw_seconds(device, fused=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
     for name in models:
         model = load_model(name)
@@ -138,8 +137,9 @@ def _stack_rows(name: str, model, seq_len: int, tps: list[int], device) -> list[
     return rows
 
 
-def _fused_adamw_seconds(device) -> float:
-    """Seconds per parameter of torch's fused AdamW (``fused=True``) over 2^24 fp32 parameters."""
+def _adamw_seconds(device, fused: bool) -> float:
+    """Seconds per parameter of torch's AdamW over 2^24 fp32 parameters: its default multi-tensor
+    (``foreach``) update, or the one-kernel ``fused=True`` one."""
     import torch
 
     from dsauto.profile.layers import median_seconds
@@ -147,7 +147,7 @@ def _fused_adamw_seconds(device) -> float:
     n = 2**24
     param = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32, device=device))
     param.grad = torch.randn(n, dtype=torch.float32, device=device)
-    optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW([param], lr=1e-4, fused=fused)
     return median_seconds(optimizer.step, device, 3, 7) / n
 
 

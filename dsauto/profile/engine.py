@@ -109,7 +109,7 @@ def measure_zero3_module_seconds(model: ModelSpec, seq_len: int, dtype: torch.dt
     largest = max(p.numel() for p in plain.parameters())
     config = {
         "train_batch_size": world, "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
         # As dsauto emits ZeRO-3: parameters released after use, one matrix prefetched.
         "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0,
                               "stage3_prefetch_bucket_size": largest,

@@ -181,18 +181,17 @@ def test_gradients_awaiting_zero_are_priced_by_stage():
     assert gradient_transient_bytes(offloaded, bucket, largest, 4 * MiB) == 4 * MiB
 
 
-@pytest.mark.parametrize("zero, measured_mib", [(1, 257.4), (2, 257.4), (3, 273.4)])
+@pytest.mark.parametrize("zero, measured_mib", [(1, 225.4), (2, 225.4), (3, 209.1)])
 def test_the_optimizer_update_matches_the_measured_moment(zero, measured_mib):
+    # Measured with the emitted config (torch's fused AdamW), a tracker region around the update.
     from dsauto.cost.step import optimizer_step_bytes
 
     stage = _wide_step(zero, 1, 8).stages[0]
     bucket = 16 * MiB
-    update = optimizer_step_bytes(strategy(dp=2, zero=zero, accum=8), stage.params_bytes, stage.grads_bytes,
-                                  stage.optimizer_bytes, bucket, single_tensor=True)
-    assert update / MiB == pytest.approx(measured_mib, rel=0.01)
-    fused = optimizer_step_bytes(strategy(dp=2, zero=zero, accum=8), stage.params_bytes, stage.grads_bytes,
-                                 stage.optimizer_bytes, bucket, single_tensor=False)
-    assert fused < update  # torch's multi-tensor AdamW on CUDA makes one temporary fewer
+    for single_tensor in (True, False):  # the fused update is the same on a CPU and on CUDA
+        update = optimizer_step_bytes(strategy(dp=2, zero=zero, accum=8), stage.params_bytes, stage.grads_bytes,
+                                      stage.optimizer_bytes, bucket, single_tensor=single_tensor)
+        assert update / MiB == pytest.approx(measured_mib, rel=0.01)
     assert stage.peak_bytes >= update
 
 

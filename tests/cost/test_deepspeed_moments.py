@@ -107,9 +107,9 @@ def test_a_tied_table_waits_through_backward_and_is_summed_at_the_embedding():
 
 
 def test_the_update_is_a_moment_of_its_own():
-    update = optimizer_step_bytes(strategy(1), 10 * MiB, 8 * MiB, 20 * MiB, 4 * MiB, True)
-    assert update == (10 + 4 + 20 + 2 * 20 / 3) * MiB  # ZeRO-1 reduced into its partition by then
-    small = deepspeed_moment_peak(strategy(1), 10 * MiB, 8 * MiB, 20 * MiB, 0.0, 0.0, [], 4 * MiB, 0.0, 8 * MiB,
+    update = optimizer_step_bytes(strategy(1), 10 * MiB, 8 * MiB, 60 * MiB, 4 * MiB, True)
+    assert update == (10 + 4 + 60 + 60 / 3) * MiB  # ZeRO-1 reduced into its partition, copied flat in fp32
+    small = deepspeed_moment_peak(strategy(1), 10 * MiB, 8 * MiB, 60 * MiB, 0.0, 0.0, [], 4 * MiB, 0.0, 8 * MiB,
                                   0.0, 0.0, 0.0, single_tensor=True)
     assert small == update
 

@@ -84,7 +84,7 @@ def test_finds_the_truly_fastest_feasible_candidate_in_few_trials_without_repeat
     # The "machine" holds 50% more static memory than priced: the model's favourite does not fit the
     # 33 MiB budget; another checkpointing of another plan does, and is the true optimum.
     planner, space = problem("33MiB")
-    assert len(space) > 20
+    assert len(space) > 15
     truth = Calibration(compute=1.3, communication=4.0, tensor_parallel=4.0, pipeline_p2p=4.0, static_memory=1.5,
                         activation_memory=1.2)
     study, sampler, real = run(planner, space, trials=6, truth=truth)
