@@ -211,17 +211,23 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
+def _head_input_layers(model: ModelSpec) -> tuple[nn.Module | None, nn.Module | None]:
+    """The head's layers before its LM-head matrix: the final norm (pre-norm models) and an
+    encoder's dense + GeLU + norm transform."""
+    h = model.hidden_size
+    norm = _norm(model) if model.norm_position == "pre" else None
+    transform = nn.Sequential(nn.Linear(h, h), nn.GELU(), _norm(model)) if model.architecture == "encoder" else None
+    return norm, transform
+
+
 class Head(nn.Module):
     """Final norm (pre-norm models), (encoder: dense + GeLU + norm transform), LM head (with a bias
     over the vocabulary in encoders) and mean cross-entropy."""
 
     def __init__(self, model: ModelSpec, vocab_size: int, tied_weight: nn.Parameter | None):
         super().__init__()
-        h = model.hidden_size
-        self.norm = _norm(model) if model.norm_position == "pre" else None
-        encoder = model.architecture == "encoder"
-        self.transform = nn.Sequential(nn.Linear(h, h), nn.GELU(), _norm(model)) if encoder else None
-        self.lm_head = nn.Linear(h, vocab_size, bias=encoder)
+        self.norm, self.transform = _head_input_layers(model)
+        self.lm_head = nn.Linear(model.hidden_size, vocab_size, bias=model.architecture == "encoder")
         if tied_weight is not None:
             self.lm_head.weight = tied_weight
         self.softcap = model.final_logit_softcap
@@ -266,11 +272,9 @@ class HeadInput(nn.Module):
 
     def __init__(self, model: ModelSpec):
         super().__init__()
-        self.head = Head(model, 1, tied_weight=None)
-        del self.head.lm_head  # the tied table projects
+        self.norm, self.transform = _head_input_layers(model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head.hidden(x)
+    forward = Head.hidden
 
 
 def tied_logits(softcap: float | None) -> Callable[[Embedding, torch.Tensor], torch.Tensor]:

@@ -131,9 +131,22 @@ def _measure_engine(build: Callable[[], object], step: Callable[[object], float]
     measured = dataclasses.replace(measured, on_core_step_seconds=on_core_median(
         measured.step_seconds_samples, run_queue, device))
     engine.destroy()
+    _forget_model_parallel_groups(engine)
     del engine
     gc.collect()
     return measured
+
+
+def _forget_model_parallel_groups(engine: object) -> None:
+    """Forget the groups a destroyed engine left as the process's model-parallel ones. A DeepSpeed
+    engine given an ``mpu`` (a pipeline engine: its pipeline grid) stores it process-wide
+    (``groups.mpu``, deepspeed/runtime/engine.py, ``_configure_distributed_model``) and ``destroy``
+    leaves it there, so the next engine this process builds would take the grid's pipe x slice
+    ranks for its own model parallelism."""
+    from deepspeed.utils import groups
+
+    if groups.mpu is not None and groups.mpu is getattr(engine, "mpu", None):
+        groups.mpu = None
 
 
 def pipeline_module(plan: Plan):
