@@ -111,11 +111,11 @@ def test_blocks_are_the_type_occurring_once_per_layer():
 def test_refuses_what_a_deepspeed_pipeline_cannot_run():
     with pytest.raises(DsautoError, match="loss in 2 chunks"):
         check_pipeline_plan(pipeline_plan(0, head_split=2))
+    one_stage = Planner(LLAMA, load_cluster("cpu", nodes=1, gpus_per_node=2),
+                        TrainSpec(global_batch=2, seq_len=32, dtype="fp32")).build_plan(
+        Strategy(dims=ParallelDims(dp=2), zero_stage=0, micro_batch=1, grad_accum=1, sequence_parallel=False),
+        (4,), [PLAIN] * 6)
     with pytest.raises(DsautoError, match="no pipeline"):
-        one_stage = Planner(LLAMA, load_cluster("cpu", nodes=1, gpus_per_node=2),
-                            TrainSpec(global_batch=2, seq_len=32, dtype="fp32")).build_plan(
-            Strategy(dims=ParallelDims(dp=2), zero_stage=0, micro_batch=1, grad_accum=1, sequence_parallel=False),
-            (4,), [PLAIN] * 6)
         check_pipeline_plan(one_stage)
     # The hook takes only the PipelineModule cut for the config's plan.
     with pytest.raises(DsautoError, match=r"2 pipeline stages of \[1, 3\].*dsauto.deepspeed.pipeline_module"):
