@@ -76,7 +76,7 @@ def measure(path: Path, models: list[str]) -> None:
     data: dict = {
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(), "dtype": "bf16",
-        "command": "python benchmarks/device_layers.py --measure benchmarks/results/" + path.name, "gemms": [], "layers": [], "stacks": [],
+        "command": "python benchmarks/device_layers.py --measure benchmarks/results/" + path.name, "gemms": [], "layers": [], "stacks": [], "graphs": [],
     }
     for d in GEMM_DIMS:
         for shape in ((GEMM_SIZE, GEMM_SIZE, d), (GEMM_SIZE, d, GEMM_SIZE)):
@@ -96,6 +96,7 @@ def measure(path: Path, models: list[str]) -> None:
             layers = profile_layers(model, seq_len, MICRO_BATCHES, tps, torch.bfloat16, device, warmup=3, repeats=7)
         with torch.device(device):
             data["stacks"] += _stack_rows(name, model, seq_len, tps, device)
+            data["graphs"] += _graph_rows(name, model, seq_len, tps, device)
         for m in layers:
             data["layers"].append({"model": name, "group": m.group, "tp": m.tp, "micro_batch": m.micro_batch, "seq_len": seq_len,
                                    "checkpoint": m.checkpoint, "forward_seconds": m.forward_seconds,
@@ -134,6 +135,46 @@ def _stack_rows(name: str, model, seq_len: int, tps: list[int], device) -> list[
         both = median_seconds(step, device, warmup=3, repeats=7)
         rows.append({"model": name, "tp": tp, "micro_batch": 1, "seq_len": seq_len, "layers": STACK,
                      "forward_seconds": forward / STACK, "backward_seconds": (both - forward) / STACK})
+    return rows
+
+
+def _graph_rows(name: str, model, seq_len: int, tps: list[int], device) -> list[dict]:
+    """The same stacks run as one CUDA graph (forward and backward captured, then replayed): the
+    GPU's own time per layer, without the host issuing kernels; models without dropout only."""
+    import torch
+
+    from dsauto.models.gpt import Block
+
+    if model.dropout:
+        return []
+    rows = []
+    for tp in tps:
+        torch.manual_seed(0)
+        first = Block(model, tp=tp).to(dtype=torch.bfloat16)
+        if STACK * sum(p.numel() for p in first.parameters()) > 8e9:
+            continue
+        stack = torch.nn.Sequential(first, *(Block(model, tp=tp).to(dtype=torch.bfloat16) for _ in range(STACK - 1)))
+        x = torch.randn(1, seq_len, model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                stack(x).sum().backward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            stack(x).sum().backward()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        rows.append({"model": name, "tp": tp, "micro_batch": 1, "seq_len": seq_len, "layers": STACK,
+                     "seconds": statistics.median(times[3:]) / STACK})
+        del graph
     return rows
 
 
@@ -240,6 +281,22 @@ def compare(path: Path, hardware: str, out: Path | None) -> None:
             lines.append(f"| {r['model']} | {r['tp']} | {(single['forward_seconds'] + single['backward_seconds']) * 1e3:.2f}"
                          f" | {in_stack * 1e3:.2f} | {(forward + backward) * 1e3:.2f} | {error:+.1%} |")
 
+    graph_errors = []
+    if data.get("graphs"):
+        stacked = {(r["model"], r["tp"]): r for r in data.get("stacks", [])}
+        lines += ["", f"## The stack of {STACK} as one CUDA graph: the GPU's own time, no host", "",
+                  "| model | tp | eager in the stack ms | graph replay ms | predicted ms | error vs the graph |",
+                  "|---|---|---|---|---|---|"]
+        for r in data["graphs"]:
+            forward, backward = predicted_layer(hardware, r["model"], alone[(r["model"], r["tp"])]["group"], r["tp"],
+                                                1, r["seq_len"])
+            eager = stacked.get((r["model"], r["tp"]))
+            eager_ms = f"{(eager['forward_seconds'] + eager['backward_seconds']) * 1e3:.2f}" if eager else "-"
+            error = (forward + backward) / r["seconds"] - 1
+            graph_errors.append(error)
+            lines.append(f"| {r['model']} | {r['tp']} | {eager_ms} | {r['seconds'] * 1e3:.2f} | "
+                         f"{(forward + backward) * 1e3:.2f} | {error:+.1%} |")
+
     def summary(errors: list[float]) -> str:
         if not errors:
             return "none"
@@ -249,6 +306,9 @@ def compare(path: Path, hardware: str, out: Path | None) -> None:
     headline = [f"GEMMs ({len(gemm_errors)}): {summary(gemm_errors)}",
                 f"transformer layers ({len(block_errors)}): {summary(block_errors)}",
                 f"embedding and head ({len(edge_errors)}): {summary(edge_errors)}"]
+    if graph_errors:
+        headline.append(f"transformer layers as one CUDA graph, micro-batch 1 ({len(graph_errors)}): "
+                        f"{summary(graph_errors)}")
     if data.get("stacks"):
         headline.append(f"transformer layers inside a stack of {STACK}, micro-batch 1 ({len(stack_errors)}): "
                         f"{summary(stack_errors)}")
