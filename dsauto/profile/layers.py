@@ -166,9 +166,12 @@ def measure_layer(module: nn.Module, make_input: Callable[[], tuple[torch.Tensor
         module.zero_grad(set_to_none=True)
         return middle - start, end - middle
 
-    for _ in range(warmup):
-        once()
-    forward_times, backward_times = zip(*uncontended(once, device, repeats))
+    if device.type == "cuda":
+        forward_times, backward_times = _queued_pass_seconds(forward, make_input, module, device, warmup, repeats)
+    else:
+        for _ in range(warmup):
+            once()
+        forward_times, backward_times = zip(*uncontended(once, device, repeats))
 
     inputs = make_input()
     tracker = MemoryTracker(device)
@@ -180,6 +183,32 @@ def measure_layer(module: nn.Module, make_input: Callable[[], tuple[torch.Tensor
     module.zero_grad(set_to_none=True)
     return (statistics.median(forward_times), statistics.median(backward_times), activation,
             tracker.peak_bytes("layer"))
+
+
+def _queued_pass_seconds(forward: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
+                         make_input: Callable[[], tuple[torch.Tensor, ...]], module: nn.Module,
+                         device: torch.device, warmup: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of ``repeats`` passes on an accelerator as a training step runs
+    them: queued one after another with CUDA events between, the host running ahead of the device,
+    one synchronisation at the end. Timed with a synchronisation around each pass instead, a layer
+    whose kernels take less time than the host needs to issue them is measured host-bound alone,
+    where inside a step the host issues it while the device runs the layers before it (measured on
+    an H100: Llama layers of 5-7 ms timed alone took 16-34% longer than inside a stack of 8;
+    benchmarks/results/device_layers_h100-80gb.md)."""
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(warmup + repeats)]
+    sync(device)
+    for start, middle, end in events:
+        args = make_input()  # queued before the start event: not timed
+        start.record()
+        out = forward(args)
+        middle.record()
+        out.backward(torch.ones_like(out))
+        end.record()
+        module.zero_grad(set_to_none=True)
+    sync(device)
+    timed = events[warmup:]
+    return ([start.elapsed_time(middle) / 1e3 for start, middle, _ in timed],
+            [middle.elapsed_time(end) / 1e3 for _, middle, end in timed])
 
 
 def reference_layer(model: ModelSpec, group: str, tp: int, vocab_size: int) -> nn.Module:
