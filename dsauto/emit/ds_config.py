@@ -36,7 +36,7 @@ from dsauto.spec.training import DTYPE_BYTES
 # fused CPU/GPU Adam, whose C++/CUDA extension otherwise compiles for minutes on first use
 # (deepspeed/runtime/engine.py, get_optimizer_configuration), and "fused" (passed on to it) runs
 # torch's one-kernel update (torch >= 2.4, CPU and CUDA) instead of its default multi-tensor one:
-# measured 2.5-2.8x faster on an H100 (13.6-14.6 against 34.3-41.6 ps per parameter, two runs;
+# measured 2.1-2.8x faster on an H100 (13.6-17.6 against 34.3-41.6 ps per parameter, three runs;
 # benchmarks/results/device_layers_h100-80gb.md) and 7x on a CPU, with no partition-sized temporaries.
 OPTIMIZER_PARAMS: dict[str, Any] = {
     "lr": 3e-4,
