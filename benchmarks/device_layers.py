@@ -43,23 +43,30 @@ MICRO_BATCHES = (1, 2)
 SEQ_LEN = 2048
 
 
-def _gemm_seconds(m: int, k: int, n: int, repeats: int = 20) -> float:
-    """Median seconds of one bf16 [m x k] by [k x n] product on the current GPU (CUDA events)."""
+def _event_seconds(run, warmup: int, repeats: int) -> float:
+    """Median GPU seconds of ``run()`` between CUDA events, after ``warmup`` untimed calls."""
     import torch
 
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(5):
-        a @ b
+    for _ in range(warmup):
+        run()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        a @ b
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+def _gemm_seconds(m: int, k: int, n: int) -> float:
+    """Median seconds of one bf16 [m x k] by [k x n] product on the current GPU."""
+    import torch
+
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    return _event_seconds(lambda: a @ b, warmup=5, repeats=20)
 
 
 def measure(path: Path, models: list[str]) -> None:
@@ -68,6 +75,7 @@ def measure(path: Path, models: list[str]) -> None:
     import torch
 
     from dsauto.profile.layers import profile_layers
+    from dsauto.profile.run import measure_optimizer
     from dsauto.spec.loaders import load_model
 
     if not torch.cuda.is_available():
@@ -84,8 +92,8 @@ def measure(path: Path, models: list[str]) -> None:
             flops = 2 * shape[0] * shape[1] * shape[2]
             data["gemms"].append({"m": shape[0], "k": shape[1], "n": shape[2], "seconds": seconds})
             print(f"gemm m={shape[0]} k={shape[1]} n={shape[2]}: {flops / seconds / 1e12:.0f} TFLOP/s", flush=True)
-    data["optimizer_seconds_per_param"] = _adamw_seconds(device, fused=False)
-    data["fused_optimizer_seconds_per_param"] = _adamw_seconds(device, fused=True)
+    data["optimizer_seconds_per_param"] = measure_optimizer(2**24, torch.float32, device, 3, 7, fused=False)
+    data["fused_optimizer_seconds_per_param"] = measure_optimizer(2**24, torch.float32, device, 3, 7, fused=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
     for name in models:
         model = load_model(name)
@@ -94,9 +102,8 @@ def measure(path: Path, models: list[str]) -> None:
         started = time.perf_counter()
         with torch.device(device):  # build each shard on the GPU: a 16384-wide layer takes minutes on the host
             layers = profile_layers(model, seq_len, MICRO_BATCHES, tps, torch.bfloat16, device, warmup=3, repeats=7)
-        with torch.device(device):
             data["stacks"] += _stack_rows(name, model, seq_len, tps, device)
-            data["graphs"] += _graph_rows(name, model, seq_len, tps, device)
+            data["graphs"] += _graph_rows(name, model, seq_len, tps)
         for m in layers:
             data["layers"].append({"model": name, "group": m.group, "tp": m.tp, "micro_batch": m.micro_batch, "seq_len": seq_len,
                                    "checkpoint": m.checkpoint, "forward_seconds": m.forward_seconds,
@@ -110,22 +117,32 @@ STACK = 8
 """Transformer layers in the stack timed as a whole (one synchronisation per pass, as in a step)."""
 
 
-def _stack_rows(name: str, model, seq_len: int, tps: list[int], device) -> list[dict]:
-    """Forward and backward of :data:`STACK` layer shards in a row, micro-batch 1, per layer: a
-    layer timed alone waits for the host to launch its kernels, inside a step the host runs ahead."""
+def _stack(model, tp: int, seq_len: int):
+    """:data:`STACK` bf16 shards of the reference layer in a row and an input of micro-batch 1, or
+    None for a shard too large for 8 of them and their gradients (GPU-bound anyway)."""
     import torch
 
     from dsauto.models.gpt import Block
+
+    torch.manual_seed(0)
+    first = Block(model, tp=tp).to(dtype=torch.bfloat16)
+    if STACK * sum(p.numel() for p in first.parameters()) > 8e9:
+        return None
+    stack = torch.nn.Sequential(first, *(Block(model, tp=tp).to(dtype=torch.bfloat16) for _ in range(STACK - 1)))
+    return stack, torch.randn(1, seq_len, model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+
+
+def _stack_rows(name: str, model, seq_len: int, tps: list[int], device) -> list[dict]:
+    """Forward and backward of :data:`STACK` layer shards in a row, micro-batch 1, per layer, one
+    synchronisation per pass: the host issues each layer while the GPU runs the one before."""
     from dsauto.profile.layers import median_seconds
 
     rows = []
     for tp in tps:
-        torch.manual_seed(0)
-        first = Block(model, tp=tp).to(dtype=torch.bfloat16)
-        if STACK * sum(p.numel() for p in first.parameters()) > 8e9:
-            continue  # a GPU-bound shard anyway; 8 of them and their gradients would not fit
-        stack = torch.nn.Sequential(first, *(Block(model, tp=tp).to(dtype=torch.bfloat16) for _ in range(STACK - 1)))
-        x = torch.randn(1, seq_len, model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        built = _stack(model, tp, seq_len)
+        if built is None:
+            continue
+        stack, x = built
 
         def step() -> None:
             stack(x).sum().backward()
@@ -138,23 +155,19 @@ def _stack_rows(name: str, model, seq_len: int, tps: list[int], device) -> list[
     return rows
 
 
-def _graph_rows(name: str, model, seq_len: int, tps: list[int], device) -> list[dict]:
+def _graph_rows(name: str, model, seq_len: int, tps: list[int]) -> list[dict]:
     """The same stacks run as one CUDA graph (forward and backward captured, then replayed): the
     GPU's own time per layer, without the host issuing kernels; models without dropout only."""
     import torch
-
-    from dsauto.models.gpt import Block
 
     if model.dropout:
         return []
     rows = []
     for tp in tps:
-        torch.manual_seed(0)
-        first = Block(model, tp=tp).to(dtype=torch.bfloat16)
-        if STACK * sum(p.numel() for p in first.parameters()) > 8e9:
+        built = _stack(model, tp, seq_len)
+        if built is None:
             continue
-        stack = torch.nn.Sequential(first, *(Block(model, tp=tp).to(dtype=torch.bfloat16) for _ in range(STACK - 1)))
-        x = torch.randn(1, seq_len, model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        stack, x = built
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -164,32 +177,10 @@ def _graph_rows(name: str, model, seq_len: int, tps: list[int], device) -> list[
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             stack(x).sum().backward()
-        times = []
-        for _ in range(10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
         rows.append({"model": name, "tp": tp, "micro_batch": 1, "seq_len": seq_len, "layers": STACK,
-                     "seconds": statistics.median(times[3:]) / STACK})
+                     "seconds": _event_seconds(graph.replay, warmup=3, repeats=7) / STACK})
         del graph
     return rows
-
-
-def _adamw_seconds(device, fused: bool) -> float:
-    """Seconds per parameter of torch's AdamW over 2^24 fp32 parameters: its default multi-tensor
-    (``foreach``) update, or the one-kernel ``fused=True`` one."""
-    import torch
-
-    from dsauto.profile.layers import median_seconds
-
-    n = 2**24
-    param = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32, device=device))
-    param.grad = torch.randn(n, dtype=torch.float32, device=device)
-    optimizer = torch.optim.AdamW([param], lr=1e-4, fused=fused)
-    return median_seconds(optimizer.step, device, 3, 7) / n
 
 
 def predicted_gemm_seconds(hardware: str, m: int, k: int, n: int) -> float:

@@ -100,23 +100,23 @@ def pipeline_module(config: str | os.PathLike[str] | dict[str, Any] | Plan, laye
     Under ``dsauto tune --script`` it cuts for the trial's plan, which :func:`initialize` then runs."""
     from dsauto.runtime.pipeline import pipeline_module as build
 
-    plan = config if isinstance(config, Plan) else plan_of(config)
+    plan = plan_of(config)
     if plan is None:
         raise DsautoError(f"{config if not isinstance(config, dict) else 'The config'} holds no "
                           f"{PLAN_KEY!r} plan to cut the pipeline by; pass the ds_config.json dsauto tune wrote.")
-    request = requested_trial()
-    if request is not None:  # under dsauto tune --script: the trial's plan is the one initialize runs
-        plan = hook.plan_from_config(request.config) or plan
     return build(plan, layers, loss_fn=loss_fn, block_type=block_type, **kwargs)
 
 
-def plan_of(config: str | os.PathLike[str] | dict[str, Any] | None) -> Plan | None:
-    """The plan this run trains: under ``dsauto tune --script`` the trial's, else the one in
-    ``config`` (a ``ds_config.json`` path or its dict), or None when there is none. A script that
-    builds its model from the plan (its pipeline, its model spec) asks this, not the file."""
+def plan_of(config: str | os.PathLike[str] | dict[str, Any] | Plan | None) -> Plan | None:
+    """The plan this run trains: under ``dsauto tune --script`` the trial's (the one
+    :func:`initialize` then runs), else ``config`` itself when it is a plan, or the one in it (a
+    ``ds_config.json`` path or its dict), or None when there is none. A script that builds its model
+    from the plan (its pipeline, its model spec) asks this, not the file."""
     request = requested_trial()
     if request is not None:
         return hook.plan_from_config(request.config)
+    if isinstance(config, Plan):
+        return config
     resolved = hook.config_dict(None, config, None)
     return hook.plan_from_config(resolved) if resolved is not None else None
 

@@ -52,14 +52,15 @@ def bind_cpu_rank() -> None:
 
 
 def measure_optimizer(num_params: int, dtype: torch.dtype, device: torch.device,
-                      warmup: int = 2, repeats: int = 5) -> float:
+                      warmup: int = 2, repeats: int = 5, fused: bool = True) -> float:
     """Seconds per parameter of one torch AdamW step over a flat fp32 tensor of ``num_params``
     (DeepSpeed's ZeRO optimizers step one flat fp32 partition; the emitted config asks for torch's
-    fused AdamW). Capped at 2^24 elements: the update is bandwidth-bound, so the rate holds beyond it."""
+    fused AdamW; ``fused`` False times its default multi-tensor update). Capped at 2^24 elements: the
+    update is bandwidth-bound, so the rate holds beyond it."""
     n = max(1, min(num_params, 2**24))
     param = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32, device=device))
     param.grad = torch.randn(n, dtype=torch.float32, device=device)
-    optimizer = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW([param], lr=1e-4, fused=fused)
     return median_seconds(optimizer.step, device, warmup, repeats) / n
 
 

@@ -81,8 +81,7 @@ def train_pipeline(args: argparse.Namespace, plan: Plan) -> None:
     plan's micro-batches (``train_batch`` reads them from the iterator on the first and last stages)."""
     deepspeed.init_distributed()  # a PipelineModule reads the ranks when it is built
     layers = pipeline_layer_specs(plan.model, plan.padded_vocab_size)
-    net = dsauto.deepspeed.pipeline_module(args.deepspeed_config, layers, loss_fn=logits_loss,
-                                           seed_layers=True, base_seed=args.seed)
+    net = dsauto.deepspeed.pipeline_module(plan, layers, loss_fn=logits_loss, seed_layers=True, base_seed=args.seed)
     engine, _, _, _ = dsauto.deepspeed.initialize(args=args, model=net, model_parameters=net.parameters())
     seq_len = args.seq_len or plan.seq_len
     replica = engine.grid.get_data_parallel_rank()  # the stages of one replica read the same batches
