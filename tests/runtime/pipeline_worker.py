@@ -56,7 +56,9 @@ def reference(plan, seed: int, steps: int, lr: float) -> list[float]:
     for index, spec in enumerate(layer_specs(plan)):
         set_random_seed(BASE_SEED + index)
         if isinstance(spec, TiedLayerSpec):
-            module = tied[spec.key] if spec.key in tied else tied.setdefault(spec.key, spec.build())
+            if spec.key not in tied:
+                tied[spec.key] = spec.build()
+            module = tied[spec.key]
             calls.append(module if spec.forward_fn is None else functools.partial(spec.forward_fn, module))
         else:
             calls.append(spec.build())
