@@ -117,19 +117,20 @@ STACK = 8
 """Transformer layers in the stack timed as a whole (one synchronisation per pass, as in a step)."""
 
 
-def _stack(model, tp: int, seq_len: int):
-    """:data:`STACK` bf16 shards of the reference layer in a row and an input of micro-batch 1, or
-    None for a shard too large for 8 of them and their gradients (GPU-bound anyway)."""
+def _stacks(model, tps: list[int], seq_len: int):
+    """For each TP degree: :data:`STACK` bf16 shards of the reference layer in a row and an input of
+    micro-batch 1; skipped where 8 shards and their gradients would not fit (GPU-bound anyway)."""
     import torch
 
     from dsauto.models.gpt import Block
 
-    torch.manual_seed(0)
-    first = Block(model, tp=tp).to(dtype=torch.bfloat16)
-    if STACK * sum(p.numel() for p in first.parameters()) > 8e9:
-        return None
-    stack = torch.nn.Sequential(first, *(Block(model, tp=tp).to(dtype=torch.bfloat16) for _ in range(STACK - 1)))
-    return stack, torch.randn(1, seq_len, model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    for tp in tps:
+        torch.manual_seed(0)
+        first = Block(model, tp=tp).to(dtype=torch.bfloat16)
+        if STACK * sum(p.numel() for p in first.parameters()) > 8e9:
+            continue
+        stack = torch.nn.Sequential(first, *(Block(model, tp=tp).to(dtype=torch.bfloat16) for _ in range(STACK - 1)))
+        yield tp, stack, torch.randn(1, seq_len, model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
 
 
 def _stack_rows(name: str, model, seq_len: int, tps: list[int], device) -> list[dict]:
@@ -138,12 +139,7 @@ def _stack_rows(name: str, model, seq_len: int, tps: list[int], device) -> list[
     from dsauto.profile.layers import median_seconds
 
     rows = []
-    for tp in tps:
-        built = _stack(model, tp, seq_len)
-        if built is None:
-            continue
-        stack, x = built
-
+    for tp, stack, x in _stacks(model, tps, seq_len):
         def step() -> None:
             stack(x).sum().backward()
             stack.zero_grad(set_to_none=True)
@@ -163,11 +159,7 @@ def _graph_rows(name: str, model, seq_len: int, tps: list[int]) -> list[dict]:
     if model.dropout:
         return []
     rows = []
-    for tp in tps:
-        built = _stack(model, tp, seq_len)
-        if built is None:
-            continue
-        stack, x = built
+    for tp, stack, x in _stacks(model, tps, seq_len):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
