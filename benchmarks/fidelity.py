@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -56,6 +57,7 @@ from dsauto.plan import AttentionKernel, Plan  # noqa: E402
 from dsauto.search.planner import Planner  # noqa: E402
 from dsauto.search.space import Constraints  # noqa: E402
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec  # noqa: E402
+from dsauto.spec.hf import model_from_hf_config  # noqa: E402
 from dsauto.spec.loaders import load_hardware  # noqa: E402
 from dsauto.spec.model import ModelSpec  # noqa: E402
 from dsauto.spec.training import TrainSpec  # noqa: E402
@@ -63,6 +65,8 @@ from dsauto.units import GiB  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RUNS_FILE = HERE / "published_runs.yaml"
+HF_CONFIGS = HERE / "hf_configs"
+"""The Hugging Face configs of the published mixtures of experts (where each comes from: its README)."""
 RESULTS = HERE / "results" / "fidelity.md"
 FOLDS = 5
 GENEROUS_BYTES = 2**50
@@ -118,6 +122,11 @@ class Source:
     torch_checkpoint: bool = False
     """The source's stack checkpoints with PyTorch's non-reentrant checkpoint, early stop included
     (PyTorch 2.1 on): see :func:`_engine_options` for which of its runs."""
+    balanced_routing: bool = False
+    """The source's MoE benchmarks route every token as if the experts were balanced
+    (Strategy.expert_load_balanced)."""
+    expert_dispatcher: str = "alltoall"
+    """The MoE token dispatcher the source's runs used (Strategy.expert_dispatcher)."""
 
 
 SOURCES = {
@@ -149,6 +158,24 @@ SOURCES = {
                      "not published: the planner's best interleaved schedule", LLAMA, False, None, interleaved=True),
     "automodel": Source("automodel", "megatron", 3, True, "bf16",
                         "NeMo AutoModel FSDP2: engine megatron, ZeRO 3 (every layer sharded)", LLAMA),
+    "automodel-moe": Source("automodel", "megatron", 1, True, "bf16",
+                            "NeMo AutoModel FSDP2 with expert parallelism (Transformer Engine layers): engine "
+                            "megatron with ZeRO 1, DeepEP's dispatch (Strategy.expert_dispatcher deepep: the "
+                            "table's 'TE + DeepEP') and the published ep (dsauto plans no expert "
+                            "parallelism under Megatron-FSDP, so FSDP2's gathers of the dense weights are not "
+                            "priced and memory is bounded as ZeRO 1's), the published pp and vp, routing "
+                            "balanced (the page's 'fake balanced gate'), cuDNN's fused attention for Qwen3 (TE "
+                            "attention), FlashAttention otherwise (MLA; GPT-OSS's FlexAttention), recomputation "
+                            "as the config committed with the table sets it (DeepSeek-V3 on 256 GPUs: none), else "
+                            "the planner's; the EP of the GPT-OSS rows ('-' in the table) the planner's",
+                            checkpoint=None, vpp=None, balanced_routing=True, expert_dispatcher="deepep"),
+    "mbridge": Source("mbridge", "megatron", 1, True, "bf16",
+                      "Megatron-Bridge performance recipes (Megatron-core): engine megatron with the distributed "
+                      "optimizer (ZeRO 1), gradients reduced in bf16 (grad_reduce_in_fp32 False), the alltoall "
+                      "dispatcher with grouped GEMMs, routing forced to balance (moe_router_force_load_balancing; "
+                      "the tables' footnote), the recipe's selective recomputation (layernorm, moe_act), "
+                      "FlashAttention (the TE backend of GPT-OSS's sink attention is not published)",
+                      checkpoint=False, vpp=1, balanced_routing=True),
     "mtnlg": Source("mtnlg", "megatron", 1, False, "bf16",
                     "Megatron-DeepSpeed 2021: engine megatron with ZeRO 1 (dsauto's DeepSpeed plans have no "
                     "tensor parallelism), DeepSpeed's pipeline without interleaving, eager attention, full "
@@ -222,12 +249,18 @@ class PublishedRun:
         """The Strategy fields this run sets beyond what the planner searches."""
         return dict(grad_reduce_in_fp32=self.grad_reduce_in_fp32, recompute_early_stop=self.recompute_early_stop,
                     pipeline_scatter_gather=self.source.scatter_gather, tp_comm_overlap=self.source.tp_comm_overlap,
-                    attention_kernel=self.attention_kernel)
+                    attention_kernel=self.attention_kernel, expert_load_balanced=self.balanced_routing,
+                    expert_dispatcher=self.source.expert_dispatcher if self.model.moe else "alltoall")
+
+    @property
+    def balanced_routing(self) -> bool:
+        return self.source.balanced_routing and self.model.moe
 
     @property
     def rebuilt(self) -> bool:
         """Whether the planner's plans are re-priced with ``engine_options`` or ``shard_all``."""
-        return self.source.shard_all or self.recompute_early_stop or self.source.scatter_gather
+        return (self.source.shard_all or self.recompute_early_stop or self.source.scatter_gather
+                or self.balanced_routing)
 
     @property
     def generation(self) -> str:
@@ -268,6 +301,8 @@ def _engine_options(record: dict, source: Source) -> tuple[bool, bool]:
         return False, False  # optim.grad_sync_dtype: bf16 in every recipe yaml; no recomputation of whole layers
     if source.key == "torchtitan":
         return True, True  # reduce_dtype float32; checkpoint_wrapper(use_reentrant=False), PyTorch nightly of 2024
+    if source.key == "mbridge":
+        return False, False  # grad_reduce_in_fp32 False in the GPT-OSS recipes; no PyTorch checkpoint
     return True, False
 
 
@@ -291,6 +326,8 @@ def _attention_kernel(record: dict, source: Source) -> AttentionKernel:
         return "flash" if any(name in record["id"] for name in flash) else "cudnn"
     if source.key == "megatron-readme24":
         return "cudnn"
+    if record["id"].startswith("automodel-moe-qwen3"):
+        return "cudnn"  # AutoModel's qwen3_moe_30b_te_deepep config: attn te
     return "flash"
 
 
@@ -305,10 +342,12 @@ def _checkpoint(described: object, default: bool | None) -> bool | None:
     return default
 
 
-def _recompute_modules(described: object) -> str:
-    """The ``--recompute-modules`` pin of a record: Megatron's selective recomputation of the
-    attention core (Korthikanti et al. 2022, Sec. 5; the records say "selective") as ``core_attn``,
-    else none."""
+def _recompute_modules(described: object, modules: Sequence[str] | None = None) -> str:
+    """The ``--recompute-modules`` pin of a record: the modules it lists (Megatron-core's
+    ``recompute_modules``), else Megatron's selective recomputation of the attention core
+    (Korthikanti et al. 2022, Sec. 5; the records say "selective") as ``core_attn``, else none."""
+    if modules:
+        return ",".join(modules)
     return "core_attn" if str(described or "").lower().startswith("selective") else "none"
 
 
@@ -367,32 +406,42 @@ def configure(record: dict) -> PublishedRun | str:
         return f"hardware '{record['hardware']}' is not an A100 or H100 ({record.get('hardware_detail') or ''})"
     if "fp8" in precision:
         return "FP8 (not comparable with the BF16 cost model)"
-    if "moe" in rid or (p.get("ep") or 1) > 1:
-        return "mixture of experts"
+    hf_config = m.get("hf_config")
+    if ("moe" in rid or (p.get("ep") or 1) > 1) and not hf_config:
+        return "mixture of experts without its shape (no Hugging Face config in benchmarks/hf_configs)"
     if prefix not in SOURCES:
         return "no mapping"
     if str(p.get("activation_recompute") or "").lower().startswith(("op-level", "every n-th")):
         return ("checkpointing dsauto's pins cannot state (op-level: every second matrix multiply recomputed; "
                 "every n-th block with n not published)")
     source = SOURCES[prefix]
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if m.get(k) is None]
+    missing = [] if hf_config else [k for k in ("num_layers", "hidden_size", "num_attention_heads") if m.get(k) is None]
     missing += [k for k in ("tp", "pp", "global_batch") if p.get(k) is None]
     if missing:
         return f"not published: {', '.join(missing)}"
+    dp, micro, accumulation = p.get("dp"), p.get("micro_batch"), p.get("grad_accum")
+    if dp and micro and accumulation and dp * micro * accumulation != p["global_batch"]:
+        return (f"the published micro-batch ({micro}) x accumulation ({accumulation}) x dp ({dp}) is not the "
+                f"global batch ({p['global_batch']})")
     notes = []
-    vocab = m.get("vocab_size")
-    if vocab is None:
-        vocab = 51200
-        notes.append("vocabulary not published: 51,200 (GPT-2 BPE as the source's other models)")
     seq = m["seq_len"]
-    model = ModelSpec(name=rid, architecture="decoder", num_layers=m["num_layers"], hidden_size=m["hidden_size"],
-                      num_attention_heads=m["num_attention_heads"],
-                      ffn_hidden_size=m.get("ffn_hidden_size") or 4 * m["hidden_size"], vocab_size=vocab,
-                      max_position_embeddings=seq, num_kv_heads=m.get("num_query_groups") or 0,
-                      **source.architecture)
+    if hf_config:
+        config = json.loads((HF_CONFIGS / f"{hf_config}.json").read_text())
+        model = dataclasses.replace(model_from_hf_config(config, f"benchmarks/hf_configs/{hf_config}.json"),
+                                    name=rid, max_position_embeddings=seq)
+    else:
+        vocab = m.get("vocab_size")
+        if vocab is None:
+            vocab = 51200
+            notes.append("vocabulary not published: 51,200 (GPT-2 BPE as the source's other models)")
+        model = ModelSpec(name=rid, architecture="decoder", num_layers=m["num_layers"],
+                          hidden_size=m["hidden_size"], num_attention_heads=m["num_attention_heads"],
+                          ffn_hidden_size=m.get("ffn_hidden_size") or 4 * m["hidden_size"], vocab_size=vocab,
+                          max_position_embeddings=seq, num_kv_heads=m.get("num_query_groups") or 0,
+                          **source.architecture)
     tp, pp, cp = p["tp"], p["pp"], p.get("cp") or 1
     checkpoint = _checkpoint(p.get("activation_recompute"), source.checkpoint)
-    recompute_modules = _recompute_modules(p.get("activation_recompute"))
+    recompute_modules = _recompute_modules(p.get("activation_recompute"), p.get("recompute_modules"))
     vpp = p.get("vpp") or (source.vpp if pp > 1 else 1)
     if vpp is None:
         notes.append("interleaved: the planner's best interleaved schedule" if source.interleaved
@@ -407,7 +456,8 @@ def configure(record: dict) -> PublishedRun | str:
     # run's stack ran.
     kernel = _attention_kernel(record, source)
     fp32_reduce, early_stop = _engine_options(record, source)
-    pins = Constraints(tp=tp, pp=pp, cp=cp, vpp=vpp, zero_stage=source.zero_stage, micro_batch=p.get("micro_batch"),
+    pins = Constraints(tp=tp, pp=pp, cp=cp, vpp=vpp, ep=p.get("ep"), etp=p.get("etp"), zero_stage=source.zero_stage,
+                       micro_batch=p.get("micro_batch"),
                        checkpoint=checkpoint, sequence_parallel=sp if tp > 1 else None, engine=source.engine,
                        recompute_modules=recompute_modules, offload="none", hpz=1, dist_opt_instances=1,
                        attention_kernel=kernel, tp_comm_overlap=source.tp_comm_overlap or None,
@@ -452,7 +502,7 @@ def _cluster(run: PublishedRun, hardware: HardwareSpec, limit: int = 0) -> Clust
 
 def _strategy(plan: Plan, run: PublishedRun | None = None) -> Strategy:
     """The plan's strategy, with the engine options of ``run`` (PublishedRun.engine_options)."""
-    return Strategy(dims=ParallelDims(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp), zero_stage=plan.zero_stage,
+    return Strategy(dims=plan.dims, zero_stage=plan.zero_stage,
                     micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
                     sequence_parallel=plan.sequence_parallel, engine=plan.engine,
                     virtual_stages=plan.virtual_stages, recompute_modules=plan.uniform_recompute_modules(),
@@ -567,6 +617,8 @@ def _config(plan: Plan) -> str:
     parts = [f"tp{plan.tp} pp{plan.pp} dp{plan.dp}"]
     if plan.cp > 1:
         parts.append(f"cp{plan.cp}")
+    if plan.ep > 1 or plan.etp > 1:
+        parts.append(f"ep{plan.ep}" + (f" etp{plan.etp}" if plan.etp > 1 else ""))
     if plan.virtual_stages > 1:
         parts.append(f"vpp{plan.virtual_stages}")
     parts.append(f"mb{plan.micro_batch}")
@@ -603,10 +655,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     say = print
     say(f"{len(runs)} usable runs, {len(excluded)} excluded")
     rows: list[Row] = []
+    moe_rows: list[Row] = []
     fitted: dict[str, Constants] = {}
     fold_constants: dict[str, list[tuple[list[str], Constants]]] = defaultdict(list)
     for generation in DEVICES:
-        selected = [r for r in runs if r.generation == generation]
+        # Mixtures of experts are priced with the constants fitted on the dense runs, not fitted on.
+        selected = [r for r in runs if r.generation == generation and not r.model.moe]
+        experts = [r for r in runs if r.generation == generation and r.model.moe]
         if not selected:
             continue
         say(f"{generation}: fitting on {len(selected)} runs")
@@ -623,24 +678,50 @@ def main(argv: Sequence[str] | None = None) -> int:
             for run_id in held:
                 results[run_id].cv_seconds = predict(by_id[run_id], fold_fit)[0].prediction.step_seconds
         rows += [results[r.id] for r in selected]
+        for run in experts:
+            row = Row(run, *predict(run, constants))
+            row.cv_seconds = row.plan.prediction.step_seconds
+            moe_rows.append(row)
     wall = time.perf_counter() - started
     in_median, in_max = _summary([row.error for row in rows])
     cv_median, cv_max = _summary([row.cv_error for row in rows])
     lines = [f"cv_median_error={cv_median:.1%} cv_max_error={cv_max:.1%} runs={len(rows)}",
              f"in_sample_median_error={in_median:.1%} in_sample_max_error={in_max:.1%} runs={len(rows)}"]
+    if moe_rows:
+        moe_median, moe_max = _summary([row.error for row in moe_rows])
+        lines.append(f"moe_median_error={moe_median:.1%} moe_max_error={moe_max:.1%} runs={len(moe_rows)} "
+                     f"(mixtures of experts, priced with the fitted constants, not fitted on)")
     if only or args.in_sample:
         for row in rows:
             cv = "" if args.in_sample else f" CV {row.cv_error:+.1%}"
             say(f"{row.run.id:50s} {_config(row.plan):48s} {row.error:+.1%}{cv}")
+        for row in moe_rows:
+            say(f"{row.run.id:50s} {_config(row.plan):48s} {row.error:+.1%} (not fitted on)")
         for fitted_generation, constants in fitted.items():
             say(f"{fitted_generation}: {constants.describe()}")
         lines = lines[1:] if args.in_sample else lines
     else:
-        RESULTS.write_text(report(rows, excluded, fitted, fold_constants, lines, wall))
+        RESULTS.write_text(report(rows, excluded, fitted, fold_constants, lines, wall, moe_rows))
     for line in lines:
         print(line)
     return 0
 
+
+MOE_WHY = (
+    "Megatron-Bridge's GPT-OSS 120B (Megatron-core, every option known from the recipe) runs about 1.6x "
+    "slower than priced: 16.5% MFU by the table's own count against the 31% dsauto gives it, with the "
+    "all-to-all inside a node and the grouped GEMMs at 1024 tokens per expert, a shape the H100 runs "
+    "at the rate priced (benchmarks/results/device_experts_h100-80gb.md). What dsauto leaves out is "
+    "not known: GPT-OSS's attention with learnable sinks over a 128-token window on every other "
+    "layer runs in whichever Transformer Engine backend supports them (not published; an unfused one "
+    "would explain much of it), and MoE layers issue many small kernels (router, permutation) on a "
+    "narrow model (hidden 2880). NeMo AutoModel's single-node rows (Qwen3-30B-A3B, GPT-OSS 20B) come "
+    "within 2%; its multi-node rows come out slow: they run FSDP2 with expert parallelism, which "
+    "dsauto cannot plan (its Megatron-FSDP plans keep experts unsplit), so they are priced as ZeRO 1, "
+    "whose larger per-rank state makes the planner recompute layers FSDP2 would not need to "
+    "(DeepSeek-V3 on 1024 GPUs: 52 of 61 layers), and DeepEP's dispatch is priced by its traffic "
+    "with nothing overlapped.")
+"""What the mixture-of-experts rows show, in words (measured, not fitted)."""
 
 WHY = {
     "narayanan21-t2-zero3": "DeepSpeed ZeRO-3 of early 2021 at 384-2240 GPUs, one micro-batch of 1-4 sequences per step: "
@@ -808,7 +889,8 @@ def size_check(constants: Constants, hardware: HardwareSpec) -> list[tuple[int, 
 
 
 def report(rows: Sequence[Row], excluded: Sequence[tuple[str, str]], fitted: dict[str, Constants],
-           folds: dict[str, list[tuple[list[str], Constants]]], lines: Sequence[str], wall: float) -> str:
+           folds: dict[str, list[tuple[list[str], Constants]]], lines: Sequence[str], wall: float,
+           moe_rows: Sequence[Row] = ()) -> str:
     """benchmarks/results/fidelity.md."""
     out = ["# Cost-model fidelity on published training runs", "",
            f"Command: `python benchmarks/fidelity.py` ({wall / 60:.0f} minutes on two cores). The constants it "
@@ -894,6 +976,21 @@ def report(rows: Sequence[Row], excluded: Sequence[tuple[str, str]], fitted: dic
         out.append(f"| {r.id} | {r.hardware} | {r.model_name} | {_config(row.plan)} | {r.figure} | "
                    f"{r.published_seconds:.3g} | {row.plan.prediction.step_seconds:.3g} | {row.error:+.1%} | "
                    f"{row.cv_seconds:.3g} | {row.cv_error:+.1%} | {'; '.join(notes)} |")
+    if moe_rows:
+        out += ["", "## Mixtures of experts (priced with the fitted constants, not fitted on)", "",
+                "Every run below is out of sample: the constants come from the dense runs above. How each "
+                "source maps onto dsauto:", ""]
+        out += [f"- {key}: {mapping}" for key, mapping in sorted({(r.run.source.key, r.run.source.mapping)
+                                                                  for r in moe_rows})]
+        out += ["", f"Why they are off: {MOE_WHY}", "",
+                "| id | device | model | configuration | published | published s | predicted s | error | notes |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for row in moe_rows:
+            r = row.run
+            notes = list(r.notes) + ([] if row.fits else ["over the memory budget"])
+            out.append(f"| {r.id} | {r.hardware} | {r.model_name} | {_config(row.plan)} | {r.figure} | "
+                       f"{r.published_seconds:.3g} | {row.plan.prediction.step_seconds:.3g} | {row.error:+.1%} | "
+                       f"{'; '.join(notes)} |")
     out += ["", f"## Excluded runs ({len(excluded)})", "", "| id | reason |", "|---|---|"]
     out += [f"| {rid} | {reason} |" for rid, reason in excluded]
     return "\n".join(out) + "\n"

@@ -30,12 +30,14 @@ priced (DeepSpeed's ZeRO partitions and buffers, or Megatron-core's fp32 gradien
 distributed optimizer and overlapped reductions)."""
 ENGINES: tuple[Engine, ...] = ("deepspeed", "megatron")
 
-RecomputeModule = Literal["core_attn", "layernorm", "mlp"]
+RecomputeModule = Literal["core_attn", "layernorm", "mlp", "moe_act"]
 """A part of a transformer layer that selective recomputation re-runs in backward instead of
 keeping its activations (Korthikanti et al. 2022, Sec. 5; Megatron-core's ``recompute_modules``
 names): ``core_attn`` the attention core (scores, softmax, dropout, attention over values),
-``layernorm`` the pre-norms (their outputs are dropped), ``mlp`` the dense MLP."""
-RECOMPUTE_MODULES: tuple[RecomputeModule, ...] = ("core_attn", "layernorm", "mlp")
+``layernorm`` the pre-norms (their outputs are dropped), ``mlp`` the dense MLP, ``moe_act`` the
+routed experts' activation function (its output, the second expert matrix's input, is dropped;
+Megatron-core only)."""
+RECOMPUTE_MODULES: tuple[RecomputeModule, ...] = ("core_attn", "layernorm", "mlp", "moe_act")
 
 Offload = Literal["none", "optimizer", "optimizer+params"]
 """What a plan keeps in host (CPU) memory instead of device memory: nothing; the optimizer state

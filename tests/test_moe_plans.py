@@ -41,3 +41,25 @@ def test_tune_plans_expert_parallelism(name, nodes, batch, pins, tmp_path, capsy
 def plan_budget(report: str) -> float:
     value, unit = re.search(r"budget ([\d.]+) (GiB|MiB)", report).groups()
     return float(value) * (2**30 if unit == "GiB" else 2**20)
+
+
+def test_a_pinned_experts_activation_recompute_is_planned_and_emitted(tmp_path, capsys):
+    base = ["tune", "--model", str(CONFIGS / "mixtral-8x7b.json"), "--hardware", "h100-80gb", "--nodes", "8",
+            "--gpus-per-node", "8", "--global-batch", "512", "--seq-len", "4096", "--zero-stage", "1"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main([*base, "--recompute-modules", "moe_act", "--out", str(tmp_path / "ok")])
+    assert code == 0
+    plan = read_plan(tmp_path / "ok" / "plan.yaml")
+    assert plan.engine == "megatron"
+    assert all(plan.layer_choice(j).recompute_modules == ("moe_act",) for j in range(1, plan.model.num_layers + 1)
+               if not plan.layer_choice(j).checkpoint)
+    assert "--recompute-modules moe_act" in (tmp_path / "ok" / "megatron_args.txt").read_text()
+    capsys.readouterr()
+    # DeepSpeed-MoE has no such recomputation: one sentence, exit 2, nothing written
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main([*base, "--recompute-modules", "moe_act", "--engine", "deepspeed", "--out", str(tmp_path / "no")])
+    err = capsys.readouterr().err
+    assert code == 2 and "moe_act" in err and "--engine megatron" in err
+    assert not (tmp_path / "no").exists()

@@ -105,6 +105,20 @@ class AllToAll:
         inter = (n - k) / n * size_bytes / self.inter_bytes_per_second
         return max(intra, inter) + (k - 1) * self.intra_latency_seconds + (n - k) * self.inter_latency_seconds
 
+    def node_deduplicated(self, size_bytes: float, network_share: float) -> float:
+        """Time to dispatch ``size_bytes`` held by each member (every copy of its tokens) the way
+        DeepEP does across nodes: each token crosses the network once per node it goes to (to the
+        member with the same local index there), ``network_share`` of the bytes in all, and every
+        copy reaches its expert's member over the node's links; the two move at once."""
+        n = self.size
+        if n <= 1 or size_bytes <= 0:
+            return 0.0
+        k = max(1, min(self.members_per_node, n))
+        intra = (n - 1) / n * size_bytes / self.intra_bytes_per_second
+        inter = network_share * size_bytes / self.inter_bytes_per_second
+        nodes = -(-n // k)
+        return max(intra, inter) + (k - 1) * self.intra_latency_seconds + (nodes - 1) * self.inter_latency_seconds
+
 
 def expert_all_to_all(cluster: ClusterSpec, dims: ParallelDims, factor: float = 1.0) -> AllToAll:
     """The expert-parallel group of ``dims`` (its ep members etp ranks apart inside a stage), each

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from dsauto.parallel import ParallelDims
 from dsauto.plan import AttentionKernel, Engine, Offload
+
+ExpertDispatcher = Literal["alltoall", "deepep"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,20 @@ class Strategy:
     once it has re-created the last tensor backward needs, so a checkpointed layer does not re-run
     its last matrix multiply (the MLP output projection). Megatron-core and DeepSpeed recompute
     the whole forward: plans dsauto emits keep the default; it prices published FSDP runs."""
+    expert_dispatcher: ExpertDispatcher = "alltoall"
+    """Megatron-core's MoE token dispatcher: ``alltoall`` (``--moe-token-dispatcher-type alltoall``,
+    what dsauto's plans emit: an NCCL all-to-all of every routed copy of each token), or ``deepep``
+    (``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep``, DeepSeek's DeepEP
+    kernels): across nodes a token goes over the network once per node that holds any of its experts
+    and is forwarded over NVLink inside it (DeepSeek-V3 technical report, Sec. 3.2.2;
+    :func:`dsauto.cost.terms.expert_dispatch_seconds`). Plans never pick DeepEP (it is a separate
+    install); dsauto prices published runs that used it."""
+    expert_load_balanced: bool = False
+    """Megatron-core's ``--moe-router-force-load-balancing``, a benchmarking option: the router
+    ignores its scores and spreads the tokens evenly over the experts, so the busiest
+    expert-parallel rank carries the mean load (:func:`dsauto.cost.terms.expert_load_factor`).
+    It changes what the model learns: plans dsauto emits never set it; it prices published
+    benchmarks that did (NVIDIA's Megatron-Bridge MoE tables)."""
     tp_comm_overlap: bool = False
     """Megatron-core's ``--tp-comm-overlap`` (Transformer Engine userbuffers, with sequence
     parallelism): the tensor-parallel collectives overlap the linear layers' GEMMs

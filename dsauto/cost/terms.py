@@ -56,12 +56,12 @@ def expert_load_factor(ctx: LayerContext) -> float:
     (every rank holds every expert and runs the top-k copies of its own tokens, however they
     route); DeepSpeed-MoE's capacity factor under DeepSpeed (its gate gives each expert a buffer of
     that factor times the mean, every slot computed: MOE_CAPACITY_FACTOR); otherwise Megatron-core's
-    dropless routing, :data:`EXPERT_LOAD_IMBALANCE`."""
+    dropless routing, :data:`EXPERT_LOAD_IMBALANCE`, or 1 where the routing is forced to balance."""
     if ctx.ep == 1:
         return 1.0
     if ctx.engine == "deepspeed":
         return MOE_CAPACITY_FACTOR
-    return EXPERT_LOAD_IMBALANCE
+    return 1.0 if ctx.expert_load_balanced else EXPERT_LOAD_IMBALANCE
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,10 @@ class LayerContext:
     recompute_early_stop: bool = False
     """A checkpointed layer's recomputation stops before its last matrix multiply (PyTorch's
     non-reentrant checkpoint: :attr:`dsauto.cost.strategy.Strategy.recompute_early_stop`)."""
+    expert_dispatcher: str = "alltoall"
+    """The MoE token dispatcher (:attr:`dsauto.cost.strategy.Strategy.expert_dispatcher`)."""
+    expert_load_balanced: bool = False
+    """Routing forced to balance (:attr:`dsauto.cost.strategy.Strategy.expert_load_balanced`)."""
     tp_comm_overlap: bool = False
     """Tensor-parallel collectives overlapped with the linear layers' matrix multiplies
     (:attr:`dsauto.cost.strategy.Strategy.tp_comm_overlap`)."""
@@ -338,6 +342,20 @@ def expert_gemm_seconds(group: LayerGroup, ctx: LayerContext) -> float:
     return ctx.device.matmul_seconds(flops, dim)
 
 
+def remote_node_share(experts: int, top_k: int, ep: int, members_per_node: int) -> float:
+    """Of a token's top-k copies' bytes, the share that crosses the network when each goes once to
+    every other node holding one of its experts: the expected count of such nodes over top-k. The
+    experts split evenly over the ep ranks, ``members_per_node`` of them to a node; balanced routing
+    picks the top-k experts uniformly without replacement, so a given node holds none of them with
+    probability C(E - E/N, k) / C(E, k) over the N nodes."""
+    nodes = -(-ep // members_per_node)
+    per_node = experts / nodes
+    missed = 1.0
+    for i in range(top_k):
+        missed *= max(0.0, experts - per_node - i) / (experts - i)
+    return (nodes - 1) * (1.0 - missed) / top_k
+
+
 def expert_dispatch_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Passes:
     """Expert parallelism's token dispatch and combine in one micro-batch (Megatron-core's
     ``alltoall`` dispatcher, megatron/core/transformer/moe/token_dispatcher.py; Lepikhin et al. 2021,
@@ -347,11 +365,20 @@ def expert_dispatch_seconds(group: LayerGroup, option: LayerOption, ctx: LayerCo
     parallelism a rank dispatches its 1/tp of the tokens; the busiest rank receives
     :data:`EXPERT_LOAD_IMBALANCE` times the mean. A checkpointed layer dispatches again when it is
     recomputed. The tensor-parallel all-gather and reduce-scatter around a dense MLP are not run for
-    an MoE layer (``LayerGroup.tp_comm_bytes_per_token``); with etp > 1 the experts' own are here."""
+    an MoE layer (``LayerGroup.tp_comm_bytes_per_token``); with etp > 1 the experts' own are here.
+
+    Under DeepEP (``ctx.expert_dispatcher`` deepep) a group spanning nodes sends a token over the
+    network once per other node holding any of its top-k experts (:func:`remote_node_share`), not
+    once per copy, and forwards the copies over NVLink inside the node."""
     if not group.dispatch_bytes_per_token or (ctx.ep_group is None and ctx.etp == 1):
         return Passes(0.0, 0.0)
     size = ctx.tokens / ctx.replicated_div * group.dispatch_bytes_per_token * expert_load_factor(ctx)
-    exchange = 2 * ctx.ep_group.all_to_all(size) if ctx.ep_group is not None else 0.0
+    exchange = 0.0
+    if ctx.ep_group is not None and ctx.expert_dispatcher == "deepep" and ctx.ep_group.members_per_node < ctx.ep_group.size:
+        share = remote_node_share(group.num_experts, group.moe_top_k, ctx.ep_group.size, ctx.ep_group.members_per_node)
+        exchange = 2 * ctx.ep_group.node_deduplicated(size, share)
+    elif ctx.ep_group is not None:
+        exchange = 2 * ctx.ep_group.all_to_all(size)
     if ctx.etp > 1:
         # Expert tensor parallelism: the etp ranks of an expert all-gather the tokens they received
         # and reduce-scatter the experts' outputs (token_dispatcher.py, the tp part of the tp-ep
@@ -444,7 +471,10 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     re-running it frees a few bytes per head and token, which the model counts as nothing (and it
     costs a whole attention forward). ``layernorm``: the pre-norms' outputs
     (:attr:`LayerGroup.norm_output_bytes_per_token`; split like them under sequence parallelism).
-    ``mlp``: the dense MLP's inner activations (:attr:`LayerGroup.mlp_act_bytes_per_token`)."""
+    ``mlp``: the dense MLP's inner activations (:attr:`LayerGroup.mlp_act_bytes_per_token`).
+    ``moe_act``: the routed experts' activation outputs (:attr:`LayerGroup.
+    expert_act_output_bytes_per_token`), at the busiest rank's load like the experts' other
+    activations (:func:`expert_load_factor`)."""
     modules = option.recompute_modules
     if not modules or option.checkpoint or group.kind != "transformer":
         return 0.0
@@ -457,6 +487,8 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
         saved += group.norm_output_bytes_per_token / ctx.replicated_div
     if "mlp" in modules:
         saved += group.mlp_act_bytes_per_token / ctx.tp
+    if "moe_act" in modules:
+        saved += group.expert_act_output_bytes_per_token / ctx.tp * expert_load_factor(ctx)
     return saved
 
 
@@ -486,7 +518,8 @@ def selective_recompute_seconds(group: LayerGroup, option: LayerOption, ctx: Lay
     and, under eager attention, its softmax's memory traffic. ``layernorm``: the norms' reads and
     writes. ``mlp``: its matrix multiplies and activation function, and the tensor-parallel
     collective closing it (one of the layer's two: Megatron's checkpoint re-runs the module's
-    forward, the row-parallel reduction included)."""
+    forward, the row-parallel reduction included). ``moe_act``: the routed experts' activation
+    function on the busiest rank's tokens (bandwidth-bound)."""
     modules = option.recompute_modules
     if not modules or option.checkpoint or group.kind != "transformer":
         return 0.0
@@ -502,6 +535,9 @@ def selective_recompute_seconds(group: LayerGroup, option: LayerOption, ctx: Lay
         gemm_dim = min(group.gemm_dim / t, tokens)
         seconds += device.matmul_seconds(group.mlp_matmul_flops_per_token * tokens / t, gemm_dim)
         seconds += device.memory_seconds(tokens * group.mlp_elementwise_bytes_per_token / t)
+    if "moe_act" in modules:
+        seconds += device.memory_seconds(tokens * group.expert_act_elementwise_bytes_per_token / t
+                                         * expert_load_factor(ctx))
     seconds *= ctx.calibration.compute
     if "mlp" in modules and t > 1:
         dense = 1.0 - group.moe_layer_fraction

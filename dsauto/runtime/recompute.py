@@ -109,6 +109,10 @@ def _target(block: nn.Module, layer: int, name: str, plan: Plan, moe: bool) -> A
                           f"--recompute-modules.")
     if name == "mlp" and moe:
         return None
+    if name == "moe_act":
+        raise DsautoError(f"The plan recomputes the experts' activation (moe_act) in {where}, which only "
+                          f"Megatron-core's grouped experts can; re-plan with --engine megatron or without "
+                          f"moe_act in --recompute-modules.")
     attribute = SUBMODULES[name]
     target = getattr(block, attribute, None)
     if isinstance(target, nn.Module):

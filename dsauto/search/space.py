@@ -354,9 +354,10 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                            f"({cluster.nodes} node{'s' if cluster.nodes > 1 else ''} x {cluster.devices_per_node} devices); change --tp, "
                            f"--pp, --nodes or --gpus-per-node.")
     if pins.zero_stage is not None and pins.zero_stage >= 2 and pins.pp is not None and pins.pp > 1:
+        engines = {"deepspeed": "DeepSpeed's pipeline engine supports", "megatron": "Megatron-core's pipelines support",
+                   None: "DeepSpeed's and Megatron-core's pipelines support"}
         return DsautoError(f"ZeRO stage {pins.zero_stage} cannot run with pipeline parallelism {pins.pp}: "
-                           f"DeepSpeed's pipeline engine supports ZeRO 0 and 1 only; pin --zero-stage 1 "
-                           f"or --pp 1.")
+                           f"{engines[pins.engine]} ZeRO 0 and 1 only; pin --zero-stage 1 or --pp 1.")
     if pins.engine is not None:
         reason = refusal(pins.engine, ParallelDims(dp=max(1, world // (tp * pp)), tp=tp, pp=pp),
                          pins.zero_stage or 0)
@@ -452,7 +453,8 @@ def parse_recompute_modules(text: str, model: ModelSpec | None = None,
         return ()
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     for name in names:
-        reason = recompute_module_refusal(name, model is not None and model.linear_bias, engine)
+        reason = recompute_module_refusal(name, model is not None and model.linear_bias, engine,
+                                          None if model is None else model.moe)
         if reason:
             raise DsautoError(f"--recompute-modules {text}: {reason}.")
     return names
@@ -468,11 +470,11 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
     if pins.recompute_modules is not None:
         modules = parse_recompute_modules(pins.recompute_modules, model, pins.engine)
         if modules and (pins.checkpoint is True
-                        or any(recompute_module_refusal(m, model.linear_bias, engine) for m in modules)):
+                        or any(recompute_module_refusal(m, model.linear_bias, engine, model.moe) for m in modules)):
             return ()
         return (modules,)
     searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention]
-                     if recompute_module_refusal(m, model.linear_bias, engine) is None)
+                     if recompute_module_refusal(m, model.linear_bias, engine, model.moe) is None)
     if pins.checkpoint is True or not searched:
         return ((),)
     return ((), searched)

@@ -462,6 +462,12 @@ class LayerGroup:
     """Of ``elementwise_tp_bytes_per_token``, the dense MLP's activation function."""
     norm_elementwise_bytes_per_token: float = 0.0
     """Of ``elementwise_bytes_per_token``, the norms' reads and writes."""
+    expert_act_output_bytes_per_token: float = 0.0
+    """Of ``expert_act_bytes_per_token``, the routed experts' activation-function outputs (the
+    second expert matrix's inputs), averaged over the layers: what recomputing ``moe_act`` frees."""
+    expert_act_elementwise_bytes_per_token: float = 0.0
+    """The routed experts' activation function's reads and writes (the first matrix's output in,
+    the activation out), averaged over the layers: what recomputing ``moe_act`` re-runs."""
 
     @property
     def forward_flops_per_token(self) -> float:
@@ -582,6 +588,8 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         mlp_out_matmul_flops_per_token=2.0 * dense_fraction * mlp_out,
         mlp_elementwise_bytes_per_token=dense_fraction * inner * f * b,
         norm_elementwise_bytes_per_token=model.norms_per_layer * 2 * h * b,
+        expert_act_output_bytes_per_token=moe_fraction * top_k * fe * b,
+        expert_act_elementwise_bytes_per_token=moe_fraction * top_k * inner * fe * b,
     )
 
     positions = (model.max_position_embeddings + model.position_offset) * h if model.position_embedding == "learned" else 0

@@ -91,3 +91,64 @@ def test_active_flops_not_total():
     block = layer_groups(mixtral(), 4096, 2)[1]
     assert block.expert_matmul_flops_per_token == pytest.approx(2 * 2 * 3 * 4096 * 14336)  # top-2 of 8
     assert block.matmul_flops_per_token < 2 * block.params / 3
+
+
+def test_recomputing_the_experts_activation_frees_its_output_and_costs_a_pass_over_it():
+    cost, block = price(ParallelDims(dp=64, ep=8))
+    plain = cost.layer(block, PLAIN)
+    moe_act = cost.layer(block, LayerOption(checkpoint=False, shard_params=False, split=1,
+                                            recompute_modules=("moe_act",)))
+    # Megatron-core's grouped experts drop the activation's output, the second matrix's input: top-2
+    # copies of each token, 14336 wide, in bf16, at the busiest rank's load
+    freed = 4096 * 2 * 14336 * 2 * EXPERT_LOAD_IMBALANCE
+    assert plain.activation_bytes - moe_act.activation_bytes == pytest.approx(freed)
+    # and run the activation again in backward: read the first matrix's gate and up outputs, write one
+    rerun = cost.context.device.memory_seconds(4096 * 2 * 3 * 14336 * 2 * EXPERT_LOAD_IMBALANCE)
+    assert moe_act.backward_seconds - plain.backward_seconds == pytest.approx(rerun)
+    assert moe_act.forward_seconds == pytest.approx(plain.forward_seconds)
+
+
+def test_moe_act_is_megatron_cores_and_needs_experts():
+    from dsauto.engines.rules import recompute_module_refusal
+
+    assert recompute_module_refusal("moe_act", engine="megatron", experts=True) is None
+    assert recompute_module_refusal("moe_act", experts=True) is None  # either engine: Megatron-core can
+    assert "megatron" in recompute_module_refusal("moe_act", engine="deepspeed", experts=True)
+    assert "no experts" in recompute_module_refusal("moe_act", engine="megatron", experts=False)
+
+
+def test_forced_balance_removes_the_busiest_ranks_excess():
+    cluster = ClusterSpec(load_hardware("h100-80gb"), nodes=8, gpus_per_node=8)
+    train = TrainSpec(global_batch=64, seq_len=4096, dtype="bf16")
+    block = layer_groups(mixtral(), train.seq_len, train.dtype_bytes, 1)[1]
+    costs = [CostModel(cluster, train, Strategy(dims=ParallelDims(dp=64, ep=8), zero_stage=1, micro_batch=1,
+                                                grad_accum=1, sequence_parallel=False, engine="megatron",
+                                                expert_load_balanced=balanced), 4096)
+             for balanced in (False, True)]
+    routed, balanced = (cost.expert_dispatch_seconds(block) for cost in costs)
+    assert routed == pytest.approx(balanced * EXPERT_LOAD_IMBALANCE, rel=0.02)  # latency apart
+    assert costs[1].layer(block, PLAIN).forward_seconds < costs[0].layer(block, PLAIN).forward_seconds
+
+
+def test_deepep_sends_a_token_once_per_other_node_holding_its_experts():
+    from math import comb
+
+    from dsauto.cost.terms import remote_node_share
+
+    # 256 experts over 64 ranks on 8 nodes (32 a node), top-8: a node holds none of a token's experts
+    # with probability C(224, 8) / C(256, 8); the 7 other nodes get one copy each where they do
+    expected = 7 * (1 - comb(224, 8) / comb(256, 8)) / 8
+    assert remote_node_share(256, 8, 64, 8) == pytest.approx(expected)
+    assert remote_node_share(256, 8, 64, 8) < 56 / 64  # the all-to-all's share of every copy
+    assert remote_node_share(8, 2, 8, 8) == 0.0  # one node: nothing crosses the network
+    group = AllToAll(size=64, members_per_node=8, intra_bytes_per_second=400e9, inter_bytes_per_second=50e9,
+                     intra_latency_seconds=0.0, inter_latency_seconds=0.0)
+    assert group.node_deduplicated(1e9, expected) == pytest.approx(expected * 1e9 / 50e9)
+    cluster = ClusterSpec(load_hardware("h100-80gb"), nodes=8, gpus_per_node=8)
+    train = TrainSpec(global_batch=64, seq_len=4096, dtype="bf16")
+    block = layer_groups(mixtral(), train.seq_len, train.dtype_bytes, 1)[1]
+    alltoall, deepep = (CostModel(cluster, train, Strategy(
+        dims=ParallelDims(dp=64, ep=8), zero_stage=1, micro_batch=1, grad_accum=1,
+        sequence_parallel=False, engine="megatron", expert_dispatcher=dispatcher), 4096).expert_dispatch_seconds(block)
+        for dispatcher in ("alltoall", "deepep"))
+    assert deepep == pytest.approx(alltoall)  # ep 8 inside a node: DeepEP's intranode path is an all-to-all too

@@ -90,7 +90,8 @@ def test_strategies_of_both_engines_come_in_pairs():
 
 @pytest.mark.parametrize(("pins", "message"), [
     (dict(recompute_modules="core_attn,flash"), "'flash' is not a module Megatron-core recomputes"),
-    (dict(recompute_modules="moe_act"), "Megatron-core's 'moe_act' recomputation is not priced by dsauto"),
+    (dict(recompute_modules="moe"), "Megatron-core's 'moe' recomputation is not priced by dsauto"),
+    (dict(recompute_modules="moe_act"), "'moe_act' recomputes the routed experts' activation, and the model has no experts"),
     (dict(recompute_modules="mlp", engine="megatron"),
      "cannot recompute the MLP of a model whose linear layers have biases"),
     (dict(recompute_modules="core_attn", checkpoint=True), "--checkpoint all recomputes them whole"),

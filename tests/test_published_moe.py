@@ -1,0 +1,37 @@
+"""The configs of the published mixtures of experts that benchmarks/fidelity.py prices have the
+parameter counts their publishers state (benchmarks/hf_configs/README.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsauto.spec.hf import model_from_hf_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_configs"
+
+# (total, active without the input embedding, tolerance): the publisher's figures and rounding.
+PUBLISHED = {
+    "gpt-oss-20b": (20.91e9, 3.61e9, 0.002),  # gpt-oss model card, Table 1
+    "gpt-oss-120b": (116.83e9, 5.13e9, 0.002),  # gpt-oss model card, Table 1
+    "qwen3-30b-a3b": (30.5e9, None, 0.005),  # Qwen3-30B-A3B model card
+    "deepseek-v3": (671e9, None, 0.005),  # DeepSeek-V3 technical report, abstract (MTP module apart)
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_a_published_moe_config_has_its_published_size(name):
+    model = model_from_hf_config(json.loads((CONFIGS / f"{name}.json").read_text()), name)
+    total, active, tolerance = PUBLISHED[name]
+    assert model.num_parameters() == pytest.approx(total, rel=tolerance)
+    if active is not None:
+        embedding = model.vocab_size * model.hidden_size
+        assert model.num_active_parameters() - embedding == pytest.approx(active, rel=tolerance)
+
+
+def test_every_shipped_config_is_documented():
+    readme = (CONFIGS / "README.md").read_text()
+    assert sorted(p.stem for p in CONFIGS.glob("*.json")) == sorted(PUBLISHED)
+    assert all(f"{name}.json" in readme for name in PUBLISHED)
