@@ -127,6 +127,9 @@ class Source:
     (Strategy.expert_load_balanced)."""
     expert_dispatcher: str = "alltoall"
     """The MoE token dispatcher the source's runs used (Strategy.expert_dispatcher)."""
+    even_stages: bool = False
+    """The runs split the layers evenly over the pipeline's model chunks (Megatron-core's default
+    without a layout flag) where the planner would balance them: priced with that split."""
 
 
 SOURCES = {
@@ -158,12 +161,13 @@ SOURCES = {
                      "not published: the planner's best interleaved schedule", LLAMA, False, None, interleaved=True),
     "automodel": Source("automodel", "megatron", 3, True, "bf16",
                         "NeMo AutoModel FSDP2: engine megatron, ZeRO 3 (every layer sharded)", LLAMA),
-    "automodel-moe": Source("automodel", "megatron", 1, True, "bf16",
+    "automodel-moe": Source("automodel", "megatron", 3, True, "bf16",
                             "NeMo AutoModel FSDP2 with expert parallelism (Transformer Engine layers): engine "
-                            "megatron with ZeRO 1, DeepEP's dispatch (Strategy.expert_dispatcher deepep: the "
-                            "table's 'TE + DeepEP') and the published ep (dsauto plans no expert "
-                            "parallelism under Megatron-FSDP, so FSDP2's gathers of the dense weights are not "
-                            "priced and memory is bounded as ZeRO 1's), the published pp and vp, routing "
+                            "megatron with ZeRO 3 (Megatron-FSDP, experts sharded over the expert data-parallel "
+                            "group) and, with pipelines (DeepSeek-V3: pp 4 x vp 8), ZeRO 1 (dsauto's pipelines "
+                            "run ZeRO 0-1: FSDP2's gathers of the dense weights are then not priced and memory "
+                            "is bounded as ZeRO 1's), DeepEP's dispatch (Strategy.expert_dispatcher deepep: the "
+                            "table's 'TE + DeepEP'), the published ep, pp and vp, routing "
                             "balanced (the page's 'fake balanced gate'), cuDNN's fused attention for Qwen3 (TE "
                             "attention), FlashAttention otherwise (MLA; GPT-OSS's FlexAttention), recomputation "
                             "as the config committed with the table sets it (DeepSeek-V3 on 256 GPUs: none), else "
@@ -174,8 +178,9 @@ SOURCES = {
                       "optimizer (ZeRO 1), gradients reduced in bf16 (grad_reduce_in_fp32 False), the alltoall "
                       "dispatcher with grouped GEMMs, routing forced to balance (moe_router_force_load_balancing; "
                       "the tables' footnote), the recipe's selective recomputation (layernorm, moe_act), "
-                      "FlashAttention (the TE backend of GPT-OSS's sink attention is not published)",
-                      checkpoint=False, vpp=1, balanced_routing=True),
+                      "FlashAttention (the TE backend of GPT-OSS's sink attention is not published), the layers "
+                      "split evenly over the stages (the recipe sets no pipeline layout)",
+                      checkpoint=False, vpp=1, balanced_routing=True, even_stages=True),
     "mtnlg": Source("mtnlg", "megatron", 1, False, "bf16",
                     "Megatron-DeepSpeed 2021: engine megatron with ZeRO 1 (dsauto's DeepSpeed plans have no "
                     "tensor parallelism), DeepSpeed's pipeline without interleaving, eager attention, full "
@@ -260,7 +265,7 @@ class PublishedRun:
     def rebuilt(self) -> bool:
         """Whether the planner's plans are re-priced with ``engine_options`` or ``shard_all``."""
         return (self.source.shard_all or self.recompute_early_stop or self.source.scatter_gather
-                or self.balanced_routing)
+                or self.balanced_routing or self.source.even_stages)
 
     @property
     def generation(self) -> str:
@@ -456,7 +461,8 @@ def configure(record: dict) -> PublishedRun | str:
     # run's stack ran.
     kernel = _attention_kernel(record, source)
     fp32_reduce, early_stop = _engine_options(record, source)
-    pins = Constraints(tp=tp, pp=pp, cp=cp, vpp=vpp, ep=p.get("ep"), etp=p.get("etp"), zero_stage=source.zero_stage,
+    zero = 1 if source.zero_stage >= 2 and pp > 1 else source.zero_stage  # dsauto's pipelines run ZeRO 0-1
+    pins = Constraints(tp=tp, pp=pp, cp=cp, vpp=vpp, ep=p.get("ep"), etp=p.get("etp"), zero_stage=zero,
                        micro_batch=p.get("micro_batch"),
                        checkpoint=checkpoint, sequence_parallel=sp if tp > 1 else None, engine=source.engine,
                        recompute_modules=recompute_modules, offload="none", hpz=1, dist_opt_instances=1,
@@ -510,6 +516,15 @@ def _strategy(plan: Plan, run: PublishedRun | None = None) -> Strategy:
                     **(run.engine_options if run is not None else {}))
 
 
+def _stage_layers(run: PublishedRun, plan: Plan) -> tuple[int, ...]:
+    """The transformer layers of each model chunk as the run had them: an even split where its
+    source's engine made one (Source.even_stages), else the planner's."""
+    chunks = plan.pp * plan.virtual_stages
+    if run.source.even_stages and chunks > 1 and run.model.num_layers % chunks == 0:
+        return (run.model.num_layers // chunks,) * chunks
+    return tuple(plan.stage_layers)
+
+
 def _options(plan: Plan, shard_all: bool) -> tuple[LayerOption, ...]:
     options = []
     for run in plan.layers:
@@ -549,7 +564,7 @@ def plans(run: PublishedRun, hardware: HardwareSpec, top_k: int = 1) -> tuple[li
         found, fits = _search(run, hardware, searched, run.pins, GENEROUS_BYTES)
     if run.rebuilt:
         planner = Planner(run.model, _cluster(run, hardware, GENEROUS_BYTES), run.train, run.pins)
-        rebuilt = [planner.build_plan(_strategy(p, run), p.stage_layers, _options(p, run.source.shard_all))
+        rebuilt = [planner.build_plan(_strategy(p, run), _stage_layers(run, p), _options(p, run.source.shard_all))
                    for p in found]
         budget = _cluster(run, hardware).memory_budget_bytes
         fitting = [p for p in rebuilt if p.prediction.peak_memory_bytes <= budget]
@@ -575,7 +590,7 @@ def build_cases(runs: Sequence[PublishedRun], constants: Constants | None = None
         hardware = base_hardware(run.hardware)
         found, _ = plans(run, constants.apply(hardware) if constants else hardware, top_k=64)
         fastest = found[0].prediction.step_seconds
-        candidates = tuple(Candidate(_strategy(p, run), p.stage_layers, _options(p, run.source.shard_all))
+        candidates = tuple(Candidate(_strategy(p, run), _stage_layers(run, p), _options(p, run.source.shard_all))
                            for p in found if p.prediction.step_seconds <= fastest * (1 + keep_within))
         per_node = min(run.gpus, hardware.gpus_per_node)
         cases.append(Case(run.id, run.group, 1.0 / per_source[run.source.key], run.model, run.train, hardware,

@@ -285,11 +285,18 @@ def sharded_gather_bytes(group: LayerGroup, option: LayerOption, ctx: LayerConte
     (:mod:`dsauto.cost.zero3`, which ``predict_step`` puts in place of this unit); per layer it is a
     lower bound, for the layer DP.
 
-    Megatron-FSDP: the unit in use and the next one prefetched."""
+    Megatron-FSDP: the unit in use and the next one prefetched. Its unit is a whole transformer
+    layer (megatron/core/distributed/fsdp/mcore_fsdp_adapter.py: ``fsdp_unit_modules`` is
+    ``[TransformerLayer]`` under ``optim_grads_params``), gathered in one buffer: the layer's
+    parameters on this rank, its 1/(ep x etp) of the routed experts (which Megatron-FSDP shards and
+    gathers over the expert data-parallel group); the embedding and the head are not units and
+    gather their largest matrix."""
     if not ctx.shards(option):
         return 0.0
     unit = gathered_unit_params(group, option, ctx.tp)
     if ctx.engine != "deepspeed":
+        if group.kind == "transformer":
+            unit = dense_local_params(group, ctx) + expert_local_params(group, ctx)
         return 2 * unit * ctx.dtype_bytes
     return min(unit, local_params(group, ctx.tp)) * ctx.dtype_bytes
 

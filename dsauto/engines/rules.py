@@ -79,9 +79,10 @@ def expert_parallel_refusal(engine: Engine, dims: ParallelDims, zero_stage: int,
     :class:`ParallelDims`); its MoE layer splits the routed experts evenly over ep
     (``num_moe_experts % expert_model_parallel_size``) and each expert's width over etp, and refuses
     to train MoE layers under tensor parallelism without sequence parallelism
-    (megatron/core/transformer/moe/moe_layer.py). Expert parallelism under Megatron-FSDP (ZeRO 2/3)
-    is not planned: dsauto prices expert states sharded by the distributed optimizer over the
-    expert data-parallel group. Under DeepSpeed, ep is DeepSpeed-MoE's ``ep_size``
+    (megatron/core/transformer/moe/moe_layer.py). Under Megatron-FSDP (ZeRO 2/3) the expert
+    parameters, gradients and optimizer states are sharded over the expert data-parallel group
+    (megatron_fsdp.py: expert parameters need the ``expt_dp`` group), as the distributed optimizer
+    (ZeRO 1) shards expert optimizer states. Under DeepSpeed, ep is DeepSpeed-MoE's ``ep_size``
     (``deepspeed.moe.layer.MoE``; the model must be built from DeepSpeed's MoE layers, which the hook
     checks): no expert tensor parallelism, and not under ZeRO-3, which DeepSpeed refuses with its MoE
     layers (``_validate_zero3_moe_compatibility`` in deepspeed/runtime/engine.py); ZeRO 1-2 shard the
@@ -102,8 +103,6 @@ def expert_parallel_refusal(engine: Engine, dims: ParallelDims, zero_stage: int,
         return f"the {num_experts} experts of an MoE layer do not split evenly over ep {dims.ep}"
     if expert_ffn_hidden_size % dims.etp:
         return f"the expert width {expert_ffn_hidden_size} does not split evenly over etp {dims.etp}"
-    if zero_stage >= 2 and engine == "megatron":
-        return f"expert parallelism with ZeRO stage {zero_stage} (Megatron-FSDP) is not planned; use ZeRO 0 or 1"
     return None
 
 

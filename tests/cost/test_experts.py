@@ -152,3 +152,18 @@ def test_deepep_sends_a_token_once_per_other_node_holding_its_experts():
         sequence_parallel=False, engine="megatron", expert_dispatcher=dispatcher), 4096).expert_dispatch_seconds(block)
         for dispatcher in ("alltoall", "deepep"))
     assert deepep == pytest.approx(alltoall)  # ep 8 inside a node: DeepEP's intranode path is an all-to-all too
+
+
+def test_megatron_fsdp_gathers_a_whole_layer_with_its_local_experts():
+    from dsauto.cost.terms import sharded_gather_bytes
+
+    sharded = LayerOption(checkpoint=False, shard_params=True, split=1)
+    for ep in (1, 8):
+        cost, block = price(ParallelDims(dp=64, ep=ep), zero=3)
+        # the unit (a TransformerLayer) in use and the next one prefetched, bf16, 1/ep of the experts
+        layer = block.params - block.expert_params + block.expert_params / ep
+        assert sharded_gather_bytes(block, sharded, cost.context) == pytest.approx(2 * layer * 2)
+    # and the experts' states are sharded over the expert data-parallel group (64 / 8)
+    state = price(ParallelDims(dp=64, ep=8), zero=3)[0].layer(block, sharded)
+    assert state.params_bytes == pytest.approx(2 * (block.params - block.expert_params) / 64
+                                               + 2 * block.expert_params / 8 / 8)
