@@ -88,7 +88,8 @@ DGXC_MAPPING = ("NeMo launcher recipes (DGX H100 reference): engine megatron wit
                 "15B) or FlashAttention-2 (Nemotron-4 340B, GPT-3 175B), the published tp, pp, cp, vp and "
                 "micro-batch; --tp-comm-overlap where the recipe sets ub_tp_comm_overlap (all but the 8B, "
                 "tp 1); Nemotron-4's squared ReLU priced as a two-matrix ReLU MLP, layernorm1p as LayerNorm; "
-                "GPT-3 with NeMo's GPT defaults (GeLU, learned positions, biases, tied embeddings, dropout 0.1)")
+                "GPT-3 with NeMo's GPT defaults (GeLU, learned positions, biases, tied embeddings, dropout 0.1); "
+                "the layers split evenly over the model chunks where they divide (no layout in the recipes)")
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ SOURCES = {
                              "Megatron-LM 2021: engine megatron, no distributed optimizer (ZeRO 0), eager "
                              "attention, full recomputation (Eq. 3 assumes it), interleaved schedule with its "
                              "virtual stages left to the planner (not published), pipeline scatter/gather "
-                             "(Sec. 4.1)", GPT, True, None, scatter_gather=True),
+                             "(Sec. 4.1), the layers split evenly over the stages (megatron/model/transformer.py "
+                             "of 2021 divides them)", GPT, True, None, scatter_gather=True, even_stages=True),
     "narayanan21-t2-zero3": Source("narayanan21", "deepspeed", 3, False, "fp16",
                                    "DeepSpeed ZeRO-3 (2021) without model parallelism: engine deepspeed, every "
                                    "layer sharded, full recomputation (Eq. 3 assumes it), vocabulary 51,200",
@@ -145,7 +147,8 @@ SOURCES = {
     "korthikanti22": Source("korthikanti22", "megatron", 0, False, "fp16",
                             "Megatron-LM 2022: engine megatron, ZeRO 0, eager attention, the published "
                             "virtual stages (none where the table lists none), pipeline scatter/gather "
-                            "without sequence parallelism", GPT, None, 1, scatter_gather=True),
+                            "without sequence parallelism, the layers split evenly over the stages", GPT, None, 1,
+                            scatter_gather=True, even_stages=True),
     "megatron-readme24": Source("megatron-readme24", "megatron", 1, True, "bf16",
                                 "Megatron-core r0.8 on H100: engine megatron with the distributed optimizer "
                                 "(--overlap-param-gather needs it), sequence parallelism when tp > 1 "
@@ -153,8 +156,9 @@ SOURCES = {
                                 "Engine's default on Hopper), BF16 (the MFU is against the BF16 peak; precision "
                                 "not published), untied embeddings (the published parameter counts), "
                                 "--tp-comm-overlap as the README states; recomputation, micro-batch and virtual "
-                                "stages the planner's", dict(tied_embeddings=False), None,
-                                None, tp_comm_overlap=True),
+                                "stages the planner's, the layers split evenly over the model chunks (no layout "
+                                "flag published)", dict(tied_embeddings=False), None,
+                                None, tp_comm_overlap=True, even_stages=True),
     "llama3": Source("llama3", "megatron", 1, True, "bf16",
                      "Meta's 4D stack: engine megatron, ZeRO 1 (its FSDP shards optimizer and gradients; "
                      "dsauto runs ZeRO 0-1 with pipelines), interleaved (Sec. 3.3.2) with the virtual stages "
@@ -185,7 +189,8 @@ SOURCES = {
                     "Megatron-DeepSpeed 2021: engine megatron with ZeRO 1 (dsauto's DeepSpeed plans have no "
                     "tensor parallelism), DeepSpeed's pipeline without interleaving, eager attention, full "
                     "recomputation (the stack recomputed every layer or none, and the TFLOP/s count it), "
-                    "vocabulary 51,200", GPT, True, 1),
+                    "vocabulary 51,200, the layers split evenly over the stages (partition_method "
+                    "'type:transformer')", GPT, True, 1, even_stages=True),
     "bloom": Source("bloom", "megatron", 1, False, "bf16",
                     "Megatron-DeepSpeed 2022 with its BF16 optimizer (ZeRO-1 equivalent, fp32 gradients): "
                     "engine megatron with ZeRO 1, eager attention, ALiBi, embedding norm",
@@ -205,10 +210,13 @@ SOURCES = {
                   "image) without", dict(dropout=False), torch_checkpoint=True),
     # NVIDIA's DGX Cloud Benchmarking recipes (NeMo launcher yaml + configure.sh of release v25.01): one
     # entry per model family, as their architectures and --tp-comm-overlap differ.
-    "dgxc2501-llama31-8b": Source("dgxc", "megatron", 1, True, "bf16", DGXC_MAPPING, LLAMA),
-    "dgxc2501-llama31": Source("dgxc", "megatron", 1, True, "bf16", DGXC_MAPPING, LLAMA, tp_comm_overlap=True),
-    "dgxc2501-nemotron4": Source("dgxc", "megatron", 1, True, "bf16", DGXC_MAPPING, NEMOTRON, tp_comm_overlap=True),
-    "dgxc2501-gpt3": Source("dgxc", "megatron", 1, True, "bf16", DGXC_MAPPING, GPT, tp_comm_overlap=True),
+    "dgxc2501-llama31-8b": Source("dgxc", "megatron", 1, True, "bf16", DGXC_MAPPING, LLAMA, even_stages=True),
+    "dgxc2501-llama31": Source("dgxc", "megatron", 1, True, "bf16", DGXC_MAPPING, LLAMA, tp_comm_overlap=True,
+                               even_stages=True),
+    "dgxc2501-nemotron4": Source("dgxc", "megatron", 1, True, "bf16", DGXC_MAPPING, NEMOTRON, tp_comm_overlap=True,
+                                 even_stages=True),
+    "dgxc2501-gpt3": Source("dgxc", "megatron", 1, True, "bf16", DGXC_MAPPING, GPT, tp_comm_overlap=True,
+                            even_stages=True),
     "torchtitan2404": Source("torchtitan", "megatron", 3, True, "bf16",
                              "torchtitan (April 2024) FSDP2: engine megatron with ZeRO 3 (fully_shard per block), "
                              "gradients reduced in fp32 (MixedPrecisionPolicy reduce_dtype), non-reentrant "
@@ -723,19 +731,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 MOE_WHY = (
-    "Megatron-Bridge's GPT-OSS 120B (Megatron-core, every option known from the recipe) runs about 1.6x "
-    "slower than priced: 16.5% MFU by the table's own count against the 31% dsauto gives it, with the "
-    "all-to-all inside a node and the grouped GEMMs at 1024 tokens per expert, a shape the H100 runs "
-    "at the rate priced (benchmarks/results/device_experts_h100-80gb.md). What dsauto leaves out is "
-    "not known: GPT-OSS's attention with learnable sinks over a 128-token window on every other "
-    "layer runs in whichever Transformer Engine backend supports them (not published; an unfused one "
-    "would explain much of it), and MoE layers issue many small kernels (router, permutation) on a "
-    "narrow model (hidden 2880). NeMo AutoModel's single-node rows (Qwen3-30B-A3B, GPT-OSS 20B) come "
-    "within 2%; its multi-node rows come out slow: they run FSDP2 with expert parallelism, which "
-    "dsauto cannot plan (its Megatron-FSDP plans keep experts unsplit), so they are priced as ZeRO 1, "
-    "whose larger per-rank state makes the planner recompute layers FSDP2 would not need to "
-    "(DeepSeek-V3 on 1024 GPUs: 52 of 61 layers), and DeepEP's dispatch is priced by its traffic "
-    "with nothing overlapped.")
+    "Megatron-Bridge's GPT-OSS 120B (Megatron-core, every option known from the recipe) runs about "
+    "1.3x slower than priced with Megatron-core's even split of the 36 layers over 4 stages (the "
+    "last stage also holds the 201,088-word head; the planner's own balanced split would be 1.6x): "
+    "the all-to-all stays inside a node and the grouped GEMMs get 1024 tokens per expert, a shape "
+    "the H100 runs at the rate priced (benchmarks/results/device_experts_h100-80gb.md). What is "
+    "left is not known: GPT-OSS's attention with learnable sinks over a 128-token window on every "
+    "other layer runs in whichever Transformer Engine backend supports them (not published; an "
+    "unfused one would explain it), and MoE layers issue many small kernels (router, permutation) "
+    "on a narrow model (hidden 2880). NeMo AutoModel's rows without pipelines (FSDP2 with expert "
+    "parallelism, priced as Megatron-FSDP with the experts sharded over their data-parallel group) "
+    "come within 1-15%, GPT-OSS 120B with the planner's ep (the table gives none) the furthest; "
+    "its DeepSeek-V3 rows (pp 4 x vp 8) are priced as ZeRO 1, whose larger per-rank state makes the "
+    "planner recompute layers FSDP2 need not (on 1024 GPUs 52 of 61 layers; the recomputation the "
+    "run used is not published), and DeepEP's dispatch is priced by its network traffic with "
+    "nothing overlapped.")
 """What the mixture-of-experts rows show, in words (measured, not fitted)."""
 
 WHY = {

@@ -86,8 +86,9 @@ class Constraints:
     recompute_modules: str | None = field(default=None, metadata={
         "flag": "--recompute-modules",
         "help": "selective recomputation in every transformer layer: comma-separated modules among "
-                "core_attn, layernorm, mlp (Megatron-core's --recompute-modules; under DeepSpeed the "
-                "dsauto hook checkpoints the same modules of each block), or 'none' (default: chosen "
+                "core_attn, layernorm, mlp, moe_act (Megatron-core's --recompute-modules; under "
+                "DeepSpeed the dsauto hook checkpoints the first three in each block; moe_act, the "
+                "routed experts' activation, is Megatron-core's alone), or 'none' (default: chosen "
                 "by the search)"})
     """Modules every transformer layer recomputes, comma-separated (``"core_attn,mlp"``), or
     ``"none"`` for no selective recomputation; None lets the search choose."""
