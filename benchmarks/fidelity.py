@@ -525,11 +525,12 @@ def _strategy(plan: Plan, run: PublishedRun | None = None) -> Strategy:
 
 
 def _stage_layers(run: PublishedRun, plan: Plan) -> tuple[int, ...]:
-    """The transformer layers of each model chunk as the run had them: an even split where its
-    source's engine made one (Source.even_stages), else the planner's."""
+    """The transformer layers of each pipeline rank as the run had them: an even split over the
+    model chunks where its source's engine made one (Source.even_stages; a rank's layers split
+    evenly over its chunks, dsauto.plan.chunk_layers), else the planner's."""
     chunks = plan.pp * plan.virtual_stages
     if run.source.even_stages and chunks > 1 and run.model.num_layers % chunks == 0:
-        return (run.model.num_layers // chunks,) * chunks
+        return (run.model.num_layers // plan.pp,) * plan.pp
     return tuple(plan.stage_layers)
 
 

@@ -35,3 +35,28 @@ def test_every_shipped_config_is_documented():
     readme = (CONFIGS / "README.md").read_text()
     assert sorted(p.stem for p in CONFIGS.glob("*.json")) == sorted(PUBLISHED)
     assert all(f"{name}.json" in readme for name in PUBLISHED)
+
+
+def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
+    import sys
+
+    sys.path.insert(0, str(CONFIGS.parent))
+    try:
+        import fidelity
+    finally:
+        sys.path.remove(str(CONFIGS.parent))
+    runs, excluded = fidelity.load_runs()
+    moe = {run.id: run for run in runs if run.model.moe}
+    assert len(moe) == 7
+    bridge = moe["mbridge2602-moe-gpt-oss-120b-64gpu"]
+    assert bridge.model.num_layers == 36 and bridge.model.num_experts == 128
+    assert (bridge.pins.ep, bridge.pins.pp, bridge.pins.zero_stage, bridge.pins.micro_batch) == (8, 4, 1, 1)
+    assert bridge.pins.recompute_modules == "layernorm,moe_act"
+    assert bridge.engine_options["expert_load_balanced"] and not bridge.grad_reduce_in_fp32
+    deepseek = moe["automodel-moe-deepseek-v3-256gpu"]
+    assert deepseek.engine_options["expert_dispatcher"] == "deepep"
+    assert deepseek.pins.zero_stage == 1 and deepseek.pins.vpp == 8  # pipelines: ZeRO 0-1
+    assert moe["automodel-moe-qwen3-30b-a3b-8gpu"].pins.zero_stage == 3
+    reasons = dict(excluded)
+    assert "not the global batch" in reasons["mbridge2511-moe-gpt-oss-120b-64gpu"]
+    assert "no Hugging Face config" in reasons["automodel-moe-kimi-k2-256gpu"]
