@@ -475,7 +475,8 @@ def configure(record: dict) -> PublishedRun | str:
                        checkpoint=checkpoint, sequence_parallel=sp if tp > 1 else None, engine=source.engine,
                        recompute_modules=recompute_modules, offload="none", hpz=1, dist_opt_instances=1,
                        attention_kernel=kernel, tp_comm_overlap=source.tp_comm_overlap or None,
-                       grad_reduce_in_fp32=None if fp32_reduce else False)
+                       grad_reduce_in_fp32=None if fp32_reduce else False,
+                       expert_dispatcher="deepep" if model.moe and source.expert_dispatcher == "deepep" else None)
     train = TrainSpec(global_batch=p["global_batch"], seq_len=seq, dtype=source.dtype,
                       flash_attention=source.flash_attention)
     published = _published(record, model, source)

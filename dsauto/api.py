@@ -24,7 +24,7 @@ from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype, TrainSpec
 
 if TYPE_CHECKING:
-    from dsauto.plan import AttentionKernel, Engine, Offload, Plan
+    from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher, Offload, Plan
     from dsauto.profile.store import Profile
     from dsauto.search.planner import Progress
 
@@ -113,6 +113,7 @@ def make_problem(
     attention_kernel: AttentionKernel | None = None,
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
+    expert_dispatcher: ExpertDispatcher | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
 
@@ -163,6 +164,8 @@ def make_problem(
             with sequence parallelism (Megatron-core plans only; default: off).
         grad_reduce_in_fp32: False keeps and reduces gradients in bf16 (Megatron-core's
             ``--grad-reduce-in-bf16``, bf16 plans only; default: fp32).
+        expert_dispatcher: ``deepep`` dispatches a mixture of experts' tokens with DeepEP
+            (Megatron-core's flex dispatcher; DeepEP installed apart); None: ``alltoall``.
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -186,7 +189,8 @@ def make_problem(
                        sequence_parallel=sequence_parallel, cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp,
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,
                        recompute_modules=recompute_modules, attention_kernel=attention_kernel,
-                       tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32)
+                       tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
+                       expert_dispatcher=expert_dispatcher)
     if attention_kernel == "cudnn" and not cluster.device.fused_attention_efficiency:
         warnings.warn(f"{cluster.device.name} has no fused attention efficiency of its own; cuDNN's fused "
                       f"attention is priced at its FlashAttention efficiency.", stacklevel=2)
@@ -266,6 +270,7 @@ def make_plan(
     attention_kernel: AttentionKernel | None = None,
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
+    expert_dispatcher: ExpertDispatcher | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """The fastest plan that fits: :func:`find_plans` of :func:`make_problem` with these arguments
@@ -280,5 +285,6 @@ def make_plan(
                            cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp, offload=offload, hpz=hpz,
                            dist_opt_instances=dist_opt_instances,
                            recompute_modules=recompute_modules, attention_kernel=attention_kernel,
-                           tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32)
+                           tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
+                           expert_dispatcher=expert_dispatcher)
     return find_plans(problem, profile=profile)[0]

@@ -39,6 +39,12 @@ routed experts' activation function (its output, the second expert matrix's inpu
 Megatron-core only)."""
 RECOMPUTE_MODULES: tuple[RecomputeModule, ...] = ("core_attn", "layernorm", "mlp", "moe_act")
 
+ExpertDispatcher = Literal["alltoall", "deepep"]
+"""Megatron-core's MoE token dispatcher: ``alltoall`` (``--moe-token-dispatcher-type alltoall``) or
+``deepep`` (``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep``, DeepSeek's
+DeepEP kernels, installed apart)."""
+EXPERT_DISPATCHERS: tuple[ExpertDispatcher, ...] = ("alltoall", "deepep")
+
 Offload = Literal["none", "optimizer", "optimizer+params"]
 """What a plan keeps in host (CPU) memory instead of device memory: nothing; the optimizer state
 (fp32 master weights, Adam moments and the fp32 gradients they are updated from), updated by the
@@ -345,6 +351,9 @@ class Plan:
     grad_reduce_in_fp32: bool = True
     """Megatron-core under bf16: gradients accumulated and reduced in fp32 (its default); False is
     ``--grad-reduce-in-bf16`` (a bf16 gradient buffer, half the bytes and half the reduction)."""
+    expert_dispatcher: ExpertDispatcher = "alltoall"
+    """The MoE token dispatcher the plan is priced with and runs (:data:`ExpertDispatcher`);
+    ``deepep`` only in a Megatron-core plan of a mixture of experts."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -382,6 +391,12 @@ class Plan:
         if self.tp_comm_overlap and (self.engine != "megatron" or self.tp == 1 or not self.sequence_parallel):
             raise ValueError(f"tp_comm_overlap needs a Megatron-core plan (not {self.engine}) with tp > 1 (not "
                              f"{self.tp}) and sequence parallelism (not {self.sequence_parallel})")
+        if self.expert_dispatcher not in EXPERT_DISPATCHERS:
+            raise ValueError(f"expert_dispatcher must be one of {', '.join(EXPERT_DISPATCHERS)}, "
+                             f"got {self.expert_dispatcher!r}")
+        if self.expert_dispatcher == "deepep" and (self.engine != "megatron" or not self.model.moe):
+            raise ValueError(f"expert_dispatcher deepep needs a Megatron-core plan (not {self.engine}) of a "
+                             f"mixture of experts ({self.model.name} has {self.model.num_experts} experts)")
         if not self.grad_reduce_in_fp32 and (self.engine != "megatron" or self.dtype != "bf16"):
             raise ValueError(f"grad_reduce_in_fp32 False (bf16 gradients) needs a Megatron-core plan (not "
                              f"{self.engine}) in bf16 (not {self.dtype})")

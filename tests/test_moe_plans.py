@@ -63,3 +63,42 @@ def test_a_pinned_experts_activation_recompute_is_planned_and_emitted(tmp_path, 
     err = capsys.readouterr().err
     assert code == 2 and "moe_act" in err and "--engine megatron" in err
     assert not (tmp_path / "no").exists()
+
+
+def test_a_pinned_deepep_dispatch_is_priced_emitted_and_applied(tmp_path, capsys):
+    base = ["tune", "--model", str(CONFIGS / "qwen3-30b-a3b.json"), "--hardware", "h100-80gb", "--nodes", "4",
+            "--gpus-per-node", "8", "--global-batch", "256", "--seq-len", "4096", "--zero-stage", "1",
+            "--ep", "16"]  # two nodes per expert group: DeepEP crosses the network once per node
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main([*base, "--out", str(tmp_path / "a2a")]) == 0
+        assert main([*base, "--moe-dispatcher", "deepep", "--out", str(tmp_path / "deepep")]) == 0
+    out = capsys.readouterr().out
+    assert "DeepEP dispatch" in out
+    a2a, deepep = read_plan(tmp_path / "a2a" / "plan.yaml"), read_plan(tmp_path / "deepep" / "plan.yaml")
+    assert (a2a.expert_dispatcher, deepep.expert_dispatcher) == ("alltoall", "deepep")
+    assert 0 < deepep.prediction.expert_all_to_all_seconds < a2a.prediction.expert_all_to_all_seconds
+    args = (tmp_path / "deepep" / "megatron_args.txt").read_text()
+    assert "--moe-token-dispatcher-type flex" in args and "--moe-flex-dispatcher-backend deepep" in args
+    assert "--moe-token-dispatcher-type alltoall" in (tmp_path / "a2a" / "megatron_args.txt").read_text()
+    # the Megatron-core plugin gives the config the plan's dispatcher
+    from megatron.core.transformer import TransformerConfig
+
+    import dsauto.runtime.megatron as dm
+
+    config = TransformerConfig(**dm.transformer_config_kwargs(deepep.model), use_cpu_initialization=True)
+    applied = dm.apply(deepep, config)
+    assert (applied.moe_token_dispatcher_type, applied.moe_flex_dispatcher_backend) == ("flex", "deepep")
+
+
+@pytest.mark.parametrize("model, extra, message", [
+    ("gpt-tiny", [], "the model has no experts"),
+    (str(CONFIGS / "mixtral-8x7b.json"), ["--engine", "deepspeed"], "plan with --engine megatron"),
+])
+def test_deepep_where_it_cannot_run_is_one_sentence(model, extra, message, tmp_path, capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main(["tune", "--model", model, "--moe-dispatcher", "deepep", *extra, "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "--moe-dispatcher deepep" in err
+    assert not (tmp_path / "x").exists()

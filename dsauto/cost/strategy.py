@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from dsauto.parallel import ParallelDims
-from dsauto.plan import AttentionKernel, Engine, Offload
-
-ExpertDispatcher = Literal["alltoall", "deepep"]
+from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher, Offload
 
 
 @dataclass(frozen=True)
@@ -65,8 +62,8 @@ class Strategy:
     (``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep``, DeepSeek's DeepEP
     kernels): across nodes a token goes over the network once per node that holds any of its experts
     and is forwarded over NVLink inside it (DeepSeek-V3 technical report, Sec. 3.2.2;
-    :func:`dsauto.cost.terms.expert_dispatch_seconds`). Plans never pick DeepEP (it is a separate
-    install); dsauto prices published runs that used it."""
+    :func:`dsauto.cost.terms.expert_dispatch_seconds`). The search never picks DeepEP (it is a
+    separate install): a plan runs it when pinned (``--moe-dispatcher deepep``)."""
     expert_load_balanced: bool = False
     """Megatron-core's ``--moe-router-force-load-balancing``, a benchmarking option: the router
     ignores its scores and spreads the tokens evenly over the experts, so the busiest

@@ -105,7 +105,7 @@ def _model_shape(plan: Plan) -> list[str]:
     lines += _attention(model)
     lines += _norms(model)
     lines += _mlp(model)
-    lines += _experts(model)
+    lines += _experts(model, plan.expert_dispatcher)
     if not model.tied_embeddings:
         lines.append("--untie-embeddings-and-output-weights")
     if not model.dropout:
@@ -238,10 +238,11 @@ def _mlp(model: ModelSpec) -> list[str]:
     return []
 
 
-def _experts(model: ModelSpec) -> list[str]:
+def _experts(model: ModelSpec, dispatcher: str = "alltoall") -> list[str]:
     """The mixture of experts (megatron/core/transformer/transformer_config.py, the ``moe_*``
-    fields): experts, top-k, widths, which layers, the router, the grouped GEMM and the all-to-all
-    dispatcher the plan is priced with (Megatron's default dispatcher is ``allgather``)."""
+    fields): experts, top-k, widths, which layers, the router, the grouped GEMM and the dispatcher
+    the plan is priced with (Megatron's default dispatcher is ``allgather``): ``alltoall``, or
+    ``flex`` with the DeepEP backend."""
     if not model.moe:
         return []
     lines = [f"--num-experts {model.num_experts}", f"--moe-router-topk {model.moe_top_k}",
@@ -265,7 +266,11 @@ def _experts(model: ModelSpec) -> list[str]:
     if model.moe_router == "sigmoid":
         # DeepSeek-V3's routing: sigmoid scores, balanced by a per-expert bias instead of a loss
         lines += ["--moe-router-score-function sigmoid", "--moe-router-enable-expert-bias"]
-    lines += ["--moe-grouped-gemm", "--moe-token-dispatcher-type alltoall"]
+    lines.append("--moe-grouped-gemm")
+    if dispatcher == "deepep":
+        lines += ["--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend deepep"]
+    else:
+        lines.append("--moe-token-dispatcher-type alltoall")
     return lines
 
 

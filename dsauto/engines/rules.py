@@ -310,6 +310,17 @@ def tp_comm_overlap_refusal(engine: Engine) -> str | None:
     return None
 
 
+def expert_dispatcher_refusal(engine: Engine, moe: bool) -> str | None:
+    """Why DeepEP's dispatch cannot run, or None: it is Megatron-core's flex token dispatcher
+    (``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep``), for the MoE layers of
+    a mixture of experts; DeepSpeed-MoE has its own all-to-all."""
+    if not moe:
+        return "DeepEP dispatches the tokens of a mixture of experts, and the model has no experts"
+    if engine != "megatron":
+        return "DeepEP is Megatron-core's flex token dispatcher; plan with --engine megatron"
+    return None
+
+
 def grad_reduce_refusal(engine: Engine, dtype: Dtype) -> str | None:
     """Why gradients cannot be kept and reduced in bf16 (Megatron-LM's ``--grad-reduce-in-bf16``,
     DistributedDataParallelConfig.grad_reduce_in_fp32 False), or None: Megatron-core only, and only

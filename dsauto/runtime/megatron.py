@@ -232,6 +232,12 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
         _report("The config overlaps the tensor-parallel collectives (tp_comm_overlap) and the plan was "
                 "priced without it; dsauto keeps it on, so the step may be faster than predicted "
                 "(re-plan with --tp-comm-overlap to price it).")
+    if plan.expert_dispatcher == "deepep":
+        fields.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
+    elif plan.model.moe and config.moe_token_dispatcher_type == "flex":
+        _report("The config dispatches the experts' tokens with the flex dispatcher and the plan was priced "
+                "with alltoall's; dsauto keeps the config's (re-plan with --moe-dispatcher deepep to price "
+                "DeepEP's).")
     _report_kernel(plan, config)
     _report_unsplit(plan)
     for gap in megatron_gaps(plan.model):  # the model's own details Megatron-core cannot build

@@ -13,6 +13,7 @@ from dsauto.engines.rules import (
     attention_kernel_refusal,
     context_parallel_refusal,
     default_attention_kernel,
+    expert_dispatcher_refusal,
     grad_reduce_refusal,
     expert_parallel_refusal,
     dist_opt_instances_refusal,
@@ -26,7 +27,15 @@ from dsauto.engines.rules import (
 )
 from dsauto.errors import DsautoError
 from dsauto.parallel import ParallelDims, divisors, layouts
-from dsauto.plan import ATTENTION_KERNELS, ENGINES, OFFLOADS, AttentionKernel, Engine, Offload
+from dsauto.plan import (
+    ATTENTION_KERNELS,
+    ENGINES,
+    OFFLOADS,
+    AttentionKernel,
+    Engine,
+    ExpertDispatcher,
+    Offload,
+)
 from dsauto.search.limits import check_search_size, check_strategies
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import ModelSpec
@@ -129,6 +138,12 @@ class Constraints:
                 "bf16 Megatron-core plans only) (default: fp32, Megatron-core's default)"})
     """False: gradients kept and reduced in bf16 (Megatron-core's ``--grad-reduce-in-bf16``); None:
     fp32, the engine's default (never chosen by the search: it trades precision for memory)."""
+    expert_dispatcher: ExpertDispatcher | None = field(default=None, metadata={
+        "flag": "--moe-dispatcher", "choices": {"alltoall": None, "deepep": "deepep"},
+        "help": "the MoE token dispatcher: alltoall, or deepep (Megatron-core's flex dispatcher with "
+                "DeepSeek's DeepEP kernels, installed apart: across nodes a token crosses the network once "
+                "per node holding its experts) (Megatron-core plans of mixtures of experts; default: alltoall)"})
+    """The MoE token dispatcher (:data:`dsauto.plan.ExpertDispatcher`); None: ``alltoall``."""
 
 
 def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -196,6 +211,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     runnable = {engine: not pinned_option_refusals(engine, pins, train, model) for engine in engines}
     out = [dataclasses.replace(s, recompute_modules=modules, attention_kernel=kernels[s.engine],
                                tp_comm_overlap=bool(pins.tp_comm_overlap),
+                               expert_dispatcher=pins.expert_dispatcher or "alltoall",
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False)
            for s in out if runnable[s.engine] for modules in recompute_sets[s.engine]]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
@@ -214,6 +230,8 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--tp-comm-overlap"] = why, "otherwise leave it out"
     if pins.grad_reduce_in_fp32 is False and (why := grad_reduce_refusal(engine, train.dtype)):
         out["--grad-reduce-in-bf16"] = why, "leave it out"
+    if pins.expert_dispatcher == "deepep" and (why := expert_dispatcher_refusal(engine, model.moe)):
+        out["--moe-dispatcher deepep"] = why, "leave it out"
     return out
 
 
