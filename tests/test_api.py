@@ -46,7 +46,7 @@ SAMPLES = {"global_batch": 16, "seq_len": 64, "dtype": "fp16", "flash_attention"
            "zero_stage": 1, "micro_batch": 4, "checkpoint": True, "sequence_parallel": False, "engine": "megatron",
            "vpp": 2, "cp": 2, "ep": 2, "etp": 2, "recompute_modules": "core_attn", "offload": "optimizer",
            "hpz": 2, "dist_opt_instances": 2, "attention_kernel": "flash", "tp_comm_overlap": True,
-           "grad_reduce_in_fp32": False}
+           "grad_reduce_in_fp32": False, "expert_dispatcher": "deepep"}
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))

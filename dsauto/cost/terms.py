@@ -25,7 +25,7 @@ from dsauto.cost.collectives import AllToAll, Group
 from dsauto.cost.measured import MeasuredCosts, MeasuredLayer
 from dsauto.cost.strategy import LayerOption
 from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR
-from dsauto.plan import AttentionKernel, Engine
+from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher
 from dsauto.spec.cluster import DeviceSpec
 from dsauto.spec.model import LayerGroup
 
@@ -183,7 +183,7 @@ class LayerContext:
     recompute_early_stop: bool = False
     """A checkpointed layer's recomputation stops before its last matrix multiply (PyTorch's
     non-reentrant checkpoint: :attr:`dsauto.cost.strategy.Strategy.recompute_early_stop`)."""
-    expert_dispatcher: str = "alltoall"
+    expert_dispatcher: ExpertDispatcher = "alltoall"
     """The MoE token dispatcher (:attr:`dsauto.cost.strategy.Strategy.expert_dispatcher`)."""
     expert_load_balanced: bool = False
     """Routing forced to balance (:attr:`dsauto.cost.strategy.Strategy.expert_load_balanced`)."""
@@ -380,12 +380,12 @@ def expert_dispatch_seconds(group: LayerGroup, option: LayerOption, ctx: LayerCo
     if not group.dispatch_bytes_per_token or (ctx.ep_group is None and ctx.etp == 1):
         return Passes(0.0, 0.0)
     size = ctx.tokens / ctx.replicated_div * group.dispatch_bytes_per_token * expert_load_factor(ctx)
-    exchange = 0.0
-    if ctx.ep_group is not None and ctx.expert_dispatcher == "deepep" and ctx.ep_group.members_per_node < ctx.ep_group.size:
-        share = remote_node_share(group.num_experts, group.moe_top_k, ctx.ep_group.size, ctx.ep_group.members_per_node)
-        exchange = 2 * ctx.ep_group.node_deduplicated(size, share)
-    elif ctx.ep_group is not None:
-        exchange = 2 * ctx.ep_group.all_to_all(size)
+    exchange, ep = 0.0, ctx.ep_group
+    if ep is not None and ctx.expert_dispatcher == "deepep" and ep.members_per_node < ep.size:
+        share = remote_node_share(group.num_experts, group.moe_top_k, ep.size, ep.members_per_node)
+        exchange = 2 * ep.node_deduplicated(size, share)
+    elif ep is not None:
+        exchange = 2 * ep.all_to_all(size)
     if ctx.etp > 1:
         # Expert tensor parallelism: the etp ranks of an expert all-gather the tokens they received
         # and reduce-scatter the experts' outputs (token_dispatcher.py, the tp part of the tp-ep

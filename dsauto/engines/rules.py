@@ -145,11 +145,12 @@ def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engin
     ``recompute_modules`` (one set for every layer), DeepSpeed the first three through the dsauto
     hook (dsauto.runtime.recompute, per layer).
 
-    ``moe_act`` needs a mixture of experts (``experts``; None: not known) and Megatron-core: its grouped-GEMM experts
-    (``TEGroupedMLP`` / ``GroupedMLP`` in megatron/core/transformer/moe/experts.py, which the
-    emitted ``--moe-grouped-gemm`` selects; ``TransformerConfig`` refuses ``moe_act`` without it)
-    checkpoint the activation function with ``CheckpointWithoutOutput`` and drop its output once the
-    second matrix has consumed it. DeepSpeed-MoE's experts have no such option.
+    ``moe_act`` needs a mixture of experts (``experts``; None: not known) and Megatron-core: its
+    grouped-GEMM experts (``TEGroupedMLP`` / ``GroupedMLP`` in megatron/core/transformer/moe/
+    experts.py, which the emitted ``--moe-grouped-gemm`` selects; ``TransformerConfig`` refuses
+    ``moe_act`` without it) checkpoint the activation function with ``CheckpointWithoutOutput`` and
+    drop its output once the second matrix has consumed it. DeepSpeed-MoE's experts have no such
+    option.
 
     ``linear_bias``: the model's linear layers have biases. Megatron-core 0.16's MLP then returns
     its output bias, a parameter, for the fused bias-dropout-add, and under ``mlp`` recomputation
@@ -160,7 +161,8 @@ def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engin
     if name == "moe_act" and experts is False:
         return "'moe_act' recomputes the routed experts' activation, and the model has no experts"
     if name == "moe_act" and engine == "deepspeed":
-        return "'moe_act' is Megatron-core's recomputation of its grouped experts' activation; plan with --engine megatron"
+        return ("'moe_act' is Megatron-core's recomputation of its grouped experts' activation; plan with "
+                "--engine megatron")
     if name == "mlp" and linear_bias and engine == "megatron":
         return ("Megatron-core 0.16 cannot recompute the MLP of a model whose linear layers have biases "
                 "(the MLP's output bias passes through the checkpoint, whose backward then never ends)")
