@@ -24,16 +24,17 @@ Run: python benchmarks/device_experts.py --measure benchmarks/results/device_exp
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: benchmarks/ is not a package path
+from device_layers import _event_seconds, run_device_check, write_report  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-DEFAULT_FILE = RESULTS / "device_experts_h100.json"
 CONFIGS = ROOT / "tests" / "spec" / "configs"
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3", "olmoe-1b-7b", "qwen1.5-moe-a2.7b")
 EXPERT_PARALLEL = (1, 8)
@@ -72,22 +73,6 @@ def shapes(name: str):
             yield ep, tokens, local, per_expert, model.hidden_size, width, gated
 
 
-def _event_seconds(run, warmup: int = 3, repeats: int = 10) -> float:
-    import torch
-
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def _pass_seconds(rows: int, k: int, n: int, groups: int, grouped: bool) -> float:
     """Forward and backward of [rows x k] by ``groups`` matrices [k x n] (grouped), or by one."""
     import torch
@@ -109,7 +94,7 @@ def _pass_seconds(rows: int, k: int, n: int, groups: int, grouped: bool) -> floa
     def step():
         forward().backward(grad)
         x.grad = w.grad = None
-    return _event_seconds(step)
+    return _event_seconds(step, warmup=3, repeats=10)
 
 
 def measure(path: Path, models: list[str]) -> None:
@@ -208,22 +193,9 @@ def compare(path: Path, hardware: str, out: Path) -> None:
                             f"dense time {min(r for _, r in band):.2f} to {max(r for _, r in band):.2f}")
     print("\n".join(headline))
     lines[2:2] = [*(f"- {h}" for h in headline), ""]
-    out.write_text("\n".join(lines) + "\n")
+    write_report(out, "\n".join(lines) + "\n")
     print(f"wrote {out}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measure", type=Path, default=None, metavar="FILE", help="time the GEMMs on this GPU into FILE")
-    parser.add_argument("--models", default=",".join(MODELS), help="configs in tests/spec/configs to time")
-    parser.add_argument("--file", type=Path, default=DEFAULT_FILE, help="measurements to compare against")
-    parser.add_argument("--hardware", default="h100-80gb", help="preset whose constants are checked")
-    args = parser.parse_args()
-    if args.measure is not None:
-        measure(args.measure, args.models.split(","))
-        return
-    compare(args.file, args.hardware, RESULTS / f"device_experts_{args.hardware}.md")
-
-
 if __name__ == "__main__":
-    main()
+    run_device_check(__doc__, "device_experts", measure, compare, MODELS, "the expert GEMMs")

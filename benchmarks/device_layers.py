@@ -30,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -300,9 +301,21 @@ def compare(path: Path, hardware: str, out: Path | None) -> None:
     print(f"device_layer_median_error={median_abs:.3f} device_layers={len(block_errors)}")
     if out is not None:
         lines[2:2] = [*(f"- {h}" for h in headline), ""]
-        out.write_text("\n".join(lines) + "\n")
+        write_report(out, "\n".join(lines) + "\n")
         _plot(points, out.with_suffix(".png"), f"{hardware} roofline vs {data['device']}")
         print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+READING = "\n## Reading"
+"""The heading from which a results file is written by hand: a rerun keeps that part."""
+
+
+def write_report(out: Path, text: str) -> None:
+    """Writes ``text`` to ``out``, keeping the hand-written part of the file it replaces (from its
+    :data:`READING` heading on)."""
+    old = out.read_text() if out.exists() else ""
+    kept = old[old.find(READING):] if READING in old else ""
+    out.write_text(text + kept)
 
 
 def _plot(points: list[tuple[float, float, bool]], path: Path, title: str) -> None:
@@ -330,19 +343,22 @@ def _plot(points: list[tuple[float, float, bool]], path: Path, title: str) -> No
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--measure", type=Path, default=None, metavar="FILE",
-                        help="time the GEMMs and layers on this GPU into FILE")
-    parser.add_argument("--models", default=",".join(MODELS), help="model presets to time (with --measure)")
-    parser.add_argument("--file", type=Path, default=DEFAULT_FILE, help="measurements to compare against")
+def run_device_check(doc: str, name: str, measure, compare, models: Sequence[str], what: str) -> None:
+    """The command line of a device check ``benchmarks/{name}.py``: ``--measure FILE`` runs
+    ``measure(FILE, models)`` on a GPU; otherwise ``compare(file, hardware, out)`` writes
+    benchmarks/results/{name}_{hardware}.md from the measurements in ``--file``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--measure", type=Path, default=None, metavar="FILE", help=f"time {what} on this GPU into FILE")
+    parser.add_argument("--models", default=",".join(models), help="models to time (with --measure)")
+    parser.add_argument("--file", type=Path, default=RESULTS / f"{name}_h100.json",
+                        help="measurements to compare against")
     parser.add_argument("--hardware", default="h100-80gb", help="preset whose constants are checked")
     args = parser.parse_args()
     if args.measure is not None:
         measure(args.measure, args.models.split(","))
         return
-    compare(args.file, args.hardware, RESULTS / f"device_layers_{args.hardware}.md")
+    compare(args.file, args.hardware, RESULTS / f"{name}_{args.hardware}.md")
 
 
 if __name__ == "__main__":
-    main()
+    run_device_check(__doc__, "device_layers", measure, compare, MODELS, "the GEMMs and layers")

@@ -928,6 +928,15 @@ def size_check(constants: Constants, hardware: HardwareSpec) -> list[tuple[int, 
     return out
 
 
+def _run_cells(row: Row, cv: str = "") -> str:
+    """One run's row of a results table; ``cv``: its cross-validated cells, where the table has them."""
+    r = row.run
+    notes = list(r.notes) + ([] if row.fits else ["over the memory budget"])
+    return (f"| {r.id} | {r.hardware} | {r.model_name} | {_config(row.plan)} | {r.figure} | "
+            f"{r.published_seconds:.3g} | {row.plan.prediction.step_seconds:.3g} | {row.error:+.1%} | {cv}"
+            f"{'; '.join(notes)} |")
+
+
 def report(rows: Sequence[Row], excluded: Sequence[tuple[str, str]], fitted: dict[str, Constants],
            folds: dict[str, list[tuple[list[str], Constants]]], lines: Sequence[str], wall: float,
            moe_rows: Sequence[Row] = ()) -> str:
@@ -1011,11 +1020,7 @@ def report(rows: Sequence[Row], excluded: Sequence[tuple[str, str]], fitted: dic
             "| id | device | model | configuration | published | published s | predicted s | error | CV s | CV "
             "error | notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        r = row.run
-        notes = list(r.notes) + ([] if row.fits else ["over the memory budget"])
-        out.append(f"| {r.id} | {r.hardware} | {r.model_name} | {_config(row.plan)} | {r.figure} | "
-                   f"{r.published_seconds:.3g} | {row.plan.prediction.step_seconds:.3g} | {row.error:+.1%} | "
-                   f"{row.cv_seconds:.3g} | {row.cv_error:+.1%} | {'; '.join(notes)} |")
+        out.append(_run_cells(row, f"{row.cv_seconds:.3g} | {row.cv_error:+.1%} | "))
     if moe_rows:
         out += ["", "## Mixtures of experts (priced with the fitted constants, not fitted on)", "",
                 "Every run below is out of sample: the constants come from the dense runs above. How each "
@@ -1025,12 +1030,7 @@ def report(rows: Sequence[Row], excluded: Sequence[tuple[str, str]], fitted: dic
         out += ["", f"Why they are off: {MOE_WHY}", "",
                 "| id | device | model | configuration | published | published s | predicted s | error | notes |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for row in moe_rows:
-            r = row.run
-            notes = list(r.notes) + ([] if row.fits else ["over the memory budget"])
-            out.append(f"| {r.id} | {r.hardware} | {r.model_name} | {_config(row.plan)} | {r.figure} | "
-                       f"{r.published_seconds:.3g} | {row.plan.prediction.step_seconds:.3g} | {row.error:+.1%} | "
-                       f"{'; '.join(notes)} |")
+        out += [_run_cells(row) for row in moe_rows]
     out += ["", f"## Excluded runs ({len(excluded)})", "", "| id | reason |", "|---|---|"]
     out += [f"| {rid} | {reason} |" for rid, reason in excluded]
     return "\n".join(out) + "\n"
