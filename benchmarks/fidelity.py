@@ -7,7 +7,7 @@ benchmarks/fit_device.py; the error is reported in-sample (constants fitted on a
 cross-validated (group k-fold: the runs of one model from one source are held out together, and
 predicted with constants fitted on the other folds only).
 
-Usable: dense models, BF16/FP16, A100 40/80GB or H100 80GB, with the model shape, tp, pp, the GPUs
+Usable: BF16/FP16, A100 40/80GB or H100 80GB, with the model shape, tp, pp, the GPUs
 and the global batch published. Pinned from the record: tp, pp, cp, dp (= GPUs / tp / pp / cp), the
 global batch, the micro-batch when published (else the planner's best), full or no recomputation,
 or "selective" recomputation of the attention core (Korthikanti et al. 2022, Sec. 5: Megatron's
@@ -17,15 +17,20 @@ chooses them where a source says it interleaved without the count), and no offlo
 partitions or distributed-optimizer instances (none of the runs used them). Flash attention for runs from
 2023 on, eager attention for the 2021-22 ones. Each source's engine mapping is in SOURCES.
 
+Mixtures of experts (their shape from a Hugging Face config in benchmarks/hf_configs, named by the
+record's ``model.hf_config``; ep and etp pinned too) are priced with the constants fitted on the
+dense runs and not fitted on: an out-of-sample check, reported apart.
+
 The published figure becomes a step time: an iteration time as is; tokens/s as global batch x
 sequence / tokens/s; TFLOP/s per GPU with the source's own FLOP count (Narayanan et al. 2021, Eq. 3,
 which counts the recomputation; Megatron-LM's ``num_floating_point_operations``; PaLM's 6N + 12LHQT)
 divided by TFLOP/s x GPUs.
 
 Writes benchmarks/results/fidelity.md and prints
-``cv_median_error=… cv_max_error=… runs=N`` and ``in_sample_median_error=… in_sample_max_error=… runs=N``.
+``cv_median_error=… cv_max_error=… runs=N``, ``in_sample_median_error=… in_sample_max_error=… runs=N``
+and ``moe_median_error=… moe_max_error=… runs=N``.
 
-Run: python benchmarks/fidelity.py       (about fifteen minutes on two cores; needs scipy)
+Run: python benchmarks/fidelity.py       (ten to fifteen minutes on two cores; needs scipy)
      python benchmarks/fidelity.py --only mpt,ibm --in-sample
                                           (a quick look: the runs of some sources, fitted on
                                            themselves, without the folds; writes nothing)
