@@ -485,14 +485,16 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
     (empty: none, whole layers checkpointed or not per layer): the pinned one, or none and
     :data:`SEARCHED_RECOMPUTE`, less what ``engine`` cannot recompute for ``model``
     (:func:`recompute_module_refusal`). Megatron-core runs them through ``recompute_modules``, DeepSpeed
-    through the dsauto hook (dsauto.runtime.recompute)."""
+    through the dsauto hook (dsauto.runtime.recompute). A mixture of experts on Megatron-core also
+    tries ``moe_act``: it frees top-k x the expert width of each token's activations in every MoE
+    layer for one elementwise pass in backward."""
     if pins.recompute_modules is not None:
         modules = parse_recompute_modules(pins.recompute_modules, model, pins.engine)
         if modules and (pins.checkpoint is True
                         or any(recompute_module_refusal(m, model.linear_bias, engine, model.moe) for m in modules)):
             return ()
         return (modules,)
-    searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention]
+    searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention] + (("moe_act",) if model.moe else ())
                      if recompute_module_refusal(m, model.linear_bias, engine, model.moe) is None)
     if pins.checkpoint is True or not searched:
         return ((),)

@@ -51,6 +51,15 @@ def test_moe_models_enumerate_ep_and_etp_for_megatron_only():
     assert not any(s.dims.ep > 1 and s.zero_stage == 3 for s in built if s.engine == "deepspeed")
 
 
+def test_the_search_tries_recomputing_the_experts_activation_on_megatron_core():
+    built, _, _ = space(hf("mixtral-8x7b"))
+    megatron = {s.recompute_modules for s in built if s.engine == "megatron"}
+    assert megatron == {(), ("moe_act",)}  # flash attention: nothing else is worth recomputing
+    assert {s.recompute_modules for s in built if s.engine == "deepspeed"} == {()}
+    dense, _, _ = space(load_model("llama3-8b"))
+    assert {s.recompute_modules for s in dense} == {()}
+
+
 def test_pins_reach_the_expert_degrees():
     built, _, _ = space(hf("mixtral-8x7b"), pins=Constraints(ep=4, etp=1))
     assert built and {(s.dims.ep, s.dims.etp, s.engine) for s in built} == {(4, 1, "megatron"), (4, 1, "deepspeed")}
