@@ -16,7 +16,11 @@ local experts, more tokens each) and 4096 or 16384 tokens per rank:
   the shape-free price assumes.
 
 With ``--measure FILE`` (on a GPU) it writes the times to FILE; without, it reads the file, prices
-the same shapes with the preset, and writes a table. Nothing is fitted to these numbers.
+the same shapes with the preset, and writes a table. It also prints the device's
+``grouped_gemm_knee_tokens`` that the measured files give (:func:`fit_knee`: grouped over dense time,
+against 1 + (knee / tokens per expert)^2, each run's long groups as its own baseline); the H100 and
+H200 presets carry the value from the two H100 runs, so their comparison with those runs is in
+sample for that one constant.
 
 Run: python benchmarks/device_experts.py --measure benchmarks/results/device_experts_h100.json   (on a GPU)
      python benchmarks/device_experts.py                                                        (anywhere)
@@ -25,8 +29,10 @@ Run: python benchmarks/device_experts.py --measure benchmarks/results/device_exp
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: benchmarks/ is not a package path
@@ -151,6 +157,29 @@ def predicted_seconds(hardware: str, row: dict) -> float:
     return 3 * expert_gemm_seconds(group, ctx) / expert_load_factor(ctx) * averaged
 
 
+MEASURED_RUNS = ("device_experts_h100.json", "device_experts_h100_run2.json")
+"""The H100 runs the presets' ``grouped_gemm_knee_tokens`` comes from."""
+LONG_GROUPS = 4096
+"""Tokens per expert from which a run's grouped GEMMs are taken as long: its baseline."""
+
+
+def fit_knee(paths: Sequence[Path]) -> tuple[float, float]:
+    """(knee, largest |log error|): the tokens per expert at which grouped GEMMs take twice the dense
+    GEMM's time, least squares in log space over every row of the runs in ``paths``, each run's
+    grouped over dense time divided by its median over the long groups (the kernel's own offset)."""
+    ratios = []
+    for path in paths:
+        rows = [r for r in json.loads(path.read_text())["rows"] if "grouped_seconds" in r and "dense_seconds" in r]
+        long = statistics.median(r["grouped_seconds"] / r["dense_seconds"] for r in rows
+                                 if r["tokens_per_expert"] >= LONG_GROUPS)
+        ratios += [(r["tokens_per_expert"], r["grouped_seconds"] / r["dense_seconds"] / long) for r in rows]
+
+    def errors(knee: float) -> list[float]:
+        return [math.log(ratio) - math.log(1 + (knee / tokens) ** 2) for tokens, ratio in ratios]
+    knee = min(range(0, 1024), key=lambda k: sum(e * e for e in errors(k)))
+    return float(knee), max(abs(e) for e in errors(knee))
+
+
 def compare(path: Path, hardware: str, out: Path) -> None:
     from dsauto.spec.loaders import load_hardware
 
@@ -191,6 +220,12 @@ def compare(path: Path, hardware: str, out: Path) -> None:
             headline.append(f"{low} to {high - 1 if high < 2**31 else 'more'} tokens per expert ({len(band)}): error "
                             f"from {min(e for e, _ in band):+.1%} to {max(e for e, _ in band):+.1%}, grouped over "
                             f"dense time {min(r for _, r in band):.2f} to {max(r for _, r in band):.2f}")
+    runs = [RESULTS / name for name in MEASURED_RUNS if (RESULTS / name).exists()]
+    if runs:
+        knee, worst = fit_knee(runs)
+        headline.append(f"grouped_gemm_knee_tokens from {', '.join(p.name for p in runs)}: {knee:.0f} (largest "
+                        f"error {worst:.0%}); the {hardware} preset holds "
+                        f"{load_hardware(hardware).device.grouped_gemm_knee_tokens:.0f}")
     print("\n".join(headline))
     lines[2:2] = [*(f"- {h}" for h in headline), ""]
     write_report(out, "\n".join(lines) + "\n")

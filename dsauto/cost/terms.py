@@ -85,6 +85,8 @@ class DeviceModel:
     fused_attention_efficiency: float = 0.0
     """Fraction of peak that cuDNN's fused attention reaches; 0: the device has none, and that
     kernel is priced at ``attention_efficiency``."""
+    grouped_gemm_knee_tokens: float = 0.0
+    """Tokens per expert at which a grouped GEMM takes twice a large GEMM's time (0: no penalty)."""
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> DeviceModel:
@@ -94,7 +96,8 @@ class DeviceModel:
                    kernel_launch_seconds=device.kernel_launch_seconds,
                    comm_overlap_efficiency=device.comm_overlap_efficiency,
                    attention_efficiency=device.attention_efficiency,
-                   fused_attention_efficiency=device.fused_attention_efficiency or 0.0)
+                   fused_attention_efficiency=device.fused_attention_efficiency or 0.0,
+                   grouped_gemm_knee_tokens=device.grouped_gemm_knee_tokens)
 
     def matmul_seconds(self, flops: float, dim: float) -> float:
         """A GEMM of ``flops`` whose smallest dimension is ``dim``: efficiency saturates with size."""
@@ -341,12 +344,16 @@ def expert_gemm_seconds(group: LayerGroup, ctx: LayerContext) -> float:
     times the top-k experts' FLOPs. Megatron-core's grouped GEMM (``--moe-grouped-gemm``) runs a
     rank's E / ep local experts in one kernel, each a [tokens_e x h] by [h x f / etp] product with
     tokens_e = tokens x k x ep x etp / E on average, so the per-expert token count, when smaller than
-    the widths, sets the efficiency (the device's size roofline)."""
+    the widths, sets the efficiency (the device's size roofline). Short groups cost the grouped
+    kernel more than that: 1 + (knee / tokens per expert)^2 times the time, the device's measured
+    ``grouped_gemm_knee_tokens`` (H100: 1.2-1.3x at 512 tokens per expert, 1.6-2.0x at 256-272;
+    benchmarks/results/device_experts_h100-80gb.md)."""
     tokens = ctx.tokens / ctx.tp
-    per_expert = tokens * group.moe_top_k * ctx.ep * ctx.etp / group.num_experts
-    dim = min(group.gemm_dim, group.expert_gemm_dim / ctx.etp, max(per_expert, 1.0))
+    per_expert = max(tokens * group.moe_top_k * ctx.ep * ctx.etp / group.num_experts, 1.0)
+    dim = min(group.gemm_dim, group.expert_gemm_dim / ctx.etp, per_expert)
     flops = group.expert_matmul_flops_per_token * tokens * expert_load_factor(ctx)
-    return ctx.device.matmul_seconds(flops, dim)
+    short_groups = 1.0 + (ctx.device.grouped_gemm_knee_tokens / per_expert) ** 2
+    return ctx.device.matmul_seconds(flops, dim) * short_groups
 
 
 def remote_node_share(experts: int, top_k: int, ep: int, members_per_node: int) -> float:

@@ -58,6 +58,12 @@ class DeviceSpec:
     (Shah et al. 2024, "FlashAttention-3", Abstract). None: the device has no such kernel
     (pre-Hopper), and a strategy asking for it is priced at ``attention_efficiency``
     (:attr:`dsauto.cost.strategy.Strategy.attention_kernel`)."""
+    grouped_gemm_knee_tokens: float = 0.0
+    """Tokens per expert at which a grouped GEMM (Megatron-core's ``--moe-grouped-gemm``, one kernel
+    over a rank's local experts) takes twice the time of the same FLOPs in one large GEMM; the
+    time grows as 1 + (knee / tokens per expert)^2 (:func:`dsauto.cost.terms.expert_gemm_seconds`).
+    Measured, not fitted to runs: benchmarks/device_experts.py on the GPU. 0: not measured, no
+    such penalty priced."""
     kernel_launch_seconds: float = 5e-6
     """Fixed cost of launching one kernel; operator splitting launches more of them."""
     memory_reserve_bytes: int = 0
@@ -79,6 +85,7 @@ class DeviceSpec:
             (self.attention_efficiency, "attention_efficiency", dict(minimum=0, maximum=1)),
             *(((self.fused_attention_efficiency, "fused_attention_efficiency", dict(above=0, maximum=1)),)
               if self.fused_attention_efficiency is not None else ()),
+            (self.grouped_gemm_knee_tokens, "grouped_gemm_knee_tokens", dict(minimum=0, maximum=MAX_WIDTH)),
             (self.kernel_launch_seconds, "kernel_launch_seconds", dict(minimum=0, maximum=MAX_SECONDS)),
             (self.memory_reserve_bytes, "memory_reserve_bytes", dict(minimum=0, maximum=self.memory_bytes - 1)),
         ])

@@ -167,3 +167,18 @@ def test_megatron_fsdp_gathers_a_whole_layer_with_its_local_experts():
     state = price(ParallelDims(dp=64, ep=8), zero=3)[0].layer(block, sharded)
     assert state.params_bytes == pytest.approx(2 * (block.params - block.expert_params) / 64
                                                + 2 * block.expert_params / 8 / 8)
+
+
+def test_short_expert_groups_pay_the_devices_measured_knee():
+    from dataclasses import replace
+
+    from dsauto.cost.terms import expert_gemm_seconds
+
+    # Mixtral at ep 1: 4096 tokens x top-2 over 8 experts = 1024 tokens each; 64 tokens: 16 each
+    for tokens, per_expert in ((4096, 1024), (64, 16)):
+        cost, block = price(ParallelDims(dp=64), tokens=tokens)
+        ctx = cost.context
+        knee = ctx.device.grouped_gemm_knee_tokens
+        assert knee == 222  # the H100 preset's, from benchmarks/results/device_experts_h100-80gb.md
+        flat = expert_gemm_seconds(block, replace(ctx, device=replace(ctx.device, grouped_gemm_knee_tokens=0.0)))
+        assert expert_gemm_seconds(block, ctx) == pytest.approx(flat * (1 + (knee / per_expert) ** 2))
