@@ -59,6 +59,7 @@ from dsauto.engines.rules import VIRTUAL_STAGES  # noqa: E402
 from dsauto.errors import DsautoError  # noqa: E402
 from dsauto.parallel import ParallelDims  # noqa: E402
 from dsauto.plan import AttentionKernel, Plan  # noqa: E402
+from dsauto.refine.space import options_of, strategy_of  # noqa: E402
 from dsauto.search.planner import Planner  # noqa: E402
 from dsauto.search.space import Constraints  # noqa: E402
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec  # noqa: E402
@@ -267,8 +268,7 @@ class PublishedRun:
         """The Strategy fields this run sets beyond what the planner searches."""
         return dict(grad_reduce_in_fp32=self.grad_reduce_in_fp32, recompute_early_stop=self.recompute_early_stop,
                     pipeline_scatter_gather=self.source.scatter_gather, tp_comm_overlap=self.source.tp_comm_overlap,
-                    attention_kernel=self.attention_kernel, expert_load_balanced=self.balanced_routing,
-                    expert_dispatcher=self.source.expert_dispatcher if self.model.moe else "alltoall")
+                    attention_kernel=self.attention_kernel, expert_load_balanced=self.balanced_routing)
 
     @property
     def balanced_routing(self) -> bool:
@@ -520,14 +520,9 @@ def _cluster(run: PublishedRun, hardware: HardwareSpec, limit: int = 0) -> Clust
     return ClusterSpec(hardware, nodes=run.gpus // per_node, gpus_per_node=per_node, memory_limit_bytes=limit)
 
 
-def _strategy(plan: Plan, run: PublishedRun | None = None) -> Strategy:
+def _strategy(plan: Plan, run: PublishedRun) -> Strategy:
     """The plan's strategy, with the engine options of ``run`` (PublishedRun.engine_options)."""
-    return Strategy(dims=plan.dims, zero_stage=plan.zero_stage,
-                    micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
-                    sequence_parallel=plan.sequence_parallel, engine=plan.engine,
-                    virtual_stages=plan.virtual_stages, recompute_modules=plan.uniform_recompute_modules(),
-                    offload=plan.offload, hpz=plan.hpz, dist_opt_instances=plan.dist_opt_instances,
-                    **(run.engine_options if run is not None else {}))
+    return dataclasses.replace(strategy_of(plan), **run.engine_options)
 
 
 def _stage_layers(run: PublishedRun, plan: Plan) -> tuple[int, ...]:
@@ -541,11 +536,9 @@ def _stage_layers(run: PublishedRun, plan: Plan) -> tuple[int, ...]:
 
 
 def _options(plan: Plan, shard_all: bool) -> tuple[LayerOption, ...]:
-    options = []
-    for run in plan.layers:
-        option = LayerOption(run.checkpoint, run.shard_params or shard_all, run.split, run.recompute_modules)
-        options += [option] * (run.last - run.first + 1)
-    return tuple(options)
+    """The plan's per-layer options, every layer sharded where the source's engine shards them all."""
+    return tuple(dataclasses.replace(option, shard_params=option.shard_params or shard_all)
+                 for option in options_of(plan))
 
 
 def _search(run: PublishedRun, hardware: HardwareSpec, top_k: int, pins: Constraints,
@@ -611,6 +604,12 @@ def build_cases(runs: Sequence[PublishedRun], constants: Constants | None = None
         cases.append(Case(run.id, run.group, 1.0 / per_source[run.source.key], run.model, run.train, hardware,
                           run.gpus // per_node, per_node, candidates, run.published_seconds))
     return cases
+
+
+def fitted_runs(runs: Sequence[PublishedRun], generation: str) -> list[PublishedRun]:
+    """The runs of one device generation its constants are fitted to: the dense ones (mixtures of
+    experts are priced with those constants, not fitted on)."""
+    return [r for r in runs if r.generation == generation and not r.model.moe]
 
 
 def fit_generation(runs: Sequence[PublishedRun], say=print) -> tuple[Constants, list[Case]]:
@@ -689,8 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fitted: dict[str, Constants] = {}
     fold_constants: dict[str, list[tuple[list[str], Constants]]] = defaultdict(list)
     for generation in DEVICES:
-        # Mixtures of experts are priced with the constants fitted on the dense runs, not fitted on.
-        selected = [r for r in runs if r.generation == generation and not r.model.moe]
+        selected = fitted_runs(runs, generation)
         experts = [r for r in runs if r.generation == generation and r.model.moe]
         if not selected:
             continue
@@ -880,7 +878,8 @@ CHANGES = [
     "korthikanti22, mtnlg, megatron-readme24, dgxc, Megatron-Bridge). The planner's splits of the A100 runs were "
     "even already; on H100 the refit moved fused_attention_efficiency 0.713 -> 0.738 and comm_overlap_efficiency "
     "0.775 -> 0.773 (written into the presets), dgxc's CV median 4.4% -> 3.9%, the headline not at all. "
-    "Megatron-Bridge's GPT-OSS 120B (out of sample, 201,088-word head on the last of 4 stages): -38.5% -> -22.0%.",
+    "Megatron-Bridge's GPT-OSS 120B (out of sample, 201,088-word head on the last of 4 stages): -38.5% -> "
+    "-22.1% (-21.0% with the short-group price of device_experts.py).",
     "Mixtures of experts, priced out of sample (their own section below): moe_act recomputation, the benchmarks' "
     "forced-balance routing (Strategy.expert_load_balanced) and DeepEP's node-deduplicated dispatch "
     "(Strategy.expert_dispatcher) priced; Megatron-FSDP plans experts sharded over their expert data-parallel "

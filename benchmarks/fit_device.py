@@ -253,14 +253,12 @@ def preset_note(name: str, generation: str, runs: int) -> str:
 
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: benchmarks/ is not a package path
-    from fidelity import fit_generation, load_runs
+    from fidelity import fit_generation, fitted_runs, load_runs
 
     runs, _ = load_runs()
     write = "--write" in sys.argv[1:]
     for generation, presets in DEVICES.items():
-        # The dense runs, as benchmarks/fidelity.py fits them (its mixtures of experts are a check).
-        fitted, cases = fit_generation([r for r in runs if r.generation == generation and not r.model.moe],
-                                       say=print)
+        fitted, cases = fit_generation(fitted_runs(runs, generation), say=print)
         print(f"{generation}: {fitted.describe()}")
         if write:
             for name in presets:

@@ -51,7 +51,7 @@ def test_a_pinned_experts_activation_recompute_is_planned_and_emitted(tmp_path, 
         code = main([*base, "--recompute-modules", "moe_act", "--out", str(tmp_path / "ok")])
     assert code == 0
     plan = read_plan(tmp_path / "ok" / "plan.yaml")
-    assert plan.engine == "megatron"
+    assert plan.engine == "megatron" and plan.uniform_recompute_modules() == ("moe_act",)
     assert all(plan.layer_choice(j).recompute_modules == ("moe_act",) for j in range(1, plan.model.num_layers + 1)
                if not plan.layer_choice(j).checkpoint)
     assert "--recompute-modules moe_act" in (tmp_path / "ok" / "megatron_args.txt").read_text()

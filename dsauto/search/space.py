@@ -373,10 +373,10 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                            f"({cluster.nodes} node{'s' if cluster.nodes > 1 else ''} x {cluster.devices_per_node} devices); change --tp, "
                            f"--pp, --nodes or --gpus-per-node.")
     if pins.zero_stage is not None and pins.zero_stage >= 2 and pins.pp is not None and pins.pp > 1:
-        engines = {"deepspeed": "DeepSpeed's pipeline engine supports", "megatron": "Megatron-core's pipelines support",
-                   None: "DeepSpeed's and Megatron-core's pipelines support"}
+        pipelines = {"deepspeed": "DeepSpeed's pipeline engine supports", "megatron": "Megatron-core's pipelines support",
+                     None: "DeepSpeed's and Megatron-core's pipelines support"}[pins.engine]
         return DsautoError(f"ZeRO stage {pins.zero_stage} cannot run with pipeline parallelism {pins.pp}: "
-                           f"{engines[pins.engine]} ZeRO 0 and 1 only; pin --zero-stage 1 or --pp 1.")
+                           f"{pipelines} ZeRO 0 and 1 only; pin --zero-stage 1 or --pp 1.")
     if pins.engine is not None:
         reason = refusal(pins.engine, ParallelDims(dp=max(1, world // (tp * pp)), tp=tp, pp=pp),
                          pins.zero_stage or 0)
