@@ -54,7 +54,7 @@ def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
     assert bridge.pins.recompute_modules == "layernorm,moe_act"
     assert bridge.engine_options["expert_load_balanced"] and not bridge.grad_reduce_in_fp32
     deepseek = moe["automodel-moe-deepseek-v3-256gpu"]
-    assert deepseek.engine_options["expert_dispatcher"] == "deepep"
+    assert deepseek.pins.expert_dispatcher == "deepep"  # pinned: the search prices DeepEP's dispatch
     assert deepseek.pins.zero_stage == 1 and deepseek.pins.vpp == 8  # pipelines: ZeRO 0-1
     assert moe["automodel-moe-qwen3-30b-a3b-8gpu"].pins.zero_stage == 3
     reasons = dict(excluded)
