@@ -52,7 +52,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: benchmarks/ is not a package path
-from fit_device import DEVICES, Candidate, Case, Constants, fit, group_folds  # noqa: E402
+from fit_device import DEVICES, Candidate, Case, Constants, fit, fit_fp8, group_folds  # noqa: E402
 
 from dsauto.cost.strategy import LayerOption, Strategy  # noqa: E402
 from dsauto.engines.rules import VIRTUAL_STAGES  # noqa: E402
@@ -235,6 +235,8 @@ EXCLUDED_SOURCES = {
     "narayanan21-t2-ptd": "only the combined model-parallel size is published, not tp and pp",
     "gpt-neox": "the TFLOP/s definition is not published (secondary quote)",
     "opt": "tensor-parallel degree, micro-batch and TFLOP/s definition not published; an 'up to' figure",
+    "nemo2407": "sequence parallelism, recomputation, the distributed optimizer and the communication overlaps "
+                "are not published (the table states tp, pp, cp, vp and the batch only)",
 }
 
 
@@ -312,7 +314,8 @@ def _engine_options(record: dict, source: Source) -> tuple[bool, bool]:
     (no early stop)."""
     precision = str(record.get("precision") or "")
     if source.key == "mpt":
-        return "'PURE'" not in precision, "'amp_bf16'" in precision
+        # amp_fp8: the later sweep too (Transformer Engine's FP8 under the same script)
+        return "'PURE'" not in precision, "'amp_bf16'" in precision or "'amp_fp8'" in precision
     if source.key == "ibm":
         return False, True
     if source.key == "dgxc":
@@ -346,6 +349,8 @@ def _attention_kernel(record: dict, source: Source) -> AttentionKernel:
         return "cudnn"
     if record["id"].startswith("automodel-moe-qwen3"):
         return "cudnn"  # AutoModel's qwen3_moe_30b_te_deepep config: attn te
+    if source.key == "mbridge" and "-moe-" not in record["id"]:
+        return "cudnn"  # Megatron-core's TE attention on Hopper with the backend left to TE (the Llama recipes)
     return "flash"
 
 
@@ -422,8 +427,6 @@ def configure(record: dict) -> PublishedRun | str:
         return EXCLUDED_SOURCES[prefix]
     if record["hardware"] not in ("a100-40gb", "a100-80gb", "h100-80gb"):
         return f"hardware '{record['hardware']}' is not an A100 or H100 ({record.get('hardware_detail') or ''})"
-    if "fp8" in precision:
-        return "FP8 (not comparable with the BF16 cost model)"
     hf_config = m.get("hf_config")
     if ("moe" in rid or (p.get("ep") or 1) > 1) and not hf_config:
         return "mixture of experts without its shape (no Hugging Face config in benchmarks/hf_configs)"
@@ -474,14 +477,22 @@ def configure(record: dict) -> PublishedRun | str:
     # run's stack ran.
     kernel = _attention_kernel(record, source)
     fp32_reduce, early_stop = _engine_options(record, source)
-    zero = 1 if source.zero_stage >= 2 and pp > 1 else source.zero_stage  # dsauto's pipelines run ZeRO 0-1
+    zero = source.zero_stage
+    if "megatron-fsdp" in str(p.get("zero_or_dist_optimizer") or "").lower():
+        zero = 3  # Megatron-Bridge's FSDP column
+    zero = 1 if zero >= 2 and pp > 1 else zero  # dsauto's pipelines run ZeRO 0-1
+    fp8 = "fp8" in precision
+    if fp8 and ("-cs" in precision or "current" in precision):
+        notes.append("FP8 current scaling priced as delayed scaling (its extra amax pass over each cast input "
+                     "not priced)")
     pins = Constraints(tp=tp, pp=pp, cp=cp, vpp=vpp, ep=p.get("ep"), etp=p.get("etp"), zero_stage=zero,
                        micro_batch=p.get("micro_batch"),
                        checkpoint=checkpoint, sequence_parallel=sp if tp > 1 else None, engine=source.engine,
                        recompute_modules=recompute_modules, offload="none", hpz=1, dist_opt_instances=1,
                        attention_kernel=kernel, tp_comm_overlap=source.tp_comm_overlap or None,
                        grad_reduce_in_fp32=None if fp32_reduce else False,
-                       expert_dispatcher="deepep" if model.moe and source.expert_dispatcher == "deepep" else None)
+                       expert_dispatcher="deepep" if model.moe and source.expert_dispatcher == "deepep" else None,
+                       fp8=fp8 or None)
     train = TrainSpec(global_batch=p["global_batch"], seq_len=seq, dtype=source.dtype,
                       flash_attention=source.flash_attention)
     published = _published(record, model, source)
@@ -609,7 +620,7 @@ def build_cases(runs: Sequence[PublishedRun], constants: Constants | None = None
 def fitted_runs(runs: Sequence[PublishedRun], generation: str) -> list[PublishedRun]:
     """The runs of one device generation its constants are fitted to: the dense ones (mixtures of
     experts are priced with those constants, not fitted on)."""
-    return [r for r in runs if r.generation == generation and not r.model.moe]
+    return [r for r in runs if r.generation == generation and not r.model.moe and not r.pins.fp8]
 
 
 def fit_generation(runs: Sequence[PublishedRun], say=print) -> tuple[Constants, list[Case]]:
@@ -622,6 +633,28 @@ def fit_generation(runs: Sequence[PublishedRun], say=print) -> tuple[Constants, 
     constants = fit(cases, start, say)
     cases = build_cases(runs, constants)
     return fit(cases, constants, say, starts=()), cases
+
+
+def fit_fp8_runs(runs: Sequence[PublishedRun], constants: Constants, cross_validate: bool,
+                 folds: list[tuple[list[str], Constants]], say=print) -> tuple[Constants, dict[str, Row]]:
+    """``constants`` with the FP8 GEMM efficiency fitted to the FP8 ``runs`` (fit_device.fit_fp8,
+    the other constants held), and each run's row: predicted in sample and, with
+    ``cross_validate``, by constants fitted without its group (one model of one source), which
+    ``folds`` records."""
+    say(f"fitting the FP8 GEMM efficiency on {len(runs)} FP8 runs")
+    cases = build_cases(runs, constants)
+    constants = fit_fp8(cases, constants, say)
+    by_id = {r.id: r for r in runs}
+    results = {r.id: Row(r, *predict(r, constants)) for r in runs}
+    for fold in group_folds(cases, FOLDS) if cross_validate else []:
+        held = {cases[i].run_id for i in fold}
+        fold_fit = fit_fp8([c for c in cases if c.run_id not in held], constants, say)
+        folds.append((sorted({by_id[i].group for i in held}), fold_fit))
+        for run_id in held:
+            results[run_id].cv_seconds = predict(by_id[run_id], fold_fit)[0].prediction.step_seconds
+    for row in results.values():
+        row.cv_seconds = row.cv_seconds or row.plan.prediction.step_seconds
+    return constants, results
 
 
 # ---- the benchmark ------------------------------------------------------------------------------
@@ -657,6 +690,8 @@ def _config(plan: Plan) -> str:
     if plan.sequence_parallel and plan.tp > 1:
         parts.append("sp")
     parts.append(f"{plan.engine} z{plan.zero_stage}")
+    if plan.fp8:
+        parts.append("fp8")
     return " ".join(parts)
 
 
@@ -685,6 +720,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"{len(runs)} usable runs, {len(excluded)} excluded")
     rows: list[Row] = []
     moe_rows: list[Row] = []
+    fp8_rows: list[Row] = []
     fitted: dict[str, Constants] = {}
     fold_constants: dict[str, list[tuple[list[str], Constants]]] = defaultdict(list)
     for generation in DEVICES:
@@ -706,6 +742,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for run_id in held:
                 results[run_id].cv_seconds = predict(by_id[run_id], fold_fit)[0].prediction.step_seconds
         rows += [results[r.id] for r in selected]
+        fp8_runs = [r for r in runs if r.generation == generation and r.pins.fp8 and not r.model.moe]
+        if fp8_runs:
+            constants, fp8_results = fit_fp8_runs(fp8_runs, constants, not args.in_sample, fold_constants[generation],
+                                                  say)
+            fitted[generation] = constants
+            fp8_rows += [fp8_results[r.id] for r in fp8_runs]
         for run in experts:
             row = Row(run, *predict(run, constants))
             row.cv_seconds = row.plan.prediction.step_seconds
@@ -715,6 +757,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cv_median, cv_max = _summary([row.cv_error for row in rows])
     lines = [f"cv_median_error={cv_median:.1%} cv_max_error={cv_max:.1%} runs={len(rows)}",
              f"in_sample_median_error={in_median:.1%} in_sample_max_error={in_max:.1%} runs={len(rows)}"]
+    if fp8_rows:
+        fp8_median, fp8_max = _summary([row.cv_error for row in fp8_rows])
+        lines.append(f"fp8_cv_median_error={fp8_median:.1%} fp8_cv_max_error={fp8_max:.1%} runs={len(fp8_rows)} "
+                     f"(FP8 runs: the FP8 GEMM efficiency fitted on them, cross-validated; the other constants "
+                     f"the dense fit's)")
     if moe_rows:
         moe_median, moe_max = _summary([row.error for row in moe_rows])
         lines.append(f"moe_median_error={moe_median:.1%} moe_max_error={moe_max:.1%} runs={len(moe_rows)} "
@@ -723,17 +770,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in rows:
             cv = "" if args.in_sample else f" CV {row.cv_error:+.1%}"
             say(f"{row.run.id:50s} {_config(row.plan):48s} {row.error:+.1%}{cv}")
+        for row in fp8_rows:
+            cv = "" if args.in_sample else f" CV {row.cv_error:+.1%}"
+            say(f"{row.run.id:50s} {_config(row.plan):48s} {row.error:+.1%}{cv} (FP8)")
         for row in moe_rows:
             say(f"{row.run.id:50s} {_config(row.plan):48s} {row.error:+.1%} (not fitted on)")
         for fitted_generation, constants in fitted.items():
             say(f"{fitted_generation}: {constants.describe()}")
         lines = lines[1:] if args.in_sample else lines
     else:
-        RESULTS.write_text(report(rows, excluded, fitted, fold_constants, lines, wall, moe_rows))
+        RESULTS.write_text(report(rows, excluded, fitted, fold_constants, lines, wall, moe_rows, fp8_rows))
     for line in lines:
         print(line)
     return 0
 
+
+FP8_TEXT = (
+    "FP8 runs are priced with every constant of the dense fit above except fp8_matmul_efficiency, the "
+    "fraction of the FP8 peak (1979 TFLOP/s on the H100) that Transformer Engine's FP8 GEMMs reach, "
+    "fitted on these runs alone; CV holds out each model of each source (group folds) as above. How an "
+    "FP8 run is priced (Strategy.fp8): the transformer layers' linear layers at the FP8 peak, their "
+    "inputs quantized (4 bytes moved per element: read in 16 bits, written in FP8 and transposed), the "
+    "norms' outputs and the MLP output projection's input kept in FP8 and the attention output kept "
+    "again in FP8, two FP8 copies of every weight; the attention core, the embedding and the output "
+    "layer in 16 bits (Megatron-core's FP8 autocast covers the transformer block only).")
+"""How the FP8 rows are priced and fitted, in words (placed above their table)."""
 
 MOE_WHY = (
     "Megatron-Bridge's GPT-OSS 120B (Megatron-core, every option known from the recipe) runs about "
@@ -943,7 +1004,7 @@ def _run_cells(row: Row, cv: str = "") -> str:
 
 def report(rows: Sequence[Row], excluded: Sequence[tuple[str, str]], fitted: dict[str, Constants],
            folds: dict[str, list[tuple[list[str], Constants]]], lines: Sequence[str], wall: float,
-           moe_rows: Sequence[Row] = ()) -> str:
+           moe_rows: Sequence[Row] = (), fp8_rows: Sequence[Row] = ()) -> str:
     """benchmarks/results/fidelity.md."""
     out = ["# Cost-model fidelity on published training runs", "",
            f"Command: `python benchmarks/fidelity.py` ({wall / 60:.0f} minutes on two cores). The constants it "
@@ -1025,6 +1086,12 @@ def report(rows: Sequence[Row], excluded: Sequence[tuple[str, str]], fitted: dic
             "error | notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         out.append(_run_cells(row, f"{row.cv_seconds:.3g} | {row.cv_error:+.1%} | "))
+    if fp8_rows:
+        out += ["", "## FP8 training (one constant fitted on these runs, cross-validated)", "",
+                f"{FP8_TEXT}", "",
+                "| id | device | model | configuration | published | published s | predicted s | error | CV s | CV "
+                "error | notes |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        out += [_run_cells(row, f"{row.cv_seconds:.3g} | {row.cv_error:+.1%} | ") for row in fp8_rows]
     if moe_rows:
         out += ["", "## Mixtures of experts (priced with the fitted constants, not fitted on)", "",
                 "Every run below is out of sample: the constants come from the dense runs above. How each "

@@ -9,6 +9,8 @@ kernels and collectives get to the datasheet:
 - ``attention_efficiency``: the fused (flash) attention kernel, its backward counted at 2.5x;
 - ``fused_attention_efficiency``: cuDNN's fused attention (Transformer Engine's FusedAttention) on
   Hopper, counted the same way; fitted only where runs ran it (Strategy.attention_kernel);
+- ``fp8_matmul_efficiency``: the linear layers' FP8 GEMMs (Transformer Engine) on Hopper, as a
+  fraction of the FP8 peak; fitted apart, on the FP8 runs only, with the others held (:func:`fit_fp8`);
 - ``comm_overlap_efficiency``: how much of overlapped communication hides;
 - ``inter_node_efficiency``: the fraction of the NICs' bandwidth collectives across nodes reach.
 
@@ -58,13 +60,15 @@ class Constants:
     inter_node_efficiency: float
     fused_attention_efficiency: float | None = None
     """None: not fitted (no run of the device ran cuDNN's fused attention)."""
+    fp8_matmul_efficiency: float | None = None
+    """None: not fitted (no FP8 run of the device)."""
 
     @classmethod
     def of(cls, hardware: HardwareSpec) -> Constants:
         d = hardware.device
         return cls(d.matmul_efficiency, d.matmul_half_dim, d.memory_bandwidth_efficiency,
                    d.attention_efficiency, d.comm_overlap_efficiency, hardware.inter_node.efficiency,
-                   d.fused_attention_efficiency)
+                   d.fused_attention_efficiency, d.fp8_matmul_efficiency)
 
     @classmethod
     def generic(cls, hardware: HardwareSpec) -> Constants:
@@ -77,7 +81,8 @@ class Constants:
             hardware.device, matmul_efficiency=self.matmul_efficiency, matmul_half_dim=self.matmul_half_dim,
             memory_bandwidth_efficiency=self.memory_bandwidth_efficiency,
             attention_efficiency=self.attention_efficiency, comm_overlap_efficiency=self.comm_overlap_efficiency,
-            fused_attention_efficiency=self.fused_attention_efficiency)
+            fused_attention_efficiency=self.fused_attention_efficiency,
+            fp8_matmul_efficiency=self.fp8_matmul_efficiency)
         inter = dataclasses.replace(hardware.inter_node, efficiency=self.inter_node_efficiency)
         return dataclasses.replace(hardware, device=device, inter_node=inter)
 
@@ -92,7 +97,7 @@ class Constants:
 BOUNDS = Constants(matmul_efficiency=(0.3, 1.0), matmul_half_dim=(0.0, 2048.0),  # type: ignore[arg-type]
                    memory_bandwidth_efficiency=(0.5, 0.95), attention_efficiency=(0.1, 1.0),
                    comm_overlap_efficiency=(0.5, 1.0), inter_node_efficiency=(0.05, 1.0),
-                   fused_attention_efficiency=(0.1, 1.0))
+                   fused_attention_efficiency=(0.1, 1.0), fp8_matmul_efficiency=(0.3, 1.0))
 """Physical range of each constant. Fractions of a peak stay below 1; bandwidth-bound kernels over
 tensors of a layer's size reach at least half the datasheet bandwidth and no streaming kernel all
 of it; overlapped collectives slow the GEMMs under them by 10-30% (Pati et al. 2024, "T3", Sec.
@@ -156,26 +161,30 @@ FUSED = "fused_attention_efficiency"
 """Moved too where some of the cases ran cuDNN's fused attention (:func:`free_constants`)."""
 
 
+def runs_cudnn(cases: Sequence[Case]) -> bool:
+    """Whether some case can run cuDNN's fused attention (Strategy.attention_kernel)."""
+    return any(c.strategy.attention_kernel == "cudnn" for case in cases for c in case.candidates)
+
+
 def free_constants(cases: Sequence[Case]) -> tuple[str, ...]:
     """FREE, and the cuDNN attention efficiency where a case can run that kernel: a constant no
     case prices is not fitted (it would keep an arbitrary start)."""
-    cudnn = any(c.strategy.attention_kernel == "cudnn" for case in cases for c in case.candidates)
-    return (*FREE, FUSED) if cudnn else FREE
+    return (*FREE, FUSED) if runs_cudnn(cases) else FREE
 
 
 def fit(cases: Sequence[Case], start: Constants, say: Callable[[str], None] = lambda _: None,
         free: Sequence[str] | None = None, starts: Sequence[dict[str, float]] = STARTS) -> Constants:
     """The constants that minimise the weighted soft-L1 of the log errors of ``cases``, moving
     ``free`` (default :func:`free_constants`) from ``start`` and from each of ``starts``. The
-    cuDNN attention efficiency, when not free, is dropped (None: that kernel is then priced at
-    ``attention_efficiency``), and when free starts from ``attention_efficiency`` where ``start``
+    cuDNN attention efficiency, when no case runs that kernel, is dropped (None: it is then priced
+    at ``attention_efficiency``), and when free starts from ``attention_efficiency`` where ``start``
     has none."""
     try:
         from scipy.optimize import least_squares
     except ImportError as e:  # a benchmark-only dependency
         raise SystemExit("benchmarks/fit_device.py needs scipy for its least-squares fit: pip install scipy") from e
     names = list(free_constants(cases) if free is None else free)
-    if FUSED not in names:
+    if not runs_cudnn(cases):
         start = dataclasses.replace(start, fused_attention_efficiency=None)
     low = [getattr(BOUNDS, n)[0] for n in names]
     high = [getattr(BOUNDS, n)[1] for n in names]
@@ -206,6 +215,18 @@ def fit(cases: Sequence[Case], start: Constants, say: Callable[[str], None] = la
     return fitted
 
 
+FP8 = "fp8_matmul_efficiency"
+
+
+def fit_fp8(cases: Sequence[Case], constants: Constants, say: Callable[[str], None] = lambda _: None) -> Constants:
+    """``constants`` with the FP8 GEMM efficiency fitted to ``cases`` (FP8 runs), every other constant
+    held: the dense runs fix those, and an FP8 run's attention, communication and bandwidth-bound
+    kernels are the same as in 16 bits. Starts from the 16-bit matmul efficiency."""
+    start = dataclasses.replace(constants, fp8_matmul_efficiency=constants.fp8_matmul_efficiency
+                                or constants.matmul_efficiency)
+    return fit(cases, start, say, free=(FP8,), starts=())
+
+
 def group_folds(cases: Sequence[Case], k: int) -> list[list[int]]:
     """Group k-fold: the groups (one model from one source) in sorted order, dealt round-robin to
     ``k`` folds; each fold is the indices of its cases."""
@@ -221,7 +242,7 @@ def _round(value: float) -> float:
 # ---- presets -----------------------------------------------------------------------------------
 
 PRESET_KEYS = ("matmul_efficiency", "matmul_half_dim", "memory_bandwidth_efficiency", "attention_efficiency",
-               FUSED, "comm_overlap_efficiency")
+               FUSED, FP8, "comm_overlap_efficiency")
 FIT_COMMENT = "# Fitted by benchmarks/fit_device.py"
 STALE_HEADER = "efficiencies are left at their defaults until calibrated"
 
@@ -242,9 +263,10 @@ def write_preset(name: str, constants: Constants, note: str) -> None:
     path.write_text("\n".join(out) + "\n")
 
 
-def preset_note(name: str, generation: str, runs: int) -> str:
+def preset_note(name: str, generation: str, runs: int, fp8_runs: int = 0) -> str:
     """The comment above a preset's fitted constants: the command and the data."""
-    note = (f"`python benchmarks/fit_device.py --write` on the {runs} published {generation.upper()} runs of "
+    fp8 = f" (fp8_matmul_efficiency on its {fp8_runs} FP8 runs)" if fp8_runs else ""
+    note = (f"`python benchmarks/fit_device.py --write` on the {runs} published {generation.upper()} runs{fp8} of "
             f"benchmarks/published_runs.yaml; errors in benchmarks/results/fidelity.md")
     if name == "h200":
         note += " (the H100's: the same compute; HBM3e bandwidth above, NVIDIA H200 datasheet)"
@@ -253,16 +275,19 @@ def preset_note(name: str, generation: str, runs: int) -> str:
 
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: benchmarks/ is not a package path
-    from fidelity import fit_generation, fitted_runs, load_runs
+    from fidelity import build_cases, fit_generation, fitted_runs, load_runs
 
     runs, _ = load_runs()
     write = "--write" in sys.argv[1:]
     for generation, presets in DEVICES.items():
         fitted, cases = fit_generation(fitted_runs(runs, generation), say=print)
+        fp8 = [r for r in runs if r.generation == generation and r.pins.fp8 and not r.model.moe]
+        if fp8:  # the FP8 GEMM efficiency, on the FP8 runs with the rest held (fidelity.py does the same)
+            fitted = fit_fp8(build_cases(fp8, fitted), fitted, say=print)
         print(f"{generation}: {fitted.describe()}")
         if write:
             for name in presets:
-                write_preset(name, fitted, preset_note(name, generation, len(cases)))
+                write_preset(name, fitted, preset_note(name, generation, len(cases), len(fp8)))
     return 0
 
 

@@ -114,6 +114,7 @@ def make_problem(
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
+    fp8: bool | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
 
@@ -166,6 +167,9 @@ def make_problem(
             ``--grad-reduce-in-bf16``, bf16 plans only; default: fp32).
         expert_dispatcher: ``deepep`` dispatches a mixture of experts' tokens with DeepEP
             (Megatron-core's flex dispatcher; DeepEP installed apart); None: ``alltoall``.
+        fp8: True trains the transformer layers' linear layers in FP8 (Megatron-core's
+            ``--fp8-format hybrid`` through Transformer Engine; bf16 or fp16 Megatron-core plans on
+            devices with an ``fp8`` peak, H100 and H200); None: off.
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -190,7 +194,11 @@ def make_problem(
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,
                        recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                        tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                       expert_dispatcher=expert_dispatcher)
+                       expert_dispatcher=expert_dispatcher, fp8=fp8)
+    if fp8 and "fp8" not in cluster.device.peak_flops:
+        raise DsautoError(f"{cluster.device.name} has no FP8 peak FLOP/s (its peak_flops give "
+                          f"{', '.join(cluster.device.peak_flops)}), so FP8 training cannot be priced on it; leave "
+                          f"out --fp8, or plan for a device with FP8 tensor cores (h100-80gb, h200).")
     if attention_kernel == "cudnn" and not cluster.device.fused_attention_efficiency:
         warnings.warn(f"{cluster.device.name} has no fused attention efficiency of its own; cuDNN's fused "
                       f"attention is priced at its FlashAttention efficiency.", stacklevel=2)
@@ -271,6 +279,7 @@ def make_plan(
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
+    fp8: bool | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """The fastest plan that fits: :func:`find_plans` of :func:`make_problem` with these arguments
@@ -286,5 +295,5 @@ def make_plan(
                            dist_opt_instances=dist_opt_instances,
                            recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                            tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                           expert_dispatcher=expert_dispatcher)
+                           expert_dispatcher=expert_dispatcher, fp8=fp8)
     return find_plans(problem, profile=profile)[0]

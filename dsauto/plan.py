@@ -354,6 +354,9 @@ class Plan:
     expert_dispatcher: ExpertDispatcher = "alltoall"
     """The MoE token dispatcher the plan is priced with and runs (:data:`ExpertDispatcher`);
     ``deepep`` only in a Megatron-core plan of a mixture of experts."""
+    fp8: bool = False
+    """FP8 training: the transformer layers' linear layers run in FP8 (Megatron-core's ``--fp8-format
+    hybrid``, Transformer Engine's delayed scaling); only in a bf16 or fp16 Megatron-core plan."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -397,6 +400,8 @@ class Plan:
         if self.expert_dispatcher == "deepep" and (self.engine != "megatron" or not self.model.moe):
             raise ValueError(f"expert_dispatcher deepep needs a Megatron-core plan (not {self.engine}) of a "
                              f"mixture of experts ({self.model.name} has {self.model.num_experts} experts)")
+        if self.fp8 and (self.engine != "megatron" or self.dtype == "fp32"):
+            raise ValueError(f"fp8 needs a Megatron-core plan (not {self.engine}) in bf16 or fp16 (not {self.dtype})")
         if not self.grad_reduce_in_fp32 and (self.engine != "megatron" or self.dtype != "bf16"):
             raise ValueError(f"grad_reduce_in_fp32 False (bf16 gradients) needs a Megatron-core plan (not "
                              f"{self.engine}) in bf16 (not {self.dtype})")

@@ -166,6 +166,7 @@ class CostModel:
             # Only under sequence parallelism (megatron/training/arguments.py, validate_args asserts it).
             tp_comm_overlap=strategy.tp_comm_overlap,
             attention_kernel=strategy.attention_kernel,
+            fp8=strategy.fp8,
         )
 
     def _fits(self, size: int, spans_nodes: bool,
@@ -180,6 +181,8 @@ class CostModel:
         """The profile's cost of this layer at this strategy's TP degree and micro-batch, if any."""
         if self.strategy.dims.cp > 1:
             return None  # profiles measure whole sequences; a context-parallel share is priced analytically
+        if self.strategy.fp8:
+            return None  # profiles measure the training dtype's kernels; FP8 ones are priced analytically
         if self.profile is None:
             return None
         return transformer_layer_estimate(self.profile, group, self.strategy.tp, self.strategy.micro_batch, checkpoint)

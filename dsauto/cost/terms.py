@@ -41,6 +41,14 @@ EDGE_LAYER_MODULES = 4
 # (FlashAttention-2, Dao 2023, Sec. 3.1.2 and 4.1).
 FUSED_ATTENTION_BACKWARD = 2.5
 
+# FP8 training (Transformer Engine): bytes moved per element of a linear layer's input when it is
+# quantized, read in 16 bits (2) and written in FP8 as it is and transposed (1 + 1).
+FP8_CAST_BYTES = 4
+FP8_BYTES = 1
+# Transformer Engine keeps a linear layer's weight in FP8 twice, as it is and transposed (Hopper's
+# FP8 GEMMs take K-major operands, so the input gradient needs the transpose).
+FP8_WEIGHT_COPIES = 2
+
 # Mixture of experts. Megatron-core routes dropless by default (``moe_expert_capacity_factor``
 # None: no token is dropped), so the expert-parallel rank that receives the most tokens sets the
 # pace of the grouped GEMM and of the all-to-all. A capacity factor bounds that load: GShard
@@ -87,6 +95,10 @@ class DeviceModel:
     kernel is priced at ``attention_efficiency``."""
     grouped_gemm_knee_tokens: float = 0.0
     """Tokens per expert at which a grouped GEMM takes twice a large GEMM's time (0: no penalty)."""
+    fp8_peak_flops: float = 0.0
+    """Peak FP8 FLOP/s (0: the device has no FP8 tensor cores)."""
+    fp8_matmul_efficiency: float = 0.0
+    """Fraction of ``fp8_peak_flops`` that large FP8 GEMMs reach."""
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> DeviceModel:
@@ -97,7 +109,9 @@ class DeviceModel:
                    comm_overlap_efficiency=device.comm_overlap_efficiency,
                    attention_efficiency=device.attention_efficiency,
                    fused_attention_efficiency=device.fused_attention_efficiency or 0.0,
-                   grouped_gemm_knee_tokens=device.grouped_gemm_knee_tokens)
+                   grouped_gemm_knee_tokens=device.grouped_gemm_knee_tokens,
+                   fp8_peak_flops=device.peak_flops.get("fp8", 0.0),
+                   fp8_matmul_efficiency=device.fp8_matmul_efficiency or device.matmul_efficiency)
 
     def matmul_seconds(self, flops: float, dim: float) -> float:
         """A GEMM of ``flops`` whose smallest dimension is ``dim``: efficiency saturates with size."""
@@ -105,6 +119,13 @@ class DeviceModel:
             return 0.0
         efficiency = self.matmul_efficiency * dim / (dim + self.matmul_half_dim)
         return flops / (self.peak_flops * efficiency)
+
+    def fp8_matmul_seconds(self, flops: float, dim: float) -> float:
+        """An FP8 GEMM of ``flops``: :meth:`matmul_seconds` at the FP8 peak and efficiency."""
+        if flops <= 0:
+            return 0.0
+        efficiency = self.fp8_matmul_efficiency * dim / (dim + self.matmul_half_dim)
+        return flops / (self.fp8_peak_flops * efficiency)
 
     def memory_seconds(self, num_bytes: float) -> float:
         return num_bytes / self.memory_bytes_per_second
@@ -195,6 +216,8 @@ class LayerContext:
     (:attr:`dsauto.cost.strategy.Strategy.tp_comm_overlap`)."""
     attention_kernel: AttentionKernel = "flash"
     """The fused attention kernel (:attr:`dsauto.cost.strategy.Strategy.attention_kernel`)."""
+    fp8: bool = False
+    """The transformer layers' linear layers run in FP8 (:attr:`dsauto.cost.strategy.Strategy.fp8`)."""
 
     def shards(self, option: LayerOption) -> bool:
         """Whether ZeRO-3 keeps this layer's parameters sharded (gathered per use)."""
@@ -293,29 +316,57 @@ def sharded_gather_bytes(group: LayerGroup, option: LayerOption, ctx: LayerConte
     ``[TransformerLayer]`` under ``optim_grads_params``), gathered in one buffer: the layer's
     parameters on this rank, its 1/(ep x etp) of the routed experts (which Megatron-FSDP shards and
     gathers over the expert data-parallel group); the embedding and the head are not units and
-    gather their largest matrix."""
+    gather their largest matrix. Under FP8 a gathered transformer layer holds its weights' FP8
+    copies too (:func:`fp8_weight_bytes`)."""
     if not ctx.shards(option):
         return 0.0
     unit = gathered_unit_params(group, option, ctx.tp)
     if ctx.engine != "deepspeed":
+        unit_bytes = ctx.dtype_bytes
         if group.kind == "transformer":
             unit = dense_local_params(group, ctx) + expert_local_params(group, ctx)
-        return 2 * unit * ctx.dtype_bytes
+            unit_bytes += FP8_WEIGHT_COPIES * FP8_BYTES if ctx.fp8 else 0
+        return 2 * unit * unit_bytes
     return min(unit, local_params(group, ctx.tp)) * ctx.dtype_bytes
 
 
 # ---- compute --------------------------------------------------------------------------------------
 
+def linear_seconds(group: LayerGroup, ctx: LayerContext, flops: float, dim: float) -> float:
+    """Linear-layer GEMMs of ``flops`` whose smallest dimension is ``dim``, uncalibrated: in FP8 in a
+    transformer layer of an FP8 strategy (Transformer Engine's linear layers: the fused QKV, the
+    attention's output projection, the MLP's and the routed experts' matrices), else in the
+    training dtype. The embedding is a lookup and the output layer (Megatron-core's
+    ``ColumnParallelLinear``, not a Transformer Engine module: megatron/core/models/gpt/gpt_model.py)
+    stays in the training dtype, as does the attention core (:func:`attention_passes`)."""
+    if ctx.fp8 and group.kind == "transformer":
+        return ctx.device.fp8_matmul_seconds(flops, dim)
+    return ctx.device.matmul_seconds(flops, dim)
+
+
+def fp8_cast_bytes_per_token(group: LayerGroup, ctx: LayerContext) -> float:
+    """Forward memory traffic per token of an FP8 transformer layer's casts (before tensor
+    parallelism divides it): each linear layer's input read in 16 bits and written in FP8 twice,
+    as it is and transposed (Hopper's FP8 GEMMs take both operands K-major, so the weight gradient
+    needs the input's transpose), 4 bytes per element. The backward's casts of the output
+    gradients are priced as twice this, as every compute term of backward is (:func:`compute_passes`);
+    the linear layers' outputs and inputs are of like widths. Casts fused into a preceding norm or
+    activation are priced as unfused."""
+    if not ctx.fp8 or group.kind != "transformer":
+        return 0.0
+    return FP8_CAST_BYTES * group.linear_input_elements_per_token
+
+
 def matmul_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
     """The forward matrix multiplies (linear layers) of one micro-batch on the roofline, uncalibrated."""
-    t, tokens, device = ctx.tp, ctx.tokens, ctx.device
+    t, tokens = ctx.tp, ctx.tokens
     # Splitting a matrix into k slices shrinks the sliced dimension (OSDP, Jiang et al. 2023,
     # Sec. 4.2), which costs matmul efficiency; the head splits over tokens instead.
     gemm_dim = min(group.gemm_dim / t if group.gemm_dim else 0, tokens)
     if option.split > 1:
         gemm_dim = min(gemm_dim, tokens / option.split) if group.kind == "head" else gemm_dim / option.split
-    matmul = device.matmul_seconds((group.matmul_flops_per_token - group.expert_matmul_flops_per_token) * tokens / t,
-                                   gemm_dim)
+    dense_flops = group.matmul_flops_per_token - group.expert_matmul_flops_per_token
+    matmul = linear_seconds(group, ctx, dense_flops * tokens / t, gemm_dim)
     if group.expert_matmul_flops_per_token:
         matmul += expert_gemm_seconds(group, ctx)
     return matmul
@@ -331,6 +382,7 @@ def roofline_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) 
         group.elementwise_bytes_per_token / ctx.replicated_div
         + group.elementwise_tp_bytes_per_token / t
         + (0.0 if ctx.flash_attention else group.softmax_bytes_per_token / t)
+        + fp8_cast_bytes_per_token(group, ctx) / t
     )
     elementwise = device.memory_seconds(elementwise_bytes)
     return matmul + attention + elementwise
@@ -353,7 +405,7 @@ def expert_gemm_seconds(group: LayerGroup, ctx: LayerContext) -> float:
     dim = min(group.gemm_dim, group.expert_gemm_dim / ctx.etp, per_expert)
     flops = group.expert_matmul_flops_per_token * tokens * expert_load_factor(ctx)
     short_groups = 1.0 + (ctx.device.grouped_gemm_knee_tokens / per_expert) ** 2
-    return ctx.device.matmul_seconds(flops, dim) * short_groups
+    return linear_seconds(group, ctx, flops, dim) * short_groups
 
 
 def remote_node_share(experts: int, top_k: int, ep: int, members_per_node: int) -> float:
@@ -451,7 +503,7 @@ def early_stop_saved_seconds(group: LayerGroup, option: LayerOption, ctx: LayerC
     t = ctx.tp
     gemm_dim = min(group.gemm_dim / t, ctx.tokens)
     flops = group.mlp_out_matmul_flops_per_token * ctx.tokens / t
-    return ctx.calibration.compute * ctx.device.matmul_seconds(flops, gemm_dim)
+    return ctx.calibration.compute * linear_seconds(group, ctx, flops, gemm_dim)
 
 
 # ---- selective recomputation -----------------------------------------------------------------------
@@ -497,13 +549,36 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
         saved += group.attention_score_bytes_per_token / ctx.tp
         if ctx.engine == "megatron":
             saved += megatron_softmax_fp32_bytes_per_token(group, ctx.tp, ctx.dtype_bytes)
+    # Under FP8 the norms' outputs and the MLP output projections' inputs are kept in FP8
+    # (fp8_activation_change_bytes_per_token), so recomputing them frees that much.
+    fp8 = ctx.fp8 and ctx.dtype_bytes > FP8_BYTES
+    shrink = FP8_BYTES / ctx.dtype_bytes if fp8 else 1.0
     if "layernorm" in modules:
-        saved += group.norm_output_bytes_per_token / ctx.replicated_div
+        saved += group.norm_output_bytes_per_token * shrink / ctx.replicated_div
     if "mlp" in modules:
-        saved += group.mlp_act_bytes_per_token / ctx.tp
+        kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * group.mlp_out_input_elements_per_token if fp8 else 0.0
+        saved += (group.mlp_act_bytes_per_token - kept_in_fp8) / ctx.tp
     if "moe_act" in modules:
-        saved += group.expert_act_output_bytes_per_token / ctx.tp * expert_load_factor(ctx)
+        saved += group.expert_act_output_bytes_per_token * shrink / ctx.tp * expert_load_factor(ctx)
     return saved
+
+
+def fp8_activation_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) -> float:
+    """How FP8 training changes the bytes per token a transformer layer keeps for backward (negative:
+    fewer). Transformer Engine's linear layers keep their inputs for the weight gradient in FP8
+    instead of 16 bits: the pre-norms' outputs (the QKV and MLP inputs, which ``LayerNormLinear`` and
+    ``LayerNormMLP`` quantize) and the MLP output projections' inputs (the activation functions'
+    outputs; the routed experts' at the busiest rank's load); the attention output, which the
+    attention kernel keeps in 16 bits for its own backward, is kept a second time in FP8 by the
+    output projection."""
+    if not ctx.fp8 or group.kind != "transformer" or ctx.dtype_bytes <= FP8_BYTES:
+        return 0.0
+    saved_per_element = ctx.dtype_bytes - FP8_BYTES
+    split = (FP8_BYTES * group.attention_output_elements_per_token
+             - saved_per_element * (group.mlp_out_input_elements_per_token
+                                    + group.expert_out_input_elements_per_token * expert_load_factor(ctx)))
+    norms = saved_per_element / ctx.dtype_bytes * group.norm_output_bytes_per_token
+    return split / ctx.tp - norms / ctx.replicated_div
 
 
 def selective_recompute_flops_per_token(group: LayerGroup, option: LayerOption, flash_attention: bool) -> float:
@@ -547,7 +622,7 @@ def selective_recompute_seconds(group: LayerGroup, option: LayerOption, ctx: Lay
         seconds += device.memory_seconds(tokens * group.norm_elementwise_bytes_per_token / ctx.replicated_div)
     if "mlp" in modules:
         gemm_dim = min(group.gemm_dim / t, tokens)
-        seconds += device.matmul_seconds(group.mlp_matmul_flops_per_token * tokens / t, gemm_dim)
+        seconds += linear_seconds(group, ctx, group.mlp_matmul_flops_per_token * tokens / t, gemm_dim)
         seconds += device.memory_seconds(tokens * group.mlp_elementwise_bytes_per_token / t)
     if "moe_act" in modules:
         seconds += device.memory_seconds(tokens * group.expert_act_elementwise_bytes_per_token / t
@@ -830,16 +905,30 @@ def state_bytes_per_param(engine: str, dtype_bytes: int, bf16: bool, zero_stage:
 def model_state(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> ModelState:
     """Parameters, gradients and optimizer state of one layer on one rank, by ZeRO stage and
     residency."""
+    fp8 = ctx.calibration.static_memory * fp8_weight_bytes(group, option, ctx)
     if group.expert_params:
         # Routed experts: 1/(ep x etp) of them per rank, their states sharded over the expert
         # data-parallel group (Megatron-core's distributed optimizer keeps expert parameters in
         # their own buffers over ``expt_dp``: megatron/core/distributed/distributed_data_parallel.py).
         dense = _state(dense_local_params(group, ctx), ctx.dp, option, ctx)
         experts = _state(expert_local_params(group, ctx), ctx.expert_dp or ctx.dp, option, ctx)
-        return ModelState(dense.params_bytes + experts.params_bytes, dense.grads_bytes + experts.grads_bytes,
+        return ModelState(dense.params_bytes + experts.params_bytes + fp8, dense.grads_bytes + experts.grads_bytes,
                           dense.optimizer_bytes + experts.optimizer_bytes,
                           dense.optimizer_params + experts.optimizer_params)
-    return _state(local_params(group, ctx.tp), ctx.dp, option, ctx)
+    state = _state(local_params(group, ctx.tp), ctx.dp, option, ctx)
+    return dataclasses.replace(state, params_bytes=state.params_bytes + fp8) if fp8 else state
+
+
+def fp8_weight_bytes(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
+    """The FP8 copies of a resident transformer layer's weights on this rank under FP8 training
+    (:data:`FP8_WEIGHT_COPIES` bytes per parameter, the norms' few counted too), which Transformer
+    Engine keeps from the first micro-batch of a step to the last. A sharded (gathered per use)
+    layer's copies exist while it is gathered (:func:`sharded_gather_bytes`)."""
+    if not ctx.fp8 or group.kind != "transformer" or ctx.shards(option):
+        return 0.0
+    local = dense_local_params(group, ctx) + expert_local_params(group, ctx) if group.expert_params \
+        else local_params(group, ctx.tp)
+    return FP8_WEIGHT_COPIES * FP8_BYTES * local
 
 
 def _state(local: float, dp: int, option: LayerOption, ctx: LayerContext) -> ModelState:
@@ -893,6 +982,7 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     )
     # The busiest expert rank keeps the top-k copies of more tokens than the mean.
     full_activation += tokens * group.expert_act_bytes_per_token / t * (expert_load_factor(ctx) - 1)
+    full_activation += tokens * fp8_activation_change_bytes_per_token(group, ctx)
     megatron = ctx.engine == "megatron"
     if megatron and group.kind == "transformer" and not flash:
         full_activation += tokens * megatron_softmax_fp32_bytes_per_token(group, t, ctx.dtype_bytes)

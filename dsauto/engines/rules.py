@@ -138,7 +138,7 @@ MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj"
 
 
 def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engine | None = None,
-                             experts: bool | None = None) -> str | None:
+                             experts: bool | None = None, fp8: bool = False) -> str | None:
     """Why dsauto cannot plan selective recomputation of module ``name`` on ``engine`` (None: on
     either), or None when it can (:data:`dsauto.plan.RECOMPUTE_MODULES`: the attention core, the
     norms, the dense MLP, the routed experts' activation). Megatron-core runs them through
@@ -157,7 +157,14 @@ def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engin
     that parameter comes out of ``tensor_parallel.checkpoint`` (transformer_layer.py,
     ``_forward_mlp``) as an output of the checkpoint's own autograd node, whose backward then calls
     itself without end (seen on CPU ranks, where the process grew to gigabytes). The DeepSpeed hook
-    checkpoints the whole MLP, biases included, and has no such limit."""
+    checkpoints the whole MLP, biases included, and has no such limit.
+
+    ``fp8``: the plan trains in FP8 with delayed scaling (:func:`fp8_refusal`), under which
+    Megatron-core's ``TransformerConfig`` refuses recomputing ``moe_act`` and ``layernorm``
+    (megatron/core/transformer/transformer_config.py, ``__post_init__``)."""
+    if fp8 and name in ("moe_act", "layernorm"):
+        return (f"Megatron-core does not recompute '{name}' under FP8 with delayed scaling (the recipe of "
+                f"dsauto's FP8 plans)")
     if name == "moe_act" and experts is False:
         return "'moe_act' recomputes the routed experts' activation, and the model has no experts"
     if name == "moe_act" and engine == "deepspeed":
@@ -300,6 +307,33 @@ def default_attention_kernel(engine: Engine, device_has_fused: bool, dtype: Dtyp
     if device_has_fused and attention_kernel_refusal(engine, "cudnn", dtype, flash_attention, model) is None:
         return "cudnn"
     return "flash"
+
+
+FP8_DIM_MULTIPLE = 16
+"""Transformer Engine runs a GEMM in FP8 only when the inner (last) dimension of its operands is a
+multiple of 16 (transformer_engine/pytorch/utils.py, ``check_dim_for_fp8_exec``, which its linear
+layers assert under ``fp8_autocast``)."""
+
+
+def fp8_refusal(engine: Engine, dtype: Dtype, model: ModelSpec) -> str | None:
+    """Why ``engine`` cannot train ``model`` with FP8 linear layers, or None. FP8 training is
+    Transformer Engine's (its linear layers under ``fp8_autocast``), which Megatron-core turns on with
+    ``--fp8-format`` (megatron/training/arguments.py) and dsauto's DeepSpeed plans do not use; it
+    runs inside bf16 or fp16 training, and every linear layer's input width must be a multiple of
+    :data:`FP8_DIM_MULTIPLE`."""
+    if engine != "megatron":
+        return ("FP8 training runs through Transformer Engine's linear layers, which only dsauto's Megatron-core "
+                "plans use (--engine megatron)")
+    if dtype == "fp32":
+        return "FP8 training runs the linear layers in FP8 inside bf16 or fp16 training, not fp32"
+    widths = {"hidden size": model.hidden_size, "attention width": model.num_attention_heads * model.head_dim,
+              "MLP width": model.ffn_hidden_size if len(model.moe_layers()) < model.num_layers else 0,
+              "expert width": model.expert_ffn_hidden_size if model.moe else 0}
+    odd = [f"{name} {width}" for name, width in widths.items() if width % FP8_DIM_MULTIPLE]
+    if odd:
+        return (f"Transformer Engine's FP8 GEMMs need widths that are multiples of {FP8_DIM_MULTIPLE}, and "
+                f"{model.name} has {', '.join(odd)}")
+    return None
 
 
 def tp_comm_overlap_refusal(engine: Engine) -> str | None:

@@ -244,6 +244,13 @@ def check_trials(planner: Planner, settings: TuneSettings) -> None:
         raise DsautoError(f"--trials must be at least 1, got {settings.trials}.")
     check_nodes(planner.cluster.nodes, settings.trial.launcher, settings.nodes, settings.storage)
     pins = planner.pins
+    if pins.fp8:
+        from dsauto.profile.resources import ranks_on_cpu
+
+        if ranks_on_cpu():
+            raise DsautoError("FP8 plans train through Transformer Engine on GPUs with FP8 tensor cores, and these "
+                              "trials run on CPU processes; run the trials on H100 or H200 GPUs, or drop --trials "
+                              "to keep the predicted plan.")
     if pins.engine == "deepspeed" and (pins.tp or 1) > 1:
         raise DsautoError(f"DeepSpeed plans have no tensor parallelism, but --tp {pins.tp} was pinned with "
                           f"--engine deepspeed; use --engine megatron (trials then measure through "

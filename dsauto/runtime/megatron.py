@@ -238,6 +238,12 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
         _report("The config dispatches the experts' tokens with the flex dispatcher and the plan was priced "
                 "with alltoall's; dsauto keeps the config's (re-plan with --moe-dispatcher deepep to price "
                 "DeepEP's).")
+    if plan.fp8:
+        fields.update(fp8="hybrid", fp8_recipe="delayed")  # Transformer Engine's linear layers (its layers only)
+    elif config.fp8:
+        _report(f"The config trains in FP8 (fp8={config.fp8!r}) and the plan was priced in {plan.dtype}; dsauto "
+                f"keeps it, so the step may be faster and its memory other than predicted (re-plan with --fp8 "
+                f"to price it).")
     _report_kernel(plan, config)
     _report_unsplit(plan)
     for gap in megatron_gaps(plan.model):  # the model's own details Megatron-core cannot build

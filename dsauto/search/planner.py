@@ -747,7 +747,7 @@ class Planner:
             layers=tuple(runs), stages=step.stages, prediction=step.prediction, engine=strategy.engine,
             virtual_stages=strategy.virtual_stages, offload=strategy.offload, hpz=strategy.hpz,
             dist_opt_instances=strategy.dist_opt_instances, attention_kernel=strategy.attention_kernel,
-            tp_comm_overlap=strategy.tp_comm_overlap, expert_dispatcher=strategy.expert_dispatcher,
+            tp_comm_overlap=strategy.tp_comm_overlap, expert_dispatcher=strategy.expert_dispatcher, fp8=strategy.fp8,
             # bf16 gradients as they take effect (the cost model prices them so too): Megatron-core under bf16.
             grad_reduce_in_fp32=strategy.grad_reduce_in_fp32 or not (
                 strategy.engine == "megatron" and self.train.dtype == "bf16"),

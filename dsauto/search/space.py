@@ -23,6 +23,7 @@ from dsauto.engines.rules import (
     recompute_module_refusal,
     refusal,
     tp_comm_overlap_refusal,
+    fp8_refusal,
     virtual_stage_refusal,
 )
 from dsauto.errors import DsautoError
@@ -144,6 +145,13 @@ class Constraints:
                 "DeepSeek's DeepEP kernels, installed apart: across nodes a token crosses the network once "
                 "per node holding its experts) (Megatron-core plans of mixtures of experts; default: alltoall)"})
     """The MoE token dispatcher (:data:`dsauto.plan.ExpertDispatcher`); None: ``alltoall``."""
+    fp8: bool | None = field(default=None, metadata={
+        "flag": "--fp8", "const": True,
+        "help": "train the transformer layers' linear layers in FP8 (Megatron-core's --fp8-format hybrid, "
+                "Transformer Engine's delayed scaling; Megatron-core plans on devices with FP8 tensor cores, "
+                "H100 and H200) (default: off)"})
+    """True: FP8 training (:attr:`dsauto.cost.strategy.Strategy.fp8`); None: the training dtype
+    throughout (never chosen by the search: it changes the numerics)."""
 
 
 def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -212,7 +220,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     out = [dataclasses.replace(s, recompute_modules=modules, attention_kernel=kernels[s.engine],
                                tp_comm_overlap=bool(pins.tp_comm_overlap),
                                expert_dispatcher=pins.expert_dispatcher or "alltoall",
-                               grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False)
+                               grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
+                               fp8=bool(pins.fp8))
            for s in out if runnable[s.engine] for modules in recompute_sets[s.engine]]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
 
@@ -220,8 +229,9 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
 def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
                            model: ModelSpec) -> dict[str, tuple[str, str]]:
     """Flag -> (why ``engine`` cannot run it, what to do) of each pinned engine option it refuses: the
-    attention kernel (:func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``
-    and ``--grad-reduce-in-bf16``. The search drops the engine's strategies when any is refused."""
+    attention kernel (:func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``,
+    ``--grad-reduce-in-bf16``, ``--moe-dispatcher deepep`` and ``--fp8``. The search drops the
+    engine's strategies when any is refused."""
     out = {}
     if pins.attention_kernel is not None and (why := attention_kernel_refusal(
             engine, pins.attention_kernel, train.dtype, train.flash_attention, model)):
@@ -232,6 +242,8 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--grad-reduce-in-bf16"] = why, "leave it out"
     if pins.expert_dispatcher == "deepep" and (why := expert_dispatcher_refusal(engine, model.moe)):
         out["--moe-dispatcher deepep"] = why, "leave it out"
+    if pins.fp8 and (why := fp8_refusal(engine, train.dtype, model)):
+        out["--fp8"] = why, "leave it out"
     return out
 
 
@@ -423,7 +435,8 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         return DsautoError(f"--vpp {pins.vpp} cannot run: the interleaved schedule needs Megatron-core, "
                            f"pp > 1, micro-batches per step a multiple of pp and at least {pins.vpp} layers "
                            f"per stage; change --pp, --micro-batch or --global-batch.")
-    if pins.recompute_modules is not None and parse_recompute_modules(pins.recompute_modules, model, pins.engine):
+    if pins.recompute_modules is not None and parse_recompute_modules(pins.recompute_modules, model, pins.engine,
+                                                                      bool(pins.fp8)):
         if pins.checkpoint is True:
             return DsautoError(f"--recompute-modules {pins.recompute_modules} recomputes parts of every transformer "
                                f"layer and --checkpoint all recomputes them whole; a layer runs one of "
@@ -464,7 +477,7 @@ price of two thirds of the layer's forward). A pin (``--recompute-modules``) ask
 
 
 def parse_recompute_modules(text: str, model: ModelSpec | None = None,
-                            engine: Engine | None = None) -> tuple[str, ...]:
+                            engine: Engine | None = None, fp8: bool = False) -> tuple[str, ...]:
     """The modules of a ``--recompute-modules`` value (``"none"``: no selective recomputation); a
     name dsauto does not know, or knows but does not price, or that ``engine`` (None: either)
     cannot recompute for ``model``, is refused in one sentence."""
@@ -473,7 +486,7 @@ def parse_recompute_modules(text: str, model: ModelSpec | None = None,
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     for name in names:
         reason = recompute_module_refusal(name, model is not None and model.linear_bias, engine,
-                                          None if model is None else model.moe)
+                                          None if model is None else model.moe, fp8)
         if reason:
             raise DsautoError(f"--recompute-modules {text}: {reason}.")
     return names
@@ -489,13 +502,13 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
     tries ``moe_act``: it frees top-k x the expert width of each token's activations in every MoE
     layer for one elementwise pass in backward."""
     if pins.recompute_modules is not None:
-        modules = parse_recompute_modules(pins.recompute_modules, model, pins.engine)
+        modules = parse_recompute_modules(pins.recompute_modules, model, pins.engine, bool(pins.fp8))
         if modules and (pins.checkpoint is True
                         or any(recompute_module_refusal(m, model.linear_bias, engine, model.moe) for m in modules)):
             return ()
         return (modules,)
     searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention] + (("moe_act",) if model.moe else ())
-                     if recompute_module_refusal(m, model.linear_bias, engine, model.moe) is None)
+                     if recompute_module_refusal(m, model.linear_bias, engine, model.moe, bool(pins.fp8)) is None)
     if pins.checkpoint is True or not searched:
         return ((),)
     return ((), searched)

@@ -27,7 +27,8 @@ class DeviceSpec:
     memory_bytes: int
     """Device memory in bytes."""
     peak_flops: dict[str, float]
-    """Peak dense FLOP/s per dtype (``bf16``, ``fp16``, ``fp32``), without sparsity."""
+    """Peak dense FLOP/s per dtype (``bf16``, ``fp16``, ``fp32``), without sparsity; ``fp8`` where the
+    device has FP8 tensor cores (Hopper on), which FP8 plans' linear layers run at."""
     memory_bandwidth_gbps: float
     """Device memory bandwidth in GB/s (10^9 bytes per second)."""
     matmul_efficiency: float = 0.8
@@ -58,6 +59,11 @@ class DeviceSpec:
     (Shah et al. 2024, "FlashAttention-3", Abstract). None: the device has no such kernel
     (pre-Hopper), and a strategy asking for it is priced at ``attention_efficiency``
     (:attr:`dsauto.cost.strategy.Strategy.attention_kernel`)."""
+    fp8_matmul_efficiency: float | None = None
+    """Fraction of the ``fp8`` peak FLOP/s that the linear layers' FP8 GEMMs reach (Transformer
+    Engine's FP8 GEMMs under ``--fp8-format``, :attr:`dsauto.cost.strategy.Strategy.fp8`), saturating
+    with the GEMM's size as ``matmul_efficiency`` does; an end-to-end figure like it. None: priced
+    at ``matmul_efficiency``."""
     grouped_gemm_knee_tokens: float = 0.0
     """Tokens per expert at which a grouped GEMM (Megatron-core's ``--moe-grouped-gemm``, one kernel
     over a rank's local experts) takes twice the time of the same FLOPs in one large GEMM; the
@@ -85,6 +91,8 @@ class DeviceSpec:
             (self.attention_efficiency, "attention_efficiency", dict(minimum=0, maximum=1)),
             *(((self.fused_attention_efficiency, "fused_attention_efficiency", dict(above=0, maximum=1)),)
               if self.fused_attention_efficiency is not None else ()),
+            *(((self.fp8_matmul_efficiency, "fp8_matmul_efficiency", dict(above=0, maximum=1)),)
+              if self.fp8_matmul_efficiency is not None else ()),
             (self.grouped_gemm_knee_tokens, "grouped_gemm_knee_tokens", dict(minimum=0, maximum=MAX_WIDTH)),
             (self.kernel_launch_seconds, "kernel_launch_seconds", dict(minimum=0, maximum=MAX_SECONDS)),
             (self.memory_reserve_bytes, "memory_reserve_bytes", dict(minimum=0, maximum=self.memory_bytes - 1)),

@@ -469,6 +469,18 @@ class LayerGroup:
     """The routed experts' activation function's reads and writes (the first matrix's output in,
     the activation out), averaged over the layers: what recomputing ``moe_act`` re-runs."""
 
+    # FP8 training (Transformer Engine's linear layers; see cost.terms): elements per token, before
+    # tensor parallelism, averaged over the group's layers.
+    linear_input_elements_per_token: float = 0.0
+    """The inputs of the layer's linear layers (each matrix's input width; a routed expert's once per
+    top-k copy): what FP8 training quantizes."""
+    attention_output_elements_per_token: float = 0.0
+    """The attention output, the output projection's input."""
+    mlp_out_input_elements_per_token: float = 0.0
+    """The dense MLP's output projection's input (its activation function's output)."""
+    expert_out_input_elements_per_token: float = 0.0
+    """The routed (top-k copies) and shared experts' output projections' inputs."""
+
     @property
     def forward_flops_per_token(self) -> float:
         """Forward FLOPs per token of the whole layer: linear layers and attention."""
@@ -548,6 +560,16 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     # dropout reads them, writes its output and a one-byte mask; soft-capping (tanh) reads and
     # writes them once more.
     softmax = a * s * (2 * b + mask * (2 * b + 1) + (2 * b if model.attention_softcap else 0))
+    # The linear layers' input widths: QKV (or latent attention's down projections and their up
+    # projections' latents) and the output projection; the MLP's two matrices; each routed copy's
+    # and the shared experts' two.
+    if model.latent_attention:
+        attention_inputs = 2 * h + model.q_lora_rank + model.kv_lora_rank + out_width
+    else:
+        attention_inputs = h + out_width
+    expert_out_inputs = moe_fraction * (top_k * fe + fs)
+    linear_inputs = (attention_inputs + dense_fraction * (h + f)
+                     + moe_fraction * (top_k * h + (h if fs else 0)) + expert_out_inputs)
     block = LayerGroup(
         name=model.architecture,
         kind="transformer",
@@ -590,6 +612,10 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         norm_elementwise_bytes_per_token=model.norms_per_layer * 2 * h * b,
         expert_act_output_bytes_per_token=moe_fraction * top_k * fe * b,
         expert_act_elementwise_bytes_per_token=moe_fraction * top_k * inner * fe * b,
+        linear_input_elements_per_token=linear_inputs,
+        attention_output_elements_per_token=out_width,
+        mlp_out_input_elements_per_token=dense_fraction * f,
+        expert_out_input_elements_per_token=expert_out_inputs,
     )
 
     positions = (model.max_position_embeddings + model.position_offset) * h if model.position_embedding == "learned" else 0

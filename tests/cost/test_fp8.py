@@ -1,0 +1,153 @@
+"""FP8 training (Transformer Engine's linear layers under Megatron-core, delayed scaling): the
+transformer layers' GEMMs at the FP8 peak, the casts, the activations and weight copies it keeps,
+what it leaves in 16 bits, and the plans, flags and refusals around it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from dsauto.api import make_plan, make_problem
+from dsauto.cost.layer import CostModel
+from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.cost.terms import FP8_CAST_BYTES, fp8_cast_bytes_per_token
+from dsauto.emit.megatron import megatron_args
+from dsauto.engines.rules import fp8_refusal
+from dsauto.errors import DsautoError
+from dsauto.parallel import ParallelDims
+from dsauto.plan_io import plan_from_data, plan_yaml_text
+from dsauto.spec.cluster import ClusterSpec
+from dsauto.spec.loaders import load_hardware, load_model
+from dsauto.spec.model import layer_groups
+from dsauto.spec.training import TrainSpec
+
+PLAIN = LayerOption(checkpoint=False, shard_params=False, split=1)
+SHARDED = LayerOption(checkpoint=False, shard_params=True, split=1)
+TOKENS = 4096
+
+
+def costs(fp8: bool, zero: int = 1, tp: int = 1, sp: bool = False, efficiency: float | None = None):
+    hardware = load_hardware("h100-80gb")
+    if efficiency is not None:
+        hardware = dataclasses.replace(hardware, device=dataclasses.replace(hardware.device,
+                                                                            fp8_matmul_efficiency=efficiency))
+    cluster = ClusterSpec(hardware, nodes=1, gpus_per_node=8)
+    train = TrainSpec(global_batch=8 // tp, seq_len=TOKENS, dtype="bf16")
+    strategy = Strategy(dims=ParallelDims(dp=8 // tp, tp=tp), zero_stage=zero, micro_batch=1, grad_accum=1,
+                        sequence_parallel=sp, engine="megatron", fp8=fp8)
+    model = load_model("llama3-8b")
+    return CostModel(cluster, train, strategy, model.hidden_size), layer_groups(model, TOKENS, 2, tp), model
+
+
+def test_the_transformer_layers_gemms_run_at_the_fp8_peak_and_the_head_does_not():
+    bf16, (_, block, head), _ = costs(False, efficiency=0.589)
+    fp8, _, _ = costs(True, efficiency=0.589)
+    device = load_hardware("h100-80gb").device
+    ratio = device.peak_flops["bf16"] / device.peak_flops["fp8"]
+    assert ratio == pytest.approx(0.5, rel=1e-3)  # H100 SXM datasheet, dense: 1979 against 989 TFLOP/s
+    # At the same efficiency the FP8 GEMMs take half the time; the casts add 4 bytes per input element.
+    gemm = bf16.context.device.matmul_seconds(block.matmul_flops_per_token * TOKENS, block.gemm_dim)
+    casts = bf16.memory_seconds(FP8_CAST_BYTES * block.linear_input_elements_per_token * TOKENS)
+    a, b = bf16.layer(block, PLAIN), fp8.layer(block, PLAIN)
+    assert a.forward_seconds - b.forward_seconds == pytest.approx(gemm * (1 - ratio) - casts, rel=1e-9)
+    assert b.backward_seconds < a.backward_seconds
+    # The output layer is Megatron-core's ColumnParallelLinear, not a TE module: 16 bits.
+    assert fp8.layer(head, PLAIN).forward_seconds == bf16.layer(head, PLAIN).forward_seconds
+    # llama3-8b's linear inputs per token: QKV h, the projection's 4096, the MLP's h and f.
+    assert block.linear_input_elements_per_token == 4096 + 4096 + 4096 + 14336
+    assert fp8_cast_bytes_per_token(block, bf16.context) == 0.0
+
+
+def test_fp8_keeps_linear_inputs_in_fp8_and_the_attention_output_twice():
+    bf16, (_, block, _), _ = costs(False)
+    fp8, _, _ = costs(True)
+    a, b = bf16.layer(block, PLAIN), fp8.layer(block, PLAIN)
+    # Per token: the two norms' outputs (QKV and MLP inputs, 2 x 4096 x 2 bytes) drop to one byte each,
+    # the MLP output projection's 14336-wide input too, and the 4096-wide attention output gains a copy.
+    per_token = -2 * 4096 - 14336 + 4096
+    assert b.activation_bytes - a.activation_bytes == pytest.approx(TOKENS * per_token)
+
+
+def test_fp8_activation_change_splits_like_the_activations_under_tp_and_sp():
+    bf16, (_, block, _), _ = costs(False, tp=2, sp=True)
+    fp8, _, _ = costs(True, tp=2, sp=True)
+    delta = fp8.layer(block, PLAIN).activation_bytes - bf16.layer(block, PLAIN).activation_bytes
+    tokens = bf16.tokens
+    assert delta == pytest.approx(tokens * (-2 * 4096 - 14336 + 4096) / 2)
+
+
+def test_resident_layers_keep_two_fp8_copies_of_their_weights_sharded_ones_while_gathered():
+    bf16, (_, block, _), _ = costs(False, zero=1)
+    fp8, _, _ = costs(True, zero=1)
+    added = fp8.layer(block, PLAIN).params_bytes - bf16.layer(block, PLAIN).params_bytes
+    assert added == pytest.approx(2 * block.params)
+    bf16_3, _, _ = costs(False, zero=3)
+    fp8_3, _, _ = costs(True, zero=3)
+    a, b = bf16_3.layer(block, SHARDED), fp8_3.layer(block, SHARDED)
+    assert b.params_bytes == pytest.approx(a.params_bytes)
+    # Megatron-FSDP's unit (the whole layer) in use and prefetched, now with its FP8 copies too.
+    assert b.transient_bytes - a.transient_bytes == pytest.approx(2 * block.params * 2)
+
+
+def test_a_profile_measured_in_16_bits_does_not_price_fp8_layers():
+    fp8, (_, block, _), _ = costs(True)
+    assert fp8._measured_layer(block, False) is None
+
+
+def test_fp8_plans_only_when_pinned_and_on_megatron_core():
+    plain = make_plan("llama3-8b", "h100-80gb", global_batch=64, seq_len=8192)
+    assert not plain.fp8
+    plan = make_plan("llama3-8b", "h100-80gb", global_batch=64, seq_len=8192, fp8=True)
+    assert plan.fp8 and plan.engine == "megatron"
+    same = make_plan("llama3-8b", "h100-80gb", global_batch=64, seq_len=8192, engine="megatron",
+                     tp=plan.tp, pp=plan.pp, zero_stage=plan.zero_stage, micro_batch=plan.micro_batch)
+    assert plan.prediction.step_seconds < same.prediction.step_seconds
+    args = megatron_args(plan)
+    assert "--fp8-format hybrid" in args and "--fp8-recipe delayed" in args
+    assert not any(line.startswith("--fp8") for line in megatron_args(same))
+    assert plan_from_data(yaml.safe_load(plan_yaml_text(plan)), "plan.yaml").fp8
+
+
+def test_fp8_refusals_are_one_sentence_each():
+    model = load_model("llama3-8b")
+    assert "Megatron-core" in fp8_refusal("deepspeed", "bf16", model)
+    assert "not fp32" in fp8_refusal("megatron", "fp32", model)
+    assert fp8_refusal("megatron", "bf16", model) is None
+    odd = dataclasses.replace(model, hidden_size=4104, num_attention_heads=36, num_kv_heads=4)
+    assert "multiples of 16" in fp8_refusal("megatron", "bf16", odd)
+    with pytest.raises(DsautoError, match="no FP8 peak"):
+        make_problem("llama3-8b", "a100-80gb", fp8=True)
+    with pytest.raises(DsautoError, match="--fp8 cannot run"):
+        make_plan("llama3-8b", "h100-80gb", global_batch=64, engine="deepspeed", fp8=True)
+    # Megatron-core's TransformerConfig refuses these recomputations under delayed scaling.
+    with pytest.raises(DsautoError, match="'layernorm' under FP8"):
+        make_plan("llama3-8b", "h100-80gb", global_batch=64, recompute_modules="layernorm", fp8=True)
+
+
+def test_the_megatron_plugin_turns_fp8_on_and_reports_a_config_that_has_it_unplanned(caplog):
+    from megatron.core.transformer import TransformerConfig
+
+    from dsauto.runtime.megatron import apply
+
+    plan = make_plan("gpt-tiny", "h100-80gb", nodes=1, gpus_per_node=1, global_batch=8, seq_len=256,
+                     engine="megatron", fp8=True)
+    m = plan.model
+    config = TransformerConfig(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                               num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_hidden_size)
+    applied = apply(plan, config)
+    assert (applied.fp8, applied.fp8_recipe) == ("hybrid", "delayed")
+    plain = dataclasses.replace(plan, fp8=False)
+    assert apply(plain, applied).fp8 == "hybrid"
+    assert "trains in FP8" in caplog.text
+
+
+def test_fp8_trials_on_cpu_processes_are_refused_before_anything_is_written(tmp_path, capsys):
+    from dsauto.cli import main
+
+    out = tmp_path / "out"
+    assert main(["tune", "--model", "gpt-tiny", "--hardware", "h100-80gb", "--nodes", "1", "--gpus-per-node", "2",
+                 "--fp8", "--trials", "2", "--out", str(out)]) == 2
+    assert "Transformer Engine on GPUs with FP8" in capsys.readouterr().err
+    assert not out.exists()
