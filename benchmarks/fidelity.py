@@ -185,11 +185,15 @@ SOURCES = {
                             checkpoint=None, vpp=None, balanced_routing=True, expert_dispatcher="deepep"),
     "mbridge": Source("mbridge", "megatron", 1, True, "bf16",
                       "Megatron-Bridge performance recipes (Megatron-core): engine megatron with the distributed "
-                      "optimizer (ZeRO 1), gradients reduced in bf16 (grad_reduce_in_fp32 False), the alltoall "
-                      "dispatcher with grouped GEMMs, routing forced to balance (moe_router_force_load_balancing; "
-                      "the tables' footnote), the recipe's selective recomputation (layernorm, moe_act), "
-                      "FlashAttention (the TE backend of GPT-OSS's sink attention is not published), the layers "
-                      "split evenly over the stages (the recipe sets no pipeline layout)",
+                      "optimizer (ZeRO 1; Megatron-FSDP, ZeRO 3, where the table's FSDP column is set), gradients "
+                      "reduced in bf16 (grad_reduce_in_fp32 False), the published tp, pp, cp, vp and micro-batch; "
+                      "mixtures of experts with the alltoall dispatcher and grouped GEMMs, routing forced to "
+                      "balance (moe_router_force_load_balancing; the tables' footnote); the recipe's selective "
+                      "recomputation where it is known (GPT-OSS: layernorm, moe_act), else none; cuDNN's fused "
+                      "attention (Transformer Engine's default on Hopper) except for GPT-OSS, FlashAttention (the "
+                      "TE backend of its sink attention is not published); the FP8 rows in FP8 (FP8-CS: tensorwise "
+                      "scaling; 'FP8': the recipe not published, Megatron-core's default delayed); the layers "
+                      "split evenly over the stages (the recipes set no pipeline layout)",
                       checkpoint=False, vpp=1, balanced_routing=True, even_stages=True),
     "mtnlg": Source("mtnlg", "megatron", 1, False, "bf16",
                     "Megatron-DeepSpeed 2021: engine megatron with ZeRO 1 (dsauto's DeepSpeed plans have no "
@@ -340,8 +344,10 @@ def _attention_kernel(record: dict, source: Source) -> AttentionKernel:
     attention.py, get_attention_backend, in the TE 1.x releases of late 2024; whether the mid-2024
     container they ran already carried that preference is not published). Meta's stack, MosaicML's
     llm-foundry (flash-attn 2), IBM's fms-fsdp, NeMo AutoModel and torchtitan call FlashAttention-2
-    or PyTorch's SDPA over it; Transformer Engine is not in their path. Pre-Hopper rows price either
-    kernel at the device's attention efficiency."""
+    or PyTorch's SDPA over it; Transformer Engine is not in their path. Megatron-Bridge's recipes
+    (Megatron-core with Transformer Engine) leave the backend to TE, cuDNN's on Hopper, except GPT-OSS,
+    whose sink attention's backend is not published (FlashAttention is priced). Pre-Hopper rows price
+    either kernel at the device's attention efficiency."""
     if source.key == "dgxc":
         flash = ("nemotron4-340b", "gpt3-175b")
         return "flash" if any(name in record["id"] for name in flash) else "cudnn"
@@ -349,8 +355,8 @@ def _attention_kernel(record: dict, source: Source) -> AttentionKernel:
         return "cudnn"
     if record["id"].startswith("automodel-moe-qwen3"):
         return "cudnn"  # AutoModel's qwen3_moe_30b_te_deepep config: attn te
-    if source.key == "mbridge" and "-moe-" not in record["id"]:
-        return "cudnn"  # Megatron-core's TE attention on Hopper with the backend left to TE (the Llama recipes)
+    if source.key == "mbridge" and "gpt-oss" not in record["id"]:
+        return "cudnn"  # Megatron-core's TE attention on Hopper, the backend left to TE (GPT-OSS's sinks: see MOE_WHY)
     return "flash"
 
 
@@ -482,9 +488,9 @@ def configure(record: dict) -> PublishedRun | str:
         zero = 3  # Megatron-Bridge's FSDP column
     zero = 1 if zero >= 2 and pp > 1 else zero  # dsauto's pipelines run ZeRO 0-1
     fp8 = "fp8" in precision
-    if fp8 and ("-cs" in precision or "current" in precision):
-        notes.append("FP8 current scaling priced as delayed scaling (its extra amax pass over each cast input "
-                     "not priced)")
+    recipe = "tensorwise" if fp8 and ("-cs" in precision or "current" in precision) else None
+    if fp8 and recipe is None:
+        notes.append("FP8 scaling recipe not published: Megatron-core's default (delayed)")
     pins = Constraints(tp=tp, pp=pp, cp=cp, vpp=vpp, ep=p.get("ep"), etp=p.get("etp"), zero_stage=zero,
                        micro_batch=p.get("micro_batch"),
                        checkpoint=checkpoint, sequence_parallel=sp if tp > 1 else None, engine=source.engine,
@@ -492,7 +498,7 @@ def configure(record: dict) -> PublishedRun | str:
                        attention_kernel=kernel, tp_comm_overlap=source.tp_comm_overlap or None,
                        grad_reduce_in_fp32=None if fp32_reduce else False,
                        expert_dispatcher="deepep" if model.moe and source.expert_dispatcher == "deepep" else None,
-                       fp8=fp8 or None)
+                       fp8=fp8 or None, fp8_recipe=recipe)
     train = TrainSpec(global_batch=p["global_batch"], seq_len=seq, dtype=source.dtype,
                       flash_attention=source.flash_attention)
     published = _published(record, model, source)
@@ -790,10 +796,11 @@ FP8_TEXT = (
     "fraction of the FP8 peak (1979 TFLOP/s on the H100) that Transformer Engine's FP8 GEMMs reach, "
     "fitted on these runs alone; CV holds out each model of each source (group folds) as above. How an "
     "FP8 run is priced (Strategy.fp8): the transformer layers' linear layers at the FP8 peak, their "
-    "inputs quantized (4 bytes moved per element: read in 16 bits, written in FP8 and transposed), the "
-    "norms' outputs and the MLP output projection's input kept in FP8 and the attention output kept "
-    "again in FP8, two FP8 copies of every weight; the attention core, the embedding and the output "
-    "layer in 16 bits (Megatron-core's FP8 autocast covers the transformer block only).")
+    "inputs quantized (4 bytes moved per element: read in 16 bits, written in FP8 and transposed; 6 "
+    "under tensorwise scaling, which reads each input for its maximum first), the norms' outputs and "
+    "the MLP output projection's input kept in FP8 and, under delayed scaling, the attention output "
+    "kept again in FP8, two FP8 copies of every weight; the attention core, the embedding and the "
+    "output layer in 16 bits (Megatron-core's FP8 autocast covers the transformer block only).")
 """How the FP8 rows are priced and fitted, in words (placed above their table)."""
 
 MOE_WHY = (

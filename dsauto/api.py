@@ -24,7 +24,7 @@ from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype, TrainSpec
 
 if TYPE_CHECKING:
-    from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher, Offload, Plan
+    from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher, Fp8Recipe, Offload, Plan
     from dsauto.profile.store import Profile
     from dsauto.search.planner import Progress
 
@@ -115,6 +115,7 @@ def make_problem(
     grad_reduce_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
     fp8: bool | None = None,
+    fp8_recipe: Fp8Recipe | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
 
@@ -170,6 +171,8 @@ def make_problem(
         fp8: True trains the transformer layers' linear layers in FP8 (Megatron-core's
             ``--fp8-format hybrid`` through Transformer Engine; bf16 or fp16 Megatron-core plans on
             devices with an ``fp8`` peak, H100 and H200); None: off.
+        fp8_recipe: ``"delayed"`` (default, Megatron-core's) or ``"tensorwise"`` (current scaling), the
+            FP8 scaling recipe; needs ``fp8``.
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -194,7 +197,10 @@ def make_problem(
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,
                        recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                        tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                       expert_dispatcher=expert_dispatcher, fp8=fp8)
+                       expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe)
+    if fp8_recipe is not None and not fp8:
+        raise DsautoError(f"--fp8-recipe {fp8_recipe} sets how FP8 training scales its tensors, and FP8 is off; "
+                          f"add --fp8 or leave out --fp8-recipe.")
     if fp8 and "fp8" not in cluster.device.peak_flops:
         raise DsautoError(f"{cluster.device.name} has no FP8 peak FLOP/s (its peak_flops give "
                           f"{', '.join(cluster.device.peak_flops)}), so FP8 training cannot be priced on it; leave "
@@ -280,6 +286,7 @@ def make_plan(
     grad_reduce_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
     fp8: bool | None = None,
+    fp8_recipe: Fp8Recipe | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """The fastest plan that fits: :func:`find_plans` of :func:`make_problem` with these arguments
@@ -295,5 +302,5 @@ def make_plan(
                            dist_opt_instances=dist_opt_instances,
                            recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                            tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                           expert_dispatcher=expert_dispatcher, fp8=fp8)
+                           expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe)
     return find_plans(problem, profile=profile)[0]

@@ -57,6 +57,13 @@ Megatron-core's ``--attention-backend flash``) or ``cudnn`` (cuDNN's fused atten
 Transformer Engine runs as FusedAttention; Megatron-core's ``--attention-backend fused``)."""
 ATTENTION_KERNELS: tuple[AttentionKernel, ...] = ("flash", "cudnn")
 
+Fp8Recipe = Literal["delayed", "tensorwise"]
+"""How an FP8 plan scales its tensors (Megatron-core's ``--fp8-recipe``, Transformer Engine's
+recipes): ``delayed`` from a history of each tensor's maxima (Megatron-core's default), or
+``tensorwise`` from each tensor's own maximum, found by a pass over it before the cast (current
+scaling)."""
+FP8_RECIPES: tuple[Fp8Recipe, ...] = ("delayed", "tensorwise")
+
 
 def stage_bounds(stage_layers: Sequence[int]) -> list[tuple[int, int]]:
     """First and last flat layer of each stage: the embedding joins stage 0, the head the last."""
@@ -356,7 +363,9 @@ class Plan:
     ``deepep`` only in a Megatron-core plan of a mixture of experts."""
     fp8: bool = False
     """FP8 training: the transformer layers' linear layers run in FP8 (Megatron-core's ``--fp8-format
-    hybrid``, Transformer Engine's delayed scaling); only in a bf16 or fp16 Megatron-core plan."""
+    hybrid`` through Transformer Engine); only in a bf16 or fp16 Megatron-core plan."""
+    fp8_recipe: Fp8Recipe = "delayed"
+    """The FP8 scaling recipe (:data:`Fp8Recipe`); read only when ``fp8``."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -400,6 +409,8 @@ class Plan:
         if self.expert_dispatcher == "deepep" and (self.engine != "megatron" or not self.model.moe):
             raise ValueError(f"expert_dispatcher deepep needs a Megatron-core plan (not {self.engine}) of a "
                              f"mixture of experts ({self.model.name} has {self.model.num_experts} experts)")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if self.fp8 and (self.engine != "megatron" or self.dtype == "fp32"):
             raise ValueError(f"fp8 needs a Megatron-core plan (not {self.engine}) in bf16 or fp16 (not {self.dtype})")
         if not self.grad_reduce_in_fp32 and (self.engine != "megatron" or self.dtype != "bf16"):

@@ -130,6 +130,8 @@ def option_cases(cls, field):
     if choices:
         return [([flag, str(value)], value) for value in choices]
     hint = typing.get_type_hints(cls)[field.name]
+    literal = [a for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal]
+    hint = literal[0] if literal else hint  # Literal[...] | None reads as the Literal
     if typing.get_origin(hint) is typing.Literal:
         return [([flag, value], value) for value in typing.get_args(hint)]
     if hint is int or int in typing.get_args(hint):
@@ -140,6 +142,8 @@ def option_cases(cls, field):
 
 
 FIELDS = [(cls, f) for cls in (TrainSpec, Constraints) for f in dataclasses.fields(cls)]
+NEEDS = {"fp8": ["--hardware", "h100-80gb"], "fp8_recipe": ["--hardware", "h100-80gb", "--fp8"]}
+"""What an option needs beside it: FP8 a device with an FP8 peak, its recipe FP8 on."""
 
 
 @pytest.mark.parametrize("cls, field", FIELDS, ids=[f"{c.__name__}.{f.name}" for c, f in FIELDS])
@@ -147,7 +151,7 @@ def test_every_train_and_constraints_field_has_an_option_that_sets_it(cls, field
     assert "flag" in field.metadata, f"{cls.__name__}.{field.name} has no command-line option"
     for argv, value in option_cases(cls, field):
         for command in ("tune", "plan"):
-            problem = problem_from_args(build_parser().parse_args([command, *argv]))
+            problem = problem_from_args(build_parser().parse_args([command, *NEEDS.get(field.name, []), *argv]))
             spec = problem.train if cls is TrainSpec else problem.pins
             expected = field.default if value is None else value  # None: "not given", the default
             assert getattr(spec, field.name) == expected, (command, argv)

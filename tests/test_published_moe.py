@@ -47,7 +47,7 @@ def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
         sys.path.remove(str(CONFIGS.parent))
     runs, excluded = fidelity.load_runs()
     moe = {run.id: run for run in runs if run.model.moe}
-    assert len(moe) == 7
+    assert len(moe) == 8
     bridge = moe["mbridge2602-moe-gpt-oss-120b-64gpu"]
     assert bridge.model.num_layers == 36 and bridge.model.num_experts == 128
     assert (bridge.pins.ep, bridge.pins.pp, bridge.pins.zero_stage, bridge.pins.micro_batch) == (8, 4, 1, 1)
@@ -57,6 +57,9 @@ def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
     assert deepseek.pins.expert_dispatcher == "deepep"  # pinned: the search prices DeepEP's dispatch
     assert deepseek.pins.zero_stage == 1 and deepseek.pins.vpp == 8  # pipelines: ZeRO 0-1
     assert moe["automodel-moe-qwen3-30b-a3b-8gpu"].pins.zero_stage == 3
+    # Megatron-Bridge's Qwen3-30B-A3B in FP8 with current scaling, TE's (cuDNN's) attention
+    qwen = moe["mbridge2511-moe-qwen3_30b_a3b-16gpu"]
+    assert (qwen.pins.fp8, qwen.pins.fp8_recipe, qwen.attention_kernel) == (True, "tensorwise", "cudnn")
     reasons = dict(excluded)
     assert "not the global batch" in reasons["mbridge2511-moe-gpt-oss-120b-64gpu"]
     assert "no Hugging Face config" in reasons["automodel-moe-kimi-k2-256gpu"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsauto.parallel import ParallelDims
-from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher, Offload
+from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher, Fp8Recipe, Offload
 
 
 @dataclass(frozen=True)
@@ -86,14 +86,19 @@ class Strategy:
     flash`` (dsauto/emit/megatron.py)."""
 
     fp8: bool = False
-    """FP8 training (Megatron-core's ``--fp8-format hybrid``, Transformer Engine's delayed scaling:
-    E4M3 forward, E5M2 gradients): the transformer layers' linear layers run their GEMMs at the
+    """FP8 training (Megatron-core's ``--fp8-format hybrid`` through Transformer Engine: E4M3 forward,
+    E5M2 gradients): the transformer layers' linear layers run their GEMMs at the
     device's FP8 peak (:func:`dsauto.cost.terms.linear_seconds`), quantize their inputs
     (:func:`dsauto.cost.terms.fp8_cast_bytes_per_token`), keep some of them for backward in FP8
     (:func:`dsauto.cost.terms.fp8_activation_change_bytes_per_token`) and their weights' FP8 copies
     (:func:`dsauto.cost.terms.fp8_weight_bytes`). The attention core, the embedding and the output
     layer stay in the training dtype. Megatron-core plans only, on devices with FP8 tensor cores;
     never chosen by the search (it changes the numerics): a plan runs it when pinned (``--fp8``)."""
+    fp8_recipe: Fp8Recipe = "delayed"
+    """The FP8 scaling recipe (``--fp8-recipe``, :data:`dsauto.plan.Fp8Recipe`): ``tensorwise`` reads
+    each cast input once more for its maximum and keeps the attention output in 16 bits only
+    (:func:`dsauto.cost.terms.fp8_cast_bytes_per_token`,
+    :func:`dsauto.cost.terms.fp8_activation_change_bytes_per_token`). Read only under ``fp8``."""
 
     def __post_init__(self) -> None:
         if self.tp_comm_overlap and not (self.dims.tp > 1 and self.sequence_parallel):
@@ -121,7 +126,7 @@ class Strategy:
         vpp += f" offload={self.offload}" if self.offload != "none" else ""
         vpp += f" hpz={self.hpz}" if self.hpz > 1 else ""
         vpp += f" dist_opt_instances={self.dist_opt_instances}" if self.dist_opt_instances > 1 else ""
-        vpp += " fp8" if self.fp8 else ""
+        vpp += f" fp8={self.fp8_recipe}" if self.fp8 else ""
         return (f"{self.engine} {self.dims.describe()}{vpp} zero={self.zero_stage}{sp} "
                 f"mb={self.micro_batch} accum={self.grad_accum}")
 

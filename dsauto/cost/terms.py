@@ -25,7 +25,7 @@ from dsauto.cost.collectives import AllToAll, Group
 from dsauto.cost.measured import MeasuredCosts, MeasuredLayer
 from dsauto.cost.strategy import LayerOption
 from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR
-from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher
+from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher, Fp8Recipe
 from dsauto.spec.cluster import DeviceSpec
 from dsauto.spec.model import LayerGroup
 
@@ -42,8 +42,10 @@ EDGE_LAYER_MODULES = 4
 FUSED_ATTENTION_BACKWARD = 2.5
 
 # FP8 training (Transformer Engine): bytes moved per element of a linear layer's input when it is
-# quantized, read in 16 bits (2) and written in FP8 as it is and transposed (1 + 1).
+# quantized, read in 16 bits (2) and written in FP8 as it is and transposed (1 + 1); current
+# (tensorwise) scaling first reads it once more for its maximum (Float8CurrentScalingQuantizer).
 FP8_CAST_BYTES = 4
+FP8_AMAX_BYTES = 2
 FP8_BYTES = 1
 # Transformer Engine keeps a linear layer's weight in FP8 twice, as it is and transposed (Hopper's
 # FP8 GEMMs take K-major operands, so the input gradient needs the transpose).
@@ -218,6 +220,8 @@ class LayerContext:
     """The fused attention kernel (:attr:`dsauto.cost.strategy.Strategy.attention_kernel`)."""
     fp8: bool = False
     """The transformer layers' linear layers run in FP8 (:attr:`dsauto.cost.strategy.Strategy.fp8`)."""
+    fp8_recipe: Fp8Recipe = "delayed"
+    """The FP8 scaling recipe (:attr:`dsauto.cost.strategy.Strategy.fp8_recipe`)."""
 
     def shards(self, option: LayerOption) -> bool:
         """Whether ZeRO-3 keeps this layer's parameters sharded (gathered per use)."""
@@ -351,10 +355,12 @@ def fp8_cast_bytes_per_token(group: LayerGroup, ctx: LayerContext) -> float:
     needs the input's transpose), 4 bytes per element. The backward's casts of the output
     gradients are priced as twice this, as every compute term of backward is (:func:`compute_passes`);
     the linear layers' outputs and inputs are of like widths. Casts fused into a preceding norm or
-    activation are priced as unfused."""
+    activation are priced as unfused. Tensorwise (current) scaling reads each input once more for
+    its maximum first (:data:`FP8_AMAX_BYTES`)."""
     if not ctx.fp8 or group.kind != "transformer":
         return 0.0
-    return FP8_CAST_BYTES * group.linear_input_elements_per_token
+    per_element = FP8_CAST_BYTES + (FP8_AMAX_BYTES if ctx.fp8_recipe == "tensorwise" else 0)
+    return per_element * group.linear_input_elements_per_token
 
 
 def matmul_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
@@ -568,13 +574,16 @@ def fp8_activation_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) 
     fewer). Transformer Engine's linear layers keep their inputs for the weight gradient in FP8
     instead of 16 bits: the pre-norms' outputs (the QKV and MLP inputs, which ``LayerNormLinear`` and
     ``LayerNormMLP`` quantize) and the MLP output projections' inputs (the activation functions'
-    outputs; the routed experts' at the busiest rank's load); the attention output, which the
+    outputs; the routed experts' at the busiest rank's load). The attention output, which the
     attention kernel keeps in 16 bits for its own backward, is kept a second time in FP8 by the
-    output projection."""
+    output projection under delayed scaling; under the other recipes Megatron-core has the
+    projection keep the 16-bit one (``save_original_input``, megatron/core/transformer/attention.py,
+    which Transformer Engine refuses under delayed scaling)."""
     if not ctx.fp8 or group.kind != "transformer" or ctx.dtype_bytes <= FP8_BYTES:
         return 0.0
     saved_per_element = ctx.dtype_bytes - FP8_BYTES
-    split = (FP8_BYTES * group.attention_output_elements_per_token
+    second_copy = FP8_BYTES if ctx.fp8_recipe == "delayed" else 0
+    split = (second_copy * group.attention_output_elements_per_token
              - saved_per_element * (group.mlp_out_input_elements_per_token
                                     + group.expert_out_input_elements_per_token * expert_load_factor(ctx)))
     norms = saved_per_element / ctx.dtype_bytes * group.norm_output_bytes_per_token

@@ -138,7 +138,7 @@ MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj"
 
 
 def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engine | None = None,
-                             experts: bool | None = None, fp8: bool = False) -> str | None:
+                             experts: bool | None = None, fp8_delayed: bool = False) -> str | None:
     """Why dsauto cannot plan selective recomputation of module ``name`` on ``engine`` (None: on
     either), or None when it can (:data:`dsauto.plan.RECOMPUTE_MODULES`: the attention core, the
     norms, the dense MLP, the routed experts' activation). Megatron-core runs them through
@@ -159,12 +159,12 @@ def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engin
     itself without end (seen on CPU ranks, where the process grew to gigabytes). The DeepSpeed hook
     checkpoints the whole MLP, biases included, and has no such limit.
 
-    ``fp8``: the plan trains in FP8 with delayed scaling (:func:`fp8_refusal`), under which
+    ``fp8_delayed``: the plan trains in FP8 with delayed scaling (:func:`fp8_refusal`), under which
     Megatron-core's ``TransformerConfig`` refuses recomputing ``moe_act`` and ``layernorm``
     (megatron/core/transformer/transformer_config.py, ``__post_init__``)."""
-    if fp8 and name in ("moe_act", "layernorm"):
-        return (f"Megatron-core does not recompute '{name}' under FP8 with delayed scaling (the recipe of "
-                f"dsauto's FP8 plans)")
+    if fp8_delayed and name in ("moe_act", "layernorm"):
+        return (f"Megatron-core does not recompute '{name}' under FP8 with delayed scaling (use "
+                f"--fp8-recipe tensorwise)")
     if name == "moe_act" and experts is False:
         return "'moe_act' recomputes the routed experts' activation, and the model has no experts"
     if name == "moe_act" and engine == "deepspeed":

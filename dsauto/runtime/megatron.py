@@ -239,7 +239,7 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
                 "with alltoall's; dsauto keeps the config's (re-plan with --moe-dispatcher deepep to price "
                 "DeepEP's).")
     if plan.fp8:
-        fields.update(fp8="hybrid", fp8_recipe="delayed")  # Transformer Engine's linear layers (its layers only)
+        fields.update(fp8="hybrid", fp8_recipe=plan.fp8_recipe)  # Transformer Engine's linear layers (its layers only)
     elif config.fp8:
         _report(f"The config trains in FP8 (fp8={config.fp8!r}) and the plan was priced in {plan.dtype}; dsauto "
                 f"keeps it, so the step may be faster and its memory other than predicted (re-plan with --fp8 "

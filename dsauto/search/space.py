@@ -35,6 +35,7 @@ from dsauto.plan import (
     AttentionKernel,
     Engine,
     ExpertDispatcher,
+    Fp8Recipe,
     Offload,
 )
 from dsauto.search.limits import check_search_size, check_strategies
@@ -152,6 +153,16 @@ class Constraints:
                 "H100 and H200) (default: off)"})
     """True: FP8 training (:attr:`dsauto.cost.strategy.Strategy.fp8`); None: the training dtype
     throughout (never chosen by the search: it changes the numerics)."""
+    fp8_recipe: Fp8Recipe | None = field(default=None, metadata={
+        "flag": "--fp8-recipe",
+        "help": "the FP8 scaling recipe with --fp8: delayed (from a history of maxima) or tensorwise (current "
+                "scaling, each tensor's own maximum) (default: delayed, Megatron-core's)"})
+    """The FP8 scaling recipe (:data:`dsauto.plan.Fp8Recipe`); None: ``delayed``. Needs ``fp8``."""
+
+    @property
+    def fp8_delayed(self) -> bool:
+        """FP8 pinned with delayed scaling."""
+        return bool(self.fp8) and (self.fp8_recipe or "delayed") == "delayed"
 
 
 def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -221,7 +232,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                tp_comm_overlap=bool(pins.tp_comm_overlap),
                                expert_dispatcher=pins.expert_dispatcher or "alltoall",
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
-                               fp8=bool(pins.fp8))
+                               fp8=bool(pins.fp8), fp8_recipe=pins.fp8_recipe or "delayed")
            for s in out if runnable[s.engine] for modules in recompute_sets[s.engine]]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
 
@@ -436,7 +447,7 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                            f"pp > 1, micro-batches per step a multiple of pp and at least {pins.vpp} layers "
                            f"per stage; change --pp, --micro-batch or --global-batch.")
     if pins.recompute_modules is not None and parse_recompute_modules(pins.recompute_modules, model, pins.engine,
-                                                                      bool(pins.fp8)):
+                                                                      pins.fp8_delayed):
         if pins.checkpoint is True:
             return DsautoError(f"--recompute-modules {pins.recompute_modules} recomputes parts of every transformer "
                                f"layer and --checkpoint all recomputes them whole; a layer runs one of "
@@ -477,7 +488,7 @@ price of two thirds of the layer's forward). A pin (``--recompute-modules``) ask
 
 
 def parse_recompute_modules(text: str, model: ModelSpec | None = None,
-                            engine: Engine | None = None, fp8: bool = False) -> tuple[str, ...]:
+                            engine: Engine | None = None, fp8_delayed: bool = False) -> tuple[str, ...]:
     """The modules of a ``--recompute-modules`` value (``"none"``: no selective recomputation); a
     name dsauto does not know, or knows but does not price, or that ``engine`` (None: either)
     cannot recompute for ``model``, is refused in one sentence."""
@@ -486,7 +497,7 @@ def parse_recompute_modules(text: str, model: ModelSpec | None = None,
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     for name in names:
         reason = recompute_module_refusal(name, model is not None and model.linear_bias, engine,
-                                          None if model is None else model.moe, fp8)
+                                          None if model is None else model.moe, fp8_delayed)
         if reason:
             raise DsautoError(f"--recompute-modules {text}: {reason}.")
     return names
@@ -502,13 +513,13 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
     tries ``moe_act``: it frees top-k x the expert width of each token's activations in every MoE
     layer for one elementwise pass in backward."""
     if pins.recompute_modules is not None:
-        modules = parse_recompute_modules(pins.recompute_modules, model, pins.engine, bool(pins.fp8))
+        modules = parse_recompute_modules(pins.recompute_modules, model, pins.engine, pins.fp8_delayed)
         if modules and (pins.checkpoint is True
                         or any(recompute_module_refusal(m, model.linear_bias, engine, model.moe) for m in modules)):
             return ()
         return (modules,)
     searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention] + (("moe_act",) if model.moe else ())
-                     if recompute_module_refusal(m, model.linear_bias, engine, model.moe, bool(pins.fp8)) is None)
+                     if recompute_module_refusal(m, model.linear_bias, engine, model.moe, pins.fp8_delayed) is None)
     if pins.checkpoint is True or not searched:
         return ((),)
     return ((), searched)

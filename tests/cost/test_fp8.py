@@ -28,7 +28,8 @@ SHARDED = LayerOption(checkpoint=False, shard_params=True, split=1)
 TOKENS = 4096
 
 
-def costs(fp8: bool, zero: int = 1, tp: int = 1, sp: bool = False, efficiency: float | None = None):
+def costs(fp8: bool, zero: int = 1, tp: int = 1, sp: bool = False, efficiency: float | None = None,
+          recipe: str = "delayed"):
     hardware = load_hardware("h100-80gb")
     if efficiency is not None:
         hardware = dataclasses.replace(hardware, device=dataclasses.replace(hardware.device,
@@ -36,7 +37,7 @@ def costs(fp8: bool, zero: int = 1, tp: int = 1, sp: bool = False, efficiency: f
     cluster = ClusterSpec(hardware, nodes=1, gpus_per_node=8)
     train = TrainSpec(global_batch=8 // tp, seq_len=TOKENS, dtype="bf16")
     strategy = Strategy(dims=ParallelDims(dp=8 // tp, tp=tp), zero_stage=zero, micro_batch=1, grad_accum=1,
-                        sequence_parallel=sp, engine="megatron", fp8=fp8)
+                        sequence_parallel=sp, engine="megatron", fp8=fp8, fp8_recipe=recipe)
     model = load_model("llama3-8b")
     return CostModel(cluster, train, strategy, model.hidden_size), layer_groups(model, TOKENS, 2, tp), model
 
@@ -151,3 +152,25 @@ def test_fp8_trials_on_cpu_processes_are_refused_before_anything_is_written(tmp_
                  "--fp8", "--trials", "2", "--out", str(out)]) == 2
     assert "Transformer Engine on GPUs with FP8" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_tensorwise_scaling_reads_each_cast_input_once_more_and_keeps_no_second_attention_output():
+    delayed, (_, block, _), _ = costs(True)
+    tensorwise, _, _ = costs(True, recipe="tensorwise")
+    inputs = block.linear_input_elements_per_token
+    assert fp8_cast_bytes_per_token(block, delayed.context) == 4 * inputs
+    assert fp8_cast_bytes_per_token(block, tensorwise.context) == 6 * inputs
+    a, b = delayed.layer(block, PLAIN), tensorwise.layer(block, PLAIN)
+    assert b.forward_seconds > a.forward_seconds
+    # Megatron-core's output projection keeps the 16-bit attention output (save_original_input).
+    assert a.activation_bytes - b.activation_bytes == pytest.approx(TOKENS * 4096)
+
+
+def test_the_recipe_is_pinned_emitted_and_frees_layernorm_recomputation():
+    plan = make_plan("llama3-8b", "h100-80gb", global_batch=64, seq_len=8192, fp8=True, fp8_recipe="tensorwise",
+                     recompute_modules="layernorm")
+    assert (plan.fp8, plan.fp8_recipe) == (True, "tensorwise")
+    assert "--fp8-recipe tensorwise" in megatron_args(plan)
+    assert plan.layer_choice(1).recompute_modules == ("layernorm",)
+    with pytest.raises(DsautoError, match="add --fp8"):
+        make_problem("llama3-8b", "h100-80gb", fp8_recipe="tensorwise")
