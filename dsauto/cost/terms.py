@@ -572,8 +572,9 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
 def fp8_activation_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) -> float:
     """How FP8 training changes the bytes per token a transformer layer keeps for backward (negative:
     fewer). Transformer Engine's linear layers keep their inputs for the weight gradient in FP8
-    instead of 16 bits: the pre-norms' outputs (the QKV and MLP inputs, which ``LayerNormLinear`` and
-    ``LayerNormMLP`` quantize) and the MLP output projections' inputs (the activation functions'
+    instead of 16 bits: the pre-norms' outputs (the QKV and MLP inputs, which Megatron-core's
+    ``TELayerNormColumnParallelLinear``, Transformer Engine's ``LayerNormLinear``, quantizes and keeps
+    transposed) and the MLP output projections' inputs (the activation functions'
     outputs; the routed experts' at the busiest rank's load). The attention output, which the
     attention kernel keeps in 16 bits for its own backward, is kept a second time in FP8 by the
     output projection under delayed scaling; under the other recipes Megatron-core has the

@@ -148,9 +148,9 @@ class Constraints:
     """The MoE token dispatcher (:data:`dsauto.plan.ExpertDispatcher`); None: ``alltoall``."""
     fp8: bool | None = field(default=None, metadata={
         "flag": "--fp8", "const": True,
-        "help": "train the transformer layers' linear layers in FP8 (Megatron-core's --fp8-format hybrid, "
-                "Transformer Engine's delayed scaling; Megatron-core plans on devices with FP8 tensor cores, "
-                "H100 and H200) (default: off)"})
+        "help": "train the transformer layers' linear layers in FP8 (Megatron-core's --fp8-format hybrid "
+                "through Transformer Engine, scaled as --fp8-recipe says; Megatron-core plans on devices with FP8 "
+                "tensor cores, H100 and H200) (default: off)"})
     """True: FP8 training (:attr:`dsauto.cost.strategy.Strategy.fp8`); None: the training dtype
     throughout (never chosen by the search: it changes the numerics)."""
     fp8_recipe: Fp8Recipe | None = field(default=None, metadata={
