@@ -191,10 +191,15 @@ SOURCES = {
                       "balance (moe_router_force_load_balancing; the tables' footnote); the recipe's selective "
                       "recomputation where it is known (GPT-OSS: layernorm, moe_act), else none; cuDNN's fused "
                       "attention (Transformer Engine's default on Hopper) except for GPT-OSS, FlashAttention (the "
-                      "TE backend of its sink attention is not published); the FP8 rows in FP8 (FP8-CS: tensorwise "
-                      "scaling; 'FP8': the recipe not published, Megatron-core's default delayed); the layers "
-                      "split evenly over the stages (the recipes set no pipeline layout)",
-                      checkpoint=False, vpp=1, balanced_routing=True, even_stages=True),
+                      "TE backend of its sink attention is not published); --tp-comm-overlap where tp > 1 (the "
+                      "H100 Llama recipes set Transformer Engine's userbuffers configs for tp 4 and 8 over base "
+                      "recipes with tp_comm_overlap True: scripts/performance/configs/llama/llama3_llm_pretrain.py "
+                      "and llama31_llm_pretrain.py, src/megatron/bridge/recipes/llama/h100/llama3.py, as of "
+                      "commit c8327cfc2^, July 2026); the FP8 rows with tensorwise (current) scaling (the H100 "
+                      "presets are all FP8_CS: scripts/performance/configs/llama/*_workload_base_configs.py); the "
+                      "layers split evenly over the stages (the recipes of the tables' time set no pipeline "
+                      "layout)",
+                      checkpoint=False, vpp=1, balanced_routing=True, even_stages=True, tp_comm_overlap=True),
     "mtnlg": Source("mtnlg", "megatron", 1, False, "bf16",
                     "Megatron-DeepSpeed 2021: engine megatron with ZeRO 1 (dsauto's DeepSpeed plans have no "
                     "tensor parallelism), DeepSpeed's pipeline without interleaving, eager attention, full "
@@ -488,9 +493,9 @@ def configure(record: dict) -> PublishedRun | str:
         zero = 3  # Megatron-Bridge's FSDP column
     zero = 1 if zero >= 2 and pp > 1 else zero  # dsauto's pipelines run ZeRO 0-1
     fp8 = "fp8" in precision
-    recipe = "tensorwise" if fp8 and ("-cs" in precision or "current" in precision) else None
+    recipe = "tensorwise" if fp8 and ("-cs" in precision or source.key == "mbridge") else None
     if fp8 and recipe is None:
-        notes.append("FP8 scaling recipe not published: Megatron-core's default (delayed)")
+        notes.append("FP8 scaling recipe not published: delayed (Transformer Engine's default)")
     pins = Constraints(tp=tp, pp=pp, cp=cp, vpp=vpp, ep=p.get("ep"), etp=p.get("etp"), zero_stage=zero,
                        micro_batch=p.get("micro_batch"),
                        checkpoint=checkpoint, sequence_parallel=sp if tp > 1 else None, engine=source.engine,

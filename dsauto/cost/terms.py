@@ -656,8 +656,15 @@ def tp_comm_seconds(group: LayerGroup, ctx: LayerContext) -> float:
     # RowParallelLinear.forward -> reduce_from_tensor_model_parallel_region), its two in backward
     # the column-parallel QKV and MLP input's input gradients (ColumnParallelLinear: the
     # ``allreduce_dgrad`` all-reduce of LinearWithGradAccumulationAndAsyncCommunication.backward).
+    # Under FP8 with sequence parallelism Transformer Engine all-gathers the column-parallel layers'
+    # inputs already quantized, one byte an element (transformer_engine/pytorch/module/linear.py and
+    # layernorm_linear.py: gather_along_first_dim with the input quantizer), in forward and again for
+    # the weight gradient; the reduce-scatters stay in 16 bits: half the volume at FP8's size.
     calls = max(group.tp_collectives, 1.0)
-    return calls * ctx.tp_group.all_reduce(group.tp_comm_bytes_per_token * ctx.tokens / calls)
+    volume = group.tp_comm_bytes_per_token * ctx.tokens
+    if ctx.fp8 and group.kind == "transformer" and ctx.replicated_div > 1:
+        volume *= (ctx.dtype_bytes + FP8_BYTES) / (2 * ctx.dtype_bytes)
+    return calls * ctx.tp_group.all_reduce(volume / calls)
 
 
 def tp_loss_seconds(group: LayerGroup, ctx: LayerContext) -> float:
