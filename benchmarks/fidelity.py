@@ -195,8 +195,10 @@ SOURCES = {
                       "H100 Llama recipes set Transformer Engine's userbuffers configs for tp 4 and 8 over base "
                       "recipes with tp_comm_overlap True: scripts/performance/configs/llama/llama3_llm_pretrain.py "
                       "and llama31_llm_pretrain.py, src/megatron/bridge/recipes/llama/h100/llama3.py, as of "
-                      "commit c8327cfc2^, July 2026); the FP8 rows with tensorwise (current) scaling (the H100 "
-                      "presets are all FP8_CS: scripts/performance/configs/llama/*_workload_base_configs.py); the "
+                      "commit c8327cfc2^, July 2026); the FP8 rows with tensorwise (current) scaling and FP8 "
+                      "weights (--fp8-param-gather): the H100 presets are all FP8_CS (scripts/performance/configs/"
+                      "llama/*_workload_base_configs.py), whose precision config sets fp8_param_gather "
+                      "(src/megatron/bridge/training/mixed_precision.py, bf16_with_fp8_current_scaling_mixed); the "
                       "layers split evenly over the stages (the recipes of the tables' time set no pipeline "
                       "layout)",
                       checkpoint=False, vpp=1, balanced_routing=True, even_stages=True, tp_comm_overlap=True),
@@ -503,7 +505,8 @@ def configure(record: dict) -> PublishedRun | str:
                        attention_kernel=kernel, tp_comm_overlap=source.tp_comm_overlap or None,
                        grad_reduce_in_fp32=None if fp32_reduce else False,
                        expert_dispatcher="deepep" if model.moe and source.expert_dispatcher == "deepep" else None,
-                       fp8=fp8 or None, fp8_recipe=recipe)
+                       fp8=fp8 or None, fp8_recipe=recipe,
+                       fp8_param_gather=True if fp8 and source.key == "mbridge" else None)
     train = TrainSpec(global_batch=p["global_batch"], seq_len=seq, dtype=source.dtype,
                       flash_attention=source.flash_attention)
     published = _published(record, model, source)

@@ -116,6 +116,7 @@ def make_problem(
     expert_dispatcher: ExpertDispatcher | None = None,
     fp8: bool | None = None,
     fp8_recipe: Fp8Recipe | None = None,
+    fp8_param_gather: bool | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
 
@@ -173,6 +174,8 @@ def make_problem(
             devices with an ``fp8`` peak, H100 and H200); None: off.
         fp8_recipe: ``"delayed"`` (default, Megatron-core's) or ``"tensorwise"`` (current scaling), the
             FP8 scaling recipe; needs ``fp8``.
+        fp8_param_gather: True keeps the transformer layers' weights in FP8, gathered at one byte a
+            parameter (Megatron-core's ``--fp8-param-gather``); needs ``fp8`` and ZeRO 1-3.
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -197,10 +200,17 @@ def make_problem(
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,
                        recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                        tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                       expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe)
+                       expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe,
+                       fp8_param_gather=fp8_param_gather)
     if fp8_recipe is not None and not fp8:
         raise DsautoError(f"--fp8-recipe {fp8_recipe} sets how FP8 training scales its tensors, and FP8 is off; "
                           f"add --fp8 or leave out --fp8-recipe.")
+    if fp8_param_gather and not fp8:
+        raise DsautoError("--fp8-param-gather keeps the weights in FP8, and FP8 is off; add --fp8 or leave out "
+                          "--fp8-param-gather.")
+    if fp8_param_gather and zero_stage == 0:
+        raise DsautoError("--fp8-param-gather needs Megatron-core's distributed optimizer or Megatron-FSDP, which "
+                          "--zero-stage 0 turns off; pin --zero-stage 1 to 3 or leave out --fp8-param-gather.")
     if fp8 and "fp8" not in cluster.device.peak_flops:
         raise DsautoError(f"{cluster.device.name} has no FP8 peak FLOP/s (its peak_flops give "
                           f"{', '.join(cluster.device.peak_flops)}), so FP8 training cannot be priced on it; leave "
@@ -287,6 +297,7 @@ def make_plan(
     expert_dispatcher: ExpertDispatcher | None = None,
     fp8: bool | None = None,
     fp8_recipe: Fp8Recipe | None = None,
+    fp8_param_gather: bool | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """The fastest plan that fits: :func:`find_plans` of :func:`make_problem` with these arguments
@@ -302,5 +313,6 @@ def make_plan(
                            dist_opt_instances=dist_opt_instances,
                            recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                            tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                           expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe)
+                           expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe,
+                           fp8_param_gather=fp8_param_gather)
     return find_plans(problem, profile=profile)[0]

@@ -52,7 +52,8 @@ def describe_plan(plan: Plan) -> str:
         f"  batch       micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation steps x dp "
         f"{plan.dp} = {plan.global_batch} sequences of {plan.seq_len} tokens; {plan.dtype}"
         f"{'' if plan.grad_reduce_in_fp32 else ' (gradients too)'}"
-        f"{f', linear layers in FP8 ({plan.fp8_recipe} scaling)' if plan.fp8 else ''}, {attention}",
+        f"{f', linear layers in FP8 ({plan.fp8_recipe} scaling)' if plan.fp8 else ''}"
+        f"{' with FP8 weights' if plan.fp8_param_gather else ''}, {attention}",
         f"  layout      {plan.pp} stage{'s' if plan.pp > 1 else ''}, transformer layers per stage "
         f"{_run_lengths(plan.stage_layers)}" + _interleaving_text(plan),
         "  layers      (0 = embedding, 1-{0} = {1} layers, {2} = head)".format(

@@ -366,6 +366,9 @@ class Plan:
     hybrid`` through Transformer Engine); only in a bf16 or fp16 Megatron-core plan."""
     fp8_recipe: Fp8Recipe = "delayed"
     """The FP8 scaling recipe (:data:`Fp8Recipe`); read only when ``fp8``."""
+    fp8_param_gather: bool = False
+    """Megatron-core's ``--fp8-param-gather``: the transformer layers' weights are FP8 tensors,
+    gathered at one byte a parameter; only with ``fp8`` and ZeRO 1-3."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -413,6 +416,8 @@ class Plan:
             raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if self.fp8 and (self.engine != "megatron" or self.dtype == "fp32"):
             raise ValueError(f"fp8 needs a Megatron-core plan (not {self.engine}) in bf16 or fp16 (not {self.dtype})")
+        if self.fp8_param_gather and (not self.fp8 or self.zero_stage == 0):
+            raise ValueError(f"fp8_param_gather needs fp8 (not {self.fp8}) and ZeRO stage 1-3 (not {self.zero_stage})")
         if not self.grad_reduce_in_fp32 and (self.engine != "megatron" or self.dtype != "bf16"):
             raise ValueError(f"grad_reduce_in_fp32 False (bf16 gradients) needs a Megatron-core plan (not "
                              f"{self.engine}) in bf16 (not {self.dtype})")

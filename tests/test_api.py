@@ -46,7 +46,8 @@ SAMPLES = {"global_batch": 16, "seq_len": 64, "dtype": "fp16", "flash_attention"
            "zero_stage": 1, "micro_batch": 4, "checkpoint": True, "sequence_parallel": False, "engine": "megatron",
            "vpp": 2, "cp": 2, "ep": 2, "etp": 2, "recompute_modules": "core_attn", "offload": "optimizer",
            "hpz": 2, "dist_opt_instances": 2, "attention_kernel": "flash", "tp_comm_overlap": True,
-           "grad_reduce_in_fp32": False, "expert_dispatcher": "deepep", "fp8": True, "fp8_recipe": "tensorwise"}
+           "grad_reduce_in_fp32": False, "expert_dispatcher": "deepep", "fp8": True, "fp8_recipe": "tensorwise",
+           "fp8_param_gather": True}
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
@@ -54,7 +55,7 @@ def test_each_keyword_reaches_its_field(name):
     assert set(SAMPLES) == {f.name for f in dataclasses.fields(TrainSpec) + dataclasses.fields(Constraints)}
     # FP8 needs a device with an FP8 peak, and its recipe needs FP8 on
     extra = {"hardware": "h100-80gb"} if name == "fp8" else {"hardware": "h100-80gb", "fp8": True} \
-        if name == "fp8_recipe" else {}
+        if name in ("fp8_recipe", "fp8_param_gather") else {}
     problem = make_problem(**{name: SAMPLES[name]}, **extra)
     spec = problem.train if name in {f.name for f in dataclasses.fields(TrainSpec)} else problem.pins
     assert getattr(spec, name) == SAMPLES[name]

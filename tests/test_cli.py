@@ -142,8 +142,9 @@ def option_cases(cls, field):
 
 
 FIELDS = [(cls, f) for cls in (TrainSpec, Constraints) for f in dataclasses.fields(cls)]
-NEEDS = {"fp8": ["--hardware", "h100-80gb"], "fp8_recipe": ["--hardware", "h100-80gb", "--fp8"]}
-"""What an option needs beside it: FP8 a device with an FP8 peak, its recipe FP8 on."""
+NEEDS = {"fp8": ["--hardware", "h100-80gb"], "fp8_recipe": ["--hardware", "h100-80gb", "--fp8"],
+         "fp8_param_gather": ["--hardware", "h100-80gb", "--fp8"]}
+"""What an option needs beside it: FP8 a device with an FP8 peak, its recipe and FP8 weights FP8 on."""
 
 
 @pytest.mark.parametrize("cls, field", FIELDS, ids=[f"{c.__name__}.{f.name}" for c, f in FIELDS])

@@ -29,7 +29,7 @@ def test_each_fp8_run_is_pinned_as_it_ran_and_kept_out_of_the_16_bit_fit():
     assert (llama.pins.fp8_recipe, llama.pins.zero_stage, llama.attention_kernel) == ("tensorwise", 3, "cudnn")
     seventy = fp8["mbridge2602-llama3_70b-64gpu"]  # "FP8": the H100 presets are FP8_CS
     assert seventy.pins.fp8_recipe == "tensorwise" and (seventy.pins.tp, seventy.pins.pp, seventy.pins.vpp) == (4, 8, 5)
-    assert seventy.pins.tp_comm_overlap and not seventy.notes
+    assert seventy.pins.tp_comm_overlap and seventy.pins.fp8_param_gather and not seventy.notes
     assert any("recipe not published" in note for note in fp8["mpt-h100-fp8-1b-s512-8gpu-gbs1792"].notes)
     mpt = fp8["mpt-h100-fp8-3b-s2048-8gpu-gbs480"]  # llm-foundry's later sweep: early stop, fp32 reduce
     assert mpt.recompute_early_stop and mpt.grad_reduce_in_fp32 and mpt.pins.zero_stage == 3

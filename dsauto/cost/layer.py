@@ -166,7 +166,7 @@ class CostModel:
             # Only under sequence parallelism (megatron/training/arguments.py, validate_args asserts it).
             tp_comm_overlap=strategy.tp_comm_overlap,
             attention_kernel=strategy.attention_kernel,
-            fp8=strategy.fp8, fp8_recipe=strategy.fp8_recipe,
+            fp8=strategy.fp8, fp8_recipe=strategy.fp8_recipe, fp8_param_gather=strategy.fp8_param_gather,
         )
 
     def _fits(self, size: int, spans_nodes: bool,

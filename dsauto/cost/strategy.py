@@ -99,6 +99,12 @@ class Strategy:
     each cast input once more for its maximum and keeps the attention output in 16 bits only
     (:func:`dsauto.cost.terms.fp8_cast_bytes_per_token`,
     :func:`dsauto.cost.terms.fp8_activation_change_bytes_per_token`). Read only under ``fp8``."""
+    fp8_param_gather: bool = False
+    """Megatron-core's ``--fp8-param-gather`` under FP8: the transformer layers' weights are FP8
+    tensors (``fp8_model_init``), so the distributed optimizer and Megatron-FSDP gather them at one
+    byte a parameter and no separate FP8 copy is kept beside a 16-bit weight
+    (:func:`dsauto.cost.terms.fp8_weight_bytes`, :func:`dsauto.cost.terms.data_parallel_cost`). It needs
+    the distributed optimizer or Megatron-FSDP (ZeRO 1-3). Read only under ``fp8``."""
 
     def __post_init__(self) -> None:
         if self.tp_comm_overlap and not (self.dims.tp > 1 and self.sequence_parallel):

@@ -222,6 +222,12 @@ class LayerContext:
     """The transformer layers' linear layers run in FP8 (:attr:`dsauto.cost.strategy.Strategy.fp8`)."""
     fp8_recipe: Fp8Recipe = "delayed"
     """The FP8 scaling recipe (:attr:`dsauto.cost.strategy.Strategy.fp8_recipe`)."""
+    fp8_param_gather: bool = False
+    """FP8 weights gathered at one byte a parameter (:attr:`dsauto.cost.strategy.Strategy.fp8_param_gather`)."""
+
+    def fp8_params(self, group: LayerGroup) -> bool:
+        """Whether ``group``'s weights are FP8 tensors (FP8 training with ``--fp8-param-gather``)."""
+        return self.fp8 and self.fp8_param_gather and group.kind == "transformer"
 
     def shards(self, option: LayerOption) -> bool:
         """Whether ZeRO-3 keeps this layer's parameters sharded (gathered per use)."""
@@ -321,7 +327,8 @@ def sharded_gather_bytes(group: LayerGroup, option: LayerOption, ctx: LayerConte
     parameters on this rank, its 1/(ep x etp) of the routed experts (which Megatron-FSDP shards and
     gathers over the expert data-parallel group); the embedding and the head are not units and
     gather their largest matrix. Under FP8 a gathered transformer layer holds its weights' FP8
-    copies too (:func:`fp8_weight_bytes`)."""
+    copies too (:func:`fp8_weight_bytes`), or with ``--fp8-param-gather`` its FP8 weights alone, as
+    gathered and transposed."""
     if not ctx.shards(option):
         return 0.0
     unit = gathered_unit_params(group, option, ctx.tp)
@@ -329,7 +336,10 @@ def sharded_gather_bytes(group: LayerGroup, option: LayerOption, ctx: LayerConte
         unit_bytes = ctx.dtype_bytes
         if group.kind == "transformer":
             unit = dense_local_params(group, ctx) + expert_local_params(group, ctx)
-            unit_bytes += FP8_WEIGHT_COPIES * FP8_BYTES if ctx.fp8 else 0
+            if ctx.fp8_params(group):
+                unit_bytes = FP8_WEIGHT_COPIES * FP8_BYTES
+            elif ctx.fp8:
+                unit_bytes += FP8_WEIGHT_COPIES * FP8_BYTES
         return 2 * unit * unit_bytes
     return min(unit, local_params(group, ctx.tp)) * ctx.dtype_bytes
 
@@ -845,7 +855,9 @@ def data_parallel_cost(group: LayerGroup, option: LayerOption, ctx: LayerContext
     # both overlap with the layer's compute (prefetch, overlap_comm), so a layer costs about the
     # larger of the two (ZeRO paper, Sec. 7: 1.5x the data-parallel volume).
     params = dp_equivalent_params(group, ctx)
-    param_volume = params * ctx.dtype_bytes
+    # FP8 weights (--fp8-param-gather) are gathered at one byte a parameter (Megatron-core's
+    # parameter buffer is then uint8: megatron/core/distributed/param_and_grad_buffer.py).
+    param_volume = params * (FP8_BYTES if ctx.fp8_params(group) else ctx.dtype_bytes)
     grad_volume = params * ctx.grad_bytes_per_param
     dp, zero, comm, device = ctx.dp, ctx.zero_stage, ctx.dp_group, ctx.device
     forward, backward = passes.forward_seconds, passes.backward_seconds
@@ -940,8 +952,11 @@ def fp8_weight_bytes(group: LayerGroup, option: LayerOption, ctx: LayerContext) 
     """The FP8 copies of a resident transformer layer's weights on this rank under FP8 training
     (:data:`FP8_WEIGHT_COPIES` bytes per parameter, the norms' few counted too), which Transformer
     Engine keeps from the first micro-batch of a step to the last. A sharded (gathered per use)
-    layer's copies exist while it is gathered (:func:`sharded_gather_bytes`)."""
-    if not ctx.fp8 or group.kind != "transformer" or ctx.shards(option):
+    layer's copies exist while it is gathered (:func:`sharded_gather_bytes`). With
+    ``--fp8-param-gather`` the weights are FP8 tensors holding both copies in the two bytes a 16-bit
+    weight took (Transformer Engine's ``Float8Tensor``), and no copy is added (a sharded layer's
+    shards, one byte a parameter, are priced at two)."""
+    if not ctx.fp8 or group.kind != "transformer" or ctx.shards(option) or ctx.fp8_params(group):
         return 0.0
     local = dense_local_params(group, ctx) + expert_local_params(group, ctx) if group.expert_params \
         else local_params(group, ctx.tp)

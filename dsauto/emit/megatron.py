@@ -297,6 +297,8 @@ def _batch_and_precision(plan: Plan) -> list[str]:
         # Transformer Engine's FP8 linear layers: E4M3 in forward, E5M2 for the gradients, scaled
         # by the recipe the plan is priced with.
         lines += ["--fp8-format hybrid", f"--fp8-recipe {plan.fp8_recipe}"]
+        if plan.fp8_param_gather:
+            lines.append("--fp8-param-gather")  # FP8 weights, gathered at one byte a parameter
     # --use-flash-attn is still defined but no longer read by Megatron-LM; the backend flag is.
     # Fused attention keeps no s x s scores, as the plan's memory prediction assumes; "unfused" is
     # the eager softmax whose scores the plan counts. "fused" is cuDNN's kernel (Transformer

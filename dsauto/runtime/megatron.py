@@ -239,7 +239,8 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
                 "with alltoall's; dsauto keeps the config's (re-plan with --moe-dispatcher deepep to price "
                 "DeepEP's).")
     if plan.fp8:
-        fields.update(fp8="hybrid", fp8_recipe=plan.fp8_recipe)  # Transformer Engine's linear layers (its layers only)
+        # Transformer Engine's linear layers (its layers only); FP8 weights with --fp8-param-gather
+        fields.update(fp8="hybrid", fp8_recipe=plan.fp8_recipe, fp8_param=plan.fp8_param_gather)
     elif config.fp8:
         _report(f"The config trains in FP8 (fp8={config.fp8!r}) and the plan was priced in {plan.dtype}; dsauto "
                 f"keeps it, so the step may be faster and its memory other than predicted (re-plan with --fp8 "
@@ -370,6 +371,7 @@ def ddp_config(plan: Plan, *, megatron_fsdp: bool = True, **overrides: Any) -> D
         grad_reduce_in_fp32=plan.dtype == "bf16" and plan.grad_reduce_in_fp32,
         # Partial distributed optimizer: needs the groups initialize_model_parallel(plan) creates.
         num_distributed_optimizer_instances=plan.dist_opt_instances,
+        fp8_param_gather=plan.fp8_param_gather,  # FP8 weights gathered at one byte a parameter
     )
     if zero in FSDP_STRATEGY and megatron_fsdp:
         fields.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=FSDP_STRATEGY[zero])

@@ -158,6 +158,12 @@ class Constraints:
         "help": "the FP8 scaling recipe with --fp8: delayed (from a history of maxima) or tensorwise (current "
                 "scaling, each tensor's own maximum) (default: delayed, Megatron-core's)"})
     """The FP8 scaling recipe (:data:`dsauto.plan.Fp8Recipe`); None: ``delayed``. Needs ``fp8``."""
+    fp8_param_gather: bool | None = field(default=None, metadata={
+        "flag": "--fp8-param-gather", "const": True,
+        "help": "with --fp8, keep the transformer layers' weights in FP8 and gather them at one byte a parameter "
+                "(Megatron-core's --fp8-param-gather; needs ZeRO 1-3) (default: off)"})
+    """True: FP8 weights (:attr:`dsauto.cost.strategy.Strategy.fp8_param_gather`), which rules out ZeRO 0;
+    None: 16-bit weights with FP8 copies. Needs ``fp8``."""
 
     @property
     def fp8_delayed(self) -> bool:
@@ -232,9 +238,20 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                tp_comm_overlap=bool(pins.tp_comm_overlap),
                                expert_dispatcher=pins.expert_dispatcher or "alltoall",
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
-                               fp8=bool(pins.fp8), fp8_recipe=pins.fp8_recipe or "delayed")
-           for s in out if runnable[s.engine] for modules in recompute_sets[s.engine]]
+                               fp8=bool(pins.fp8), fp8_recipe=pins.fp8_recipe or "delayed",
+                               fp8_param_gather=bool(pins.fp8_param_gather))
+           for s in out if runnable[s.engine] and not (pins.fp8_param_gather and s.zero_stage == 0)
+           for modules in recompute_sets[s.engine]]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
+
+
+def strategies_or_none(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
+                       pins: Constraints) -> list[Strategy]:
+    """:func:`strategies`, or none where it refuses the inputs."""
+    try:
+        return strategies(model, cluster, train, pins)
+    except DsautoError:
+        return []
 
 
 def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
@@ -395,6 +412,12 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         return DsautoError(f"tp({tp}) * pp({pp}) does not divide the world size {world} "
                            f"({cluster.nodes} node{'s' if cluster.nodes > 1 else ''} x {cluster.devices_per_node} devices); change --tp, "
                            f"--pp, --nodes or --gpus-per-node.")
+    if pins.fp8_param_gather and pins.fp8 and (
+            without := strategies_or_none(model, cluster, train, dataclasses.replace(pins, fp8_param_gather=None))):
+        if all(s.zero_stage == 0 for s in without):
+            return DsautoError("--fp8-param-gather needs Megatron-core's distributed optimizer or Megatron-FSDP, and "
+                               "every strategy the other settings allow has one data-parallel replica (ZeRO 0); "
+                               "add devices for data parallelism or leave out --fp8-param-gather.")
     if pins.zero_stage is not None and pins.zero_stage >= 2 and pins.pp is not None and pins.pp > 1:
         pipelines = {"deepspeed": "DeepSpeed's pipeline engine supports", "megatron": "Megatron-core's pipelines support",
                      None: "DeepSpeed's and Megatron-core's pipelines support"}[pins.engine]

@@ -29,7 +29,7 @@ TOKENS = 4096
 
 
 def costs(fp8: bool, zero: int = 1, tp: int = 1, sp: bool = False, efficiency: float | None = None,
-          recipe: str = "delayed"):
+          recipe: str = "delayed", param_gather: bool = False):
     hardware = load_hardware("h100-80gb")
     if efficiency is not None:
         hardware = dataclasses.replace(hardware, device=dataclasses.replace(hardware.device,
@@ -37,7 +37,8 @@ def costs(fp8: bool, zero: int = 1, tp: int = 1, sp: bool = False, efficiency: f
     cluster = ClusterSpec(hardware, nodes=1, gpus_per_node=8)
     train = TrainSpec(global_batch=8 // tp, seq_len=TOKENS, dtype="bf16")
     strategy = Strategy(dims=ParallelDims(dp=8 // tp, tp=tp), zero_stage=zero, micro_batch=1, grad_accum=1,
-                        sequence_parallel=sp, engine="megatron", fp8=fp8, fp8_recipe=recipe)
+                        sequence_parallel=sp, engine="megatron", fp8=fp8, fp8_recipe=recipe,
+                        fp8_param_gather=param_gather)
     model = load_model("llama3-8b")
     return CostModel(cluster, train, strategy, model.hidden_size), layer_groups(model, TOKENS, 2, tp), model
 
@@ -220,3 +221,46 @@ def test_fp8_all_gathers_the_sequence_parallel_inputs_in_fp8():
     bf16_tp, _, _ = costs(False, tp=2)
     fp8_tp, _, _ = costs(True, tp=2)  # no sequence parallelism: all-reduces of 16-bit outputs
     assert tp_comm_seconds(block, fp8_tp.context) == tp_comm_seconds(block, bf16_tp.context)
+
+
+def test_fp8_weights_are_gathered_at_one_byte_and_kept_without_a_second_copy():
+    from dsauto.cost.terms import data_parallel_cost, sharded_gather_bytes
+    from dsauto.cost.terms import Passes
+
+    copies, (_, block, head), _ = costs(True, zero=1)
+    weights, _, _ = costs(True, zero=1, param_gather=True)
+    bf16, _, _ = costs(False, zero=1)
+    # ZeRO 1: the 16-bit weight plus two FP8 copies, against the FP8 weight (data and transpose).
+    assert copies.layer(block, PLAIN).params_bytes - weights.layer(block, PLAIN).params_bytes == pytest.approx(
+        2 * block.params)
+    assert weights.layer(block, PLAIN).params_bytes == pytest.approx(bf16.layer(block, PLAIN).params_bytes)
+    # The distributed optimizer's all-gather of the updated weights: one byte a parameter, the head's two.
+    idle = Passes(0.0, 0.0)
+    group = weights.context.dp_group
+    assert data_parallel_cost(block, PLAIN, weights.context, idle, False).step_seconds == pytest.approx(
+        group.all_gather(block.params * 1))
+    assert data_parallel_cost(block, PLAIN, copies.context, idle, False).step_seconds == pytest.approx(
+        group.all_gather(block.params * 2))
+    assert data_parallel_cost(head, PLAIN, weights.context, idle, False).step_seconds == pytest.approx(
+        data_parallel_cost(head, PLAIN, copies.context, idle, False).step_seconds)
+    # Megatron-FSDP's gathered unit: the FP8 weight and its transpose, no 16-bit weight beside them.
+    fsdp, _, _ = costs(True, zero=3, param_gather=True)
+    assert sharded_gather_bytes(block, SHARDED, fsdp.context) == pytest.approx(2 * block.params * 2)
+
+
+def test_fp8_weights_are_pinned_emitted_applied_and_need_zero_1_to_3():
+    from dsauto.runtime.megatron import ddp_config
+
+    plan = make_plan("llama3-8b", "h100-80gb", global_batch=64, seq_len=8192, fp8=True, fp8_param_gather=True)
+    assert plan.fp8_param_gather and plan.zero_stage >= 1
+    assert "--fp8-param-gather" in megatron_args(plan)
+    assert ddp_config(plan, megatron_fsdp=False).fp8_param_gather
+    with pytest.raises(DsautoError, match="add --fp8"):
+        make_problem("llama3-8b", "h100-80gb", fp8_param_gather=True)
+    with pytest.raises(DsautoError, match="--zero-stage 0 turns off"):
+        make_problem("llama3-8b", "h100-80gb", fp8=True, fp8_param_gather=True, zero_stage=0)
+    # The search drops the ZeRO 0 strategies rather than emit what Megatron-LM refuses, and says so
+    # when nothing else is left (one device: one data-parallel replica).
+    with pytest.raises(DsautoError, match="one data-parallel replica"):
+        make_plan("llama3-8b", "h100-80gb", nodes=1, gpus_per_node=1, global_batch=8, fp8=True,
+                  fp8_param_gather=True)
