@@ -239,7 +239,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                expert_dispatcher=pins.expert_dispatcher or "alltoall",
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
                                fp8=bool(pins.fp8), fp8_recipe=pins.fp8_recipe or "delayed",
-                               fp8_param_gather=bool(pins.fp8_param_gather))
+                               fp8_param_gather=bool(pins.fp8 and pins.fp8_param_gather))
            for s in out if runnable[s.engine] and not (pins.fp8_param_gather and s.zero_stage == 0)
            for modules in recompute_sets[s.engine]]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
