@@ -637,6 +637,11 @@ def fitted_runs(runs: Sequence[PublishedRun], generation: str) -> list[Published
     return [r for r in runs if r.generation == generation and not r.model.moe and not r.pins.fp8]
 
 
+def fp8_runs(runs: Sequence[PublishedRun], generation: str) -> list[PublishedRun]:
+    """The dense FP8 runs of one device generation, which fit its FP8 GEMM efficiency alone."""
+    return [r for r in runs if r.generation == generation and r.pins.fp8 and not r.model.moe]
+
+
 def fit_generation(runs: Sequence[PublishedRun], say=print) -> tuple[Constants, list[Case]]:
     """The constants of one device generation fitted to ``runs`` (benchmarks/fit_device.py writes
     them into the presets), and the fit's cases. The fit starts from the same generic constants
@@ -756,12 +761,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for run_id in held:
                 results[run_id].cv_seconds = predict(by_id[run_id], fold_fit)[0].prediction.step_seconds
         rows += [results[r.id] for r in selected]
-        fp8_runs = [r for r in runs if r.generation == generation and r.pins.fp8 and not r.model.moe]
-        if fp8_runs:
-            constants, fp8_results = fit_fp8_runs(fp8_runs, constants, not args.in_sample, fold_constants[generation],
+        in_fp8 = fp8_runs(runs, generation)
+        if in_fp8:
+            constants, fp8_results = fit_fp8_runs(in_fp8, constants, not args.in_sample, fold_constants[generation],
                                                   say)
             fitted[generation] = constants
-            fp8_rows += [fp8_results[r.id] for r in fp8_runs]
+            fp8_rows += [fp8_results[r.id] for r in in_fp8]
         for run in experts:
             row = Row(run, *predict(run, constants))
             row.cv_seconds = row.plan.prediction.step_seconds
@@ -974,7 +979,7 @@ CHANGES = [
     "(Strategy.expert_dispatcher) priced; Megatron-FSDP plans experts sharded over their expert data-parallel "
     "group and gathers whole layers (mcore_fsdp_adapter.py: fsdp_unit_modules [TransformerLayer]); no dense run's "
     "prediction moved.",
-    "FP8 training (Strategy.fp8, --fp8 and --fp8-recipe; their own section below): before, every FP8 run was "
+    "FP8 training (Strategy.fp8; --fp8, --fp8-recipe and --fp8-param-gather; their own section below): before, every FP8 run was "
     "excluded ('not comparable with the BF16 cost model'). Transformer Engine's FP8 linear layers are priced at "
     "the FP8 peak with one new constant, fp8_matmul_efficiency, fitted on the 16 dense FP8 runs alone with the "
     "16-bit constants held, and cross-validated by model; their casts, FP8-kept activations and weight copies "

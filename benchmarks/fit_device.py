@@ -275,13 +275,13 @@ def preset_note(name: str, generation: str, runs: int, fp8_runs: int = 0) -> str
 
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: benchmarks/ is not a package path
-    from fidelity import build_cases, fit_generation, fitted_runs, load_runs
+    from fidelity import build_cases, fit_generation, fitted_runs, fp8_runs, load_runs
 
     runs, _ = load_runs()
     write = "--write" in sys.argv[1:]
     for generation, presets in DEVICES.items():
         fitted, cases = fit_generation(fitted_runs(runs, generation), say=print)
-        fp8 = [r for r in runs if r.generation == generation and r.pins.fp8 and not r.model.moe]
+        fp8 = fp8_runs(runs, generation)
         if fp8:  # the FP8 GEMM efficiency, on the FP8 runs with the rest held (fidelity.py does the same)
             fitted = fit_fp8(build_cases(fp8, fitted), fitted, say=print)
         print(f"{generation}: {fitted.describe()}")

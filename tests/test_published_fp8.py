@@ -24,7 +24,7 @@ def test_each_fp8_run_is_pinned_as_it_ran_and_kept_out_of_the_16_bit_fit():
     fidelity = load()
     runs, excluded = fidelity.load_runs()
     fp8 = {run.id: run for run in runs if run.pins.fp8}
-    assert len([r for r in fp8.values() if not r.model.moe]) == 16
+    assert len(fidelity.fp8_runs(runs, "h100")) == 16 and all(r.id in fp8 for r in fidelity.fp8_runs(runs, "h100"))
     llama = fp8["mbridge2511-llama3_8b-8gpu"]  # FP8-CS, the FSDP column set
     assert (llama.pins.fp8_recipe, llama.pins.zero_stage, llama.attention_kernel) == ("tensorwise", 3, "cudnn")
     seventy = fp8["mbridge2602-llama3_70b-64gpu"]  # "FP8": the H100 presets are FP8_CS
