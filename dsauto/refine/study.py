@@ -251,6 +251,10 @@ def check_trials(planner: Planner, settings: TuneSettings) -> None:
             raise DsautoError("FP8 plans train through Transformer Engine on GPUs with FP8 tensor cores, and these "
                               "trials run on CPU processes; run the trials on H100 or H200 GPUs, or drop --trials "
                               "to keep the predicted plan.")
+        if settings.trial.script is None:
+            raise DsautoError("FP8 plans train through Transformer Engine's layers, and the built-in trial harness "
+                              "builds Megatron-core's local layers, which have no FP8; measure with your own "
+                              "Transformer Engine script (--script train.py), or drop --trials.")
     if pins.engine == "deepspeed" and (pins.tp or 1) > 1:
         raise DsautoError(f"DeepSpeed plans have no tensor parallelism, but --tp {pins.tp} was pinned with "
                           f"--engine deepspeed; use --engine megatron (trials then measure through "

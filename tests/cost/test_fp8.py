@@ -264,3 +264,19 @@ def test_fp8_weights_are_pinned_emitted_applied_and_need_zero_1_to_3():
     with pytest.raises(DsautoError, match="one data-parallel replica"):
         make_plan("llama3-8b", "h100-80gb", nodes=1, gpus_per_node=1, global_batch=8, fp8=True,
                   fp8_param_gather=True)
+
+
+def test_fp8_trials_need_a_transformer_engine_script_on_gpus(monkeypatch):
+    """On GPU ranks (not here: the check that decides is replaced), the built-in harness, whose
+    Megatron-core layers are the local ones, cannot measure an FP8 plan; a user's script can."""
+    import dsauto.profile.resources as resources
+    from dsauto.refine.runner import TrialSettings
+    from dsauto.refine.study import TuneSettings, check_trials
+    from dsauto.search.planner import Planner
+
+    problem = make_problem("gpt-tiny", "h100-80gb", nodes=1, gpus_per_node=2, fp8=True)
+    planner = Planner(problem.model, problem.cluster, problem.train, problem.pins)
+    monkeypatch.setattr(resources, "ranks_on_cpu", lambda: False)
+    with pytest.raises(DsautoError, match="built-in trial harness"):
+        check_trials(planner, TuneSettings(trials=2))
+    check_trials(planner, TuneSettings(trials=2, trial=TrialSettings(script=__file__)))
