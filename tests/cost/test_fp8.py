@@ -1,6 +1,6 @@
-"""FP8 training (Transformer Engine's linear layers under Megatron-core, delayed scaling): the
-transformer layers' GEMMs at the FP8 peak, the casts, the activations and weight copies it keeps,
-what it leaves in 16 bits, and the plans, flags and refusals around it."""
+"""FP8 training (Transformer Engine's linear layers under Megatron-core: delayed and tensorwise
+scaling, FP8 weights): the transformer layers' GEMMs at the FP8 peak, the casts, the activations
+and weight copies it keeps, what it leaves in 16 bits, and the plans, flags and refusals around it."""
 
 from __future__ import annotations
 
