@@ -115,19 +115,15 @@ class DeviceModel:
                    fp8_peak_flops=device.peak_flops.get("fp8", 0.0),
                    fp8_matmul_efficiency=device.fp8_matmul_efficiency or device.matmul_efficiency)
 
-    def matmul_seconds(self, flops: float, dim: float) -> float:
-        """A GEMM of ``flops`` whose smallest dimension is ``dim``: efficiency saturates with size."""
+    def matmul_seconds(self, flops: float, dim: float, fp8: bool = False) -> float:
+        """A GEMM of ``flops`` whose smallest dimension is ``dim``: efficiency saturates with size.
+        ``fp8``: at the FP8 peak and efficiency."""
         if flops <= 0:
             return 0.0
-        efficiency = self.matmul_efficiency * dim / (dim + self.matmul_half_dim)
-        return flops / (self.peak_flops * efficiency)
-
-    def fp8_matmul_seconds(self, flops: float, dim: float) -> float:
-        """An FP8 GEMM of ``flops``: :meth:`matmul_seconds` at the FP8 peak and efficiency."""
-        if flops <= 0:
-            return 0.0
-        efficiency = self.fp8_matmul_efficiency * dim / (dim + self.matmul_half_dim)
-        return flops / (self.fp8_peak_flops * efficiency)
+        peak, top = (self.fp8_peak_flops, self.fp8_matmul_efficiency) if fp8 else (self.peak_flops,
+                                                                                    self.matmul_efficiency)
+        efficiency = top * dim / (dim + self.matmul_half_dim)
+        return flops / (peak * efficiency)
 
     def memory_seconds(self, num_bytes: float) -> float:
         return num_bytes / self.memory_bytes_per_second
@@ -304,6 +300,12 @@ def dense_local_params(group: LayerGroup, ctx: LayerContext) -> float:
     return local_params(group, ctx.tp) - group.expert_params
 
 
+def rank_params(group: LayerGroup, ctx: LayerContext) -> float:
+    """Parameters of one layer on one rank: its tensor-parallel share, and 1/(ep x etp) of the routed
+    experts."""
+    return dense_local_params(group, ctx) + expert_local_params(group, ctx)
+
+
 def gathered_unit_params(group: LayerGroup, option: LayerOption, tp: int) -> float:
     """Parameters ZeRO-3 gathers at once for a sharded layer: its largest matrix, or one slice of it
     when split (OSDP). The head's split chunks its loss, not its matrix, which is gathered whole."""
@@ -335,7 +337,7 @@ def sharded_gather_bytes(group: LayerGroup, option: LayerOption, ctx: LayerConte
     if ctx.engine != "deepspeed":
         unit_bytes = ctx.dtype_bytes
         if group.kind == "transformer":
-            unit = dense_local_params(group, ctx) + expert_local_params(group, ctx)
+            unit = rank_params(group, ctx)
             if ctx.fp8_params(group):
                 unit_bytes = FP8_WEIGHT_COPIES * FP8_BYTES
             elif ctx.fp8:
@@ -353,9 +355,7 @@ def linear_seconds(group: LayerGroup, ctx: LayerContext, flops: float, dim: floa
     training dtype. The embedding is a lookup and the output layer (Megatron-core's
     ``ColumnParallelLinear``, not a Transformer Engine module: megatron/core/models/gpt/gpt_model.py)
     stays in the training dtype, as does the attention core (:func:`attention_passes`)."""
-    if ctx.fp8 and group.kind == "transformer":
-        return ctx.device.fp8_matmul_seconds(flops, dim)
-    return ctx.device.matmul_seconds(flops, dim)
+    return ctx.device.matmul_seconds(flops, dim, fp8=ctx.fp8 and group.kind == "transformer")
 
 
 def fp8_cast_bytes_per_token(group: LayerGroup, ctx: LayerContext) -> float:
@@ -567,12 +567,11 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
             saved += megatron_softmax_fp32_bytes_per_token(group, ctx.tp, ctx.dtype_bytes)
     # Under FP8 the norms' outputs and the MLP output projections' inputs are kept in FP8
     # (fp8_activation_change_bytes_per_token), so recomputing them frees that much.
-    fp8 = ctx.fp8 and ctx.dtype_bytes > FP8_BYTES
-    shrink = FP8_BYTES / ctx.dtype_bytes if fp8 else 1.0
+    shrink = FP8_BYTES / ctx.dtype_bytes if ctx.fp8 else 1.0
     if "layernorm" in modules:
         saved += group.norm_output_bytes_per_token * shrink / ctx.replicated_div
     if "mlp" in modules:
-        kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * group.mlp_out_input_elements_per_token if fp8 else 0.0
+        kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * mlp_out_input_elements(group) if ctx.fp8 else 0.0
         saved += (group.mlp_act_bytes_per_token - kept_in_fp8) / ctx.tp
     if "moe_act" in modules:
         saved += group.expert_act_output_bytes_per_token * shrink / ctx.tp * expert_load_factor(ctx)
@@ -590,12 +589,12 @@ def fp8_activation_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) 
     output projection under delayed scaling; under the other recipes Megatron-core has the
     projection keep the 16-bit one (``save_original_input``, megatron/core/transformer/attention.py,
     which Transformer Engine refuses under delayed scaling)."""
-    if not ctx.fp8 or group.kind != "transformer" or ctx.dtype_bytes <= FP8_BYTES:
+    if not ctx.fp8 or group.kind != "transformer":
         return 0.0
     saved_per_element = ctx.dtype_bytes - FP8_BYTES
     second_copy = FP8_BYTES if ctx.fp8_recipe == "delayed" else 0
     split = (second_copy * group.attention_output_elements_per_token
-             - saved_per_element * (group.mlp_out_input_elements_per_token
+             - saved_per_element * (mlp_out_input_elements(group)
                                     + group.expert_out_input_elements_per_token * expert_load_factor(ctx)))
     norms = saved_per_element / ctx.dtype_bytes * group.norm_output_bytes_per_token
     return split / ctx.tp - norms / ctx.replicated_div
@@ -958,9 +957,7 @@ def fp8_weight_bytes(group: LayerGroup, option: LayerOption, ctx: LayerContext) 
     shards, one byte a parameter, are priced at two)."""
     if not ctx.fp8 or group.kind != "transformer" or ctx.shards(option) or ctx.fp8_params(group):
         return 0.0
-    local = dense_local_params(group, ctx) + expert_local_params(group, ctx) if group.expert_params \
-        else local_params(group, ctx.tp)
-    return FP8_WEIGHT_COPIES * FP8_BYTES * local
+    return FP8_WEIGHT_COPIES * FP8_BYTES * rank_params(group, ctx)
 
 
 def _state(local: float, dp: int, option: LayerOption, ctx: LayerContext) -> ModelState:
@@ -1108,8 +1105,13 @@ def megatron_mlp_backward_bytes_per_token(group: LayerGroup, tp: int, dtype_byte
     Measured on one rank in fp32 (hidden 256, FFN 1024, 2 x 256 tokens): 0.5 MiB, 2 MiB and 1 MiB
     above the recomputed layer's activations, the peak of its backward; with every layer recomputed
     on two ranks in fp32 (benchmarks/accuracy.py), the peak of tp 2 and pp 2 at this moment."""
-    inner = group.mlp_out_matmul_flops_per_token / (2 * group.gemm_dim) if group.gemm_dim else 0.0
-    return group.checkpoint_bytes_per_token / replicated_div + inner * dtype_bytes / tp
+    return group.checkpoint_bytes_per_token / replicated_div + mlp_out_input_elements(group) * dtype_bytes / tp
+
+
+def mlp_out_input_elements(group: LayerGroup) -> float:
+    """Elements per token of the dense MLP's inner activation, its output projection's input (the
+    projection's FLOPs over twice the hidden size), averaged over the group's layers."""
+    return group.mlp_out_matmul_flops_per_token / (2 * group.gemm_dim) if group.gemm_dim else 0.0
 
 
 def megatron_attention_backward_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int) -> float:

@@ -476,8 +476,6 @@ class LayerGroup:
     top-k copy): what FP8 training quantizes."""
     attention_output_elements_per_token: float = 0.0
     """The attention output, the output projection's input."""
-    mlp_out_input_elements_per_token: float = 0.0
-    """The dense MLP's output projection's input (its activation function's output)."""
     expert_out_input_elements_per_token: float = 0.0
     """The routed (top-k copies) and shared experts' output projections' inputs."""
 
@@ -614,7 +612,6 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         expert_act_elementwise_bytes_per_token=moe_fraction * top_k * inner * fe * b,
         linear_input_elements_per_token=linear_inputs,
         attention_output_elements_per_token=out_width,
-        mlp_out_input_elements_per_token=dense_fraction * f,
         expert_out_input_elements_per_token=expert_out_inputs,
     )
 

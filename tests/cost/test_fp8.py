@@ -94,8 +94,28 @@ def test_resident_layers_keep_two_fp8_copies_of_their_weights_sharded_ones_while
 
 
 def test_a_profile_measured_in_16_bits_does_not_price_fp8_layers():
-    fp8, (_, block, _), _ = costs(True)
-    assert fp8._measured_layer(block, False) is None
+    from dsauto.profile.layers import LayerMeasurement
+    from dsauto.profile.store import Profile
+
+    model = load_model("gpt-tiny")
+    layers = tuple(LayerMeasurement(group=group, tp=1, micro_batch=1, checkpoint=False, forward_seconds=0.001,
+                                    backward_seconds=0.002, activation_bytes=50_000, peak_bytes=80_000,
+                                    params_bytes=4096)
+                   for group in ("embedding", model.architecture, "head"))
+    profile = Profile(model=model, device="cpu", dtype="bf16", seq_len=256, threads=1, versions={"torch": "2.0"},
+                      layers=layers, optimizer_seconds_per_param=2e-9, collectives=(), zero3_module_seconds=0.0,
+                      layer_modules={})
+    block = layer_groups(model, 256, 2, 1)[1]
+    cluster = ClusterSpec(load_hardware("h100-80gb"), nodes=1, gpus_per_node=2)
+    train = TrainSpec(global_batch=2, seq_len=256, dtype="bf16")
+
+    def measured(fp8: bool):
+        strategy = Strategy(dims=ParallelDims(dp=2), zero_stage=1, micro_batch=1, grad_accum=1,
+                            sequence_parallel=False, engine="megatron", fp8=fp8)
+        return CostModel(cluster, train, strategy, model.hidden_size, profile)._measured_layer(block, False)
+
+    assert measured(False) is not None  # the profile prices the 16-bit layer
+    assert measured(True) is None  # and not the FP8 one, which the analytic model prices
 
 
 def test_fp8_plans_only_when_pinned_and_on_megatron_core():
