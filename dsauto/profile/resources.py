@@ -14,7 +14,7 @@ import contextlib
 import os
 import resource
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from dsauto.errors import DsautoError
@@ -42,21 +42,42 @@ def ranks_on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+"""The cgroup's memory limit and usage (v2, then v1)."""
+
+
+def _cgroup_limit() -> tuple[int, int] | None:
+    """The cgroup's memory limit and usage, or None when it sets none."""
+    for limit_file, usage_file in CGROUP_FILES:
+        with contextlib.suppress(OSError, ValueError):
+            limit = Path(limit_file).read_text().strip()
+            if limit == "max":
+                return None
+            return int(limit), int(Path(usage_file).read_text().strip())
+    return None
+
+
 def available_memory_bytes() -> int:
     """Host memory this process's children may still allocate: the kernel's estimate of available
     memory, capped by the cgroup's limit less its usage (containers see the host's /proc/meminfo)."""
     import psutil
 
     available = int(psutil.virtual_memory().available)
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        with contextlib.suppress(OSError, ValueError):
-            limit = Path(limit_file).read_text().strip()
-            if limit != "max":
-                available = min(available, int(limit) - int(Path(usage_file).read_text().strip()))
-            break
+    cgroup = _cgroup_limit()
+    if cgroup is not None:
+        available = min(available, cgroup[0] - cgroup[1])
     return max(available, 0)
+
+
+def total_memory_bytes() -> int:
+    """Host memory this process's children could allocate were nothing else running: the machine's
+    memory, capped by the cgroup's limit."""
+    import psutil
+
+    total = int(psutil.virtual_memory().total)
+    cgroup = _cgroup_limit()
+    return min(total, cgroup[0]) if cgroup is not None else total
 
 
 def profiling_rank_bytes(model: ModelSpec, dtype: str, seq_len: int, micro_batches: Sequence[int],
@@ -87,6 +108,32 @@ def check_fits(what: str, ranks: int, rank_bytes: int, remedy: str) -> None:
         raise DsautoError(f"{what} on {ranks} CPU rank{'s' if ranks > 1 else ''} needs about "
                           f"{format_bytes(needed)} of host memory ({format_bytes(rank_bytes)} per rank), but "
                           f"this machine has {format_bytes(available)} available; {remedy}.")
+
+
+MEMORY_WAIT_SECONDS = 300.0
+"""How long a launch that would fit the machine's memory, but not what other processes leave of it
+now, waits for them to free it (a trial of another tune sharing the study on this machine ends
+within its timeout)."""
+MEMORY_POLL_SECONDS = 1.0
+
+
+def await_fits(what: str, ranks: int, rank_bytes: int, remedy: str, wait_seconds: float = MEMORY_WAIT_SECONDS,
+               say: Callable[[str], None] | None = None) -> None:
+    """:func:`check_fits`, waiting up to ``wait_seconds`` while only the memory available now is
+    short: ranks that would fit the machine were nothing else running are held back until other
+    processes free enough (``say`` is told once), not refused at once. Ranks that would not fit even
+    then are refused at once."""
+    needed = ranks * rank_bytes + LAUNCHER_BYTES
+    if needed <= USABLE_FRACTION * total_memory_bytes():
+        deadline = time.monotonic() + wait_seconds
+        told = False
+        while needed > USABLE_FRACTION * available_memory_bytes() and time.monotonic() < deadline:
+            if say is not None and not told:
+                say(f"waiting up to {wait_seconds:.0f} s for {format_bytes(needed)} of host memory "
+                    f"({format_bytes(available_memory_bytes())} available: other processes hold the rest)")
+                told = True
+            time.sleep(MEMORY_POLL_SECONDS)
+    check_fits(what, ranks, rank_bytes, remedy)
 
 
 CONTENTION_SLACK_CORES = 0.5

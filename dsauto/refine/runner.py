@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -39,7 +40,7 @@ from dsauto.emit.ds_config import ds_config
 from dsauto.errors import DsautoError
 from dsauto.plan import Plan
 from dsauto.profile.launch import launch, remove_shared_memory, stop
-from dsauto.profile.resources import PROCESS_BYTES, CpuMeter, check_fits, ranks_on_cpu
+from dsauto.profile.resources import MEMORY_WAIT_SECONDS, PROCESS_BYTES, CpuMeter, await_fits, ranks_on_cpu
 from dsauto.profile.steps import StepMeasurement
 from dsauto.refine.launchers import Rendezvous, deepspeed_env_file, node_args
 from dsauto.serde import from_dict
@@ -164,7 +165,7 @@ def _failure_reason(returncode: int, log_text: str) -> str:
 
 def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | str,
               budget_bytes: int | None = None, config: dict | None = None,
-              rendezvous: Rendezvous | None = None) -> TrialOutcome:
+              rendezvous: Rendezvous | None = None, say: Callable[[str], None] | None = None) -> TrialOutcome:
     """Train ``plan`` for the trial's steps on ``ranks`` local processes and judge the result
     against ``budget_bytes`` (default: the plan's memory budget). Files go to ``work_dir``.
 
@@ -172,7 +173,11 @@ def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | 
     launcher meets the other nodes' at the rendezvous (or, DeepSpeed's with a hostfile, starts them).
 
     ``config`` (the user-script harness only) sends another DeepSpeed config than the plan's, e.g.
-    a plain one without the ``"dsauto"`` block, to measure DeepSpeed's own behaviour."""
+    a plain one without the ``"dsauto"`` block, to measure DeepSpeed's own behaviour.
+
+    On CPU ranks, a launch the machine's memory would hold but other processes leave too little of
+    now waits for them (``say`` is told) within the trial's timeout, at most
+    :data:`dsauto.profile.resources.MEMORY_WAIT_SECONDS`, before the trial fails as not launched."""
     if config is not None and settings.script is None:
         raise ValueError("a config other than the plan's needs a training script to run it")
     work = Path(work_dir)
@@ -194,11 +199,11 @@ def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | 
     if rendezvous is not None and rendezvous.hostfile is not None and extra_env:
         extra_env.update(deepspeed_env_file(work, extra_env))  # its launcher forwards only what is listed
     command = trial_command(settings, ranks, plans_path, out_path, port, rendezvous)
-    started = time.perf_counter()
-    refusal = host_memory_refusal(plan, ranks)
+    refusal = host_memory_refusal(plan, ranks, min(settings.timeout_seconds, MEMORY_WAIT_SECONDS), say)
     if refusal is not None:
         log_path.write_text(f"dsauto: not launched: {refusal}\n")
         return TrialOutcome("failed", f"not launched: {refusal}", None, 0.0, str(log_path))
+    started = time.perf_counter()
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(command) + "\n")
         log.flush()
@@ -242,14 +247,16 @@ def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | 
     return TrialOutcome("complete", "", measured, wall, str(log_path), **load)
 
 
-def host_memory_refusal(plan: Plan, ranks: int) -> str | None:
+def host_memory_refusal(plan: Plan, ranks: int, wait_seconds: float = 0.0,
+                        say: Callable[[str], None] | None = None) -> str | None:
     """Why ``ranks`` CPU ranks of ``plan`` must not be launched on this machine (they would not fit
-    in its available memory), or None; ranks on GPUs are not checked."""
+    in its available memory, even after waiting up to ``wait_seconds`` for other processes to free
+    it), or None; ranks on GPUs are not checked."""
     if not ranks_on_cpu():
         return None
     try:
-        check_fits(f"Training {plan.model.name}", ranks, plan.prediction.peak_memory_bytes + PROCESS_BYTES,
-                   "the trial was not launched")
+        await_fits(f"Training {plan.model.name}", ranks, plan.prediction.peak_memory_bytes + PROCESS_BYTES,
+                   "the trial was not launched", wait_seconds, say)
     except DsautoError as exc:
         return str(exc)
     return None

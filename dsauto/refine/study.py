@@ -368,7 +368,7 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
                 publish(trial, rendezvous, candidate.plan)  # the other nodes start their agents there
             outcome = run_trial(candidate.plan, cluster.devices_per_node, settings.trial,
                                 out / "trials" / f"trial-{trial.number}", cluster.memory_budget_bytes,
-                                rendezvous=rendezvous)
+                                rendezvous=rendezvous, say=lambda line: say("  " + line))
             outcome = explain_hang(outcome, rendezvous)
         except BaseException as exc:
             if not isinstance(exc, optuna.TrialPruned):

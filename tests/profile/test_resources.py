@@ -39,6 +39,59 @@ def test_a_launch_that_would_not_fit_is_refused_with_numbers(monkeypatch):
         check_fits("Profiling x", 8, 3 * GiB, "do less")
 
 
+class _Clock:
+    """Stands for time in :func:`resources.await_fits`: sleeping advances it, and other processes
+    free memory as it goes."""
+
+    def __init__(self, available: list[int]) -> None:
+        self.now, self.available = 0.0, available
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if len(self.available) > 1:
+            self.available.pop(0)
+
+
+def _clocked(monkeypatch, total: int, available: list[int]) -> _Clock:
+    clock = _Clock(available)
+    monkeypatch.setattr(resources.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(resources.time, "sleep", clock.sleep)
+    monkeypatch.setattr(resources, "available_memory_bytes", lambda: clock.available[0])
+    monkeypatch.setattr(resources, "total_memory_bytes", lambda: total)
+    return clock
+
+
+def test_a_launch_waits_while_other_processes_hold_the_memory_it_needs(monkeypatch):
+    # Another trial of a shared study holds the memory for three polls, then ends.
+    clock = _clocked(monkeypatch, 24 * GiB, [GiB, GiB, GiB, 8 * GiB])
+    said: list[str] = []
+    resources.await_fits("Training x", 2, GiB, "not launched", wait_seconds=60, say=said.append)
+    assert clock.now == 3 * resources.MEMORY_POLL_SECONDS
+    assert said == ["waiting up to 60 s for 2.2 GiB of host memory (1.0 GiB available: other processes hold "
+                    "the rest)"]
+
+
+def test_a_launch_is_refused_when_the_memory_is_not_freed_in_time(monkeypatch):
+    clock = _clocked(monkeypatch, 24 * GiB, [GiB])
+    with pytest.raises(DsautoError, match=r"needs about 2.2 GiB of host memory .* has 1.0 GiB available; no\.$"):
+        resources.await_fits("Training x", 2, GiB, "no", wait_seconds=30)
+    assert clock.now == 30
+
+
+def test_a_launch_the_machine_could_never_hold_is_refused_without_waiting(monkeypatch):
+    clock = _clocked(monkeypatch, 4 * GiB, [GiB, 8 * GiB])
+    with pytest.raises(DsautoError, match=r"needs about 6.2 GiB"):
+        resources.await_fits("Training x", 2, 3 * GiB, "no", wait_seconds=30)
+    assert clock.now == 0
+
+
+def test_the_total_memory_is_at_least_what_is_available():
+    assert resources.total_memory_bytes() >= available_memory_bytes() > 0
+
+
 def test_contention_is_other_work_beyond_the_free_cores(monkeypatch):
     meter = CpuMeter()
     meter.cores = 4
