@@ -134,6 +134,9 @@ class Source:
     (Strategy.expert_load_balanced)."""
     expert_dispatcher: str = "alltoall"
     """The MoE token dispatcher the source's runs used (Strategy.expert_dispatcher)."""
+    cp_comm_type: str = "p2p"
+    """How the runs' context parallelism exchanged the shards (Strategy.cp_comm_type): the ring,
+    Megatron-core's and NeMo's default, unless the source says otherwise."""
     even_stages: bool = False
     """The runs split the layers evenly over the pipeline's model chunks (Megatron-core's default
     without a layout flag) where the planner would balance them: priced with that split."""
@@ -168,7 +171,9 @@ SOURCES = {
     "llama3": Source("llama3", "megatron", 1, True, "bf16",
                      "Meta's 4D stack: engine megatron, ZeRO 1 (its FSDP shards optimizer and gradients; "
                      "dsauto runs ZeRO 0-1 with pipelines), interleaved (Sec. 3.3.2) with the virtual stages "
-                     "not published: the planner's best interleaved schedule", LLAMA, False, None, interleaved=True),
+                     "not published: the planner's best interleaved schedule; context parallelism all-gathers the "
+                     "keys and values before attention (Sec. 3.3.2: cp_comm_type all_gather)", LLAMA, False, None,
+                     interleaved=True, cp_comm_type="all_gather"),
     "automodel": Source("automodel", "megatron", 3, True, "bf16",
                         "NeMo AutoModel FSDP2: engine megatron, ZeRO 3 (every layer sharded)", LLAMA),
     "automodel-moe": Source("automodel", "megatron", 3, True, "bf16",
@@ -508,7 +513,8 @@ def configure(record: dict) -> PublishedRun | str:
                        grad_reduce_in_fp32=None if fp32_reduce else False,
                        expert_dispatcher="deepep" if model.moe and source.expert_dispatcher == "deepep" else None,
                        fp8=fp8 or None, fp8_recipe=recipe,
-                       fp8_param_gather=True if fp8 and source.key == "mbridge" else None)
+                       fp8_param_gather=True if fp8 and source.key == "mbridge" else None,
+                       cp_comm_type=source.cp_comm_type if cp > 1 else None)
     train = TrainSpec(global_batch=p["global_batch"], seq_len=seq, dtype=source.dtype,
                       flash_attention=source.flash_attention)
     published = _published(record, model, source)

@@ -24,7 +24,7 @@ from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype, TrainSpec
 
 if TYPE_CHECKING:
-    from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher, Fp8Recipe, Offload, Plan
+    from dsauto.plan import AttentionKernel, CpCommType, Engine, ExpertDispatcher, Fp8Recipe, Offload, Plan
     from dsauto.profile.store import Profile
     from dsauto.search.planner import Progress
 
@@ -117,6 +117,7 @@ def make_problem(
     fp8: bool | None = None,
     fp8_recipe: Fp8Recipe | None = None,
     fp8_param_gather: bool | None = None,
+    cp_comm_type: CpCommType | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
 
@@ -176,6 +177,9 @@ def make_problem(
             FP8 scaling recipe; needs ``fp8``.
         fp8_param_gather: True keeps the transformer layers' weights in FP8, gathered at one byte a
             parameter (Megatron-core's ``--fp8-param-gather``); needs ``fp8`` and ZeRO 1-3.
+        cp_comm_type: how a Megatron-core plan's context parallelism exchanges the shards of a
+            sequence: ``"p2p"`` (a ring), ``"all_gather"`` or ``"a2a"`` (Megatron-core's
+            ``--cp-comm-type``); None: the search prices each that runs and keeps the fastest.
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -201,10 +205,13 @@ def make_problem(
                        recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                        tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                        expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe,
-                       fp8_param_gather=fp8_param_gather)
+                       fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type)
     if fp8_recipe is not None and not fp8:
         raise DsautoError(f"--fp8-recipe {fp8_recipe} sets how FP8 training scales its tensors, and FP8 is off; "
                           f"add --fp8 or leave out --fp8-recipe.")
+    if cp_comm_type not in (None, "p2p") and cp == 1:
+        raise DsautoError(f"--cp-comm-type {cp_comm_type} exchanges the shards of context parallelism, and --cp 1 "
+                          f"has none; pin --cp 2 or more, or leave out --cp-comm-type.")
     if fp8_param_gather and not fp8:
         raise DsautoError("--fp8-param-gather keeps the weights in FP8, and FP8 is off; add --fp8 or leave out "
                           "--fp8-param-gather.")
@@ -298,6 +305,7 @@ def make_plan(
     fp8: bool | None = None,
     fp8_recipe: Fp8Recipe | None = None,
     fp8_param_gather: bool | None = None,
+    cp_comm_type: CpCommType | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """The fastest plan that fits: :func:`find_plans` of :func:`make_problem` with these arguments
@@ -314,5 +322,5 @@ def make_plan(
                            recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                            tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                            expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe,
-                           fp8_param_gather=fp8_param_gather)
+                           fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type)
     return find_plans(problem, profile=profile)[0]

@@ -13,6 +13,11 @@ from dsauto.plan import LayerChoice, Plan
 from dsauto.units import format_bytes, format_count, format_flops, format_seconds
 
 
+CP_EXCHANGES = {"p2p": "a ring of keys and values", "all_gather": "keys and values all-gathered",
+                "a2a": "all-to-all over heads"}
+"""How a Megatron-core plan's context parallelism exchanges the shards, in words."""
+
+
 def _layer_range(run: LayerChoice) -> str:
     return f"{run.first}" if run.first == run.last else f"{run.first}-{run.last}"
 
@@ -48,6 +53,7 @@ def describe_plan(plan: Plan) -> str:
         f"  degrees     {plan.dims.describe()}; {plan.world_size} devices = "
         f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "")
         + (" (DeepSpeed-Ulysses)" if plan.cp > 1 and plan.engine == "deepspeed" else "")
+        + (f" ({CP_EXCHANGES[plan.cp_comm_type]})" if plan.cp > 1 and plan.engine == "megatron" else "")
         + f", ZeRO stage {plan.zero_stage}{sp}",
         f"  batch       micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation steps x dp "
         f"{plan.dp} = {plan.global_batch} sequences of {plan.seq_len} tokens; {plan.dtype}"

@@ -64,6 +64,14 @@ recipes): ``delayed`` from a history of each tensor's maxima (Megatron-core's de
 scaling)."""
 FP8_RECIPES: tuple[Fp8Recipe, ...] = ("delayed", "tensorwise")
 
+CpCommType = Literal["p2p", "all_gather", "a2a"]
+"""How Megatron-core's context parallelism exchanges a sequence's shards around attention
+(``--cp-comm-type``, Transformer Engine's ``cp_comm_type``): ``p2p`` passes keys and values around
+a ring, overlapped with attention (Megatron-core's default); ``all_gather`` all-gathers them before
+attention and reduce-scatters their gradients after it (Llama 3's method); ``a2a`` trades the
+sequence shard for a share of the heads, as DeepSpeed-Ulysses does."""
+CP_COMM_TYPES: tuple[CpCommType, ...] = ("p2p", "all_gather", "a2a")
+
 
 def stage_bounds(stage_layers: Sequence[int]) -> list[tuple[int, int]]:
     """First and last flat layer of each stage: the embedding joins stage 0, the head the last."""
@@ -369,6 +377,9 @@ class Plan:
     fp8_param_gather: bool = False
     """Megatron-core's ``--fp8-param-gather``: the transformer layers' weights are FP8 tensors,
     gathered at one byte a parameter; only with ``fp8`` and ZeRO 1-3."""
+    cp_comm_type: CpCommType = "p2p"
+    """How context parallelism exchanges the sequence's shards (:data:`CpCommType`); other than
+    ``p2p`` only in a Megatron-core plan with cp > 1."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -412,6 +423,11 @@ class Plan:
         if self.expert_dispatcher == "deepep" and (self.engine != "megatron" or not self.model.moe):
             raise ValueError(f"expert_dispatcher deepep needs a Megatron-core plan (not {self.engine}) of a "
                              f"mixture of experts ({self.model.name} has {self.model.num_experts} experts)")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {self.cp_comm_type!r}")
+        if self.cp_comm_type != "p2p" and (self.engine != "megatron" or self.cp == 1):
+            raise ValueError(f"cp_comm_type {self.cp_comm_type} needs a Megatron-core plan (not {self.engine}) "
+                             f"with cp > 1 (not {self.cp})")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if self.fp8 and (self.engine != "megatron" or self.dtype == "fp32"):

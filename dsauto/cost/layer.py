@@ -46,7 +46,6 @@ from dsauto.cost.terms import (
     partial_dist_opt_sync_seconds,
     pass_seconds,
     state_bytes_per_param,
-    ulysses_seconds,
     zero3_hook_seconds,
 )
 from dsauto.spec.cluster import ClusterSpec
@@ -142,10 +141,12 @@ class CostModel:
             resident_keeps_partition=strategy.engine == "deepspeed",
             tp_group=scaled(tp, self.calibration.tensor_parallel), dp_group=scaled(dp, comm),
             calibration=self.calibration,
-            # cp is ring attention under Megatron-core and DeepSpeed-Ulysses under DeepSpeed.
+            # cp is Transformer Engine's context parallelism (its cp_comm_type) under Megatron-core and
+            # DeepSpeed-Ulysses under DeepSpeed.
             cp=dims.cp, cp_group=scaled(cp, comm) if dims.cp > 1 and strategy.engine == "megatron" else None,
-            cp_all_to_all=all_to_all_of(cluster, dims, "cp", comm) if dims.cp > 1 and strategy.engine == "deepspeed"
-            else None, engine=strategy.engine,
+            cp_all_to_all=all_to_all_of(cluster, dims, "cp", comm) if dims.cp > 1 and (
+                strategy.engine == "deepspeed" or strategy.cp_comm_type == "a2a") else None,
+            cp_comm_type=strategy.cp_comm_type, engine=strategy.engine,
             ep=dims.ep, etp=dims.etp, expert_dp=dims.expert_dp,
             ep_group=expert_all_to_all(cluster, dims, comm) if dims.ep > 1 else None,
             # ZeRO++ hpZ's secondary partition: the hpz consecutive ranks of a node (DeepSpeed's
@@ -218,8 +219,7 @@ class CostModel:
         sample = self._measured_layer(group, option.checkpoint)
         uncheckpointed = self._measured_layer(group, False) if option.checkpoint else sample
         hooks = zero3_hook_seconds(group, option, ctx, self.profile)
-        passes = (pass_seconds(group, option, ctx, sample).plus(hooks).plus(context_parallel_seconds(group, ctx))
-                  .plus(ulysses_seconds(group, option, ctx)))
+        passes = pass_seconds(group, option, ctx, sample).plus(hooks).plus(context_parallel_seconds(group, option, ctx))
         if group.dispatch_bytes_per_token:
             passes = passes.plus(expert_dispatch_seconds(group, option, ctx))
         traffic = data_parallel_cost(group, option, ctx, passes, hooks_measured=hooks.forward_seconds > 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsauto.parallel import ParallelDims
-from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher, Fp8Recipe, Offload
+from dsauto.plan import AttentionKernel, CpCommType, Engine, ExpertDispatcher, Fp8Recipe, Offload
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,12 @@ class Strategy:
     byte a parameter and no separate FP8 copy is kept beside a 16-bit weight
     (:func:`dsauto.cost.terms.fp8_weight_bytes`, :func:`dsauto.cost.terms.data_parallel_cost`). It needs
     the distributed optimizer or Megatron-FSDP (ZeRO 1-3). Read only under ``fp8``."""
+    cp_comm_type: CpCommType = "p2p"
+    """How Megatron-core's context parallelism exchanges the shards of a sequence (``--cp-comm-type``,
+    :data:`dsauto.plan.CpCommType`; :func:`dsauto.cost.terms.context_parallel_seconds`): ``p2p`` a
+    ring overlapped with attention, ``all_gather`` the keys and values gathered before attention and
+    their gradients reduce-scattered after it, exposed, ``a2a`` all-to-alls of the queries, keys,
+    values and output, exposed. Under DeepSpeed cp is DeepSpeed-Ulysses and this stays ``p2p``."""
 
     def __post_init__(self) -> None:
         if self.tp_comm_overlap and not (self.dims.tp > 1 and self.sequence_parallel):

@@ -25,7 +25,7 @@ from dsauto.cost.collectives import AllToAll, Group
 from dsauto.cost.measured import MeasuredCosts, MeasuredLayer
 from dsauto.cost.strategy import LayerOption
 from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR
-from dsauto.plan import AttentionKernel, Engine, ExpertDispatcher, Fp8Recipe
+from dsauto.plan import AttentionKernel, CpCommType, Engine, ExpertDispatcher, Fp8Recipe
 from dsauto.spec.cluster import DeviceSpec
 from dsauto.spec.model import LayerGroup
 
@@ -175,8 +175,11 @@ class LayerContext:
     cp_group: Group | None = None
     """The context-parallel ring (its send/recv), calibrated; None without context parallelism."""
     cp_all_to_all: AllToAll | None = None
-    """DeepSpeed-Ulysses' all-to-all over the context-parallel (sequence-parallel) group, calibrated;
-    None unless a DeepSpeed strategy has cp > 1."""
+    """The all-to-all over the context-parallel group, calibrated: DeepSpeed-Ulysses' (a DeepSpeed
+    strategy with cp > 1) or Transformer Engine's ``a2a`` (a Megatron-core one); None otherwise."""
+    cp_comm_type: CpCommType = "p2p"
+    """How a Megatron-core strategy's context parallelism exchanges the shards
+    (:attr:`dsauto.cost.strategy.Strategy.cp_comm_type`)."""
     engine: Engine = "deepspeed"
     """The engine that runs the strategy: Megatron-core's activation and gradient transients differ
     from DeepSpeed's (the ``megatron_*`` terms)."""
@@ -749,26 +752,55 @@ def pass_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     return Passes(forward, backward)
 
 
-def context_parallel_seconds(group: LayerGroup, ctx: LayerContext) -> Passes:
-    """Ring attention's exposed communication in one micro-batch of a transformer layer.
+def context_parallel_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Passes:
+    """Context parallelism (DeepSpeed-Ulysses under DeepSpeed, :func:`ulysses_seconds`), and under
+    Megatron-core the exchanges of one micro-batch of a transformer layer
+    that its compute does not hide, by ``ctx.cp_comm_type`` (Transformer Engine's implementations in
+    transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py). Each splits the
+    sequence into 2 x cp chunks, two per rank, so causal attention costs every rank the same 1/cp of
+    the FLOPs (the roofline sees this rank's tokens against the whole sequence).
 
-    Megatron-core's context parallelism (Transformer Engine's ring attention, ``cp_comm_type`` p2p)
-    splits each sequence into 2 x cp chunks, two per rank, so causal attention costs every rank the
-    same 1/cp of the FLOPs (the roofline sees this rank's tokens against the whole sequence). Each
-    rank passes its keys and values around the ring: cp - 1 sends of its share in forward, and in
-    backward the keys and values again with their gradients, twice the bytes (Liu et al. 2023, "Ring
-    Attention", Sec. 3; Megatron-core docs, context_parallel.md). Each send overlaps the attention
-    block of the step before it, so only what the attention compute cannot hide is exposed."""
-    if ctx.cp == 1 or group.kind != "transformer" or ctx.cp_group is None:
+    - ``p2p`` (``AttnFuncWithCPAndKVP2P``): each rank passes its keys and values around the ring,
+      cp - 1 sends of its share in forward, and in backward the keys and values again with their
+      gradients, twice the bytes (Liu et al. 2023, "Ring Attention", Sec. 3; Megatron-core docs,
+      context_parallel.md). Each send overlaps the attention block of the step before it, so only
+      what the attention compute cannot hide is exposed.
+    - ``all_gather`` (``AttnFuncWithCPAndKVAllGather``, "KV all-gather between CP ranks is exposed";
+      Llama Team 2024, "The Llama 3 Herd of Models", Sec. 3.3.2): forward all-gathers the keys and
+      values of the whole sequence before attention; backward gathers them again and
+      reduce-scatters their gradients, none of it overlapped.
+    - ``a2a`` (``AttnFuncWithCPAndQKVOA2A``): all-to-alls of the queries, keys, values and output
+      trade the sequence shard for 1/cp of the heads, as DeepSpeed-Ulysses does
+      (:func:`ulysses_seconds`), exposed.
+
+    A checkpointed layer's recomputed forward exchanges again, as exposed as the forward's."""
+    if ctx.engine != "megatron" or ctx.cp_comm_type == "a2a":
+        return ulysses_seconds(group, option, ctx)  # DeepSpeed's cp is DeepSpeed-Ulysses
+    if ctx.cp == 1 or group.kind != "transformer":
         return Passes(0.0, 0.0)
-    share = ctx.tokens * group.kv_bytes_per_token / ctx.tp
+    assert ctx.cp_group is not None
+    share = ctx.tokens * group.kv_bytes_per_token / ctx.tp  # this rank's keys and values
+    if ctx.cp_comm_type == "all_gather":
+        gather = ctx.cp_group.all_gather(ctx.cp * share)
+        scatter = ctx.cp_group.reduce_scatter(ctx.cp * share)
+        return Passes(gather, gather + scatter + (gather if option.checkpoint else 0.0))
     forward_comm = (ctx.cp - 1) * ctx.cp_group.send_recv(share)
     attention = attention_passes(group, ctx)
     speed, device = ctx.calibration.compute, ctx.device
     forward_attention, backward_attention = speed * attention.forward_seconds, speed * attention.backward_seconds
     forward = device.overlapped(forward_attention, forward_comm) - forward_attention
     backward = device.overlapped(backward_attention, 2 * forward_comm) - backward_attention
-    return Passes(forward, backward)
+    return Passes(forward, backward + (forward if option.checkpoint else 0.0))
+
+
+def context_parallel_gather_bytes(group: LayerGroup, ctx: LayerContext) -> float:
+    """The transient of ``all_gather`` context parallelism in a transformer layer: the keys and values
+    of the whole sequence, gathered, and in backward their gradients before the reduce-scatter
+    (``AttnFuncWithCPAndKVAllGather``: ``k_ag``/``v_ag`` and the full-length ``dk``/``dv``); the
+    ring holds two shards in flight and ``a2a`` shares of its own size, which are not counted."""
+    if ctx.cp == 1 or group.kind != "transformer" or ctx.engine != "megatron" or ctx.cp_comm_type != "all_gather":
+        return 0.0
+    return 2 * ctx.cp * ctx.tokens * group.kv_bytes_per_token / ctx.tp
 
 
 def ulysses_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Passes:
@@ -1037,7 +1069,7 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
         # rebuilt for their own backward (a transient of their size).
         freed = tokens * selective_saved_bytes_per_token(group, option, ctx)
         activation, transient = full_activation - freed, freed
-    transient += sharded_gather_bytes(group, option, ctx)
+    transient += sharded_gather_bytes(group, option, ctx) + context_parallel_gather_bytes(group, ctx)
     if megatron:
         # Megatron-core: each moment of backward holds the gradient of the weight being
         # differentiated; a transformer layer's larger moments are its MLP output projection's

@@ -85,6 +85,8 @@ def _parallelism(plan: Plan) -> list[str]:
         lines.append("--sequence-parallel")
     if plan.tp_comm_overlap:
         lines.append("--tp-comm-overlap")  # Transformer Engine's userbuffers; needs --sequence-parallel
+    if plan.cp > 1:
+        lines.append(f"--cp-comm-type {plan.cp_comm_type}")  # Transformer Engine's exchange of the shards
     return lines
 
 

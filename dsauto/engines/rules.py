@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from dsauto.parallel import ParallelDims
-from dsauto.plan import RECOMPUTE_MODULES, AttentionKernel, Engine, Offload
+from dsauto.plan import RECOMPUTE_MODULES, AttentionKernel, CpCommType, Engine, Offload
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype
 
@@ -343,6 +343,34 @@ def tp_comm_overlap_refusal(engine: Engine) -> str | None:
     requires of it (it turns both off at tp 1)."""
     if engine != "megatron":
         return "the tensor-parallel overlap is Megatron-core's (Transformer Engine's userbuffers); plan with --engine megatron"
+    return None
+
+
+def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: int, model: ModelSpec) -> str | None:
+    """Why context parallelism of degree ``cp`` cannot exchange a sequence's shards the
+    ``cp_comm_type`` way (``--cp-comm-type``), or None; nothing to refuse at cp 1.
+
+    The three ways are Transformer Engine's (transformer_engine/pytorch/attention/
+    dot_product_attention/context_parallel.py, ``attn_forward_func_with_cp``), which Megatron-core
+    runs (``TransformerConfig.cp_comm_type``): its ring (``p2p``) does not run sliding-window
+    attention (only ``a2a`` and ``all_gather`` do), and ``a2a`` splits the query heads and the
+    key/value heads of each tensor-parallel rank over cp (``AttnFuncWithCPAndQKVOA2A`` asserts
+    ``num_heads % cp_size == 0`` for Q, K and V). Under DeepSpeed cp is DeepSpeed-Ulysses, which has
+    no such choice."""
+    if cp == 1:
+        return None
+    if engine != "megatron":
+        return (None if cp_comm_type == "p2p" else
+                f"--cp-comm-type {cp_comm_type} is Megatron-core's context parallelism (Transformer Engine's), "
+                f"and under DeepSpeed cp is DeepSpeed-Ulysses")
+    if cp_comm_type == "p2p" and model.sliding_window:
+        return (f"Transformer Engine's ring (cp_comm_type p2p) does not run sliding-window attention "
+                f"({model.sliding_window} tokens)")
+    if cp_comm_type == "a2a":
+        for name, count in (("attention heads", model.num_attention_heads), ("key/value heads", model.kv_heads)):
+            if count % (tp * cp):
+                return (f"cp_comm_type a2a splits the {count} {name} over tp x cp = {tp} x {cp}, which does "
+                        f"not divide them")
     return None
 
 

@@ -238,6 +238,12 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
         _report("The config dispatches the experts' tokens with the flex dispatcher and the plan was priced "
                 "with alltoall's; dsauto keeps the config's (re-plan with --moe-dispatcher deepep to price "
                 "DeepEP's).")
+    if plan.cp > 1:
+        # Transformer Engine's context parallelism (its attention only); None is its ring, p2p.
+        if config.cp_comm_type not in (None, plan.cp_comm_type):
+            _report(f"The plan was priced with cp_comm_type {plan.cp_comm_type}, so dsauto replaces the config's "
+                    f"{config.cp_comm_type!r}.")
+        fields["cp_comm_type"] = plan.cp_comm_type
     if plan.fp8:
         # Transformer Engine's linear layers (its layers only); FP8 weights with --fp8-param-gather
         fields.update(fp8="hybrid", fp8_recipe=plan.fp8_recipe, fp8_param=plan.fp8_param_gather)

@@ -12,6 +12,7 @@ from dsauto.engines.rules import (
     VIRTUAL_STAGES,
     attention_kernel_refusal,
     context_parallel_refusal,
+    cp_comm_type_refusal,
     default_attention_kernel,
     expert_dispatcher_refusal,
     grad_reduce_refusal,
@@ -32,7 +33,9 @@ from dsauto.plan import (
     ATTENTION_KERNELS,
     ENGINES,
     OFFLOADS,
+    CP_COMM_TYPES,
     AttentionKernel,
+    CpCommType,
     Engine,
     ExpertDispatcher,
     Fp8Recipe,
@@ -165,6 +168,15 @@ class Constraints:
     """True: FP8 weights (:attr:`dsauto.cost.strategy.Strategy.fp8_param_gather`), which rules out ZeRO 0;
     None: 16-bit weights with FP8 copies. Needs ``fp8``."""
 
+    cp_comm_type: CpCommType | None = field(default=None, metadata={
+        "flag": "--cp-comm-type",
+        "help": "how Megatron-core's context parallelism exchanges a sequence's shards: p2p (a ring of keys "
+                "and values overlapped with attention), all_gather (keys and values gathered before attention, "
+                "as Llama 3 trained) or a2a (all-to-alls trading the sequence shard for heads, as "
+                "DeepSpeed-Ulysses) (Megatron-core plans with cp > 1; default: the fastest that runs)"})
+    """How Megatron-core's context parallelism exchanges the shards (:data:`dsauto.plan.CpCommType`);
+    None: the search tries each that runs (they compute the same)."""
+
     @property
     def fp8_delayed(self) -> bool:
         """FP8 pinned with delayed scaling."""
@@ -239,10 +251,23 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                expert_dispatcher=pins.expert_dispatcher or "alltoall",
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
                                fp8=bool(pins.fp8), fp8_recipe=pins.fp8_recipe or "delayed",
-                               fp8_param_gather=bool(pins.fp8 and pins.fp8_param_gather))
+                               fp8_param_gather=bool(pins.fp8 and pins.fp8_param_gather), cp_comm_type=exchange)
            for s in out if runnable[s.engine] and not (pins.fp8_param_gather and s.zero_stage == 0)
+           for exchange in cp_comm_types(s, model, pins)
            for modules in recompute_sets[s.engine]]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
+
+
+def cp_comm_types(strategy: Strategy, model: ModelSpec, pins: Constraints) -> tuple[CpCommType, ...]:
+    """The ways the search tries for ``strategy``'s context parallelism to exchange the shards: the
+    pinned one, else each that runs (they compute the same, so the cost model picks); ``p2p`` alone
+    where nothing is exchanged (cp 1) or cp is DeepSpeed-Ulysses, which a pin of another way rules out."""
+    if strategy.dims.cp == 1:
+        return ("p2p",)
+    if strategy.engine != "megatron":
+        return () if pins.cp_comm_type not in (None, "p2p") else ("p2p",)
+    tried = (pins.cp_comm_type,) if pins.cp_comm_type is not None else CP_COMM_TYPES
+    return tuple(t for t in tried if cp_comm_type_refusal(strategy.engine, t, strategy.dims.cp, strategy.tp, model) is None)
 
 
 def strategies_or_none(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -258,7 +283,8 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
                            model: ModelSpec) -> dict[str, tuple[str, str]]:
     """Flag -> (why ``engine`` cannot run it, what to do) of each pinned engine option it refuses: the
     attention kernel (:func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``,
-    ``--grad-reduce-in-bf16``, ``--moe-dispatcher deepep`` and ``--fp8``. The search drops the
+    ``--grad-reduce-in-bf16``, ``--moe-dispatcher deepep``, ``--fp8`` and a ``--cp-comm-type`` other
+    than ``p2p`` (Megatron-core's). The search drops the
     engine's strategies when any is refused."""
     out = {}
     if pins.attention_kernel is not None and (why := attention_kernel_refusal(
@@ -272,6 +298,9 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--moe-dispatcher deepep"] = why, "leave it out"
     if pins.fp8 and (why := fp8_refusal(engine, train.dtype, model)):
         out["--fp8"] = why, "leave it out"
+    if pins.cp_comm_type not in (None, "p2p") and engine != "megatron" and (
+            why := cp_comm_type_refusal(engine, pins.cp_comm_type, 2, 1, model)):
+        out[f"--cp-comm-type {pins.cp_comm_type}"] = why, "plan with --engine megatron or leave it out"
     return out
 
 
@@ -433,6 +462,11 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
     for flag, (why, remedy) in refused[-1].items():  # each a Megatron-core option: its reason, engine open or not
         if all(flag in other for other in refused):
             return DsautoError(f"{flag} cannot run: {why}; {remedy}.")
+    if pins.cp is not None and pins.cp > 1 and pins.cp_comm_type is not None and pins.engine != "deepspeed" and (
+            why := cp_comm_type_refusal("megatron", pins.cp_comm_type, pins.cp, tp, model)):
+        return DsautoError(f"--cp-comm-type {pins.cp_comm_type} cannot run with --cp {pins.cp}: {why}; "
+                           f"pin another --cp-comm-type{' or a smaller --cp' if 'tp x cp' in why else ''}, or leave "
+                           f"it out.")
     if pins.cp is not None and pins.cp > 1:
         engines = ENGINES if pins.engine is None else (pins.engine,)
         reasons = [context_parallel_refusal(e, pins.cp, train.seq_len, train.flash_attention,
