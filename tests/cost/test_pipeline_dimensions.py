@@ -10,7 +10,7 @@ from dsauto.cost.collectives import Group
 from dsauto.cost.layer import CostModel
 from dsauto.cost.pipeline import pipeline_seconds
 from dsauto.cost.step import in_flight, interleaved_makespan
-from dsauto.cost.strategy import Strategy
+from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.cost.terms import context_parallel_seconds
 from dsauto.engines.megatron import pipeline_layout
 from dsauto.engines.rules import context_parallel_refusal, virtual_stage_refusal
@@ -66,6 +66,9 @@ def test_interleaving_and_context_parallel_rules():
     assert context_parallel_refusal("megatron", 16, 131072, flash_attention=True) is None
 
 
+PLAIN = LayerOption(checkpoint=False, shard_params=False, split=1)
+
+
 def test_ring_attention_passes_keys_and_values_cp_minus_one_times():
     cluster = load_cluster("h100-80gb", nodes=2, gpus_per_node=8)
     model, train = load_model("llama3-8b"), TrainSpec(global_batch=16, seq_len=32768, dtype="bf16")
@@ -79,11 +82,11 @@ def test_ring_attention_passes_keys_and_values_cp_minus_one_times():
     assert block.kv_bytes_per_token == 2 * 8 * 128 * 2
     share = 8192 * 4096 / 2
     slow = Group(4, bandwidth_bytes_per_second=1e9, latency_seconds=0.0)  # a ring too slow to hide
-    exposed = context_parallel_seconds(block, ctx.__class__(**{**ctx.__dict__, "cp_group": slow}))
+    exposed = context_parallel_seconds(block, PLAIN, ctx.__class__(**{**ctx.__dict__, "cp_group": slow}))
     comm = 3 * share / 1e9
     assert exposed.forward_seconds > 0.5 * comm and exposed.backward_seconds > exposed.forward_seconds
     fast = Group(4, bandwidth_bytes_per_second=1e15, latency_seconds=0.0)  # hidden behind attention
-    hidden = context_parallel_seconds(block, ctx.__class__(**{**ctx.__dict__, "cp_group": fast}))
+    hidden = context_parallel_seconds(block, PLAIN, ctx.__class__(**{**ctx.__dict__, "cp_group": fast}))
     assert hidden.forward_seconds < 1e-4 * exposed.forward_seconds + 1e-12
 
 
