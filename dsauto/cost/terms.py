@@ -970,12 +970,13 @@ def model_state(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Mo
         # Routed experts: 1/(ep x etp) of them per rank, their states sharded over the expert
         # data-parallel group (Megatron-core's distributed optimizer keeps expert parameters in
         # their own buffers over ``expt_dp``: megatron/core/distributed/distributed_data_parallel.py).
-        dense = _state(dense_local_params(group, ctx), ctx.dp, option, ctx)
-        experts = _state(expert_local_params(group, ctx), ctx.expert_dp or ctx.dp, option, ctx)
+        fp8_params = ctx.fp8_params(group)
+        dense = _state(dense_local_params(group, ctx), ctx.dp, option, ctx, fp8_params)
+        experts = _state(expert_local_params(group, ctx), ctx.expert_dp or ctx.dp, option, ctx, fp8_params)
         return ModelState(dense.params_bytes + experts.params_bytes + fp8, dense.grads_bytes + experts.grads_bytes,
                           dense.optimizer_bytes + experts.optimizer_bytes,
                           dense.optimizer_params + experts.optimizer_params)
-    state = _state(local_params(group, ctx.tp), ctx.dp, option, ctx)
+    state = _state(local_params(group, ctx.tp), ctx.dp, option, ctx, ctx.fp8_params(group))
     return dataclasses.replace(state, params_bytes=state.params_bytes + fp8) if fp8 else state
 
 
@@ -986,17 +987,19 @@ def fp8_weight_bytes(group: LayerGroup, option: LayerOption, ctx: LayerContext) 
     layer's copies exist while it is gathered (:func:`sharded_gather_bytes`). With
     ``--fp8-param-gather`` the weights are FP8 tensors holding both copies in the two bytes a 16-bit
     weight took (Transformer Engine's ``Float8Tensor``), and no copy is added (a sharded layer's
-    shards, one byte a parameter, are priced at two)."""
+    shards hold one byte a parameter: :func:`_state`)."""
     if not ctx.fp8 or group.kind != "transformer" or ctx.shards(option) or ctx.fp8_params(group):
         return 0.0
     return FP8_WEIGHT_COPIES * FP8_BYTES * rank_params(group, ctx)
 
 
-def _state(local: float, dp: int, option: LayerOption, ctx: LayerContext) -> ModelState:
-    """Model state of ``local`` parameters per rank whose ZeRO group has ``dp`` ranks."""
+def _state(local: float, dp: int, option: LayerOption, ctx: LayerContext, fp8_params: bool = False) -> ModelState:
+    """Model state of ``local`` parameters per rank whose ZeRO group has ``dp`` ranks; ``fp8_params``:
+    they are FP8 tensors (``--fp8-param-gather``), whose ZeRO-3 shards hold one byte a parameter (a
+    resident FP8 weight keeps its transpose beside it, the two bytes of a 16-bit one)."""
     zero = ctx.zero_stage
     sharded = ctx.shards(option) and dp > 1
-    params_bytes = local * ctx.dtype_bytes / (dp if sharded else 1)
+    params_bytes = local * (FP8_BYTES if sharded and fp8_params else ctx.dtype_bytes) / (dp if sharded else 1)
     if zero == 3 and not sharded and dp > 1 and ctx.resident_keeps_partition:
         # A resident (ds_persist) group keeps its ZeRO-3 partition too: the optimizer updates the
         # partition and re-gathers the full copy from it after each step (measured in

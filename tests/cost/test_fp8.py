@@ -266,6 +266,10 @@ def test_fp8_weights_are_gathered_at_one_byte_and_kept_without_a_second_copy():
     # Megatron-FSDP's gathered unit: the FP8 weight and its transpose, no 16-bit weight beside them.
     fsdp, _, _ = costs(True, zero=3, param_gather=True)
     assert sharded_gather_bytes(block, SHARDED, fsdp.context) == pytest.approx(2 * block.params * 2)
+    # Its shard of an FP8 weight: one byte a parameter over the 8 ranks, half a 16-bit shard.
+    sixteen, _, _ = costs(True, zero=3)
+    assert fsdp.layer(block, SHARDED).params_bytes == pytest.approx(block.params / 8)
+    assert sixteen.layer(block, SHARDED).params_bytes == pytest.approx(2 * block.params / 8)
 
 
 def test_fp8_weights_are_pinned_emitted_applied_and_need_zero_1_to_3():
