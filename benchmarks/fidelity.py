@@ -880,7 +880,9 @@ WHY = {
               "interleaving). dsauto runs ZeRO 0-1 with pipelines; under its memory model the interleaved "
               "schedule (4 virtual stages) does not fit 80 GiB without recomputation (84-98 GiB), so these runs "
               "are priced under a generous limit. The 128K row adds context parallelism 16 (priced as "
-              "Megatron-core's ring attention) and comes out slowest.",
+              "Transformer Engine's all-gather of keys and values, the paper's method) and comes out slowest: "
+              "at 128K tokens most of its step is attention, priced at the FlashAttention-2 rate fitted on the "
+              "other H100 runs (the exchange adds 0.6 s of 18.8).",
     "ibm": "The authors report their H100 cluster's network lags (about 10%) and suspect HBM limits; the H100 "
            "rows come out too fast by more than that.",
     "mpt": "Patterns that no mechanism dsauto knows explains. (1) The 30B runs on 8 GPUs at 4-8K tokens are "
@@ -898,7 +900,9 @@ WHY = {
     "mtnlg": "The same model and layout on Megatron-LM (Narayanan et al. 2021, 2520 GPUs) reached 163 TFLOP/s; "
              "MT-NLG's DeepSpeed pipeline reached 113-126 on the same hardware: dsauto does not price the "
              "difference between the two pipeline engines.",
-    "automodel": "FSDP2 with context parallelism 2, priced as Megatron-core's ring attention.",
+    "automodel": "FSDP2 with context parallelism 2 (PyTorch's context_parallel under SDPA, keys and values "
+                 "all-gathered: its cp_utils.py sets cp_rotate_method 'allgather'), priced as Megatron-core's ring; "
+                 "at cp 2 inside a node either exchange takes about 0.1 ms a layer, so the error is elsewhere.",
     "dgxc": "Attention in cuDNN's fused kernel where the recipe set NVTE_FUSED_ATTN=1 (Llama 3.1, Nemotron-4 15B) "
             "is priced at the H100's fused_attention_efficiency (Strategy.attention_kernel); before, every fused "
             "attention ran at the FlashAttention-2 efficiency and these runs came out +10..+29% (the 8B at 8K "
@@ -987,14 +991,22 @@ CHANGES = [
     "(Strategy.expert_dispatcher) priced; Megatron-FSDP plans experts sharded over their expert data-parallel "
     "group and gathers whole layers (mcore_fsdp_adapter.py: fsdp_unit_modules [TransformerLayer]); no dense run's "
     "prediction moved.",
+    "Context parallelism's exchange (Strategy.cp_comm_type; Megatron-core's --cp-comm-type, Transformer Engine's "
+    "cp_comm_type, transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py): besides the "
+    "ring (p2p, overlapped with attention), the keys and values all-gathered before attention and their "
+    "gradients reduce-scattered after it, exposed (all_gather, AttnFuncWithCPAndKVAllGather), and all-to-alls "
+    "over heads (a2a, priced as DeepSpeed-Ulysses'); a checkpointed layer's recomputation exchanges again. "
+    "Llama 3's 128K row is priced with all_gather, which its paper states (Sec. 3.3.2): +18.6% -> +22.8% in "
+    "sample (0.6 s of exposed gathers; its error is the attention rate at 128K tokens, not the exchange); the "
+    "other sources keep the ring, Megatron-core's and NeMo's default.",
     "FP8 training (Strategy.fp8; --fp8, --fp8-recipe and --fp8-param-gather; their own section below): before, every FP8 run was "
     "excluded ('not comparable with the BF16 cost model'). Transformer Engine's FP8 linear layers are priced at "
     "the FP8 peak with one new constant, fp8_matmul_efficiency, fitted on the 16 dense FP8 runs alone with the "
     "16-bit constants held, and cross-validated by model; their casts, FP8-kept activations and weight copies "
     "follow Transformer Engine's modules (TE 2.x: linear.py, layernorm_linear.py; Megatron-core's "
     "transformer_engine.py passes is_first_microbatch, so the FP8 weights are cached over a step); the "
-    "recipes (delayed, tensorwise) and --fp8-param-gather are priced as pinned. The fitted efficiency, 0.446 "
-    "of the FP8 peak against 0.589 of the BF16 peak for 16-bit GEMMs, prices the GEMMs of Transformer "
+    "recipes (delayed, tensorwise) and --fp8-param-gather are priced as pinned. The fitted efficiency, 0.447 "
+    "of the FP8 peak against 0.591 of the BF16 peak for 16-bit GEMMs, prices the GEMMs of Transformer "
     "Engine's H200 profiling example (hidden 4096, MLP 16384, 15,872 tokens, quantization included; "
     "docs/examples/gemm_profiling/gemm_profiling.rst) at 1.37x (delayed) and 1.31x (tensorwise) the BF16 "
     "time, where TE measured the kernels alone at 1.69x and 1.58x: the runs gain less from FP8 than the "
