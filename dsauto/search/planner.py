@@ -137,6 +137,38 @@ def _beside_activations(strategy: Strategy, stage_constant: float, grads_bytes: 
     return stage_constant
 
 
+def _without_dominated_exchanges(space: list[Strategy], priced: list[_Priced | None]
+                                 ) -> tuple[list[Strategy], list[_Priced | None]]:
+    """``space`` and its prices less the strategies whose context-parallel exchange (``cp_comm_type``)
+    is dominated: a twin that differs only in it costs no more time and no more memory in every
+    group and option, so the dynamic program cannot find a better plan for the dominated one (the
+    exchange enters the step only through these arrays). A partial distributed optimizer's variant
+    goes with its one-instance twin."""
+    twins: dict[Strategy, list[int]] = {}
+    for i, (s, p) in enumerate(zip(space, priced)):
+        if p is not None and s.dims.cp > 1 and p.zero3 is None:
+            twins.setdefault(dataclasses.replace(s, cp_comm_type="p2p"), []).append(i)
+    dropped: set[Strategy] = set()
+    for members in twins.values():
+        for i in members:
+            a = priced[i]
+            for j in members:
+                b = priced[j]
+                if j == i or b.strategy in dropped or a is None or b is None:
+                    continue
+                arrays = ((b.time, a.time), (b.compute, a.compute), (b.static, a.static),
+                          (b.activation, a.activation), (b.transient, a.transient))
+                no_worse = all(np.all((y <= x) | (np.isinf(x) & np.isinf(y))) for y, x in arrays)
+                if no_worse and (j < i or any(np.any(y < x) for y, x in arrays)):
+                    dropped.add(a.strategy)
+                    break
+    if not dropped:
+        return space, priced
+    keep = [k for k, s in enumerate(space)
+            if s not in dropped and dataclasses.replace(s, dist_opt_instances=1) not in dropped]
+    return [space[k] for k in keep], [priced[k] for k in keep]
+
+
 @dataclass(frozen=True)
 class _Zero3Rows:
     """ZeRO-3's moments (dsauto.cost.zero3) per group and option, exact but for what depends on
@@ -609,6 +641,7 @@ class Planner:
         priced: list[_Priced | None] = [None if s.dist_opt_instances > 1 and
                                         dataclasses.replace(s, dist_opt_instances=1) in single else price(s)
                                         for s in space]
+        space, priced = _without_dominated_exchanges(space, priced)
         twin_bound = {p.strategy: p.lower_bound(L) for p in priced if p is not None}
         bounds = [p.lower_bound(L) if p is not None else twin_bound[dataclasses.replace(s, dist_opt_instances=1)]
                   for s, p in zip(space, priced)]

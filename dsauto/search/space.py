@@ -261,11 +261,10 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
 def cp_comm_types(strategy: Strategy, model: ModelSpec, pins: Constraints) -> tuple[CpCommType, ...]:
     """The ways the search tries for ``strategy``'s context parallelism to exchange the shards: the
     pinned one, else each that runs (they compute the same, so the cost model picks); ``p2p`` alone
-    where nothing is exchanged (cp 1) or cp is DeepSpeed-Ulysses, which a pin of another way rules out."""
-    if strategy.dims.cp == 1:
+    where nothing is exchanged (cp 1) or cp is DeepSpeed-Ulysses (a pin of another way drops DeepSpeed's
+    strategies: :func:`pinned_option_refusals`)."""
+    if strategy.dims.cp == 1 or strategy.engine != "megatron":
         return ("p2p",)
-    if strategy.engine != "megatron":
-        return () if pins.cp_comm_type not in (None, "p2p") else ("p2p",)
     tried = (pins.cp_comm_type,) if pins.cp_comm_type is not None else CP_COMM_TYPES
     return tuple(t for t in tried if cp_comm_type_refusal(strategy.engine, t, strategy.dims.cp, strategy.tp, model) is None)
 

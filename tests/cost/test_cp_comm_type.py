@@ -172,3 +172,29 @@ def test_a_plan_built_by_hand_keeps_the_rule():
         dataclasses.replace(plan, engine="deepspeed", attention_kernel="flash")
     with pytest.raises(ValueError, match="cp_comm_type must be one of p2p, all_gather, a2a"):
         dataclasses.replace(plan, cp_comm_type="ring")
+
+
+def test_the_search_drops_an_exchange_its_twin_beats_in_time_and_memory_before_solving():
+    from dsauto.search.planner import Planner, _without_dominated_exchanges
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        problem = make_problem("llama3-8b", "h100-80gb", nodes=2, gpus_per_node=8, global_batch=32, seq_len=SEQ,
+                               engine="megatron", tp=1, pp=1, cp=CP, zero_stage=1, micro_batch=1,
+                               recompute_modules="none")
+    planner = Planner(problem.model, problem.cluster, problem.train, problem.pins)
+    space = [s for s in strategies(problem.model, problem.cluster, problem.train, problem.pins)
+             if s.dist_opt_instances == 1]
+    assert sorted(s.cp_comm_type for s in space) == ["a2a", "all_gather", "p2p"]
+    priced = [planner._price(s) for s in space]
+    kept, kept_prices = _without_dominated_exchanges(space, priced)
+    by_type = {s.cp_comm_type: p for s, p in zip(space, priced)}
+    # all_gather exposes its gathers and holds the gathered keys and values: the ring beats it on both.
+    assert (by_type["all_gather"].time >= by_type["p2p"].time).all()
+    assert (by_type["all_gather"].transient >= by_type["p2p"].transient).all()
+    assert "all_gather" not in {s.cp_comm_type for s in kept} and "p2p" in {s.cp_comm_type for s in kept}
+    assert [p.strategy for p in kept_prices] == kept
+    # Twins that cost the same keep the first.
+    twin = dataclasses.replace(space[0], cp_comm_type="all_gather" if space[0].cp_comm_type != "all_gather" else "p2p")
+    same, _ = _without_dominated_exchanges([space[0], twin], [priced[0], dataclasses.replace(priced[0], strategy=twin)])
+    assert same == [space[0]]
