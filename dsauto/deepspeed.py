@@ -78,7 +78,30 @@ def initialize(
     request = requested_trial()
     if request is not None:  # launched by `dsauto tune --script`: run and measure the trial's plan
         return start_trial(request, forwarded, hook.initialize)
-    return hook.initialize(forwarded)
+    built = hook.initialize(forwarded)
+    _unlink_cpu_all_reduce_buffer_at_exit()
+    return built
+
+
+def _unlink_cpu_all_reduce_buffer_at_exit() -> None:
+    """On the CPU accelerator, DeepSpeed's all-reduce gives each rank of a one-node job a shared-memory
+    buffer of about 66 MiB, named after the user, the master address and port and the rank
+    (deepspeed/ops/csrc/cpu/comm/shm_interface.cpp and shm.cpp, ``shm_initialize``), and never unlinks
+    it: every CPU run would leave its ranks' buffers in /dev/shm for good. Each rank maps every other
+    rank's buffer when the process group starts, so once the engine is built each may unlink its own
+    name at exit (the mappings stay valid). dsauto's own launches remove them from the outside too
+    (:func:`dsauto.profile.launch.remove_shared_memory`)."""
+    import atexit
+
+    from deepspeed.accelerator import get_accelerator
+
+    from dsauto.profile.launch import SHARED_MEMORY
+
+    addr, port, rank = (os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"))
+    if get_accelerator().device_name() != "cpu" or not (addr and port and rank):
+        return
+    buffer = SHARED_MEMORY / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+    atexit.register(buffer.unlink, missing_ok=True)
 
 
 def pipeline_module(config: str | os.PathLike[str] | dict[str, Any] | Plan, layers: Sequence[Any],

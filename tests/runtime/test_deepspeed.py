@@ -117,11 +117,15 @@ def launch(cases_: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                           os.environ.get("PYTHONPATH", "")])}
+    port = _free_port()
     result = subprocess.run(
-        [sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:0,1", "--master_port", str(_free_port()),
+        [sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:0,1", "--master_port", str(port),
          str(WORKER), "--cases", str(cases_file), "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0 and out.exists(), result.stdout[-4000:] + result.stderr[-4000:]
+    # The ranks built their engines through dsauto.deepspeed.initialize, which unlinks their CPU
+    # all-reduce buffers at exit (DeepSpeed alone leaves them in /dev/shm).
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     return json.loads(out.read_text())
 
 
