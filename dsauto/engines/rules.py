@@ -360,8 +360,7 @@ def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: 
     if cp == 1:
         return None
     if engine != "megatron":
-        return (None if cp_comm_type == "p2p" else
-                f"--cp-comm-type {cp_comm_type} is Megatron-core's context parallelism (Transformer Engine's), "
+        return (f"--cp-comm-type {cp_comm_type} is Megatron-core's context parallelism (Transformer Engine's), "
                 f"and under DeepSpeed cp is DeepSpeed-Ulysses")
     if cp_comm_type == "p2p" and model.sliding_window:
         return (f"Transformer Engine's ring (cp_comm_type p2p) does not run sliding-window attention "

@@ -261,8 +261,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
 def cp_comm_types(strategy: Strategy, model: ModelSpec, pins: Constraints) -> tuple[CpCommType, ...]:
     """The ways the search tries for ``strategy``'s context parallelism to exchange the shards: the
     pinned one, else each that runs (they compute the same, so the cost model picks); ``p2p`` alone
-    where nothing is exchanged (cp 1) or cp is DeepSpeed-Ulysses (a pin of another way drops DeepSpeed's
-    strategies: :func:`pinned_option_refusals`)."""
+    where nothing is exchanged (cp 1) or cp is DeepSpeed-Ulysses (a pin drops DeepSpeed's strategies:
+    :func:`pinned_option_refusals`)."""
     if strategy.dims.cp == 1 or strategy.engine != "megatron":
         return ("p2p",)
     tried = (pins.cp_comm_type,) if pins.cp_comm_type is not None else CP_COMM_TYPES
@@ -282,8 +282,8 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
                            model: ModelSpec) -> dict[str, tuple[str, str]]:
     """Flag -> (why ``engine`` cannot run it, what to do) of each pinned engine option it refuses: the
     attention kernel (:func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``,
-    ``--grad-reduce-in-bf16``, ``--moe-dispatcher deepep``, ``--fp8`` and a ``--cp-comm-type`` other
-    than ``p2p`` (Megatron-core's). The search drops the
+    ``--grad-reduce-in-bf16``, ``--moe-dispatcher deepep``, ``--fp8`` and ``--cp-comm-type``
+    (Megatron-core's). The search drops the
     engine's strategies when any is refused."""
     out = {}
     if pins.attention_kernel is not None and (why := attention_kernel_refusal(
@@ -297,7 +297,7 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--moe-dispatcher deepep"] = why, "leave it out"
     if pins.fp8 and (why := fp8_refusal(engine, train.dtype, model)):
         out["--fp8"] = why, "leave it out"
-    if pins.cp_comm_type not in (None, "p2p") and engine != "megatron" and (
+    if pins.cp_comm_type is not None and engine != "megatron" and (
             why := cp_comm_type_refusal(engine, pins.cp_comm_type, 2, 1, model)):
         out[f"--cp-comm-type {pins.cp_comm_type}"] = why, "plan with --engine megatron or leave it out"
     return out

@@ -151,6 +151,7 @@ def test_sliding_window_attention_is_not_given_the_ring():
 
 @pytest.mark.parametrize("extra, message", [
     (["--engine", "deepspeed", "--cp-comm-type", "a2a"], "under DeepSpeed cp is DeepSpeed-Ulysses"),
+    (["--engine", "deepspeed", "--cp-comm-type", "p2p"], "under DeepSpeed cp is DeepSpeed-Ulysses"),
     (["--cp", "1", "--cp-comm-type", "all_gather"], "--cp 1 has none"),
     (["--cp", "16", "--tp", "1", "--cp-comm-type", "a2a"], "splits the 8 key/value heads over tp x cp = 1 x 16"),
 ])
