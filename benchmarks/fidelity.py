@@ -514,7 +514,8 @@ def configure(record: dict) -> PublishedRun | str:
                        expert_dispatcher="deepep" if model.moe and source.expert_dispatcher == "deepep" else None,
                        fp8=fp8 or None, fp8_recipe=recipe,
                        fp8_param_gather=True if fp8 and source.key == "mbridge" else None,
-                       cp_comm_type=source.cp_comm_type if cp > 1 else None)
+                       cp_comm_type=source.cp_comm_type if cp > 1 else None,
+                       expert_a2a_overlap=True if p.get("moe_a2a_overlap") else None)
     train = TrainSpec(global_batch=p["global_batch"], seq_len=seq, dtype=source.dtype,
                       flash_attention=source.flash_attention)
     published = _published(record, model, source)
@@ -991,6 +992,13 @@ CHANGES = [
     "(Strategy.expert_dispatcher) priced; Megatron-FSDP plans experts sharded over their expert data-parallel "
     "group and gathers whole layers (mcore_fsdp_adapter.py: fsdp_unit_modules [TransformerLayer]); no dense run's "
     "prediction moved.",
+    "The expert all-to-alls' overlap (Strategy.expert_a2a_overlap; Megatron-core's --overlap-moe-expert-parallel-comm, "
+    "megatron/core/pipeline_parallel/combined_1f1b.py): in the 1F1B phase a layer's forward and another micro-batch's "
+    "backward run together, each one's all-to-alls beside the other's compute; priced as the device's overlap of the "
+    "pair, the warm-up passes of the first pipeline rank exposed. Megatron-Bridge's 25.11 H100 presets of Qwen3 set it "
+    "(moe_a2a_overlap=True); its Qwen3-235B-A22B row (256 GPUs, ep 32 over 8 nodes; now priced: "
+    "benchmarks/hf_configs/qwen3-235b-a22b.json) went from +50.2% to +13.4%, its Qwen3-30B-A3B row from -45.6% to -51.6% "
+    "(that row was already unexplained).",
     "Context parallelism's exchange (Strategy.cp_comm_type; Megatron-core's --cp-comm-type, Transformer Engine's "
     "cp_comm_type, transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py): besides the "
     "ring (p2p, overlapped with attention), the keys and values all-gathered before attention and their "

@@ -118,6 +118,7 @@ def make_problem(
     fp8_recipe: Fp8Recipe | None = None,
     fp8_param_gather: bool | None = None,
     cp_comm_type: CpCommType | None = None,
+    expert_a2a_overlap: bool | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
 
@@ -180,6 +181,9 @@ def make_problem(
         cp_comm_type: how a Megatron-core plan's context parallelism exchanges the shards of a
             sequence: ``"p2p"`` (a ring), ``"all_gather"`` or ``"a2a"`` (Megatron-core's
             ``--cp-comm-type``); None: the search prices each that runs and keeps the fastest.
+        expert_a2a_overlap: True overlaps a mixture of experts' all-to-alls with another
+            micro-batch's compute (Megatron-core's ``--overlap-moe-expert-parallel-comm``; needs ep > 1,
+            the interleaved schedule when pp > 1, no full recomputation); None: off.
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -205,7 +209,8 @@ def make_problem(
                        recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                        tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                        expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe,
-                       fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type)
+                       fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
+                       expert_a2a_overlap=expert_a2a_overlap)
     if fp8_recipe is not None and not fp8:
         raise DsautoError(f"--fp8-recipe {fp8_recipe} sets how FP8 training scales its tensors, and FP8 is off; "
                           f"add --fp8 or leave out --fp8-recipe.")
@@ -306,6 +311,7 @@ def make_plan(
     fp8_recipe: Fp8Recipe | None = None,
     fp8_param_gather: bool | None = None,
     cp_comm_type: CpCommType | None = None,
+    expert_a2a_overlap: bool | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """The fastest plan that fits: :func:`find_plans` of :func:`make_problem` with these arguments
@@ -322,5 +328,6 @@ def make_plan(
                            recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                            tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                            expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe,
-                           fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type)
+                           fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
+                           expert_a2a_overlap=expert_a2a_overlap)
     return find_plans(problem, profile=profile)[0]

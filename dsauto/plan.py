@@ -380,6 +380,10 @@ class Plan:
     cp_comm_type: CpCommType = "p2p"
     """How context parallelism exchanges the sequence's shards (:data:`CpCommType`); other than
     ``p2p`` only in a Megatron-core plan with cp > 1."""
+    expert_a2a_overlap: bool = False
+    """Megatron-core's ``--overlap-moe-expert-parallel-comm``: the expert all-to-alls of one
+    micro-batch overlap another's compute; only in a 16-bit Megatron-core plan of a mixture of
+    experts with ep > 1, the interleaved schedule when pp > 1 and no checkpointed layer."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -428,6 +432,12 @@ class Plan:
         if self.cp_comm_type != "p2p" and (self.engine != "megatron" or self.cp == 1):
             raise ValueError(f"cp_comm_type {self.cp_comm_type} needs a Megatron-core plan (not {self.engine}) "
                              f"with cp > 1 (not {self.cp})")
+        if self.expert_a2a_overlap and (
+                self.engine != "megatron" or not self.model.moe or self.dims.ep == 1 or self.dtype == "fp32"
+                or (self.pp > 1 and self.virtual_stages == 1) or any(c.checkpoint for c in self.layers)):
+            raise ValueError(f"expert_a2a_overlap needs a 16-bit Megatron-core plan (not {self.engine}, {self.dtype}) "
+                             f"of a mixture of experts with ep > 1 (not {self.dims.ep}), the interleaved schedule "
+                             f"when pp > 1 (pp {self.pp}, {self.virtual_stages} chunks) and no checkpointed layer")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if self.fp8 and (self.engine != "megatron" or self.dtype == "fp32"):

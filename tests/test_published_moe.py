@@ -17,6 +17,7 @@ PUBLISHED = {
     "gpt-oss-20b": (20.91e9, 3.61e9, 0.002),  # gpt-oss model card, Table 1
     "gpt-oss-120b": (116.83e9, 5.13e9, 0.002),  # gpt-oss model card, Table 1
     "qwen3-30b-a3b": (30.5e9, None, 0.005),  # Qwen3-30B-A3B model card
+    "qwen3-235b-a22b": (235e9, None, 0.003),  # Qwen3-235B-A22B model card (22B active with the embeddings)
     "deepseek-v3": (671e9, None, 0.005),  # DeepSeek-V3 technical report, abstract (MTP module apart)
 }
 
@@ -47,7 +48,7 @@ def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
         sys.path.remove(str(CONFIGS.parent))
     runs, excluded = fidelity.load_runs()
     moe = {run.id: run for run in runs if run.model.moe}
-    assert len(moe) == 8
+    assert len(moe) == 9
     bridge = moe["mbridge2602-moe-gpt-oss-120b-64gpu"]
     assert bridge.model.num_layers == 36 and bridge.model.num_experts == 128
     assert (bridge.pins.ep, bridge.pins.pp, bridge.pins.zero_stage, bridge.pins.micro_batch) == (8, 4, 1, 1)

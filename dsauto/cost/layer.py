@@ -41,6 +41,8 @@ from dsauto.cost.terms import (
     context_parallel_seconds,
     data_parallel_cost,
     expert_dispatch_seconds,
+    overlapped_dispatch,
+    steady_pair_fraction,
     gathered_unit_params,
     model_state,
     partial_dist_opt_sync_seconds,
@@ -147,6 +149,8 @@ class CostModel:
             cp_all_to_all=all_to_all_of(cluster, dims, "cp", comm) if dims.cp > 1 and (
                 strategy.engine == "deepspeed" or strategy.cp_comm_type == "a2a") else None,
             cp_comm_type=strategy.cp_comm_type, engine=strategy.engine,
+            expert_a2a_overlap_fraction=steady_pair_fraction(strategy.pp, strategy.virtual_stages, strategy.grad_accum)
+            if strategy.expert_a2a_overlap else 0.0,
             ep=dims.ep, etp=dims.etp, expert_dp=dims.expert_dp,
             ep_group=expert_all_to_all(cluster, dims, comm) if dims.ep > 1 else None,
             # ZeRO++ hpZ's secondary partition: the hpz consecutive ranks of a node (DeepSpeed's
@@ -221,7 +225,7 @@ class CostModel:
         hooks = zero3_hook_seconds(group, option, ctx, self.profile)
         passes = pass_seconds(group, option, ctx, sample).plus(hooks).plus(context_parallel_seconds(group, option, ctx))
         if group.dispatch_bytes_per_token:
-            passes = passes.plus(expert_dispatch_seconds(group, option, ctx))
+            passes = passes.plus(overlapped_dispatch(passes, expert_dispatch_seconds(group, option, ctx), ctx))
         traffic = data_parallel_cost(group, option, ctx, passes, hooks_measured=hooks.forward_seconds > 0)
         state = model_state(group, option, ctx)
         memory = activation_memory(group, option, ctx, sample, uncheckpointed)

@@ -105,6 +105,13 @@ class Strategy:
     byte a parameter and no separate FP8 copy is kept beside a 16-bit weight
     (:func:`dsauto.cost.terms.fp8_weight_bytes`, :func:`dsauto.cost.terms.data_parallel_cost`). It needs
     the distributed optimizer or Megatron-FSDP (ZeRO 1-3). Read only under ``fp8``."""
+    expert_a2a_overlap: bool = False
+    """Megatron-core's ``--overlap-moe-expert-parallel-comm`` (``ModelParallelConfig.
+    overlap_moe_expert_parallel_comm``): in the 1F1B phase of the schedule the forward of one
+    micro-batch and the backward of another run layer by layer together, so each one's expert
+    all-to-alls overlap the other's compute (megatron/core/pipeline_parallel/combined_1f1b.py;
+    :func:`dsauto.cost.terms.overlapped_dispatch`). It needs expert parallelism, the interleaved
+    schedule when pp > 1 and no full recomputation. Plans run it when pinned (``--moe-a2a-overlap``)."""
     cp_comm_type: CpCommType = "p2p"
     """How Megatron-core's context parallelism exchanges the shards of a sequence (``--cp-comm-type``,
     :data:`dsauto.plan.CpCommType`; :func:`dsauto.cost.terms.context_parallel_seconds`): ``p2p`` a

@@ -180,6 +180,9 @@ class LayerContext:
     cp_comm_type: CpCommType = "p2p"
     """How a Megatron-core strategy's context parallelism exchanges the shards
     (:attr:`dsauto.cost.strategy.Strategy.cp_comm_type`)."""
+    expert_a2a_overlap_fraction: float = 0.0
+    """Under Megatron-core's ``--overlap-moe-expert-parallel-comm``, the share of a rank's forward
+    passes that run beside another micro-batch's backward (:func:`steady_pair_fraction`); 0 without it."""
     engine: Engine = "deepspeed"
     """The engine that runs the strategy: Megatron-core's activation and gradient transients differ
     from DeepSpeed's (the ``megatron_*`` terms)."""
@@ -446,7 +449,7 @@ def expert_dispatch_seconds(group: LayerGroup, option: LayerOption, ctx: LayerCo
     ``alltoall`` dispatcher, megatron/core/transformer/moe/token_dispatcher.py; Lepikhin et al. 2021,
     GShard, Sec. 2.2): each rank sends the top-k copies of its tokens to the experts' ranks and gets
     the outputs back, two all-to-alls in forward and two in backward (the gradients), not hidden by
-    compute (Megatron's overlap of the expert all-to-all is an option it leaves off). Under sequence
+    compute (unless ``--overlap-moe-expert-parallel-comm``: :func:`overlapped_dispatch`). Under sequence
     parallelism a rank dispatches its 1/tp of the tokens; the busiest rank receives
     :data:`EXPERT_LOAD_IMBALANCE` times the mean. A checkpointed layer dispatches again when it is
     recomputed. The tensor-parallel all-gather and reduce-scatter around a dense MLP are not run for
@@ -496,6 +499,38 @@ def attention_passes(group: LayerGroup, ctx: LayerContext) -> Passes:
         return Passes(forward, FUSED_ATTENTION_BACKWARD * forward)
     forward = device.matmul_seconds(flops, group.head_dim)
     return Passes(forward, 2 * forward)
+
+
+def steady_pair_fraction(pp: int, virtual_stages: int, micro_batches: int) -> float:
+    """The share of the first pipeline rank's forward passes that Megatron-core's combined 1F1B
+    schedule runs beside another micro-batch's backward (``--overlap-moe-expert-parallel-comm``).
+
+    Without pipelining, the first micro-batch's forward runs alone, then each forward beside the
+    previous micro-batch's backward (megatron/core/pipeline_parallel/combined_1f1b.py,
+    ``combined_1f1b_schedule_for_no_pipelining``): m - 1 of m. With the interleaved schedule, which
+    the overlap needs when pp > 1, the warm-up forwards run alone: (pp - 1) x 2 + (v - 1) x pp on the
+    first rank, the most of any (schedules.py, ``get_pp_rank_microbatches``), of its m x v."""
+    forwards = micro_batches * virtual_stages
+    alone = 1 if pp == 1 else (pp - 1) * 2 + (virtual_stages - 1) * pp
+    return max(0, forwards - min(alone, forwards)) / forwards
+
+
+def overlapped_dispatch(compute: Passes, dispatch: Passes, ctx: LayerContext) -> Passes:
+    """A layer's expert all-to-alls (``dispatch``) under ``--overlap-moe-expert-parallel-comm``: in
+    the combined 1F1B phase a layer's forward and another micro-batch's backward of it run together,
+    each one's all-to-alls on their own stream beside the other's compute ("EP A2A in forward step is
+    hidden by the attention/mlp computation in the backward step, and vice versa", combined_1f1b.py),
+    so a pair costs the device's overlap of their compute and their all-to-alls; the passes outside
+    that phase (:func:`steady_pair_fraction`) keep theirs exposed. Returned as the exposed part of
+    ``dispatch``, forward and backward in its proportions."""
+    fraction = ctx.expert_a2a_overlap_fraction
+    total = dispatch.forward_seconds + dispatch.backward_seconds
+    if fraction <= 0 or total <= 0:
+        return dispatch
+    work = compute.forward_seconds + compute.backward_seconds
+    paired = ctx.device.overlapped(work, total) - work
+    scale = ((1 - fraction) * total + fraction * paired) / total
+    return Passes(dispatch.forward_seconds * scale, dispatch.backward_seconds * scale)
 
 
 def split_launch_seconds(option: LayerOption, ctx: LayerContext) -> float:

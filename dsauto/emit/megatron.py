@@ -87,6 +87,8 @@ def _parallelism(plan: Plan) -> list[str]:
         lines.append("--tp-comm-overlap")  # Transformer Engine's userbuffers; needs --sequence-parallel
     if plan.cp > 1:
         lines.append(f"--cp-comm-type {plan.cp_comm_type}")  # Transformer Engine's exchange of the shards
+    if plan.expert_a2a_overlap:
+        lines.append("--overlap-moe-expert-parallel-comm")  # the combined 1F1B schedule
     return lines
 
 

@@ -373,6 +373,23 @@ def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: 
     return None
 
 
+def expert_a2a_overlap_refusal(engine: Engine, moe: bool, dtype: Dtype, checkpoint: bool | None) -> str | None:
+    """Why ``--moe-a2a-overlap`` (Megatron-core's ``--overlap-moe-expert-parallel-comm``) cannot be
+    asked, or None. Megatron-core's TransformerConfig asserts (megatron/core/transformer/
+    transformer_config.py, ``__post_init__``): expert parallelism, bf16 or fp16, no full
+    recomputation; a strategy also needs ep > 1 and, when pp > 1, the interleaved schedule
+    (:func:`dsauto.search.space.strategies` keeps only those)."""
+    if not moe:
+        return "the expert all-to-alls' overlap is for a mixture of experts, and the model has no experts"
+    if engine != "megatron":
+        return "the expert all-to-alls' overlap is Megatron-core's combined 1F1B schedule; plan with --engine megatron"
+    if dtype == "fp32":
+        return "Megatron-core overlaps the expert all-to-alls of bf16 or fp16 models only, not fp32"
+    if checkpoint:
+        return "Megatron-core refuses full recomputation (--checkpoint) beside the expert all-to-alls' overlap"
+    return None
+
+
 def expert_dispatcher_refusal(engine: Engine, moe: bool) -> str | None:
     """Why DeepEP's dispatch cannot run, or None: it is Megatron-core's flex token dispatcher
     (``--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep``), for the MoE layers of

@@ -244,6 +244,12 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
             _report(f"The plan was priced with cp_comm_type {plan.cp_comm_type}, so dsauto replaces the config's "
                     f"{config.cp_comm_type!r}.")
         fields["cp_comm_type"] = plan.cp_comm_type
+    if plan.expert_a2a_overlap:
+        fields["overlap_moe_expert_parallel_comm"] = True  # the combined 1F1B schedule
+    elif config.overlap_moe_expert_parallel_comm:
+        _report("The config overlaps the expert all-to-alls (overlap_moe_expert_parallel_comm) and the plan was "
+                "priced without it; dsauto keeps it on, so the step may be faster than predicted (re-plan with "
+                "--moe-a2a-overlap to price it).")
     if plan.fp8:
         # Transformer Engine's linear layers (its layers only); FP8 weights with --fp8-param-gather
         fields.update(fp8="hybrid", fp8_recipe=plan.fp8_recipe, fp8_param=plan.fp8_param_gather)

@@ -623,11 +623,12 @@ class Planner:
             raise explain_empty_space(self.model, self.cluster, self.train, self.pins)
         L = self.model.num_layers
         # A layer's costs do not depend on how its rank's layers are chunked: price each strategy
-        # once for all its virtual-stage counts.
+        # once for all its virtual-stage counts (but the expert all-to-alls' overlap, whose share of
+        # paired passes does: steady_pair_fraction).
         by_base: dict[Strategy, _Priced] = {}
 
         def price(s: Strategy) -> _Priced:
-            base = dataclasses.replace(s, virtual_stages=1)
+            base = s if s.expert_a2a_overlap else dataclasses.replace(s, virtual_stages=1)
             if base not in by_base:
                 plain = by_base.get(dataclasses.replace(base, recompute_modules=()))
                 by_base[base] = self._price_selective(base, plain) if base.recompute_modules and plain else \
@@ -782,7 +783,7 @@ class Planner:
             dist_opt_instances=strategy.dist_opt_instances, attention_kernel=strategy.attention_kernel,
             tp_comm_overlap=strategy.tp_comm_overlap, expert_dispatcher=strategy.expert_dispatcher, fp8=strategy.fp8,
             fp8_recipe=strategy.fp8_recipe, fp8_param_gather=strategy.fp8_param_gather,
-            cp_comm_type=strategy.cp_comm_type,
+            cp_comm_type=strategy.cp_comm_type, expert_a2a_overlap=strategy.expert_a2a_overlap,
             # bf16 gradients as they take effect (the cost model prices them so too): Megatron-core under bf16.
             grad_reduce_in_fp32=strategy.grad_reduce_in_fp32 or not (
                 strategy.engine == "megatron" and self.train.dtype == "bf16"),

@@ -14,6 +14,7 @@ from dsauto.engines.rules import (
     context_parallel_refusal,
     cp_comm_type_refusal,
     default_attention_kernel,
+    expert_a2a_overlap_refusal,
     expert_dispatcher_refusal,
     grad_reduce_refusal,
     expert_parallel_refusal,
@@ -168,6 +169,14 @@ class Constraints:
     """True: FP8 weights (:attr:`dsauto.cost.strategy.Strategy.fp8_param_gather`), which rules out ZeRO 0;
     None: 16-bit weights with FP8 copies. Needs ``fp8``."""
 
+    expert_a2a_overlap: bool | None = field(default=None, metadata={
+        "flag": "--moe-a2a-overlap", "const": True,
+        "help": "overlap a mixture of experts' all-to-alls with another micro-batch's compute (Megatron-core's "
+                "--overlap-moe-expert-parallel-comm, its combined 1F1B schedule; needs ep > 1, the interleaved "
+                "schedule when pp > 1, no full recomputation) (default: off)"})
+    """True: Megatron-core's ``--overlap-moe-expert-parallel-comm``
+    (:attr:`dsauto.cost.strategy.Strategy.expert_a2a_overlap`); None: off (the search does not pick it:
+    it rules out full recomputation and needs torch 2.6 or later)."""
     cp_comm_type: CpCommType | None = field(default=None, metadata={
         "flag": "--cp-comm-type",
         "help": "how Megatron-core's context parallelism exchanges a sequence's shards: p2p (a ring of keys "
@@ -251,11 +260,20 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                expert_dispatcher=pins.expert_dispatcher or "alltoall",
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
                                fp8=bool(pins.fp8), fp8_recipe=pins.fp8_recipe or "delayed",
-                               fp8_param_gather=bool(pins.fp8 and pins.fp8_param_gather), cp_comm_type=exchange)
+                               fp8_param_gather=bool(pins.fp8 and pins.fp8_param_gather), cp_comm_type=exchange,
+                               expert_a2a_overlap=bool(pins.expert_a2a_overlap))
            for s in out if runnable[s.engine] and not (pins.fp8_param_gather and s.zero_stage == 0)
+           and not (pins.expert_a2a_overlap and not a2a_overlap_runs(s))
            for exchange in cp_comm_types(s, model, pins)
            for modules in recompute_sets[s.engine]]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
+
+
+def a2a_overlap_runs(strategy: Strategy) -> bool:
+    """Whether Megatron-core can overlap ``strategy``'s expert all-to-alls
+    (``--overlap-moe-expert-parallel-comm``): it needs expert parallelism and, when pp > 1, the
+    interleaved schedule (TransformerConfig asserts both)."""
+    return strategy.dims.ep > 1 and (strategy.pp == 1 or strategy.virtual_stages > 1)
 
 
 def cp_comm_types(strategy: Strategy, model: ModelSpec, pins: Constraints) -> tuple[CpCommType, ...]:
@@ -297,6 +315,8 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--moe-dispatcher deepep"] = why, "leave it out"
     if pins.fp8 and (why := fp8_refusal(engine, train.dtype, model)):
         out["--fp8"] = why, "leave it out"
+    if pins.expert_a2a_overlap and (why := expert_a2a_overlap_refusal(engine, model.moe, train.dtype, pins.checkpoint)):
+        out["--moe-a2a-overlap"] = why, "leave it out"
     if pins.cp_comm_type is not None and engine != "megatron" and (
             why := cp_comm_type_refusal(engine, pins.cp_comm_type, 2, 1, model)):
         out[f"--cp-comm-type {pins.cp_comm_type}"] = why, "plan with --engine megatron or leave it out"
@@ -461,6 +481,12 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
     for flag, (why, remedy) in refused[-1].items():  # each a Megatron-core option: its reason, engine open or not
         if all(flag in other for other in refused):
             return DsautoError(f"{flag} cannot run: {why}; {remedy}.")
+    if pins.expert_a2a_overlap and (
+            without := strategies_or_none(model, cluster, train, dataclasses.replace(pins, expert_a2a_overlap=None))):
+        if not any(a2a_overlap_runs(s) for s in without):
+            return DsautoError("--moe-a2a-overlap needs expert parallelism (ep > 1) and, with pp > 1, the interleaved "
+                               "schedule, and no strategy the other settings allow has both; pin --ep and --vpp, or "
+                               "leave out --moe-a2a-overlap.")
     if pins.cp is not None and pins.cp > 1 and pins.cp_comm_type is not None and pins.engine != "deepspeed" and (
             why := cp_comm_type_refusal("megatron", pins.cp_comm_type, pins.cp, tp, model)):
         return DsautoError(f"--cp-comm-type {pins.cp_comm_type} cannot run with --cp {pins.cp}: {why}; "
@@ -601,6 +627,8 @@ def allowed(kind: str, option: LayerOption, pins: Constraints, recompute: tuple[
         return False
     if transformer and pins.checkpoint is not None and option.checkpoint != pins.checkpoint:
         return False
+    if transformer and pins.expert_a2a_overlap and option.checkpoint:
+        return False  # Megatron-core refuses full recomputation beside the expert all-to-alls' overlap
     if kind == "head":
         return True
     return option.split == 1 or (option.shard_params and option.split <= 4)
