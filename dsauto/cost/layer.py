@@ -41,13 +41,13 @@ from dsauto.cost.terms import (
     context_parallel_seconds,
     data_parallel_cost,
     expert_dispatch_seconds,
-    overlapped_dispatch,
-    steady_pair_fraction,
     gathered_unit_params,
     model_state,
+    overlapped_dispatch,
     partial_dist_opt_sync_seconds,
     pass_seconds,
     state_bytes_per_param,
+    steady_pair_fraction,
     zero3_hook_seconds,
 )
 from dsauto.spec.cluster import ClusterSpec

@@ -788,9 +788,9 @@ def pass_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext,
 
 
 def context_parallel_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Passes:
-    """Context parallelism (DeepSpeed-Ulysses under DeepSpeed, :func:`ulysses_seconds`), and under
-    Megatron-core the exchanges of one micro-batch of a transformer layer
-    that its compute does not hide, by ``ctx.cp_comm_type`` (Transformer Engine's implementations in
+    """The exchanges of context parallelism in one micro-batch of a transformer layer that its compute
+    does not hide: DeepSpeed-Ulysses' under DeepSpeed (:func:`ulysses_seconds`), and under Megatron-core
+    those of ``ctx.cp_comm_type`` (Transformer Engine's implementations in
     transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py). Each splits the
     sequence into 2 x cp chunks, two per rank, so causal attention costs every rank the same 1/cp of
     the FLOPs (the roofline sees this rank's tokens against the whole sequence).
