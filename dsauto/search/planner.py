@@ -144,22 +144,20 @@ def _without_dominated_exchanges(space: list[Strategy], priced: list[_Priced | N
     group and option, so the dynamic program cannot find a better plan for the dominated one (the
     exchange enters the step only through these arrays). A partial distributed optimizer's variant
     goes with its one-instance twin."""
-    twins: dict[Strategy, list[int]] = {}
-    for i, (s, p) in enumerate(zip(space, priced)):
+    twins: dict[Strategy, list[_Priced]] = {}
+    for s, p in zip(space, priced):
         if p is not None and s.dims.cp > 1 and p.zero3 is None:
-            twins.setdefault(dataclasses.replace(s, cp_comm_type="p2p"), []).append(i)
+            twins.setdefault(dataclasses.replace(s, cp_comm_type="p2p"), []).append(p)
     dropped: set[Strategy] = set()
     for members in twins.values():
-        for i in members:
-            a = priced[i]
-            for j in members:
-                b = priced[j]
-                if j == i or b.strategy in dropped or a is None or b is None:
+        for i, a in enumerate(members):
+            for j, b in enumerate(members):
+                if j == i or b.strategy in dropped:
                     continue
                 arrays = ((b.time, a.time), (b.compute, a.compute), (b.static, a.static),
                           (b.activation, a.activation), (b.transient, a.transient))
                 no_worse = all(np.all((y <= x) | (np.isinf(x) & np.isinf(y))) for y, x in arrays)
-                if no_worse and (j < i or any(np.any(y < x) for y, x in arrays)):
+                if no_worse and (j < i or any(np.any(y < x) for y, x in arrays)):  # equal twins: keep the first
                     dropped.add(a.strategy)
                     break
     if not dropped:
