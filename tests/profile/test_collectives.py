@@ -127,14 +127,20 @@ def test_a_fit_round_trips_and_predicts_through_the_cost_model():
 
 @pytest.fixture
 def one_gloo_rank(tmp_path, monkeypatch):
-    """A one-rank gloo job in this process, with no launcher variables set."""
+    """A one-rank gloo job in this process, with no launcher variables set: the one an in-process
+    profile of an earlier test keeps for the process's life (dsauto.profile.engine), or a new one."""
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_RANK",
                  "OMPI_COMM_WORLD_LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=30))
+    kept = dist.is_initialized()
+    if kept:
+        assert dist.get_world_size() == 1
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                                world_size=1, timeout=timedelta(seconds=30))
     yield monkeypatch
-    dist.destroy_process_group()
+    if not kept:
+        dist.destroy_process_group()
 
 
 def test_without_a_launcher_the_node_layout_must_be_given(one_gloo_rank):
