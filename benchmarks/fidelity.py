@@ -906,7 +906,7 @@ WHY = {
              "difference between the two pipeline engines.",
     "automodel": "FSDP2 with context parallelism 2 (PyTorch's context_parallel under SDPA, keys and values "
                  "all-gathered: its cp_utils.py sets cp_rotate_method 'allgather'), priced as Megatron-core's ring; "
-                 "at cp 2 inside a node either exchange takes about 0.1 ms a layer, so the error is elsewhere.",
+                 "at cp 2 inside a node either exchange takes well under a millisecond a layer, so the error is elsewhere.",
     "dgxc": "Attention in cuDNN's fused kernel where the recipe set NVTE_FUSED_ATTN=1 (Llama 3.1, Nemotron-4 15B) "
             "is priced at the H100's fused_attention_efficiency (Strategy.attention_kernel); before, every fused "
             "attention ran at the FlashAttention-2 efficiency and these runs came out +10..+29% (the 8B at 8K "
