@@ -38,7 +38,7 @@ import yaml
 
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.parallel import ParallelDims
-from dsauto.profile.launch import SHARED_MEMORY
+from dsauto.profile.launch import all_reduce_buffers
 from dsauto.profile.run import launch_profile
 from dsauto.profile.store import find_profile
 from dsauto.refine.runner import TrialOutcome, TrialSettings, run_trial
@@ -212,7 +212,7 @@ def _autotuner(work: Path, model_file: Path, say) -> object | None:
                               train_batch_size=GLOBAL_BATCH, ranks=RANKS)
     # Its experiments leave DeepSpeed's CPU all-reduce buffers behind (see refine.runner); this
     # benchmark owns the machine, so all of them go.
-    for path in SHARED_MEMORY.glob("deepspeed_allreduce_buffer_*"):
+    for path in all_reduce_buffers():
         path.unlink(missing_ok=True)
     return result
 

@@ -95,13 +95,12 @@ def _unlink_cpu_all_reduce_buffer_at_exit() -> None:
 
     from deepspeed.accelerator import get_accelerator
 
-    from dsauto.profile.launch import SHARED_MEMORY
+    from dsauto.profile.launch import all_reduce_buffer
 
     addr, port, rank = (os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"))
     if get_accelerator().device_name() != "cpu" or not (addr and port and rank):
         return
-    buffer = SHARED_MEMORY / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
-    atexit.register(buffer.unlink, missing_ok=True)
+    atexit.register(all_reduce_buffer(addr, port, rank).unlink, missing_ok=True)
 
 
 def pipeline_module(config: str | os.PathLike[str] | dict[str, Any] | Plan, layers: Sequence[Any],

@@ -8,15 +8,11 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-BUFFERS = "deepspeed_allreduce_buffer_*"
-"""DeepSpeed's CPU all-reduce buffers (one per rank, about 66 MiB each, never unlinked)."""
-
-
 @pytest.fixture(scope="session")
 def _buffers_before_the_tests() -> set:
-    from dsauto.profile.launch import SHARED_MEMORY
+    from dsauto.profile.launch import all_reduce_buffers
 
-    return set(SHARED_MEMORY.glob(BUFFERS))
+    return set(all_reduce_buffers())
 
 
 @pytest.fixture(autouse=True)
@@ -26,8 +22,8 @@ def _remove_deepspeed_buffers(_buffers_before_the_tests):
     host memory that later trials and profiles check for runs out. After each test, the buffers made
     since the tests began (by it or by a module's fixture, whose launches have ended) are removed;
     those that were there before are not touched."""
-    from dsauto.profile.launch import SHARED_MEMORY
+    from dsauto.profile.launch import all_reduce_buffers
 
     yield
-    for path in set(SHARED_MEMORY.glob(BUFFERS)) - _buffers_before_the_tests:
+    for path in set(all_reduce_buffers()) - _buffers_before_the_tests:
         path.unlink(missing_ok=True)

@@ -348,7 +348,7 @@ def tp_comm_overlap_refusal(engine: Engine) -> str | None:
 
 def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: int, model: ModelSpec) -> str | None:
     """Why context parallelism of degree ``cp`` cannot exchange a sequence's shards the
-    ``cp_comm_type`` way (``--cp-comm-type``), or None; nothing to refuse at cp 1.
+    ``cp_comm_type`` way (``--cp-comm-type``), or None; under Megatron-core nothing to refuse at cp 1.
 
     The three ways are Transformer Engine's (transformer_engine/pytorch/attention/
     dot_product_attention/context_parallel.py, ``attn_forward_func_with_cp``), which Megatron-core
@@ -356,12 +356,12 @@ def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: 
     attention (only ``a2a`` and ``all_gather`` do), and ``a2a`` splits the query heads and the
     key/value heads of each tensor-parallel rank over cp (``AttnFuncWithCPAndQKVOA2A`` asserts
     ``num_heads % cp_size == 0`` for Q, K and V). Under DeepSpeed cp is DeepSpeed-Ulysses, which has
-    no such choice."""
-    if cp == 1:
-        return None
+    no such choice (refused whatever cp is)."""
     if engine != "megatron":
         return (f"--cp-comm-type {cp_comm_type} is Megatron-core's context parallelism (Transformer Engine's), "
                 f"and under DeepSpeed cp is DeepSpeed-Ulysses")
+    if cp == 1:
+        return None
     if cp_comm_type == "p2p" and model.sliding_window:
         return (f"Transformer Engine's ring (cp_comm_type p2p) does not run sliding-window attention "
                 f"({model.sliding_window} tokens)")

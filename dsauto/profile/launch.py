@@ -51,12 +51,23 @@ def registry() -> Path:
     return Path(tempfile.gettempdir()) / f"dsauto-{os.getuid()}" / "launches"
 
 
+def all_reduce_buffer(addr: str, port: int | str, rank: int | str) -> Path:
+    """The shared-memory buffer DeepSpeed's CPU all-reduce makes for ``rank`` of a one-node job with
+    master address ``addr`` and port ``port`` (about 66 MiB, named after the user too:
+    ops/csrc/cpu/comm/shm.cpp, ``shm_initialize``; ``"*"`` in any part makes a glob pattern)."""
+    return SHARED_MEMORY / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def all_reduce_buffers(port: int | str = "*") -> list[Path]:
+    """The CPU all-reduce buffers of this user's jobs with master port ``port`` (default: every job)."""
+    return list(SHARED_MEMORY.glob(all_reduce_buffer("*", port, "*").name))
+
+
 def remove_shared_memory(port: int) -> None:
     """Delete the shared-memory buffers DeepSpeed's CPU all-reduce made for a job with master port
-    ``port``. It creates one per rank (about 66 MiB each, named after the master address and port:
-    ops/csrc/cpu/comm/shm.cpp, ``shm_initialize``) and never unlinks them, so without this every
-    job, each on its own port, would leave its ranks' buffers in memory for good."""
-    for path in SHARED_MEMORY.glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+    ``port``. It creates one per rank (:func:`all_reduce_buffer`) and never unlinks them, so without
+    this every job, each on its own port, would leave its ranks' buffers in memory for good."""
+    for path in all_reduce_buffers(port):
         path.unlink(missing_ok=True)
 
 

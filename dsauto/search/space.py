@@ -318,7 +318,7 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
     if pins.expert_a2a_overlap and (why := expert_a2a_overlap_refusal(engine, model.moe, train.dtype, pins.checkpoint)):
         out["--moe-a2a-overlap"] = why, "leave it out"
     if pins.cp_comm_type is not None and engine != "megatron" and (
-            why := cp_comm_type_refusal(engine, pins.cp_comm_type, 2, 1, model)):
+            why := cp_comm_type_refusal(engine, pins.cp_comm_type, pins.cp or 1, pins.tp or 1, model)):
         out[f"--cp-comm-type {pins.cp_comm_type}"] = why, "plan with --engine megatron or leave it out"
     return out
 

@@ -28,11 +28,11 @@ real ports, and must not be mistaken for this test's)."""
 # shared-memory buffer named like DeepSpeed's, says so, and waits.
 LAUNCHER = textwrap.dedent("""
     import subprocess, sys, time
-    from pathlib import Path
+    from dsauto.profile.launch import all_reduce_buffer
     port = sys.argv[1]
     for rank in range(2):
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
-        Path(f"/dev/shm/deepspeed_allreduce_buffer_0_127.0.0.1_{port}_{rank}").write_bytes(b"x")
+        all_reduce_buffer("127.0.0.1", port, rank).write_bytes(b"x")
     print("started", flush=True)
     time.sleep(3600)
 """)
@@ -100,7 +100,7 @@ def test_a_sigkilled_dsauto_takes_its_launch_with_it(tmp_path, started):
     driver.wait()
     _, alive = psutil.wait_procs(workers, timeout=HANG_GUARD_SECONDS)
     assert alive == []
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert not launch.all_reduce_buffers(port)
     assert not list((tmp_path / f"dsauto-{os.getuid()}" / "launches").glob("*.json"))
 
 
@@ -112,12 +112,12 @@ def test_what_a_killed_guard_leaves_is_cleaned_by_the_next_launch(tmp_path, monk
     guard.wait(HANG_GUARD_SECONDS)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
-    assert len(_carrying(token)) == 3 and list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert len(_carrying(token)) == 3 and launch.all_reduce_buffers(port)
     monkeypatch.setattr(launch, "registry", lambda: tmp_path / f"dsauto-{os.getuid()}" / "launches")
     (line,) = clean_stale_launches()
     assert line.startswith(f"cleaned up launch {token[:8]}") and "3 processes ended" in line
     assert _carrying(token) == []
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert not launch.all_reduce_buffers(port)
 
 
 def test_the_guard_passes_the_exit_code_on_and_unregisters(tmp_path, monkeypatch):

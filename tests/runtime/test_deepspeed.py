@@ -33,6 +33,7 @@ from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.emit.ds_config import PLAN_KEY, ds_config
 from dsauto.parallel import ParallelDims
 from dsauto.plan import Offload, Plan
+from dsauto.profile.launch import all_reduce_buffers
 from dsauto.search.planner import Planner
 from dsauto.spec.loaders import load_cluster, load_model
 from dsauto.spec.training import TrainSpec
@@ -125,7 +126,7 @@ def launch(cases_: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
     assert result.returncode == 0 and out.exists(), result.stdout[-4000:] + result.stderr[-4000:]
     # The ranks built their engines through dsauto.deepspeed.initialize, which unlinks their CPU
     # all-reduce buffers at exit (DeepSpeed alone leaves them in /dev/shm).
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert not all_reduce_buffers(port)
     return json.loads(out.read_text())
 
 
