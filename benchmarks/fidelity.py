@@ -1000,7 +1000,7 @@ CHANGES = [
     "backward run together, each one's all-to-alls beside the other's compute; priced as the device's overlap of the "
     "pair, the warm-up passes of the first pipeline rank exposed. Megatron-Bridge's 25.11 H100 presets of Qwen3 set it "
     "(moe_a2a_overlap=True); its Qwen3-235B-A22B row (256 GPUs, ep 32 over 8 nodes; now priced: "
-    "benchmarks/hf_configs/qwen3-235b-a22b.json) went from +50.2% to +13.4%, its Qwen3-30B-A3B row from -45.6% to -51.7% "
+    "benchmarks/hf_configs/qwen3-235b-a22b.json) went from +50.2% to +13.5%, its Qwen3-30B-A3B row from -45.6% to -51.6% "
     "(that row was already unexplained).",
     "Context parallelism's exchange (Strategy.cp_comm_type; Megatron-core's --cp-comm-type, Transformer Engine's "
     "cp_comm_type, transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py): besides the "

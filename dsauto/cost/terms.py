@@ -509,9 +509,11 @@ def steady_pair_fraction(pp: int, virtual_stages: int, micro_batches: int) -> fl
     previous micro-batch's backward (megatron/core/pipeline_parallel/combined_1f1b.py,
     ``combined_1f1b_schedule_for_no_pipelining``): m - 1 of m. With the interleaved schedule, which
     the overlap needs when pp > 1, the warm-up forwards run alone: (pp - 1) x 2 + (v - 1) x pp on the
-    first rank, the most of any (schedules.py, ``get_pp_rank_microbatches``), of its m x v."""
+    first rank, the most of any, and one more under the overlap so that every paired forward and
+    backward are independent (schedules.py, ``get_pp_rank_microbatches``; the group of micro-batches
+    per virtual stage is pp, its default), of its m x v."""
     forwards = micro_batches * virtual_stages
-    alone = 1 if pp == 1 else (pp - 1) * 2 + (virtual_stages - 1) * pp
+    alone = 1 if pp == 1 else (pp - 1) * 2 + (virtual_stages - 1) * pp + 1
     return max(0, forwards - min(alone, forwards)) / forwards
 
 
