@@ -153,6 +153,8 @@ def _positions(model: ModelSpec) -> list[str]:
                      f"whole number).")
     if model.rotary_percent < 1.0:
         lines.append(f"--rotary-percent {model.rotary_percent:g}")
+    if model.no_rope_every and not model.num_layers % model.no_rope_every:
+        lines.append(f"--no-rope-freq {model.no_rope_every}")  # every N-th layer without positions
     scaling, factor = model.rope_scaling, model.rope_scaling_factor
     if scaling == "llama3":
         lines += ["--use-rope-scaling", f"--rope-scaling-factor {factor:g}"]
@@ -230,6 +232,8 @@ def _mlp(model: ModelSpec) -> list[str]:
         return ["--quick-geglu",
                 f"{COMMENT}Not expressed: the MLP is GeGLU ({_gelu(model)}); Megatron-LM's only GeLU-gated "
                 f"MLP flag is --quick-geglu (x*sigmoid(1.702x)), the same shapes and cost."]
+    if model.mlp == "relu2":
+        return ["--squared-relu"]
     if model.mlp == "relu":
         return [f"{COMMENT}Not expressed: ReLU in the MLP (Megatron-LM has GeLU, squared ReLU and gated "
                 f"units); Megatron's default GeLU has the same shapes and cost."]

@@ -41,12 +41,29 @@ def megatron_gaps(model: ModelSpec) -> list[str]:
         gaps.append("norms after each residual add (post-norm) and no final norm; Megatron's layers "
                     "normalise before attention and MLP and end with a final norm (the same parameters, "
                     "in other places)")
+    if model.norm_position == "output":
+        gaps.append("each branch's output normalised before its residual add and no norm before the "
+                    "branches (OLMo 2); Megatron's layers normalise before attention and MLP (the same "
+                    "parameters, in other places)")
     if model.norms_per_layer == 4:
         gaps.append("norms after attention and after the MLP as well (4 per layer)")
     if model.embedding_norm or (model.architecture == "encoder" and model.norm_position == "pre"):
         gaps.append("a norm after the embedding (Megatron's GPT and BERT embeddings have none)")
     if model.embedding_scale:
         gaps.append("embeddings scaled by sqrt(hidden size)")
+    if model.embedding_multiplier != 1.0:
+        gaps.append(f"embeddings multiplied by {model.embedding_multiplier:g}")
+    if model.residual_multiplier != 1.0:
+        gaps.append(f"attention and MLP outputs multiplied by {model.residual_multiplier:g} before their "
+                    f"residual adds")
+    if model.logit_scale != 1.0:
+        gaps.append(f"logits multiplied by {model.logit_scale:g}")
+    if model.no_rope_every and model.num_layers % model.no_rope_every:
+        # Megatron-core's no_rope_freq (--no-rope-freq N) needs the layers to divide by N
+        # (transformer_config.py, TransformerConfig.__post_init__)
+        gaps.append(f"every {_ordinal(model.no_rope_every)} layer without rotary positions (NoPE), "
+                    f"which Megatron's --no-rope-freq takes only when it divides the {model.num_layers} "
+                    f"layers; Megatron rotates in every layer")
     if model.final_logit_softcap:
         gaps.append(f"logits soft-capped at {model.final_logit_softcap:g} (tanh)")
     if model.attention_sinks:
@@ -62,3 +79,7 @@ def megatron_gaps(model: ModelSpec) -> list[str]:
         gaps.append(f"the token-type embedding ({model.type_vocab_size} rows); Megatron's BERT has one "
                     f"only with the binary head")
     return gaps
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"

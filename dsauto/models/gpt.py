@@ -62,11 +62,17 @@ def _rope(x: torch.Tensor, base: float = 10000.0, percent: float = 1.0) -> torch
     return out if rotated == d else torch.cat((out, x[..., rotated:]), dim=-1)
 
 
+def _squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
 def _activation(model: ModelSpec):
     if model.mlp == "swiglu":
         return F.silu
     if model.mlp == "relu":
         return F.relu
+    if model.mlp == "relu2":
+        return _squared_relu
     return functools.partial(F.gelu, approximate="tanh" if model.gelu_tanh else "none")
 
 
@@ -83,7 +89,7 @@ class Embedding(nn.Module):
         encoder = model.architecture == "encoder"
         self.token_types = nn.Embedding(model.type_vocab_size, h) if encoder and model.type_vocab_size else None
         self.norm = _norm(model) if encoder or model.embedding_norm else None
-        self.scale = math.sqrt(h) if model.embedding_scale else 1.0
+        self.scale = (math.sqrt(h) if model.embedding_scale else 1.0) * model.embedding_multiplier
         self.dropout = nn.Dropout(0.1 if model.dropout else 0.0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -129,15 +135,17 @@ class CoreAttention(nn.Module):
 
 class Block(nn.Module):
     """One transformer layer: attention and MLP with residual connections, normalised before each
-    (pre-norm: GPT-2, LLaMA), after each residual add (post-norm: BERT), before and after each
-    (4 norms: Gemma 2/3), or run side by side from one input (parallel attention: GPT-NeoX, Falcon).
+    (pre-norm: GPT-2, LLaMA), after each residual add (post-norm: BERT), on each branch's output
+    (OLMo 2), before and after each (4 norms: Gemma 2/3), or run side by side from one input
+    (parallel attention: GPT-NeoX, Falcon).
 
     ``tp > 1`` builds the per-rank shard of a Megatron tensor-parallel layer (Shoeybi et al. 2019,
     Sec. 3): 1/tp of the heads and of the MLP width, full-width norms, without the all-reduces, so
     the profiler can time one rank's compute on one device.
 
     Not built, as they change neither the parameters nor (with fused attention) the measured cost
-    much: ALiBi biases, sliding windows, attention soft-capping and score scaling.
+    much: ALiBi biases, sliding windows, attention soft-capping and score scaling, and layers
+    without rotary positions (SmolLM3's NoPE layers rotate here too).
 
     ``moe=True`` builds an MoE layer of a mixture-of-experts model: its MLP is a
     :class:`dsauto.models.moe.MoeMlp` (router, routed experts, shared expert), DeepSpeed-MoE's with
@@ -156,13 +164,16 @@ class Block(nn.Module):
         self.rotary_base, self.rotary_percent = model.rotary_base, model.rotary_percent
         self.gated = model.gated_mlp
         self.act = _activation(model)
-        self.post_norm = model.norm_position == "post"
+        self.post_norm, self.output_norm = model.norm_position == "post", model.norm_position == "output"
+        self.residual_scale = model.residual_multiplier
         self.parallel = model.parallel_attention
         p = 0.1 if model.dropout else 0.0
         self.attention_norm = _norm(model)
         self.qkv = nn.Linear(h, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=qkv_bias)
-        self.q_norm = _norm(model, self.head_dim) if model.qk_norm else None
-        self.k_norm = _norm(model, self.head_dim) if model.qk_norm else None
+        # Per-head query/key norms (Qwen3), or over all of a rank's heads at once (OLMoE, OLMo 2)
+        self.qk_full = model.qk_norm_full_width
+        self.q_norm = _norm(model, self.head_dim * (self.heads if self.qk_full else 1)) if model.qk_norm else None
+        self.k_norm = _norm(model, self.head_dim * (self.kv_heads if self.qk_full else 1)) if model.qk_norm else None
         self.proj = nn.Linear(self.heads * self.head_dim, h, bias=proj_bias)
         self.mlp_norm = _norm(model) if model.norms_per_layer > 1 else None  # one shared norm: Falcon-7B
         if moe:
@@ -183,10 +194,12 @@ class Block(nn.Module):
         b, s, _ = x.shape
         kv_width = self.kv_heads * self.head_dim
         q, k, v = self.qkv(x).split([self.heads * self.head_dim, kv_width, kv_width], dim=-1)
+        if self.q_norm is not None and self.qk_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, s, self.heads, self.head_dim)
         k = k.view(b, s, self.kv_heads, self.head_dim)
         v = v.view(b, s, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_full:
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.core_attention(q, k, v)
         out = self.proj(out.reshape(b, s, -1))
@@ -200,6 +213,11 @@ class Block(nn.Module):
         return self.mlp_out_norm(out) if self.mlp_out_norm is not None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.residual_scale != 1.0:
+            return self._scaled_forward(x)
+        if self.output_norm:  # OLMo 2: each branch's output normalised before its residual add
+            x = x + self.dropout(self.attention_norm(self.attention(x)))
+            return x + self.dropout(self.mlp_norm(self.mlp(x)))
         if self.post_norm:
             x = self.attention_norm(x + self.dropout(self.attention(x)))
             return self.mlp_norm(x + self.dropout(self.mlp(x)))
@@ -210,12 +228,19 @@ class Block(nn.Module):
         x = x + self.dropout(self.attention(self.attention_norm(x)))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
+    def _scaled_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A pre-norm layer whose branch outputs are scaled before their residual adds (Granite)."""
+        if self.post_norm or self.output_norm or self.parallel:
+            raise ValueError("residual_multiplier is built for sequential pre-norm layers only")
+        x = x + self.residual_scale * self.dropout(self.attention(self.attention_norm(x)))
+        return x + self.residual_scale * self.dropout(self.mlp(self.mlp_norm(x)))
+
 
 def _head_input_layers(model: ModelSpec) -> tuple[nn.Module | None, nn.Module | None]:
     """The head's layers before its LM-head matrix: the final norm (pre-norm models) and an
     encoder's dense + GeLU + norm transform."""
     h = model.hidden_size
-    norm = _norm(model) if model.norm_position == "pre" else None
+    norm = _norm(model) if model.norm_position != "post" else None
     transform = nn.Sequential(nn.Linear(h, h), nn.GELU(), _norm(model)) if model.architecture == "encoder" else None
     return norm, transform
 
@@ -230,7 +255,7 @@ class Head(nn.Module):
         self.lm_head = nn.Linear(model.hidden_size, vocab_size, bias=model.architecture == "encoder")
         if tied_weight is not None:
             self.lm_head.weight = tied_weight
-        self.softcap = model.final_logit_softcap
+        self.softcap, self.scale = model.final_logit_softcap, model.logit_scale
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The input of the LM head matrix."""
@@ -241,6 +266,8 @@ class Head(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The logits over the vocabulary (soft-capped where the model caps them)."""
         logits = self.lm_head(self.hidden(x))
+        if self.scale != 1.0:
+            logits = logits * self.scale
         if self.softcap:
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits

@@ -469,10 +469,16 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
         kwargs["activation_func"] = F.silu
     elif model.mlp == "relu":
         kwargs["activation_func"] = F.relu
+    elif model.mlp == "relu2":
+        from megatron.core.activations import squared_relu  # what --squared-relu selects
+
+        kwargs["activation_func"] = squared_relu
     else:
         kwargs["activation_func"] = functools.partial(F.gelu, approximate="tanh") if model.gelu_tanh else F.gelu
     if model.attention_scale_dim:
         kwargs["softmax_scale"] = model.attention_scale_dim ** -0.5
+    if model.no_rope_every and not model.num_layers % model.no_rope_every:
+        kwargs["no_rope_freq"] = model.no_rope_every  # every N-th layer attends without positions
     if model.sliding_window:
         # Hugging Face's window counts the query's own token; Megatron's (left, right) does not.
         kwargs["window_size"] = (model.sliding_window - 1, 0)

@@ -94,9 +94,10 @@ def _target(block: nn.Module, layer: int, name: str, plan: Plan, moe: bool) -> A
     MoE layer's ``mlp``)."""
     where = f"transformer layer {layer} ({type(block).__name__})"
     if name == "layernorm":
-        if plan.model.norm_position == "post":
+        if plan.model.norm_position != "pre":
+            after = "each residual add" if plan.model.norm_position == "post" else "each branch"
             raise DsautoError(f"The plan recomputes the pre-norms (layernorm) but {plan.model.name} normalises "
-                              f"after each residual add, so {where} has no pre-norm outputs to drop; re-plan "
+                              f"after {after}, so {where} has no pre-norm outputs to drop; re-plan "
                               f"without layernorm in --recompute-modules.")
         for names in PRE_NORMS:
             found = [getattr(block, n, False) for n in names]  # None: no such norm (a shared one)

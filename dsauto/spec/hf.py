@@ -48,7 +48,7 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_interme
 """Keys that make a config a mixture of experts when they hold a value (not null, not 0)."""
 
 MOE_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss",
-                       "olmoe", "dbrx", "jamba", "granitemoe", "phimoe", "jetmoe", "llama4",
+                       "olmoe", "dbrx", "jamba", "granitemoe", "granitemoeshared", "phimoe", "jetmoe", "llama4",
                        "llama4_text", "qwen3_next", "glm4_moe", "minimax", "ernie4_5_moe"})
 """Families that are mixtures of experts whatever their keys say."""
 
@@ -227,10 +227,10 @@ def read_activation(key: str, gated: bool) -> Reader:
         elif name in _GELU:
             spec["mlp"] = "geglu" if gated else "gelu"
             spec["gelu_tanh"] = _GELU[name]
-        elif name == "relu" and not gated:
-            spec["mlp"] = "relu"
+        elif name in ("relu", "relu2") and not gated:
+            spec["mlp"] = name
         else:
-            known = sorted((_SILU if gated else {"relu"}) | set(_GELU))
+            known = sorted((_SILU if gated else {"relu", "relu2"}) | set(_GELU))
             raise cfg.error(f"{key} {name!r} is not an activation dsauto knows for a "
                             f"{'gated ' if gated else ''}{cfg.model_type} MLP; use one of {', '.join(known)}")
     return read
@@ -238,13 +238,11 @@ def read_activation(key: str, gated: bool) -> Reader:
 
 def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
     """Rotary base, partial rotary and scaling, in either spelling (see the module doc)."""
-    params = cfg.get("rope_parameters")
+    params, local_base = cfg.get("rope_parameters"), None
     if isinstance(params, Mapping) and isinstance(params.get("full_attention"), Mapping):
         local = params.get("sliding_attention") or {}
         params = params["full_attention"]  # per layer type (Gemma 3): the global layers' settings
         local_base = local.get("rope_theta") if isinstance(local, Mapping) else None
-        if local_base is not None:
-            spec["rotary_base_local"] = float(local_base)
     if params is not None and not isinstance(params, Mapping):
         raise cfg.error(f"rope_parameters must be a mapping, got {params!r}")
     params = dict(params or {})
@@ -252,6 +250,8 @@ def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
     base = params.pop("rope_theta", base)
     if base is not None:
         spec["rotary_base"] = float(base)
+    if local_base is not None and float(local_base) != spec.get("rotary_base", 10000.0):
+        spec["rotary_base_local"] = float(local_base)
     percent = cfg.number("partial_rotary_factor", cfg.number("rotary_pct"))
     percent = params.pop("partial_rotary_factor", percent)
     if percent is not None:
@@ -481,6 +481,79 @@ def read_qwen(cfg: Config, spec: dict[str, Any]) -> None:
         raise cfg.unsupported("multimodal rotary positions (use_mrope)")
 
 
+def read_granite(cfg: Config, spec: dict[str, Any]) -> None:
+    """Granite's multipliers: of the embeddings, of each branch before its residual add, of the
+    attention scores (instead of 1/sqrt(head width)) and the divisor of the logits."""
+    spec["embedding_multiplier"] = cfg.number("embedding_multiplier", 1.0)
+    spec["residual_multiplier"] = cfg.number("residual_multiplier", 1.0)
+    divisor = cfg.number("logits_scaling", 1.0)
+    scale = cfg.number("attention_multiplier", 1.0)
+    for key, value in (("embedding_multiplier", spec["embedding_multiplier"]),
+                       ("residual_multiplier", spec["residual_multiplier"]), ("logits_scaling", divisor),
+                       ("attention_multiplier", scale)):
+        if value <= 0:
+            raise cfg.error(f"{key} must be above 0, got {value!r}")
+    spec["logit_scale"] = 1.0 / divisor
+    head_dim = spec.get("attention_head_dim") or spec["hidden_size"] // spec["num_attention_heads"]
+    if scale != head_dim ** -0.5:  # the scores are scaled by attention_multiplier = 1/sqrt(scale dim)
+        spec["attention_scale_dim"] = scale ** -2
+
+
+def read_granite_shared(cfg: Config, spec: dict[str, Any]) -> None:
+    """GraniteMoeShared's shared expert (a gated MLP of ``shared_intermediate_size``, no gate scalar)."""
+    spec["shared_expert_ffn_hidden_size"] = cfg.whole("shared_intermediate_size", 0)
+
+
+def read_glm4_moe(cfg: Config, spec: dict[str, Any]) -> None:
+    """GLM-4.5: DeepSeek-V3's experts (shared ones, the first layers dense, sigmoid routing with a
+    load-balancing bias buffer) under grouped-query attention with optional per-head query/key norms."""
+    spec["shared_expert_ffn_hidden_size"] = (cfg.whole("n_shared_experts") or 0) * spec["moe_ffn_hidden_size"]
+    spec["moe_first_dense_layers"] = cfg.whole("first_k_dense_replace", 0)
+    spec["moe_router"] = "sigmoid"
+    spec["qk_norm"] = cfg.flag("use_qk_norm")
+
+
+def read_kv_channels(cfg: Config, spec: dict[str, Any]) -> None:
+    """Older Nemotron configs give the head width as ``kv_channels`` (Megatron's name), which
+    transformers does not read: it must be the width transformers uses."""
+    given = cfg.whole("kv_channels")
+    width = spec.get("attention_head_dim") or spec["hidden_size"] // spec["num_attention_heads"]
+    if given is not None and given != width:
+        raise cfg.unsupported(f"kv_channels {given}, which transformers ignores (its head width is {width}); "
+                              f"give head_dim {given} instead")
+
+
+def read_bigcode(cfg: Config, spec: dict[str, Any]) -> None:
+    """GPTBigCode (StarCoder, SantaCoder): GPT-2 with multi-query attention (one key/value head)."""
+    heads = spec["num_attention_heads"]
+    kv = 1 if cfg.flag("multi_query", True) else heads
+    given = cfg.whole("num_key_value_heads")  # transformers 5's to_dict() spells it out
+    if given is not None and given != kv:
+        raise cfg.error(f"num_key_value_heads {given} disagrees with multi_query ({kv} key/value heads)")
+    spec["num_kv_heads"] = 0 if kv == heads else kv
+
+
+def read_no_rope(cfg: Config, spec: dict[str, Any]) -> None:
+    """SmolLM3's layers without rotary positions: ``no_rope_layers`` (1 rotates, 0 does not) or every
+    ``no_rope_layer_interval``-th layer."""
+    layers = spec["num_layers"]
+    interval = cfg.whole("no_rope_layer_interval", 4)
+    rotates = cfg.get("no_rope_layers")
+    if rotates is None:
+        rotates = [int((i + 1) % interval != 0) for i in range(layers)] if interval else [1] * layers
+    if not isinstance(rotates, list) or len(rotates) != layers or not set(rotates) <= {0, 1}:
+        raise cfg.error(f"no_rope_layers must give 1 (rotary) or 0 (none) for each of the {layers} layers, "
+                        f"got {rotates!r}")
+    if all(rotates):
+        return
+    every = next((n for n in range(1, layers + 1) if all(r == ((i + 1) % n != 0) for i, r in enumerate(rotates))), 0)
+    if not every:
+        raise cfg.unsupported(f"layers without rotary positions that are not every N-th (no_rope_layers {rotates})")
+    spec["no_rope_every"] = every
+    if cfg.flag("use_sliding_window"):  # SmolLM3 then slides the NoPE layers only
+        raise cfg.unsupported("sliding-window attention in its layers without rotary positions (use_sliding_window)")
+
+
 # --- the families ------------------------------------------------------------------------------------
 
 _SHAPE = {
@@ -507,6 +580,11 @@ _GEMMA_FIXED = {**_LLAMA, "mlp": "geglu", "norm_plus_one": True, "embedding_scal
 _GEMMA_READERS: tuple[Reader, ...] = (read_kv_heads(), read_head_dim, read_tied, read_rope,
                                       read_norm_epsilon("rms_norm_eps"), read_dropout("attention_dropout"),
                                       read_gemma, read_bidirectional)
+_GRANITE_DEFAULTS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
+                     "attention_multiplier": 1.0}
+_OLMO2 = {**_LLAMA, "qk_norm": True, "qk_norm_full_width": True, "norm_position": "output"}
+_GLM_DEFAULTS = {**_LLAMA_DEFAULTS, "rms_norm_eps": 1.5625e-07, "head_dim": 128, "attention_bias": True,
+                 "partial_rotary_factor": 0.5}
 _OLD_ROPE = frozenset({"pretraining_tp"})  # Llama's emulation of TP-sliced matmuls: numerics only
 
 FAMILIES: dict[str, Family] = {
@@ -606,6 +684,65 @@ FAMILIES: dict[str, Family] = {
          read_activation("hidden_act", gated=False), read_bert),
         expected={"is_decoder": (False, "a causal decoder head (is_decoder)"),
                   "add_cross_attention": (False, "cross-attention")}),
+    "granite": Family(
+        _SHAPE, _LLAMA, {**_LLAMA_DEFAULTS, **_GRANITE_DEFAULTS},
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj"), mlp_bias=("mlp",)), read_granite)),
+    "olmo2": Family(
+        _SHAPE, _OLMO2, {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5},
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")))),
+    "olmo3": Family(
+        _SHAPE, _OLMO2, {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0,
+                         "sliding_window": 4096, "sliding_window_pattern": 4},
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_sliding_window)),
+    "smollm3": Family(
+        _SHAPE, _LLAMA, {**_LLAMA_DEFAULTS, "tie_word_embeddings": True, "rope_theta": 2_000_000.0,
+                         "no_rope_layer_interval": 4},
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj"), mlp_bias=("mlp",)), read_no_rope,
+         read_sliding_window),
+        ignored=_OLD_ROPE),
+    "glm": Family(
+        _SHAPE, _LLAMA, _GLM_DEFAULTS, (*_LLAMA_READERS, read_biases(attention_bias=("qkv",)))),
+    "glm4": Family(
+        _SHAPE, {**_LLAMA, "norms_per_layer": 4}, _GLM_DEFAULTS,
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv",)))),
+    "nemotron": Family(
+        _SHAPE, {**_LLAMA, "mlp": "relu2", "norm": "layernorm", "norm_plus_one": True},
+        {"norm_eps": 1e-5, "hidden_act": "relu2", "tie_word_embeddings": False, "rope_theta": 10000.0,
+         "partial_rotary_factor": 0.5},
+        (read_kv_heads(), read_head_dim, read_tied, read_rope, read_norm_epsilon("norm_eps"),
+         read_dropout("attention_dropout"), read_activation("hidden_act", gated=False),
+         read_biases(attention_bias=("qkv", "proj"), mlp_bias=("mlp",)), read_kv_channels)),
+    "starcoder2": Family(
+        _SHAPE, {**_GPT, "position_embedding": "rope"},
+        {"norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+         "rope_theta": 10000.0, "use_bias": True},
+        (read_kv_heads(), read_tied, read_rope, read_norm_epsilon("norm_epsilon"),
+         read_dropout("attention_dropout", "residual_dropout", "embedding_dropout"),
+         read_activation("hidden_act", gated=False), read_biases(use_bias=("qkv", "proj", "mlp")),
+         read_sliding_window),
+        # the original training code's names of the architecture transformers builds
+        expected={"mlp_type": ("default", "another MLP"),
+                  "norm_type": ("layer_norm", "another norm")}),
+    "gpt_bigcode": Family(
+        {"num_layers": ("n_layer",), "hidden_size": ("n_embd",), "num_attention_heads": ("n_head",),
+         "ffn_hidden_size": ("n_inner",), "vocab_size": ("vocab_size",), "max_position_embeddings": ("n_positions",)},
+        {**_GPT, "linear_bias": True},
+        {"layer_norm_epsilon": 1e-5, "activation_function": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+         "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "multi_query": True},
+        (read_gpt2, read_tied, read_norm_epsilon("layer_norm_epsilon"),
+         read_dropout("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+         read_activation("activation_function", gated=False), read_bigcode),
+        expected={"scale_attn_weights": (True, "unscaled attention scores (scale_attn_weights false)"),
+                  "add_cross_attention": (False, "cross-attention")},
+        # where the scores' softmax runs in fp32 (numerics), n_positions' old name, and the original
+        # inference server's settings (StarCoder's config.json)
+        ignored=frozenset({"attention_softmax_in_fp32", "scale_attention_softmax_in_fp32", "n_ctx",
+                           "inference_runner", "max_batch_size", "max_sequence_length", "pad_key_length",
+                           "pre_allocate_kv_cache", "validate_runner_input", "runner_max_sequence_length",
+                           "summary_type",
+                           "summary_use_proj", "summary_activation", "summary_proj_to_labels",
+                           "summary_first_dropout"}),
+        optional=frozenset({"ffn_hidden_size"})),
 }
 FAMILIES["roberta"] = FAMILIES["bert"]
 
@@ -668,8 +805,32 @@ FAMILIES.update({
          read_experts("num_local_experts", "num_experts", width=None)),
         # the clamped SwiGLU's constants (numerics, the same FLOPs) and the original pre-training context
         ignored=_ROUTER_TRAINING | {"swiglu_limit", "swiglu_alpha", "initial_context_length"}),
+    "glm4_moe": Family(
+        _SHAPE, _LLAMA,
+        {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5, "n_routed_experts": 128,
+         "num_experts_per_tok": 8, "moe_intermediate_size": 1408, "n_shared_experts": 1,
+         "first_k_dense_replace": 1, "use_qk_norm": False},
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv",)),
+         read_experts("n_routed_experts", "num_local_experts", "num_experts"), read_glm4_moe),
+        # DeepSeek's group-limited routing and scaling, and the multi-token-prediction layer, which
+        # transformers does not build either (the plan is for the main model)
+        ignored=_ROUTER_TRAINING | {"routed_scaling_factor", "n_group", "topk_group", "num_nextn_predict_layers",
+                                    "pretraining_tp"}),
+    "granitemoe": Family(
+        _SHAPE, _LLAMA, {**_LLAMA_DEFAULTS, **_GRANITE_DEFAULTS, "num_local_experts": 8, "num_experts_per_tok": 2},
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_granite,
+         read_experts("num_local_experts", "num_experts", width=None)),
+        ignored=_ROUTER_TRAINING),
+    "granitemoeshared": Family(
+        _SHAPE, _LLAMA,
+        {**_LLAMA_DEFAULTS, **_GRANITE_DEFAULTS, "num_local_experts": 8, "num_experts_per_tok": 2,
+         "shared_intermediate_size": 0},
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_granite,
+         read_experts("num_local_experts", "num_experts", width=None), read_granite_shared),
+        ignored=_ROUTER_TRAINING),
 })
-MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"})
+MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
+                          "glm4_moe", "granitemoe", "granitemoeshared"})
 """The families read as mixtures of experts."""
 
 ENCODER_DECODER = "encoder-decoder models (t5, bart, ...) are not supported yet: dsauto plans decoder-only " \

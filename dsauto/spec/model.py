@@ -18,9 +18,9 @@ from typing import Literal
 from dsauto.spec.limits import MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH
 
 Architecture = Literal["decoder", "encoder"]
-Mlp = Literal["gelu", "relu", "swiglu", "geglu"]
+Mlp = Literal["gelu", "relu", "relu2", "swiglu", "geglu"]
 Norm = Literal["layernorm", "rmsnorm"]
-NormPosition = Literal["pre", "post"]
+NormPosition = Literal["pre", "post", "output"]
 PositionEmbedding = Literal["learned", "rope", "alibi"]
 RopeScaling = Literal["", "linear", "llama3", "yarn", "dynamic", "longrope"]
 LayerKind = Literal["embedding", "transformer", "head"]
@@ -59,7 +59,8 @@ class ModelSpec:
     num_kv_heads: int = 0
     """Key/value heads (grouped-query attention); 0 means equal to ``num_attention_heads``."""
     mlp: Mlp = "gelu"
-    """MLP type: ``gelu`` or ``relu`` (two matrices: up, activation, down), ``swiglu`` or ``geglu``
+    """MLP type: ``gelu``, ``relu`` or ``relu2`` (squared ReLU: Nemotron, Megatron's ``--squared-relu``)
+    (two matrices: up, activation, down), ``swiglu`` or ``geglu``
     (gated: gate and up matrices, SiLU or GeLU of the gate times up, down matrix)."""
     norm: Norm = "layernorm"
     """Normalisation: ``layernorm`` (weight and bias) or ``rmsnorm`` (weight only)."""
@@ -93,7 +94,9 @@ class ModelSpec:
     after each, Gemma 2 and 3)."""
     norm_position: NormPosition = "pre"
     """``pre``: norms before attention and MLP and a final norm before the head (GPT-2, LLaMA);
-    ``post``: norms after each residual add and no final norm (BERT, RoBERTa)."""
+    ``post``: norms after each residual add and no final norm (BERT, RoBERTa); ``output``: each
+    branch's output normalised before its residual add, no norm before the branches, and a final
+    norm (OLMo 2 and 3)."""
     norm_epsilon: float = 1e-5
     """Epsilon of every norm."""
     norm_plus_one: bool = False
@@ -148,6 +151,17 @@ class ModelSpec:
     qk_norm_full_width: bool = False
     """With ``qk_norm``: the query and key norms span all heads (OLMoE: widths a·d and kv·d)
     instead of one shared norm of the head width."""
+    embedding_multiplier: float = 1.0
+    """Token embeddings are multiplied by this (Granite's ``embedding_multiplier``); costs nothing."""
+    residual_multiplier: float = 1.0
+    """Each branch's output is multiplied by this before its residual add (Granite's
+    ``residual_multiplier``); costs nothing."""
+    logit_scale: float = 1.0
+    """The LM head's logits are multiplied by this (Granite divides them by ``logits_scaling``);
+    costs nothing."""
+    no_rope_every: int = 0
+    """With rotary positions: every this-many-th layer (the 4th, 8th, ... for 4) attends without
+    positions (SmolLM3's NoPE layers); 0: every layer rotates."""
 
     # Multi-head latent attention (DeepSeek-V2/V3, Megatron-core's ``--multi-latent-attention``):
     # queries and keys/values pass through low-rank latents. kv_lora_rank 0: ordinary attention.
@@ -211,7 +225,16 @@ class ModelSpec:
             raise ValueError(f"norms_per_layer must be 1, 2 or 4, got {self.norms_per_layer}")
         if self.norms_per_layer == 1 and not self.parallel_attention:
             raise ValueError("norms_per_layer 1 needs parallel_attention (one norm feeds both branches)")
-        for name in ("type_vocab_size", "position_offset", "sliding_window", "global_attention_every"):
+        for name in ("embedding_multiplier", "residual_multiplier", "logit_scale"):
+            if not 0.0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number above 0, got {getattr(self, name)}")
+        if self.no_rope_every and self.position_embedding != "rope":
+            raise ValueError("no_rope_every needs rotary positions (position_embedding rope)")
+        if self.norm_position == "output" and (self.norms_per_layer != 2 or self.parallel_attention):
+            raise ValueError("norm_position output normalises each of the two branches' outputs: it needs "
+                             "norms_per_layer 2 and no parallel_attention")
+        for name in ("type_vocab_size", "position_offset", "sliding_window", "global_attention_every",
+                     "no_rope_every"):
             if not 0 <= getattr(self, name) <= MAX_POSITIONS:
                 raise ValueError(f"{name} must be between 0 and {MAX_POSITIONS}, got {getattr(self, name)}")
         if not 0.0 < self.rotary_percent <= 1.0:
@@ -602,7 +625,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         expert_gemm_dim=fe if experts else 0,
         dispatch_bytes_per_token=moe_fraction * top_k * h * b,
         expert_act_bytes_per_token=moe_fraction * top_k * (inner * fe * b + 2 * h * b),
-        norm_output_bytes_per_token=0.0 if post_norm else branch_inputs * h * b,
+        norm_output_bytes_per_token=branch_inputs * h * b if model.norm_position == "pre" else 0.0,  # pre-norms' outputs
         mlp_act_bytes_per_token=dense_fraction * inner * f * b,
         mlp_matmul_flops_per_token=2.0 * dense_fraction * (mlp_in + mlp_out),
         mlp_out_matmul_flops_per_token=2.0 * dense_fraction * mlp_out,

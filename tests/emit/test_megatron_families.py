@@ -95,6 +95,45 @@ EXPECTED = {
         {"--max-position-embeddings": "512", "--bert-no-binary-head": None},
         (),
         ("token-type embedding (1 rows)", "2 rows before the first position")),
+    "ministral-8b-instruct-2410": ({"--window-size": "32767,0", "--num-query-groups": "8"}, (), ()),
+    "granite-3.1-8b-instruct": (
+        {"--rotary-base": "10000000", "--num-query-groups": "8", "--swiglu": None},
+        ("--untie-embeddings-and-output-weights",),
+        ("embeddings multiplied by 12", "multiplied by 0.22 before their residual adds",
+         "logits multiplied by 0.0625", "scaled by 1/sqrt(16384) instead of 1/sqrt(head width 128)")),
+    "olmo2-1124-7b": (
+        {"--qk-layernorm": None, "--normalization": "RMSNorm", "--untie-embeddings-and-output-weights": None},
+        ("--window-size",),
+        ("each branch's output normalised before its residual add", "over all heads at once")),
+    "olmo3-1025-7b": (
+        {"--window-size": "4095,0", "--window-attn-skip-freq": "4", "--position-embedding-type": "yarn",
+         "--norm-epsilon": "1e-06"},
+        (),
+        ("each branch's output normalised",)),
+    "smollm3-3b": (
+        {"--no-rope-freq": "4", "--num-query-groups": "4", "--rotary-base": "5000000"},
+        ("--untie-embeddings-and-output-weights", "--window-size"),
+        ()),
+    "glm-4-9b-chat-hf": (
+        {"--rotary-percent": "0.5", "--add-qkv-bias": None, "--disable-bias-linear": None, "--num-query-groups": "2"},
+        (), ()),
+    "glm-4-32b-0414": (
+        {"--rotary-percent": "0.5", "--disable-bias-linear": None},
+        ("--add-qkv-bias",),
+        ("4 per layer",)),
+    "starcoder2-3b": (
+        {"--window-size": "4095,0", "--num-query-groups": "2", "--normalization": "LayerNorm"},
+        ("--disable-bias-linear", "--swiglu", "--untie-embeddings-and-output-weights", "--no-bias-gelu-fusion"),
+        ()),
+    "gpt_bigcode-santacoder": (
+        {"--num-query-groups": "1", "--position-embedding-type": "learned_absolute"},
+        ("--disable-bias-linear", "--no-bias-gelu-fusion"),
+        ()),
+    "minitron-8b-base": (
+        {"--squared-relu": None, "--apply-layernorm-1p": None, "--rotary-percent": "0.5",
+         "--kv-channels": "128", "--normalization": "LayerNorm", "--disable-bias-linear": None},
+        ("--swiglu",),
+        ()),
 }
 
 

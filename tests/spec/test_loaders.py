@@ -234,7 +234,7 @@ BAD_FILES = [
     ("model.yaml", GOOD_MODEL.replace("num_layers: 4", "num_layers: four"), load_model,
      r"num_layers must be a whole number, got 'four'"),
     ("model.yaml", GOOD_MODEL.replace("mlp: gelu", "mlp: tanh"), load_model,
-     r"mlp must be one of 'gelu', 'relu', 'swiglu', 'geglu', got 'tanh'"),
+     r"mlp must be one of 'gelu', 'relu', 'relu2', 'swiglu', 'geglu', got 'tanh'"),
     ("model.yaml", GOOD_MODEL.replace("num_attention_heads: 4", "num_attention_heads: 3"), load_model,
      r"is invalid: hidden_size \(128\) is not divisible by num_attention_heads \(3\)"),
     ("model.yaml", GOOD_MODEL.replace("num_layers: 4\n", ""), load_model,
