@@ -49,6 +49,12 @@ def megatron_gaps(model: ModelSpec) -> list[str]:
         gaps.append("norms after attention and after the MLP as well (4 per layer)")
     if model.embedding_norm or (model.architecture == "encoder" and model.norm_position == "pre"):
         gaps.append("a norm after the embedding (Megatron's GPT and BERT embeddings have none)")
+    if model.norm == "layernorm" and not model.norm_bias:
+        gaps.append("LayerNorms without biases (Cohere); Megatron's LayerNorm has one (the same cost, "
+                    "one more vector per norm)")
+    if model.head_bias and model.architecture == "decoder":
+        gaps.append(f"a bias over the {model.vocab_size}-word vocabulary on the LM head (Megatron's GPT "
+                    f"output layer has none)")
     if model.embedding_scale:
         gaps.append("embeddings scaled by sqrt(hidden size)")
     if model.embedding_multiplier != 1.0:

@@ -28,7 +28,7 @@ def _norm(model: ModelSpec, width: int | None = None) -> nn.Module:
     width = width or model.hidden_size
     if model.norm == "rmsnorm":
         return nn.RMSNorm(width, eps=model.norm_epsilon)
-    return nn.LayerNorm(width, eps=model.norm_epsilon)
+    return nn.LayerNorm(width, eps=model.norm_epsilon, bias=model.norm_bias)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -252,7 +252,7 @@ class Head(nn.Module):
     def __init__(self, model: ModelSpec, vocab_size: int, tied_weight: nn.Parameter | None):
         super().__init__()
         self.norm, self.transform = _head_input_layers(model)
-        self.lm_head = nn.Linear(model.hidden_size, vocab_size, bias=model.architecture == "encoder")
+        self.lm_head = nn.Linear(model.hidden_size, vocab_size, bias=model.architecture == "encoder" or model.head_bias)
         if tied_weight is not None:
             self.lm_head.weight = tied_weight
         self.softcap, self.scale = model.final_logit_softcap, model.logit_scale

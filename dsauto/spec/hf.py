@@ -513,6 +513,31 @@ def read_glm4_moe(cfg: Config, spec: dict[str, Any]) -> None:
     spec["qk_norm"] = cfg.flag("use_qk_norm")
 
 
+def read_cohere(cfg: Config, spec: dict[str, Any]) -> None:
+    """Command R: the logits multiplied by ``logit_scale``; Command R+'s query/key LayerNorms hold one
+    weight per head (``use_qk_norm``), which dsauto does not model. Command R7B (cohere2) slides
+    three layers of four and gives the fourth, global one no rotary positions, and fixes the head
+    width to hidden / heads (Cohere2Config)."""
+    scale = cfg.number("logit_scale", 0.0625)
+    if scale is None or scale <= 0:
+        raise cfg.error(f"logit_scale must be above 0, got {scale!r}")
+    spec["logit_scale"] = scale
+    if cfg.flag("use_qk_norm"):
+        raise cfg.unsupported("query/key LayerNorms with a weight per head (use_qk_norm)")
+    if cfg.model_type == "cohere2":
+        given, width = cfg.whole("head_dim"), spec["hidden_size"] // spec["num_attention_heads"]
+        if given is not None and given != width:
+            raise cfg.unsupported(f"head_dim {given}, which Cohere2Config replaces by hidden_size / "
+                                  f"num_attention_heads = {width}")
+        if spec.get("global_attention_every"):
+            spec["no_rope_every"] = spec["global_attention_every"]
+
+
+def read_phi(cfg: Config, spec: dict[str, Any]) -> None:
+    """Phi-1/1.5/2: per-head query/key LayerNorms when ``qk_layernorm`` is set."""
+    spec["qk_norm"] = cfg.flag("qk_layernorm")
+
+
 def read_kv_channels(cfg: Config, spec: dict[str, Any]) -> None:
     """Older Nemotron configs give the head width as ``kv_channels`` (Megatron's name), which
     transformers does not read: it must be the width transformers uses."""
@@ -585,7 +610,14 @@ _GRANITE_DEFAULTS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "l
 _OLMO2 = {**_LLAMA, "qk_norm": True, "qk_norm_full_width": True, "norm_position": "output"}
 _GLM_DEFAULTS = {**_LLAMA_DEFAULTS, "rms_norm_eps": 1.5625e-07, "head_dim": 128, "attention_bias": True,
                  "partial_rotary_factor": 0.5}
-_OLD_ROPE = frozenset({"pretraining_tp"})  # Llama's emulation of TP-sliced matmuls: numerics only
+# Command R: one bias-free LayerNorm feeding attention and MLP side by side (CohereDecoderLayer)
+_COHERE = {**_LLAMA, "norm": "layernorm", "norm_bias": False, "parallel_attention": True, "norms_per_layer": 1}
+_COHERE_DEFAULTS = {**_LLAMA_DEFAULTS, "layer_norm_eps": 1e-5, "tie_word_embeddings": True, "logit_scale": 0.0625}
+_COHERE_READERS: tuple[Reader, ...] = (
+    read_kv_heads(), read_tied, read_rope, read_norm_epsilon("layer_norm_eps"), read_dropout("attention_dropout"),
+    read_activation("hidden_act", gated=True), read_biases(attention_bias=("qkv", "proj")))
+_OLD_ROPE = frozenset({"pretraining_tp"})
+_COHERE_IGNORED = _OLD_ROPE | {"model_max_length"}  # the tokenizer's longest input  # Llama's emulation of TP-sliced matmuls: numerics only
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(
@@ -712,6 +744,26 @@ FAMILIES: dict[str, Family] = {
         (read_kv_heads(), read_head_dim, read_tied, read_rope, read_norm_epsilon("norm_eps"),
          read_dropout("attention_dropout"), read_activation("hidden_act", gated=False),
          read_biases(attention_bias=("qkv", "proj"), mlp_bias=("mlp",)), read_kv_channels)),
+    "cohere": Family(
+        _SHAPE, _COHERE, {**_COHERE_DEFAULTS, "rope_theta": 500_000.0},
+        (*_COHERE_READERS, read_cohere), ignored=_COHERE_IGNORED),
+    "cohere2": Family(
+        _SHAPE, _COHERE, {**_COHERE_DEFAULTS, "sliding_window": 4096, "sliding_window_pattern": 4},
+        (*_COHERE_READERS, read_sliding_window, read_cohere),
+        # Cohere's own names, in Command R7B's config.json, of the architecture transformers builds
+        expected={"use_gated_activation": (True, "an ungated MLP (use_gated_activation false)"),
+                  "use_parallel_block": (True, "attention and MLP one after the other (use_parallel_block false)"),
+                  "order_of_interleaved_layers": ("local_attn_first", "another order of sliding and global layers"),
+                  "position_embedding_type": ("rope_gptj", "another position embedding")},
+        ignored=_COHERE_IGNORED | {"layer_switch", "use_embedding_sharing", "use_parallel_embedding"}),
+    "phi": Family(
+        _SHAPE, {**_GPT, "position_embedding": "rope", "parallel_attention": True, "norms_per_layer": 1,
+                 "head_bias": True, "linear_bias": True},
+        {"layer_norm_eps": 1e-5, "hidden_act": "gelu_new", "tie_word_embeddings": False, "rope_theta": 10000.0,
+         "partial_rotary_factor": 0.5},
+        (read_kv_heads(), read_tied, read_rope, read_norm_epsilon("layer_norm_eps"),
+         read_dropout("attention_dropout", "resid_pdrop", "embd_pdrop"), read_activation("hidden_act", gated=False),
+         read_phi)),
     "starcoder2": Family(
         _SHAPE, {**_GPT, "position_embedding": "rope"},
         {"norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True,

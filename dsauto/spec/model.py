@@ -159,6 +159,11 @@ class ModelSpec:
     logit_scale: float = 1.0
     """The LM head's logits are multiplied by this (Granite divides them by ``logits_scaling``);
     costs nothing."""
+    norm_bias: bool = True
+    """LayerNorms carry a bias (Cohere's have weights only); RMSNorm never does."""
+    head_bias: bool = False
+    """A decoder's LM head carries a bias over the vocabulary (Phi-2); an encoder's masked-LM head
+    always does."""
     no_rope_every: int = 0
     """With rotary positions: every this-many-th layer (the 4th, 8th, ... for 4) attends without
     positions (SmolLM3's NoPE layers); 0: every layer rotates."""
@@ -287,6 +292,11 @@ class ModelSpec:
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.attention_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def norm_unit(self) -> int:
+        """Parameters of a norm per element of its width: weight and bias, or the weight alone."""
+        return 2 if self.norm == "layernorm" and self.norm_bias else 1
 
     @property
     def gated_mlp(self) -> bool:
@@ -515,7 +525,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     a, f = model.num_attention_heads, model.ffn_hidden_size
     qd, kvd = a * model.head_dim, model.kv_heads * model.head_dim  # query and key/value widths
     vocab = model.padded_vocab_size(tp) if pad_vocab else model.vocab_size
-    norm_params = (2 if model.norm == "layernorm" else 1) * h
+    norm_params = model.norm_unit * h
     mask = 1.0 if model.dropout else 0.0  # dropout masks are one byte per element
     gated = model.gated_mlp
     encoder, post_norm = model.architecture == "encoder", model.norm_position == "post"
@@ -664,7 +674,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     # over the vocabulary in encoders: BERT's and Megatron's masked-LM heads), cross-entropy.
     final_norm = 0 if post_norm else norm_params
     transform = (h * h + h + norm_params) if encoder else 0
-    head_weights = (0 if model.tied_embeddings else vocab * h) + (vocab if encoder else 0)
+    head_weights = (0 if model.tied_embeddings else vocab * h) + (vocab if encoder or model.head_bias else 0)
     head = LayerGroup(
         name="head",
         kind="head",
@@ -755,7 +765,7 @@ def attention_matrix_params(model: ModelSpec) -> tuple[int, ...]:
 def block_parameters(model: ModelSpec) -> BlockParameters:
     """The parameters of one transformer layer of ``model``, by part."""
     h, f = model.hidden_size, model.ffn_hidden_size
-    norm_unit = 2 if model.norm == "layernorm" else 1
+    norm_unit = model.norm_unit
     qkv_bias, proj_bias, mlp_bias = model.biases
     q, k, v, _ = attention_widths(model)
     matrices = attention_matrix_params(model)

@@ -129,6 +129,16 @@ EXPECTED = {
         {"--num-query-groups": "1", "--position-embedding-type": "learned_absolute"},
         ("--disable-bias-linear", "--no-bias-gelu-fusion"),
         ()),
+    "c4ai-command-r-v01": (
+        {"--normalization": "LayerNorm", "--rotary-base": "8000000", "--disable-bias-linear": None},
+        ("--untie-embeddings-and-output-weights", "--no-rope-freq"),
+        ("LayerNorms without biases", "in parallel on the same input (1 norm)", "logits multiplied by 0.0625")),
+    "c4ai-command-r7b-12-2024": (
+        {"--window-size": "4095,0", "--window-attn-skip-freq": "4", "--no-rope-freq": "4"}, (), ()),
+    "phi-2": (
+        {"--rotary-percent": "0.4", "--untie-embeddings-and-output-weights": None},
+        ("--disable-bias-linear", "--no-bias-gelu-fusion"),
+        ("a bias over the 51200-word vocabulary on the LM head", "in parallel on the same input (1 norm)")),
     "minitron-8b-base": (
         {"--squared-relu": None, "--apply-layernorm-1p": None, "--rotary-percent": "0.5",
          "--kv-channels": "128", "--normalization": "LayerNorm", "--disable-bias-linear": None},

@@ -71,6 +71,10 @@ PUBLISHED = {
     "starcoder2-3b": (3e9, 0.011, "transformers' StarCoder2 page: 'sizes with 3B, 7B and 15B parameters'"),
     "gpt_bigcode-santacoder": (1.1e9, 0.025, "SantaCoder paper (Allal et al. 2023): a 1.1B parameter model"),
     "minitron-8b-base": (8e9, 0.035, "Minitron-8B-Base model card: an 8B model pruned from Nemotron-4 15B"),
+    "c4ai-command-r-v01": (35e9, 0.001, "c4ai-command-r-v01 model card: 'Model Size: 35 billion parameters'"),
+    "c4ai-command-r7b-12-2024": (8.028e9, 0.001, "Open LLM Leaderboard's count of the checkpoint: 8.028B "
+                                 "(the model card's '7B' is its size class)"),
+    "phi-2": (2.7e9, 0.03, "phi-2 model card: 'a Transformer with 2.7 billion parameters'"),
 }
 
 # Published active parameters: (count, tolerance, whether the publisher counts the input embedding,
@@ -227,6 +231,9 @@ VARIANTS = [
     ("granite-3.0-3b-a800m-base", {"num_hidden_layers": 2, "model_type": "granitemoeshared",
                                    "shared_intermediate_size": 1024}),
     ("minitron-8b-base", {"num_hidden_layers": 2, "attention_bias": True, "mlp_bias": True, "head_dim": 64}),
+    ("c4ai-command-r-v01", {"num_hidden_layers": 2, "attention_bias": True, "tie_word_embeddings": False}),
+    ("c4ai-command-r7b-12-2024", {"num_hidden_layers": 8, "num_key_value_heads": 4}),
+    ("phi-2", {"num_hidden_layers": 2, "qk_layernorm": True, "num_key_value_heads": 8, "tie_word_embeddings": True}),
 ]
 
 
@@ -334,6 +341,15 @@ def test_glm_smollm3_starcoder2_bigcode_nemotron():
     assert (santa.kv_heads, santa.position_embedding, santa.ffn_hidden_size) == (1, "learned", 4 * 2048)
     nemotron = load("minitron-8b-base")
     assert (nemotron.mlp, nemotron.norm, nemotron.norm_plus_one, nemotron.rotary_percent) == ("relu2", "layernorm", True, 0.5)
+
+
+def test_cohere_and_phi():
+    r, r7b, phi = load("c4ai-command-r-v01"), load("c4ai-command-r7b-12-2024"), load("phi-2")
+    assert (r.norm, r.norm_bias, r.parallel_attention, r.norms_per_layer, r.logit_scale) == ("layernorm", False, True, 1, 0.0625)
+    # Command R7B: three sliding layers to one global layer, which attends without rotary positions
+    assert (r7b.sliding_window, r7b.global_attention_every, r7b.no_rope_every, r7b.rotary_base) == (4096, 4, 4, 50000.0)
+    assert (phi.head_bias, phi.parallel_attention, phi.norms_per_layer, phi.rotary_percent, phi.linear_bias) == (
+        True, True, 1, 0.4, True)
 
 
 def test_new_families_reach_megatron_as_flags_or_named_gaps():
@@ -456,6 +472,9 @@ def test_multimodal_config_is_refused():
     ("gpt_bigcode-santacoder", {"num_key_value_heads": 4}, r"num_key_value_heads 4 disagrees with multi_query"),
     ("minitron-8b-base", {"kv_channels": 64}, r"kv_channels 64, which transformers ignores"),
     ("granite-3.1-8b-instruct", {"logits_scaling": 0}, r"logits_scaling must be above 0"),
+    ("c4ai-command-r-v01", {"use_qk_norm": True}, r"LayerNorms with a weight per head \(use_qk_norm\)"),
+    ("c4ai-command-r7b-12-2024", {"head_dim": 64}, r"head_dim 64, which Cohere2Config replaces"),
+    ("c4ai-command-r7b-12-2024", {"use_parallel_block": False}, r"one after the other"),
 ])
 def test_architecture_dsauto_does_not_model_is_refused(name, changes, pattern):
     with pytest.raises(DsautoError, match=pattern):
