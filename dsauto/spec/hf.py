@@ -49,7 +49,7 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_interme
 
 MOE_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss",
                        "olmoe", "dbrx", "jamba", "granitemoe", "granitemoeshared", "phimoe", "jetmoe", "llama4",
-                       "llama4_text", "qwen3_next", "glm4_moe", "minimax", "ernie4_5_moe"})
+                       "llama4_text", "qwen3_next", "glm4_moe", "minimax", "minimax_m2", "ernie4_5_moe"})
 """Families that are mixtures of experts whatever their keys say."""
 
 GENERIC_KEYS = frozenset({
@@ -538,6 +538,20 @@ def read_phi(cfg: Config, spec: dict[str, Any]) -> None:
     spec["qk_norm"] = cfg.flag("qk_layernorm")
 
 
+def read_minimax_m2(cfg: Config, spec: dict[str, Any]) -> None:
+    """MiniMax-M2: the rotary width as ``rotary_dim`` (of the head's), every layer full attention
+    (``attn_type_list`` 1; MiniMax-01's lightning-attention layers are 0)."""
+    rotary = cfg.whole("rotary_dim")
+    head_dim = spec.get("attention_head_dim") or spec["hidden_size"] // spec["num_attention_heads"]
+    if rotary is not None:
+        if not 0 < rotary <= head_dim:
+            raise cfg.error(f"rotary_dim must be above 0 and at most the head width {head_dim}, got {rotary}")
+        spec["rotary_percent"] = rotary / head_dim
+    kinds = cfg.get("attn_type_list")
+    if kinds is not None and (not isinstance(kinds, list) or set(kinds) != {1}):
+        raise cfg.unsupported("layers other than full attention (attn_type_list other than all 1)")
+
+
 def read_kv_channels(cfg: Config, spec: dict[str, Any]) -> None:
     """Older Nemotron configs give the head width as ``kv_channels`` (Megatron's name), which
     transformers does not read: it must be the width transformers uses."""
@@ -857,6 +871,21 @@ FAMILIES.update({
          read_experts("num_local_experts", "num_experts", width=None)),
         # the clamped SwiGLU's constants (numerics, the same FLOPs) and the original pre-training context
         ignored=_ROUTER_TRAINING | {"swiglu_limit", "swiglu_alpha", "initial_context_length"}),
+    "minimax_m2": Family(
+        _SHAPE, {**_LLAMA, "qk_norm": True, "qk_norm_full_width": True, "moe_router": "sigmoid"},
+        {**_LLAMA_DEFAULTS, "head_dim": 128, "num_local_experts": 256, "num_experts_per_tok": 8,
+         "rope_theta": 5_000_000.0},
+        (*_LLAMA_READERS, read_experts("num_local_experts", "num_experts", width=None), read_minimax_m2),
+        # what transformers' MiniMaxM2 always builds, in the names of MiniMax's own config.json
+        expected={"use_qk_norm": (True, "no query/key norms (use_qk_norm false)"),
+                  "qk_norm_type": ("per_layer", "query/key norms per head"),
+                  "scoring_func": ("sigmoid", "another router (scoring_func)"),
+                  "use_routing_bias": (True, "a router without its balancing bias (use_routing_bias false)"),
+                  "shared_intermediate_size": (0, "a shared expert (shared_intermediate_size)"),
+                  "attention_bias": (False, "biases on the attention's projections")},
+        # the multi-token-prediction modules, which transformers does not build either (the plan is
+        # for the main model)
+        ignored=_ROUTER_TRAINING | {"use_mtp", "num_mtp_modules", "mtp_transformer_layers"}),
     "glm4_moe": Family(
         _SHAPE, _LLAMA,
         {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5, "n_routed_experts": 128,
@@ -882,7 +911,7 @@ FAMILIES.update({
         ignored=_ROUTER_TRAINING),
 })
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
-                          "glm4_moe", "granitemoe", "granitemoeshared"})
+                          "glm4_moe", "granitemoe", "granitemoeshared", "minimax_m2"})
 """The families read as mixtures of experts."""
 
 ENCODER_DECODER = "encoder-decoder models (t5, bart, ...) are not supported yet: dsauto plans decoder-only " \

@@ -75,6 +75,10 @@ PUBLISHED = {
     "c4ai-command-r7b-12-2024": (8.028e9, 0.001, "Open LLM Leaderboard's count of the checkpoint: 8.028B "
                                  "(the model card's '7B' is its size class)"),
     "phi-2": (2.7e9, 0.03, "phi-2 model card: 'a Transformer with 2.7 billion parameters'"),
+    # MiniMax-M2's config.json as two public test fixtures spell it (a vLLM fork's MiniMax-M2.7
+    # contract test and a Go loader's fixture agree on every shape key); its 228.7B are the main
+    # model without the three multi-token-prediction modules
+    "minimax-m2": (230e9, 0.01, "MiniMax-M2 release: '230 billion total parameters with 10 billion active'"),
 }
 
 # Published active parameters: (count, tolerance, whether the publisher counts the input embedding,
@@ -92,6 +96,8 @@ PUBLISHED_ACTIVE = {
     "glm-4.5-air": (12e9, 0.07, False, "zai-org/GLM-4.5 README: '12 billion active parameters'"),
     "granite-3.0-3b-a800m-base": (0.8e9, 0.11, False, "model name (A800M) and NeMo AutoModel's Granite MoE "
                                   "page: 800M active"),
+    "minimax-m2": (10e9, 0.05, False, "MiniMax-M2 release: '10 billion active' (10.42B without the input "
+                   "embedding, 9.81B without the output layer too)"),
 }
 
 REFUSED = {"t5-base": "encoder-decoder"}
@@ -234,6 +240,7 @@ VARIANTS = [
     ("c4ai-command-r-v01", {"num_hidden_layers": 2, "attention_bias": True, "tie_word_embeddings": False}),
     ("c4ai-command-r7b-12-2024", {"num_hidden_layers": 8, "num_key_value_heads": 4}),
     ("phi-2", {"num_hidden_layers": 2, "qk_layernorm": True, "num_key_value_heads": 8, "tie_word_embeddings": True}),
+    ("minimax-m2", {"num_hidden_layers": 2, "attn_type_list": [1, 1], "num_local_experts": 16, "rotary_dim": 32}),
 ]
 
 
@@ -343,6 +350,13 @@ def test_glm_smollm3_starcoder2_bigcode_nemotron():
     assert (nemotron.mlp, nemotron.norm, nemotron.norm_plus_one, nemotron.rotary_percent) == ("relu2", "layernorm", True, 0.5)
 
 
+def test_minimax_m2():
+    m2 = load("minimax-m2")
+    assert (m2.num_experts, m2.moe_top_k, m2.expert_ffn_hidden_size, m2.moe_router) == (256, 8, 1536, "sigmoid")
+    assert (m2.qk_norm_full_width, m2.rotary_percent, m2.head_dim, m2.rotary_base) == (True, 0.5, 128, 5e6)
+    assert len(m2.moe_layers()) == 62
+
+
 def test_cohere_and_phi():
     r, r7b, phi = load("c4ai-command-r-v01"), load("c4ai-command-r7b-12-2024"), load("phi-2")
     assert (r.norm, r.norm_bias, r.parallel_attention, r.norms_per_layer, r.logit_scale) == ("layernorm", False, True, 1, 0.0625)
@@ -436,8 +450,8 @@ def test_unknown_key_of_a_mixture_of_experts_is_an_error_naming_it():
 def test_other_moe_families_are_refused_naming_their_fields(model_type, keys):
     data = {**config("llama-3.2-1b"), "model_type": model_type, **keys}
     with pytest.raises(DsautoError, match=r"is a mixture of experts .*which dsauto reads only for model_type "
-                                          r"deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, granitemoe, granitemoeshared, mixtral, "
-                                          r"olmoe, qwen2_moe, qwen3_moe\.$") as error:
+                                          r"deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, granitemoe, granitemoeshared, minimax_m2, "
+                                          r"mixtral, olmoe, qwen2_moe, qwen3_moe\.$") as error:
         model_from_hf_config(data, "config.json")
     for key in keys:
         assert key in str(error.value)
@@ -475,6 +489,9 @@ def test_multimodal_config_is_refused():
     ("c4ai-command-r-v01", {"use_qk_norm": True}, r"LayerNorms with a weight per head \(use_qk_norm\)"),
     ("c4ai-command-r7b-12-2024", {"head_dim": 64}, r"head_dim 64, which Cohere2Config replaces"),
     ("c4ai-command-r7b-12-2024", {"use_parallel_block": False}, r"one after the other"),
+    ("minimax-m2", {"attn_type_list": [0] + [1] * 61}, r"layers other than full attention"),
+    ("minimax-m2", {"qk_norm_type": "per_head"}, r"query/key norms per head \(qk_norm_type='per_head'\)"),
+    ("minimax-m2", {"shared_intermediate_size": 512}, r"a shared expert"),
 ])
 def test_architecture_dsauto_does_not_model_is_refused(name, changes, pattern):
     with pytest.raises(DsautoError, match=pattern):
