@@ -264,16 +264,25 @@ def _experts(model: ModelSpec, dispatcher: str = "alltoall") -> list[str]:
         # A pattern is a Python list expression Megatron-LM evaluates (moe_freq_type): runs of 0
         # (dense) and 1 (MoE).
         flags = [1 if i in layers else 0 for i in range(model.num_layers)]
+        period = next(n for n in range(1, len(flags) + 1) if len(flags) % n == 0
+                      and flags == flags[:n] * (len(flags) // n))
         runs: list[tuple[int, int]] = []
         for flag in flags:
             if runs and runs[-1][0] == flag:
                 runs[-1] = (flag, runs[-1][1] + 1)
             else:
                 runs.append((flag, 1))
-        lines.append("--moe-layer-freq (" + "+".join(f"[{flag}]*{count}" for flag, count in runs) + ")")
+        if 1 < period <= 4:  # Llama 4 Maverick's alternation: ([0,1]*24)
+            lines.append(f"--moe-layer-freq ([{','.join(map(str, flags[:period]))}]*{len(flags) // period})")
+        else:
+            lines.append("--moe-layer-freq (" + "+".join(f"[{flag}]*{count}" for flag, count in runs) + ")")
     if model.moe_router == "sigmoid":
         # DeepSeek-V3's routing: sigmoid scores, balanced by a per-expert bias instead of a loss
-        lines += ["--moe-router-score-function sigmoid", "--moe-router-enable-expert-bias"]
+        lines.append("--moe-router-score-function sigmoid")
+        if model.moe_router_balancing_bias:
+            lines.append("--moe-router-enable-expert-bias")
+    if model.moe_probs_on_input:
+        lines.append("--moe-apply-probs-on-input")  # Llama 4: the router's weight scales the expert's input
     lines.append("--moe-grouped-gemm")
     if dispatcher == "deepep":
         lines += ["--moe-token-dispatcher-type flex", "--moe-flex-dispatcher-backend deepep"]

@@ -64,6 +64,16 @@ def megatron_gaps(model: ModelSpec) -> list[str]:
                     f"residual adds")
     if model.logit_scale != 1.0:
         gaps.append(f"logits multiplied by {model.logit_scale:g}")
+    if model.qk_l2_norm:
+        gaps.append("queries and keys L2-normalised in the layers with rotary positions (Llama 4); "
+                    "Megatron-core's layer spec takes qk_l2_norm=True for every layer")
+    if model.attention_chunk:
+        gaps.append(f"chunked attention ({model.attention_chunk}-token chunks) in the layers with rotary "
+                    f"positions (Llama 4: Megatron-Bridge's own attention module, not Megatron-core's); "
+                    f"Megatron attends causally over the whole sequence")
+    if model.attention_temperature_tuning:
+        gaps.append("the layers without rotary positions scale their queries with the position (Llama 4's "
+                    "attention temperature tuning)")
     if model.no_rope_every and model.num_layers % model.no_rope_every:
         # Megatron-core's no_rope_freq (--no-rope-freq N) needs the layers to divide by N
         # (transformer_config.py, TransformerConfig.__post_init__)

@@ -291,6 +291,8 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
         return "latent attention's unequal key and value widths are planned with FlashAttention"
     if model.sliding_window:
         return f"sliding-window attention ({model.sliding_window} tokens) is planned with FlashAttention"
+    if model.attention_chunk:
+        return f"chunked attention ({model.attention_chunk} tokens) is planned with FlashAttention"
     if model.head_dim > CUDNN_MAX_HEAD_DIM or model.head_dim % 16:
         return (f"cuDNN's fused attention trains heads up to {CUDNN_MAX_HEAD_DIM} wide in multiples of 16, "
                 f"not {model.head_dim}")
@@ -362,6 +364,9 @@ def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: 
                 f"and under DeepSpeed cp is DeepSpeed-Ulysses")
     if cp == 1:
         return None
+    if model.attention_chunk:
+        return (f"chunked attention ({model.attention_chunk}-token chunks: Llama 4) is not Transformer "
+                f"Engine's, and dsauto does not plan it with context parallelism")
     if cp_comm_type == "p2p" and model.sliding_window:
         return (f"Transformer Engine's ring (cp_comm_type p2p) does not run sliding-window attention "
                 f"({model.sliding_window} tokens)")

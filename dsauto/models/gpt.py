@@ -145,7 +145,8 @@ class Block(nn.Module):
 
     Not built, as they change neither the parameters nor (with fused attention) the measured cost
     much: ALiBi biases, sliding windows, attention soft-capping and score scaling, and layers
-    without rotary positions (SmolLM3's NoPE layers rotate here too).
+    without rotary positions (SmolLM3's NoPE layers rotate here too, and Llama 4's normalise their
+    queries and keys), chunked attention and attention temperature tuning.
 
     ``moe=True`` builds an MoE layer of a mixture-of-experts model: its MLP is a
     :class:`dsauto.models.moe.MoeMlp` (router, routed experts, shared expert), DeepSpeed-MoE's with
@@ -171,7 +172,7 @@ class Block(nn.Module):
         self.attention_norm = _norm(model)
         self.qkv = nn.Linear(h, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=qkv_bias)
         # Per-head query/key norms (Qwen3), or over all of a rank's heads at once (OLMoE, OLMo 2)
-        self.qk_full = model.qk_norm_full_width
+        self.qk_full, self.qk_l2 = model.qk_norm_full_width, model.qk_l2_norm
         self.q_norm = _norm(model, self.head_dim * (self.heads if self.qk_full else 1)) if model.qk_norm else None
         self.k_norm = _norm(model, self.head_dim * (self.kv_heads if self.qk_full else 1)) if model.qk_norm else None
         self.proj = nn.Linear(self.heads * self.head_dim, h, bias=proj_bias)
@@ -201,6 +202,8 @@ class Block(nn.Module):
         v = v.view(b, s, self.kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_full:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_l2:  # Llama 4: parameter-free, per head
+            q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
         out = self.core_attention(q, k, v)
         out = self.proj(out.reshape(b, s, -1))
         return self.attention_out_norm(out) if self.attention_out_norm is not None else out

@@ -496,7 +496,8 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
             moe_shared_expert_gate=model.shared_expert_gate,
             moe_layer_freq=[1 if i in moe_layers else 0 for i in range(model.num_layers)],
             moe_router_score_function=model.moe_router,
-            moe_router_enable_expert_bias=model.moe_router == "sigmoid",
+            moe_router_enable_expert_bias=model.moe_router == "sigmoid" and model.moe_router_balancing_bias,
+            moe_apply_probs_on_input=model.moe_probs_on_input,
             moe_token_dispatcher_type="alltoall",
         )
     if model.latent_attention:

@@ -552,6 +552,45 @@ def read_minimax_m2(cfg: Config, spec: dict[str, Any]) -> None:
         raise cfg.unsupported("layers other than full attention (attn_type_list other than all 1)")
 
 
+def read_llama4(cfg: Config, spec: dict[str, Any]) -> None:
+    """Llama 4's text model: a shared expert beside the routed ones (both of ``intermediate_size``;
+    the dense layers' MLP is ``intermediate_size_mlp``), the MoE layers every
+    ``interleave_moe_layer_step``-th (or ``moe_layers``), top-k sigmoid routing without a balancing
+    bias whose weight scales the expert's input, and in the layers with rotary positions chunked
+    attention (``attention_chunk_size``) and parameter-free query/key norms (``use_qk_norm``)."""
+    spec["shared_expert_ffn_hidden_size"] = spec["moe_ffn_hidden_size"]
+    spec.update(moe_router="sigmoid", moe_router_balancing_bias=False, moe_probs_on_input=True)
+    layers = spec["num_layers"]
+    step = cfg.whole("interleave_moe_layer_step", 1)
+    if not step or step < 1:
+        raise cfg.error(f"interleave_moe_layer_step must be at least 1, got {step!r}")
+    moe = cfg.get("moe_layers")
+    if moe is None:
+        moe = list(range(step - 1, layers, step))
+    if not isinstance(moe, list) or not moe or sorted(set(moe)) != moe or not set(moe) <= set(range(layers)):
+        raise cfg.error(f"moe_layers must list layers between 0 and {layers - 1} in order, got {moe!r}")
+    found = next(((first, freq, freq_phase) for freq in range(1, layers + 1) for freq_phase in range(freq)
+                  for first in (0, moe[0])
+                  if moe == [i for i in range(first, layers) if i % freq == freq_phase]), None)
+    if found is None:
+        raise cfg.unsupported(f"MoE layers {moe} that are not every N-th layer (moe_layers)")
+    spec["moe_first_dense_layers"], spec["moe_layer_freq"], spec["moe_layer_phase"] = found
+    spec["qk_l2_norm"] = cfg.flag("use_qk_norm", True)
+    spec["attention_temperature_tuning"] = cfg.flag("attn_temperature_tuning", True)
+    cfg.read.update({"floor_scale", "attn_scale"})  # the temperature's constants (numerics)
+    chunk = cfg.whole("attention_chunk_size")
+    rotating = [(i + 1) % spec["no_rope_every"] != 0 if spec.get("no_rope_every") else True for i in range(layers)]
+    types = cfg.get("layer_types")
+    if types is not None:
+        chunked = [kind == "chunked_attention" for kind in types]
+        if len(types) != layers or not set(types) <= {"chunked_attention", "full_attention"} or \
+                chunked != [bool(chunk) and r for r in rotating]:
+            raise cfg.unsupported(f"layer_types {types!r} other than chunked attention in the layers with "
+                                  f"rotary positions")
+    if chunk:
+        spec["attention_chunk"] = chunk
+
+
 def read_kv_channels(cfg: Config, spec: dict[str, Any]) -> None:
     """Older Nemotron configs give the head width as ``kv_channels`` (Megatron's name), which
     transformers does not read: it must be the width transformers uses."""
@@ -886,6 +925,15 @@ FAMILIES.update({
         # the multi-token-prediction modules, which transformers does not build either (the plan is
         # for the main model)
         ignored=_ROUTER_TRAINING | {"use_mtp", "num_mtp_modules", "mtp_transformer_layers"}),
+    "llama4_text": Family(
+        {**_SHAPE, "ffn_hidden_size": ("intermediate_size_mlp",)}, _LLAMA,
+        {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "head_dim": 128, "num_local_experts": 16,
+         "num_experts_per_tok": 1,
+         "intermediate_size_mlp": 16384, "no_rope_layer_interval": 4, "attention_chunk_size": 8192},
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")),
+         read_experts("num_local_experts", "num_experts", width="intermediate_size"), read_no_rope, read_llama4),
+        # an export switch of Meta's checkpoints (how the experts' weights are laid out)
+        ignored=_ROUTER_TRAINING | {"for_llm_compressor"}),
     "glm4_moe": Family(
         _SHAPE, _LLAMA,
         {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5, "n_routed_experts": 128,
@@ -911,7 +959,7 @@ FAMILIES.update({
         ignored=_ROUTER_TRAINING),
 })
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
-                          "glm4_moe", "granitemoe", "granitemoeshared", "minimax_m2"})
+                          "glm4_moe", "granitemoe", "granitemoeshared", "minimax_m2", "llama4_text"})
 """The families read as mixtures of experts."""
 
 ENCODER_DECODER = "encoder-decoder models (t5, bart, ...) are not supported yet: dsauto plans decoder-only " \

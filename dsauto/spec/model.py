@@ -164,6 +164,14 @@ class ModelSpec:
     head_bias: bool = False
     """A decoder's LM head carries a bias over the vocabulary (Phi-2); an encoder's masked-LM head
     always does."""
+    qk_l2_norm: bool = False
+    """Queries and keys are L2-normalised (no parameters) in the layers with rotary positions (Llama 4)."""
+    attention_chunk: int = 0
+    """The layers with rotary positions attend within chunks of this many tokens, each query to the
+    keys of its own chunk up to itself (Llama 4's chunked attention); 0: none."""
+    attention_temperature_tuning: bool = False
+    """The layers without rotary positions scale their queries by a factor growing with the position
+    (Llama 4's ``attn_temperature_tuning``); costs nothing."""
     no_rope_every: int = 0
     """With rotary positions: every this-many-th layer (the 4th, 8th, ... for 4) attends without
     positions (SmolLM3's NoPE layers); 0: every layer rotates."""
@@ -195,14 +203,23 @@ class ModelSpec:
     shared_expert_gate: bool = False
     """A sigmoid gate (a linear layer of one output) scales the shared expert's output (Qwen2-MoE)."""
     moe_layer_freq: int = 1
-    """Layer i (from 0) is an MoE layer when ``i % moe_layer_freq == 0`` and it is not one of the first
-    ``moe_first_dense_layers`` (DeepSeek's and Megatron's convention)."""
+    """Layer i (from 0) is an MoE layer when ``i % moe_layer_freq == moe_layer_phase`` and it is not
+    one of the first ``moe_first_dense_layers`` (DeepSeek's and Megatron's convention)."""
+    moe_layer_phase: int = 0
+    """See ``moe_layer_freq``: Llama 4 Maverick's MoE layers are the odd ones (freq 2, phase 1)."""
     moe_first_dense_layers: int = 0
     """The first layers keep a dense MLP of ``ffn_hidden_size`` (DeepSeek's ``first_k_dense_replace``)."""
     moe_router: MoeRouter = "softmax"
     """Router scores: ``softmax`` over the experts then top-k (Mixtral, Qwen, OLMoE, gpt-oss), or
     ``sigmoid`` per expert with a load-balancing bias (DeepSeek-V3's aux-loss-free routing; the bias
     is a buffer, not a parameter)."""
+    moe_router_balancing_bias: bool = True
+    """With ``sigmoid`` routing: a per-expert bias added to the scores that choose the experts
+    (DeepSeek-V3's aux-loss-free balancing, Megatron's ``--moe-router-enable-expert-bias``); Llama 4's
+    router has none."""
+    moe_probs_on_input: bool = False
+    """The router's weight scales each expert's input instead of its output (Llama 4; Megatron's
+    ``--moe-apply-probs-on-input``); the same cost."""
     moe_router_bias: bool = False
     """The router's linear layer has a bias (gpt-oss)."""
     moe_expert_bias: bool = False
@@ -238,8 +255,13 @@ class ModelSpec:
         if self.norm_position == "output" and (self.norms_per_layer != 2 or self.parallel_attention):
             raise ValueError("norm_position output normalises each of the two branches' outputs: it needs "
                              "norms_per_layer 2 and no parallel_attention")
+        if (self.qk_l2_norm or self.attention_chunk) and self.position_embedding != "rope":
+            raise ValueError("qk_l2_norm and attention_chunk apply to the layers with rotary positions: they "
+                             "need position_embedding rope")
+        if self.attention_chunk and self.sliding_window:
+            raise ValueError("attention_chunk and sliding_window are two kinds of local attention; give one")
         for name in ("type_vocab_size", "position_offset", "sliding_window", "global_attention_every",
-                     "no_rope_every"):
+                     "no_rope_every", "attention_chunk"):
             if not 0 <= getattr(self, name) <= MAX_POSITIONS:
                 raise ValueError(f"{name} must be between 0 and {MAX_POSITIONS}, got {getattr(self, name)}")
         if not 0.0 < self.rotary_percent <= 1.0:
@@ -273,6 +295,9 @@ class ModelSpec:
                              f"got {self.moe_top_k}")
         if self.moe_layer_freq < 1:
             raise ValueError(f"moe_layer_freq must be at least 1, got {self.moe_layer_freq}")
+        if not 0 <= self.moe_layer_phase < self.moe_layer_freq:
+            raise ValueError(f"moe_layer_phase must be between 0 and moe_layer_freq - 1 ({self.moe_layer_freq - 1}), "
+                             f"got {self.moe_layer_phase}")
         if self.num_experts and not self.moe_layers():
             raise ValueError(f"no layer is an MoE layer: moe_first_dense_layers ({self.moe_first_dense_layers}) "
                              f"covers all {self.num_layers} layers")
@@ -280,7 +305,8 @@ class ModelSpec:
                     "shared_expert_ffn_hidden_size": self.shared_expert_ffn_hidden_size,
                     "moe_first_dense_layers": self.moe_first_dense_layers}
         stray = [f"{k}={v}" for k, v in moe_only.items() if v] + [
-            k for k in ("shared_expert_gate", "moe_router_bias", "moe_expert_bias") if getattr(self, k)]
+            k for k in ("shared_expert_gate", "moe_router_bias", "moe_expert_bias", "moe_probs_on_input")
+            if getattr(self, k)]
         if stray and not self.num_experts:
             raise ValueError(f"{', '.join(stray)} describe experts, but num_experts is 0 (a dense model)")
 
@@ -342,7 +368,8 @@ class ModelSpec:
         """Indices (from 0) of the MoE layers; none in a dense model."""
         if not self.moe:
             return ()
-        return tuple(i for i in range(self.moe_first_dense_layers, self.num_layers) if i % self.moe_layer_freq == 0)
+        return tuple(i for i in range(self.moe_first_dense_layers, self.num_layers)
+                     if i % self.moe_layer_freq == self.moe_layer_phase)
 
     def num_parameters(self) -> int:
         """Total trainable parameters (unpadded vocabulary), every expert counted."""
@@ -567,9 +594,13 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     # plus the dispatched copy of its input and its output before the weighted combine; the router
     # keeps its fp32 logits and probabilities (Megatron-core's MoELayer and TopKRouter).
     inner = 3 if gated else 2
+    # Layers normalising queries and keys (each norm keeps its input): all with qk_norm, those with
+    # rotary positions with Llama 4's parameter-free L2 norm
+    rotating = 1.0 - (model.num_layers // model.no_rope_every / model.num_layers if model.no_rope_every else 0.0)
+    qk_norm_share = 1.0 if model.qk_norm else (rotating if model.qk_l2_norm else 0.0)
     expert_act = moe_fraction * (top_k * (inner * fe * b + 2 * h * b) + inner * fs * b + 2 * experts * 4)
     act_tp = ((q_width + k_width + v_width + out_width) * b + dense_fraction * inner * f * b + expert_act + 4 * a
-              + ((qd + kvd) * b if model.qk_norm else 0))
+              + qk_norm_share * (qd + kvd) * b)
     latent = (2 * model.q_lora_rank + 2 * model.kv_lora_rank + model.qk_rope_head_dim) * b  # MLA latents and their norms
     act_repl = (norm_inputs + branch_inputs) * h * b + 2 * h * mask + latent  # norm and branch inputs, dropout masks
     scores = a * s * (b + mask * (1 + b))  # softmax output, dropout mask and dropout output
@@ -585,7 +616,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         # expert order (read and write each way)
         + moe_fraction * (top_k * (inner * fe * b + 4 * h * b) + inner * fs * b)
         + (2 * rope_width * b * model.rotary_percent if model.position_embedding == "rope" else 0)
-        + (2 * 2 * (qd + kvd) * b if model.qk_norm else 0)  # query/key norms, read and write
+        + qk_norm_share * 2 * 2 * (qd + kvd) * b  # query/key norms, read and write
     )
     # Fused scale-mask-softmax reads and writes the scores once (Megatron's FusedScaleMaskSoftmax);
     # dropout reads them, writes its output and a one-byte mask; soft-capping (tanh) reads and
@@ -800,7 +831,16 @@ def block_parameters(model: ModelSpec) -> BlockParameters:
 
 def attention_window_fraction(model: ModelSpec, seq_len: int) -> float:
     """Of the causal attention over ``seq_len`` tokens, the fraction a fused sliding-window kernel
-    computes, averaged over the layers: query i attends to min(i, window) keys instead of i."""
+    computes, averaged over the layers: query i attends to min(i, window) keys instead of i. Chunked
+    attention (Llama 4) computes one causal triangle per chunk in its layers with rotary positions."""
+    if model.attention_chunk:
+        chunk = model.attention_chunk
+        rotating = model.num_layers - (model.num_layers // model.no_rope_every if model.no_rope_every else 0)
+        if chunk >= seq_len or not rotating:
+            return 1.0
+        whole, rest = divmod(seq_len, chunk)
+        chunked = (whole * chunk * (chunk + 1) / 2 + rest * (rest + 1) / 2) / (seq_len * (seq_len + 1) / 2)
+        return (rotating * chunked + (model.num_layers - rotating)) / model.num_layers
     window, sliding = model.sliding_window, model.sliding_layers()
     if not sliding or window >= seq_len:
         return 1.0

@@ -139,6 +139,12 @@ EXPECTED = {
         {"--rotary-percent": "0.4", "--untie-embeddings-and-output-weights": None},
         ("--disable-bias-linear", "--no-bias-gelu-fusion"),
         ("a bias over the 51200-word vocabulary on the LM head", "in parallel on the same input (1 norm)")),
+    "llama-4-maverick-text": (
+        {"--moe-layer-freq": "([0,1]*24)", "--moe-router-score-function": "sigmoid", "--moe-router-topk": "1",
+         "--moe-apply-probs-on-input": None, "--no-rope-freq": "4", "--moe-shared-expert-intermediate-size": "8192",
+         "--ffn-hidden-size": "16384", "--moe-ffn-hidden-size": "8192"},
+        ("--moe-router-enable-expert-bias",),
+        ("chunked attention (8192-token chunks)", "scale their queries with the position")),
     "minitron-8b-base": (
         {"--squared-relu": None, "--apply-layernorm-1p": None, "--rotary-percent": "0.5",
          "--kv-channels": "128", "--normalization": "LayerNorm", "--disable-bias-linear": None},

@@ -14,7 +14,7 @@ from dsauto.runtime import megatron as dm
 from dsauto.spec.hf import model_from_hf_config
 
 CONFIGS = Path(__file__).parents[1] / "spec" / "configs"
-NEW = ["minimax-m2", "c4ai-command-r-v01", "c4ai-command-r7b-12-2024", "phi-2", "glm-4.5-air", "glm-4-32b-0414", "glm-4-9b-chat-hf", "granite-3.0-3b-a800m-base", "granite-3.1-8b-instruct",
+NEW = ["llama-4-maverick-text", "minimax-m2", "c4ai-command-r-v01", "c4ai-command-r7b-12-2024", "phi-2", "glm-4.5-air", "glm-4-32b-0414", "glm-4-9b-chat-hf", "granite-3.0-3b-a800m-base", "granite-3.1-8b-instruct",
        "gpt_bigcode-santacoder", "minitron-8b-base", "olmo2-1124-7b", "olmo3-1025-7b", "smollm3-3b", "starcoder2-3b"]
 
 
@@ -55,3 +55,11 @@ def test_glm45_experts_reach_the_config():
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (128, 8, 1408)
     assert config.moe_shared_expert_intermediate_size == 1408 and config.moe_router_score_function == "sigmoid"
     assert config.moe_layer_freq == [0] + [1] * 45 and config.add_qkv_bias and not config.add_bias_linear
+
+
+def test_llama4_routing_reaches_the_config():
+    model = hf("llama-4-maverick-text")
+    config = dm.transformer_config_class(model)(**dm.transformer_config_kwargs(model), use_cpu_initialization=True)
+    assert config.moe_layer_freq == [0, 1] * 24 and config.moe_apply_probs_on_input
+    assert config.moe_router_score_function == "sigmoid" and not config.moe_router_enable_expert_bias
+    assert config.no_rope_freq == [0, 0, 0, 1] * 12

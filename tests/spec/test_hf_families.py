@@ -79,6 +79,10 @@ PUBLISHED = {
     # contract test and a Go loader's fixture agree on every shape key); its 228.7B are the main
     # model without the three multi-token-prediction modules
     "minimax-m2": (230e9, 0.01, "MiniMax-M2 release: '230 billion total parameters with 10 billion active'"),
+    # Llama 4 Maverick's text_config as TensorRT-LLM's Llama 4 test spells it (its
+    # LLAMA_4_MAVERICK_TWO_LAYER_CONFIG, with the two values that test changes put back: 48 layers
+    # and the default no_rope_layer_interval 4)
+    "llama-4-maverick-text": (400e9, 0.002, "Meta's Llama 4 announcement: Maverick, 400B total parameters"),
 }
 
 # Published active parameters: (count, tolerance, whether the publisher counts the input embedding,
@@ -98,6 +102,7 @@ PUBLISHED_ACTIVE = {
                                   "page: 800M active"),
     "minimax-m2": (10e9, 0.05, False, "MiniMax-M2 release: '10 billion active' (10.42B without the input "
                    "embedding, 9.81B without the output layer too)"),
+    "llama-4-maverick-text": (17e9, 0.011, True, "Meta's Llama 4 announcement: 17B active parameters"),
 }
 
 REFUSED = {"t5-base": "encoder-decoder"}
@@ -241,6 +246,10 @@ VARIANTS = [
     ("c4ai-command-r7b-12-2024", {"num_hidden_layers": 8, "num_key_value_heads": 4}),
     ("phi-2", {"num_hidden_layers": 2, "qk_layernorm": True, "num_key_value_heads": 8, "tie_word_embeddings": True}),
     ("minimax-m2", {"num_hidden_layers": 2, "attn_type_list": [1, 1], "num_local_experts": 16, "rotary_dim": 32}),
+    ("llama-4-maverick-text", {"num_hidden_layers": 4, "num_local_experts": 4, "use_qk_norm": True}),
+    ("llama-4-maverick-text", {"num_hidden_layers": 6, "num_local_experts": 4, "interleave_moe_layer_step": 1,
+                               "no_rope_layer_interval": 3}),
+    ("llama-4-maverick-text", {"num_hidden_layers": 4, "num_local_experts": 4, "moe_layers": [2, 3]}),
 ]
 
 
@@ -350,6 +359,28 @@ def test_glm_smollm3_starcoder2_bigcode_nemotron():
     assert (nemotron.mlp, nemotron.norm, nemotron.norm_plus_one, nemotron.rotary_percent) == ("relu2", "layernorm", True, 0.5)
 
 
+def test_llama4_text():
+    maverick = load("llama-4-maverick-text")
+    assert maverick.moe_layers() == tuple(range(1, 48, 2))  # every second layer, from the second
+    assert (maverick.num_experts, maverick.moe_top_k, maverick.expert_ffn_hidden_size, maverick.ffn_hidden_size,
+            maverick.shared_expert_ffn_hidden_size) == (128, 1, 8192, 16384, 8192)
+    assert (maverick.moe_router, maverick.moe_router_balancing_bias, maverick.moe_probs_on_input) == ("sigmoid", False, True)
+    assert (maverick.no_rope_every, maverick.attention_chunk, maverick.qk_l2_norm) == (4, 8192, False)
+    scout_like = model_from_hf_config({**config("llama-4-maverick-text"), "interleave_moe_layer_step": 1,
+                                       "num_local_experts": 16, "use_qk_norm": True}, "scout")
+    assert len(scout_like.moe_layers()) == 48 and scout_like.qk_l2_norm
+
+
+def test_chunked_attention_prices_one_triangle_per_chunk():
+    from dsauto.spec.model import attention_window_fraction
+
+    maverick = load("llama-4-maverick-text")
+    assert attention_window_fraction(maverick, 8192) == 1.0
+    # 32K tokens: 36 of 48 layers attend within four 8K chunks, the 12 without positions to all
+    chunked = 4 * 8192 * 8193 / 2 / (32768 * 32769 / 2)
+    assert attention_window_fraction(maverick, 32768) == pytest.approx((36 * chunked + 12) / 48)
+
+
 def test_minimax_m2():
     m2 = load("minimax-m2")
     assert (m2.num_experts, m2.moe_top_k, m2.expert_ffn_hidden_size, m2.moe_router) == (256, 8, 1536, "sigmoid")
@@ -450,8 +481,8 @@ def test_unknown_key_of_a_mixture_of_experts_is_an_error_naming_it():
 def test_other_moe_families_are_refused_naming_their_fields(model_type, keys):
     data = {**config("llama-3.2-1b"), "model_type": model_type, **keys}
     with pytest.raises(DsautoError, match=r"is a mixture of experts .*which dsauto reads only for model_type "
-                                          r"deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, granitemoe, granitemoeshared, minimax_m2, "
-                                          r"mixtral, olmoe, qwen2_moe, qwen3_moe\.$") as error:
+                                          r"deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, granitemoe, granitemoeshared, llama4_text, "
+                                          r"minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_moe\.$") as error:
         model_from_hf_config(data, "config.json")
     for key in keys:
         assert key in str(error.value)
@@ -492,6 +523,8 @@ def test_multimodal_config_is_refused():
     ("minimax-m2", {"attn_type_list": [0] + [1] * 61}, r"layers other than full attention"),
     ("minimax-m2", {"qk_norm_type": "per_head"}, r"query/key norms per head \(qk_norm_type='per_head'\)"),
     ("minimax-m2", {"shared_intermediate_size": 512}, r"a shared expert"),
+    ("llama-4-maverick-text", {"moe_layers": [1, 2, 5]}, r"MoE layers \[1, 2, 5\] that are not every N-th"),
+    ("llama-4-maverick-text", {"layer_types": ["full_attention"] * 48}, r"layer_types .* other than chunked"),
 ])
 def test_architecture_dsauto_does_not_model_is_refused(name, changes, pattern):
     with pytest.raises(DsautoError, match=pattern):
