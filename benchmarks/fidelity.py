@@ -84,16 +84,16 @@ LLAMA = dict(mlp="swiglu", norm="rmsnorm", position_embedding="rope", tied_embed
              dropout=False)
 
 
-NEMOTRON = dict(mlp="relu", norm="layernorm", position_embedding="rope", tied_embeddings=False, linear_bias=False,
-                dropout=False)
-"""Nemotron-4 (squared ReLU: two matrices like ReLU; layernorm1p is a LayerNorm)."""
+NEMOTRON = dict(mlp="relu2", norm="layernorm", norm_plus_one=True, position_embedding="rope", tied_embeddings=False,
+                linear_bias=False, dropout=False)
+"""Nemotron-4 (squared ReLU, LayerNorm with (1 + weight): --squared-relu, --apply-layernorm-1p)."""
 DGXC_MAPPING = ("NeMo launcher recipes (DGX H100 reference): engine megatron with ZeRO 1 (distributed_fused_adam "
                 "shards the optimizer over data parallel, grad/param sync overlapped), gradients reduced in bf16 "
                 "(grad_sync_dtype bf16), the yaml's recompute (none; selective = attention core), sequence "
                 "parallelism as set, attention in cuDNN's fused kernel (NVTE_FUSED_ATTN=1: Llama 3.1, Nemotron-4 "
                 "15B) or FlashAttention-2 (Nemotron-4 340B, GPT-3 175B), the published tp, pp, cp, vp and "
                 "micro-batch; --tp-comm-overlap where the recipe sets ub_tp_comm_overlap (all but the 8B, "
-                "tp 1); Nemotron-4's squared ReLU priced as a two-matrix ReLU MLP, layernorm1p as LayerNorm; "
+                "tp 1); Nemotron-4 with its squared-ReLU MLP and layernorm1p (norm_plus_one); "
                 "GPT-3 with NeMo's GPT defaults (GeLU, learned positions, biases, tied embeddings, dropout 0.1); "
                 "the layers split evenly over the model chunks where they divide (no layout in the recipes)")
 
@@ -192,11 +192,16 @@ SOURCES = {
                       "Megatron-Bridge performance recipes (Megatron-core): engine megatron with the distributed "
                       "optimizer (ZeRO 1; Megatron-FSDP, ZeRO 3, where the table's FSDP column is set), gradients "
                       "reduced in bf16 (grad_reduce_in_fp32 False), the published tp, pp, cp, vp and micro-batch; "
-                      "mixtures of experts with the alltoall dispatcher and grouped GEMMs, routing forced to "
+                      "mixtures of experts with grouped GEMMs and the dispatcher the preset sets (alltoall, or "
+                      "the flex dispatcher with DeepEP or HybridEP, both priced as DeepEP's node-deduplicated "
+                      "dispatch: Qwen3-30B-A3B from 26.02), routing forced to "
                       "balance (moe_router_force_load_balancing; the tables' footnote); the recipe's selective "
                       "recomputation where it is known (GPT-OSS: layernorm, moe_act), else none; cuDNN's fused "
                       "attention (Transformer Engine's default on Hopper) except for GPT-OSS, FlashAttention (the "
-                      "TE backend of its sink attention is not published); --tp-comm-overlap where tp > 1 (the "
+                      "TE backend of its sink attention is not published); --tp-comm-overlap where tp > 1 and the "
+                      "recipe does not turn it off (Qwen3-235B-A22B's H100 recipe passes CommOverlapConfig("
+                      "tp_comm_overlap=False) from 25.11 on: scripts/performance/configs/qwen3/qwen3_llm_pretrain.py "
+                      "at v0.2.0) (the "
                       "H100 Llama recipes set Transformer Engine's userbuffers configs for tp 4 and 8 over base "
                       "recipes with tp_comm_overlap True: scripts/performance/configs/llama/llama3_llm_pretrain.py "
                       "and llama31_llm_pretrain.py, src/megatron/bridge/recipes/llama/h100/llama3.py, as of "
@@ -287,7 +292,8 @@ class PublishedRun:
     def engine_options(self) -> dict:
         """The Strategy fields this run sets beyond what the planner searches."""
         return dict(grad_reduce_in_fp32=self.grad_reduce_in_fp32, recompute_early_stop=self.recompute_early_stop,
-                    pipeline_scatter_gather=self.source.scatter_gather, tp_comm_overlap=self.source.tp_comm_overlap,
+                    pipeline_scatter_gather=self.source.scatter_gather,
+                    tp_comm_overlap=self.source.tp_comm_overlap and self.pins.tp_comm_overlap is not False,
                     attention_kernel=self.attention_kernel, expert_load_balanced=self.balanced_routing)
 
     @property
@@ -509,9 +515,10 @@ def configure(record: dict) -> PublishedRun | str:
                        micro_batch=p.get("micro_batch"),
                        checkpoint=checkpoint, sequence_parallel=sp if tp > 1 else None, engine=source.engine,
                        recompute_modules=recompute_modules, offload="none", hpz=1, dist_opt_instances=1,
-                       attention_kernel=kernel, tp_comm_overlap=source.tp_comm_overlap or None,
+                       attention_kernel=kernel,
+                       tp_comm_overlap=False if p.get("tp_comm_overlap") is False else source.tp_comm_overlap or None,
                        grad_reduce_in_fp32=None if fp32_reduce else False,
-                       expert_dispatcher="deepep" if model.moe and source.expert_dispatcher == "deepep" else None,
+                       expert_dispatcher="deepep" if model.moe and _node_deduplicated(p, source) else None,
                        fp8=fp8 or None, fp8_recipe=recipe,
                        fp8_param_gather=True if fp8 and source.key == "mbridge" else None,
                        cp_comm_type=source.cp_comm_type if cp > 1 else None,
@@ -524,6 +531,15 @@ def configure(record: dict) -> PublishedRun | str:
     seconds, figure = published
     return PublishedRun(rid, source, record["hardware"], record["gpus"], model, m.get("name") or rid, train, pins,
                         seconds, figure, tuple(notes), fp32_reduce, early_stop, kernel)
+
+
+def _node_deduplicated(parallelism: dict, source: Source) -> bool:
+    """Whether the run dispatched tokens to experts once per node (DeepEP; NVIDIA's HybridEP, the
+    flex dispatcher's other backend, dispatches the same way, over NVLink inside a node and RDMA
+    between nodes) rather than with all-to-alls."""
+    if parallelism.get("moe_token_dispatcher") == "flex":
+        return parallelism.get("moe_flex_dispatcher_backend") in ("deepep", "hybridep")
+    return source.expert_dispatcher == "deepep"
 
 
 def load_runs(path: Path = RUNS_FILE) -> tuple[list[PublishedRun], list[tuple[str, str]]]:
@@ -854,9 +870,14 @@ MOE_WHY = (
     "same GPUs in BF16 reached 12,040: dsauto prices it at about 11,000 (as the AutoModel run suggests; "
     "the expert all-to-alls' overlap its recipe sets makes it faster still), and what slowed the "
     "Megatron-Bridge recipe is not published; its memory model also puts that configuration over 80 GiB "
-    "(its recomputation is not published). Megatron-Bridge's Qwen3-235B-A22B (256 GPUs, ep 32 over 8 "
-    "nodes) spends 17 s of a 31 s step in expert all-to-alls when they are exposed (+50%); with the "
-    "overlap its recipe sets, +13%.")
+    "(its recomputation is not published). The same table's later containers run that model 1.7x "
+    "faster: from 26.02.01 on (pp 1, ep 16 over both nodes, the flex dispatcher with HybridEP, no "
+    "all-to-all overlap) at 8,826-9,058 tokens/s per GPU, priced within -10..-19% with HybridEP's "
+    "dispatch priced as DeepEP's; the 26.02 row (pp 2 x vp 12, DeepEP, 5,113) is as slow as 25.11's "
+    "and as unexplained. Megatron-Bridge's Qwen3-235B-A22B (256 GPUs, ep 32 over 8 nodes) spends 17 s "
+    "of a 31 s step in expert all-to-alls when they are exposed (+50%); with the overlap its recipe "
+    "sets and without --tp-comm-overlap (its H100 recipe turns it off at tp 2), +13..+20% over five "
+    "containers, the later ones faster by 7% at the same configuration.")
 """What the mixture-of-experts rows show, in words (measured, not fitted)."""
 
 WHY = {

@@ -48,7 +48,7 @@ def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
         sys.path.remove(str(CONFIGS.parent))
     runs, excluded = fidelity.load_runs()
     moe = {run.id: run for run in runs if run.model.moe}
-    assert len(moe) == 9
+    assert len(moe) == 20
     bridge = moe["mbridge2602-moe-gpt-oss-120b-64gpu"]
     assert bridge.model.num_layers == 36 and bridge.model.num_experts == 128
     assert (bridge.pins.ep, bridge.pins.pp, bridge.pins.zero_stage, bridge.pins.micro_batch) == (8, 4, 1, 1)
@@ -61,6 +61,14 @@ def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
     # Megatron-Bridge's Qwen3-30B-A3B in FP8 with current scaling, TE's (cuDNN's) attention
     qwen = moe["mbridge2511-moe-qwen3_30b_a3b-16gpu"]
     assert (qwen.pins.fp8, qwen.pins.fp8_recipe, qwen.attention_kernel) == (True, "tensorwise", "cudnn")
+    # the later containers' presets: HybridEP priced as DeepEP's dispatch; tensor-parallel overlap
+    # as the recipe sets it (Qwen3-235B-A22B's H100 recipe turns it off at tp 2)
+    hybrid = moe["mbridge2604-moe-qwen3_30b_a3b-16gpu"]
+    assert (hybrid.pins.expert_dispatcher, hybrid.pins.ep, hybrid.pins.pp, hybrid.pins.expert_a2a_overlap) == (
+        "deepep", 16, 1, None)
+    big = moe["mbridge2511-moe-qwen3_235b_a22b-256gpu"]
+    assert big.pins.tp == 2 and big.pins.tp_comm_overlap is False and not big.engine_options["tp_comm_overlap"]
+    assert moe["mbridge2511-moe-qwen3_30b_a3b-16gpu"].pins.expert_dispatcher is None  # alltoall
     reasons = dict(excluded)
     assert "not the global batch" in reasons["mbridge2511-moe-gpt-oss-120b-64gpu"]
     assert "no Hugging Face config" in reasons["automodel-moe-kimi-k2-256gpu"]
