@@ -19,6 +19,7 @@ PUBLISHED = {
     "qwen3-30b-a3b": (30.5e9, None, 0.005),  # Qwen3-30B-A3B model card
     "qwen3-235b-a22b": (235e9, None, 0.003),  # Qwen3-235B-A22B model card (22B active with the embeddings)
     "deepseek-v3": (671e9, None, 0.005),  # DeepSeek-V3 technical report, abstract (MTP module apart)
+    "kimi-k2": (1e12, None, 0.03),  # MoonshotAI/Kimi-K2 README: 1T in total (1,026.4B counted)
 }
 
 
@@ -48,7 +49,7 @@ def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
         sys.path.remove(str(CONFIGS.parent))
     runs, excluded = fidelity.load_runs()
     moe = {run.id: run for run in runs if run.model.moe}
-    assert len(moe) == 20
+    assert len(moe) == 21
     bridge = moe["mbridge2602-moe-gpt-oss-120b-64gpu"]
     assert bridge.model.num_layers == 36 and bridge.model.num_experts == 128
     assert (bridge.pins.ep, bridge.pins.pp, bridge.pins.zero_stage, bridge.pins.micro_batch) == (8, 4, 1, 1)
@@ -71,4 +72,6 @@ def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
     assert moe["mbridge2511-moe-qwen3_30b_a3b-16gpu"].pins.expert_dispatcher is None  # alltoall
     reasons = dict(excluded)
     assert "not the global batch" in reasons["mbridge2511-moe-gpt-oss-120b-64gpu"]
-    assert "no Hugging Face config" in reasons["automodel-moe-kimi-k2-256gpu"]
+    kimi = moe["automodel-moe-kimi-k2-256gpu"]  # Kimi K2's own model_type, DeepSeek-V3's architecture
+    assert (kimi.model.num_experts, kimi.pins.pp, kimi.pins.vpp, kimi.pins.ep, kimi.pins.expert_dispatcher) == (
+        384, 8, 4, 32, "deepep")

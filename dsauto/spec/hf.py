@@ -296,16 +296,51 @@ def read_sliding_window(cfg: Config, spec: dict[str, Any]) -> None:
             sliding = [i >= first_global for i in range(layers)]
         else:
             sliding = [True] * layers
+    set_window(cfg, spec, window, sliding)
+
+
+def set_window(cfg: Config, spec: dict[str, Any], window: int | None, sliding: list[bool]) -> None:
+    """Sets the sliding window of the layers in ``sliding``: all of them, or all but every N-th."""
     if not window or not any(sliding):
         return
     spec["sliding_window"] = window
     if all(sliding):
         return
-    every = next((n for n in range(2, layers + 1) if all(s == ((i + 1) % n != 0) for i, s in enumerate(sliding))), 0)
+    every = next((n for n in range(2, len(sliding) + 1)
+                  if all(s == ((i + 1) % n != 0) for i, s in enumerate(sliding))), 0)
     if not every:
         raise cfg.unsupported("sliding-window layers that are not all layers but every N-th "
                               f"(layer_types {['S' if s else 'F' for s in sliding]})")
     spec["global_attention_every"] = every
+
+
+def read_exaone4(cfg: Config, spec: dict[str, Any]) -> None:
+    """EXAONE 4.0's hybrid attention: sliding-window layers in the pattern ``sliding_window_pattern``
+    (every N-th layer global, or a string such as ``LLLG``) or ``layer_types``; its global layers
+    then attend without rotary positions (Exaone4Attention)."""
+    layers = spec["num_layers"]
+    # a null window is no window (not the config class's default)
+    window = None if "sliding_window" in cfg.data and cfg.data["sliding_window"] is None else cfg.whole("sliding_window")
+    cfg.read.add("sliding_window")
+    types, pattern = cfg.get("layer_types"), cfg.get("sliding_window_pattern")
+    if types is not None:
+        if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise cfg.error(f"layer_types must name {layers} layers as sliding_attention or full_attention, "
+                            f"got {types!r}")
+        sliding = [kind == "sliding_attention" for kind in types]
+    elif window is None:
+        sliding = [False] * layers
+    elif isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+        sliding = [pattern[i % len(pattern)] == "L" for i in range(layers)]
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    else:
+        raise cfg.error(f"sliding_window_pattern must be a whole number or a string of L and G, got {pattern!r}")
+    set_window(cfg, spec, window, sliding)
+    if spec.get("global_attention_every"):
+        spec["no_rope_every"] = spec["global_attention_every"]
+    elif window and not all(sliding):
+        spec["no_rope_every"] = 1  # every layer global: none rotates
 
 
 def read_softcaps(cfg: Config, spec: dict[str, Any]) -> None:
@@ -817,6 +852,27 @@ FAMILIES: dict[str, Family] = {
         (read_kv_heads(), read_tied, read_rope, read_norm_epsilon("layer_norm_eps"),
          read_dropout("attention_dropout", "resid_pdrop", "embd_pdrop"), read_activation("hidden_act", gated=False),
          read_phi)),
+    "arcee": Family(
+        _SHAPE, {**_LLAMA, "mlp": "relu2"}, {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "hidden_act": "relu2"},
+        (read_kv_heads(), read_head_dim, read_tied, read_rope, read_norm_epsilon("rms_norm_eps"),
+         read_dropout("attention_dropout"), read_activation("hidden_act", gated=False),
+         read_biases(attention_bias=("qkv", "proj"), mlp_bias=("mlp",))),
+        ignored=_OLD_ROPE),
+    "seed_oss": Family(
+        _SHAPE, _LLAMA,
+        {**_LLAMA_DEFAULTS, "head_dim": 128, "attention_bias": True, "attention_out_bias": False,
+         "attention_dropout": 0.1, "residual_dropout": 0.1},
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv",), attention_out_bias=("proj",), mlp_bias=("mlp",)),
+         read_dropout("attention_dropout", "residual_dropout")),
+        ignored=_OLD_ROPE),
+    "ernie4_5": Family(
+        _SHAPE, _LLAMA, {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "tie_word_embeddings": True,
+                         "head_dim": 128},
+        (*_LLAMA_READERS, read_biases(use_bias=("qkv", "proj", "mlp")))),
+    "exaone4": Family(
+        _SHAPE, {**_LLAMA, "qk_norm": True, "norm_position": "output"},
+        {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "sliding_window": 4096, "sliding_window_pattern": 4},
+        (*_LLAMA_READERS, read_exaone4)),
     "starcoder2": Family(
         _SHAPE, {**_GPT, "position_embedding": "rope"},
         {"norm_epsilon": 1e-5, "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True,
@@ -958,8 +1014,10 @@ FAMILIES.update({
          read_experts("num_local_experts", "num_experts", width=None), read_granite_shared),
         ignored=_ROUTER_TRAINING),
 })
+# Kimi K2's config.json names its own model_type; its auto_map builds DeepSeek-V3's config and model
+FAMILIES["kimi_k2"] = FAMILIES["deepseek_v3"]
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
-                          "glm4_moe", "granitemoe", "granitemoeshared", "minimax_m2", "llama4_text"})
+                          "glm4_moe", "granitemoe", "granitemoeshared", "minimax_m2", "llama4_text", "kimi_k2"})
 """The families read as mixtures of experts."""
 
 ENCODER_DECODER = "encoder-decoder models (t5, bart, ...) are not supported yet: dsauto plans decoder-only " \

@@ -145,6 +145,13 @@ EXPECTED = {
          "--ffn-hidden-size": "16384", "--moe-ffn-hidden-size": "8192"},
         ("--moe-router-enable-expert-bias",),
         ("chunked attention (8192-token chunks)", "scale their queries with the position")),
+    "seed-oss-36b": (
+        {"--add-qkv-bias": None, "--disable-bias-linear": None, "--kv-channels": "128", "--num-query-groups": "8",
+         "--rotary-base": "10000000"},
+        (), ()),
+    "ernie-4.5-0.3b": (
+        {"--disable-bias-linear": None, "--kv-channels": "128", "--rotary-base": "500000"},
+        ("--add-qkv-bias", "--untie-embeddings-and-output-weights"), ()),
     "minitron-8b-base": (
         {"--squared-relu": None, "--apply-layernorm-1p": None, "--rotary-percent": "0.5",
          "--kv-channels": "128", "--normalization": "LayerNorm", "--disable-bias-linear": None},

@@ -14,7 +14,7 @@ from dsauto.runtime import megatron as dm
 from dsauto.spec.hf import model_from_hf_config
 
 CONFIGS = Path(__file__).parents[1] / "spec" / "configs"
-NEW = ["llama-4-maverick-text", "minimax-m2", "c4ai-command-r-v01", "c4ai-command-r7b-12-2024", "phi-2", "glm-4.5-air", "glm-4-32b-0414", "glm-4-9b-chat-hf", "granite-3.0-3b-a800m-base", "granite-3.1-8b-instruct",
+NEW = ["seed-oss-36b", "ernie-4.5-0.3b", "llama-4-maverick-text", "minimax-m2", "c4ai-command-r-v01", "c4ai-command-r7b-12-2024", "phi-2", "glm-4.5-air", "glm-4-32b-0414", "glm-4-9b-chat-hf", "granite-3.0-3b-a800m-base", "granite-3.1-8b-instruct",
        "gpt_bigcode-santacoder", "minitron-8b-base", "olmo2-1124-7b", "olmo3-1025-7b", "smollm3-3b", "starcoder2-3b"]
 
 

@@ -83,6 +83,11 @@ PUBLISHED = {
     # LLAMA_4_MAVERICK_TWO_LAYER_CONFIG, with the two values that test changes put back: 48 layers
     # and the default no_rope_layer_interval 4)
     "llama-4-maverick-text": (400e9, 0.002, "Meta's Llama 4 announcement: Maverick, 400B total parameters"),
+    # Kimi K2's config.json (model_type kimi_k2: DeepSeek-V3's architecture through its auto_map)
+    "kimi-k2": (1e12, 0.03, "MoonshotAI/Kimi-K2 README: '1 trillion total parameters'"),
+    "seed-oss-36b": (36e9, 0.005, "Seed-OSS-36B model card: 36B"),
+    "ernie-4.5-0.3b": (0.3e9, 0.21, "transformers' ERNIE 4.5 page: '0.3B parameters in total' (its size class; "
+                       "0.36B counted)"),
 }
 
 # Published active parameters: (count, tolerance, whether the publisher counts the input embedding,
@@ -103,6 +108,7 @@ PUBLISHED_ACTIVE = {
     "minimax-m2": (10e9, 0.05, False, "MiniMax-M2 release: '10 billion active' (10.42B without the input "
                    "embedding, 9.81B without the output layer too)"),
     "llama-4-maverick-text": (17e9, 0.011, True, "Meta's Llama 4 announcement: 17B active parameters"),
+    "kimi-k2": (32e9, 0.03, True, "MoonshotAI/Kimi-K2 README: '32 billion activated parameters'"),
 }
 
 REFUSED = {"t5-base": "encoder-decoder"}
@@ -118,10 +124,19 @@ def load(name: str):
         return model_from_hf_config(config(name), name)
 
 
+# Hub model types whose config transformers reads as another family's (the config's auto_map)
+SAME_AS = {"kimi_k2": "deepseek_v3"}
+
+
+def as_transformers(data: dict) -> dict:
+    return {**data, "model_type": SAME_AS.get(data["model_type"], data["model_type"])}
+
+
 def transformers_count(data: dict) -> int:
     """Parameters of the transformers model built from ``data`` on the meta device (no weights)."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
+    data = as_transformers(data)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = transformers.AutoConfig.for_model(**data)
@@ -140,8 +155,10 @@ def test_every_config_file_is_checked():
     # a public config of every family but GraniteMoeShared, whose one public checkpoint's config
     # (ibm-research/moe-7b-1b-active-shared-experts) no stored source spells out: it is counted
     # against transformers in VARIANTS
-    assert families == set(FAMILIES) - {"granitemoeshared"}
-    assert any(changes.get("model_type") == "granitemoeshared" for _, changes in VARIANTS)
+    # as are Arcee's and EXAONE 4's, whose public configs no stored source spells out whole
+    variant_only = {"granitemoeshared", "arcee", "exaone4"}
+    assert families == set(FAMILIES) - variant_only
+    assert variant_only <= {changes.get("model_type") for _, changes in VARIANTS}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -167,7 +184,8 @@ def test_active_count_matches_transformers(name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config(name)))
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.for_model(**as_transformers(config(name))))
     spec = load(name)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     skipped = experts * (spec.num_experts - spec.moe_top_k) // spec.num_experts
@@ -192,7 +210,7 @@ def test_config_object_reads_like_its_json(name):
     transformers = pytest.importorskip("transformers")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        data = transformers.AutoConfig.for_model(**config(name)).to_dict()
+        data = transformers.AutoConfig.for_model(**as_transformers(config(name))).to_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("error", DsautoWarning)
         assert model_from_hf_config(data, name) == load(name)
@@ -250,6 +268,17 @@ VARIANTS = [
     ("llama-4-maverick-text", {"num_hidden_layers": 6, "num_local_experts": 4, "interleave_moe_layer_step": 1,
                                "no_rope_layer_interval": 3}),
     ("llama-4-maverick-text", {"num_hidden_layers": 4, "num_local_experts": 4, "moe_layers": [2, 3]}),
+    ("kimi-k2", {"num_hidden_layers": 3, "n_routed_experts": 16, "first_k_dense_replace": 1}),
+    ("seed-oss-36b", {"num_hidden_layers": 2, "attention_out_bias": True, "mlp_bias": True}),
+    ("ernie-4.5-0.3b", {"num_hidden_layers": 2, "use_bias": True, "tie_word_embeddings": False}),
+    # AFM-4.5B's shape as far as published (36 layers, 20 heads, 4 key/value heads, squared ReLU)
+    ("llama-3.2-1b", {"model_type": "arcee", "hidden_act": "relu2", "num_hidden_layers": 2, "hidden_size": 2560,
+                      "num_attention_heads": 20, "num_key_value_heads": 4, "attention_bias": True}),
+    # EXAONE 4.0: norms after each branch, per-head query/key norms, 3 sliding layers to 1 global
+    ("llama-3.2-1b", {"model_type": "exaone4", "num_hidden_layers": 4, "sliding_window": 4096,
+                      "sliding_window_pattern": 4, "rope_scaling": None}),
+    ("llama-3.2-1b", {"model_type": "exaone4", "num_hidden_layers": 2, "sliding_window": None, "rope_scaling": None,
+                      "layer_types": ["full_attention"] * 2}),
 ]
 
 
@@ -381,6 +410,20 @@ def test_chunked_attention_prices_one_triangle_per_chunk():
     assert attention_window_fraction(maverick, 32768) == pytest.approx((36 * chunked + 12) / 48)
 
 
+def test_exaone4_and_arcee():
+    base = {**config("llama-3.2-1b"), "model_type": "exaone4", "num_hidden_layers": 8, "rope_scaling": None}
+    hybrid = model_from_hf_config({**base, "sliding_window": 4096, "sliding_window_pattern": "LLLG",
+                                   "layer_types": None}, "exaone4")
+    # three sliding layers to one global one, which attends without rotary positions
+    assert (hybrid.sliding_window, hybrid.global_attention_every, hybrid.no_rope_every) == (4096, 4, 4)
+    assert (hybrid.norm_position, hybrid.qk_norm, hybrid.qk_norm_full_width) == ("output", True, False)
+    plain = model_from_hf_config({**base, "sliding_window": None, "layer_types": ["full_attention"] * 8}, "exaone4")
+    assert (plain.sliding_window, plain.no_rope_every) == (0, 0)
+    arcee = model_from_hf_config({**config("llama-3.2-1b"), "model_type": "arcee", "hidden_act": "relu2"}, "arcee")
+    assert (arcee.mlp, arcee.gated_mlp) == ("relu2", False)
+    assert model_from_hf_config(config("kimi-k2"), "kimi-k2").num_experts == 384
+
+
 def test_minimax_m2():
     m2 = load("minimax-m2")
     assert (m2.num_experts, m2.moe_top_k, m2.expert_ffn_hidden_size, m2.moe_router) == (256, 8, 1536, "sigmoid")
@@ -481,8 +524,8 @@ def test_unknown_key_of_a_mixture_of_experts_is_an_error_naming_it():
 def test_other_moe_families_are_refused_naming_their_fields(model_type, keys):
     data = {**config("llama-3.2-1b"), "model_type": model_type, **keys}
     with pytest.raises(DsautoError, match=r"is a mixture of experts .*which dsauto reads only for model_type "
-                                          r"deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, granitemoe, granitemoeshared, llama4_text, "
-                                          r"minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_moe\.$") as error:
+                                          r"deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, granitemoe, granitemoeshared, kimi_k2, "
+                                          r"llama4_text, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_moe\.$") as error:
         model_from_hf_config(data, "config.json")
     for key in keys:
         assert key in str(error.value)
