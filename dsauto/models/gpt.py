@@ -108,14 +108,18 @@ class Embedding(nn.Module):
 class CoreAttention(nn.Module):
     """Rotary embedding and scaled dot-product attention of queries, keys and values laid out
     (batch, sequence, heads, head dim), returning the output in the same layout. A module of its
-    own, with no parameters, so that DeepSpeed-Ulysses can wrap it: its all-to-alls hand it the
-    whole sequence for a share of the heads (``dsauto.runtime.deepspeed``), and the rotary
-    positions are then those of the whole sequence."""
+    own, with no parameters (but gpt-oss's sink per head), so that DeepSpeed-Ulysses can wrap it:
+    its all-to-alls hand it the whole sequence for a share of the heads (``dsauto.runtime.deepspeed``),
+    and the rotary positions are then those of the whole sequence."""
 
-    def __init__(self, causal: bool, rope: bool, rotary_base: float, rotary_percent: float, dropout: float):
+    def __init__(self, causal: bool, rope: bool, rotary_base: float, rotary_percent: float, dropout: float,
+                 sinks: int = 0):
         super().__init__()
         self.causal, self.rope, self.dropout = causal, rope, dropout
         self.rotary_base, self.rotary_percent = rotary_base, rotary_percent
+        # gpt-oss: a learned logit per head joins each query's softmax and attends to nothing (the
+        # attention then runs with an explicit mask, not the fused causal kernel)
+        self.sinks = nn.Parameter(torch.zeros(sinks)) if sinks else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -128,9 +132,25 @@ class CoreAttention(nn.Module):
             else:
                 k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
                 v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
-                                             dropout_p=self.dropout if self.training else 0.0, **gqa)
+        dropout = self.dropout if self.training else 0.0
+        if self.sinks is not None:
+            return _sink_attention(q, k, v, self.sinks, self.causal, dropout, gqa).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=dropout, **gqa)
         return out.transpose(1, 2)
+
+
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, causal: bool,
+                    dropout: float, gqa: dict) -> torch.Tensor:
+    """Attention whose softmax also holds one learned logit per head that attends to no value: a
+    zero key and value are appended, and the mask adds the head's sink to that column's score."""
+    b, heads, s, d = q.shape
+    k = torch.cat((k, k.new_zeros(b, k.shape[1], 1, d)), dim=2)
+    v = torch.cat((v, v.new_zeros(b, v.shape[1], 1, d)), dim=2)
+    mask = q.new_zeros(heads, s, s + 1)
+    if causal:
+        mask[:, :, :s] = torch.full((s, s), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+    mask = mask + torch.cat((q.new_zeros(heads, 1, s), sinks.to(q.dtype).view(heads, 1, 1)), dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, **gqa)
 
 
 class Block(nn.Module):
@@ -189,7 +209,8 @@ class Block(nn.Module):
         self.attention_out_norm = _norm(model) if four else None
         self.mlp_out_norm = _norm(model) if four else None
         self.attention_dropout, self.dropout = p, nn.Dropout(p)
-        self.core_attention = CoreAttention(self.causal, self.rope, self.rotary_base, self.rotary_percent, p)
+        self.core_attention = CoreAttention(self.causal, self.rope, self.rotary_base, self.rotary_percent, p,
+                                            sinks=self.heads if model.attention_sinks else 0)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape

@@ -18,7 +18,8 @@ Two implementations of the same parameters:
 
 The router's scores are a softmax over the experts in both (a ``sigmoid`` router, DeepSeek-V3's, has
 the same parameters and cost and is built as a softmax); the load-balancing loss is not added to the
-training loss. Not built: the router bias of ``moe_router_bias`` (one number per expert).
+training loss. The router's bias (``moe_router_bias``, gpt-oss) is built in the own implementation;
+DeepSpeed-MoE's gate has none.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class MoeMlp(nn.Module):
         self.deepspeed_ep = deepspeed_ep
         expert = Expert(model, model.expert_ffn_hidden_size, model.moe_expert_bias, act)
         if deepspeed_ep is None:
-            self.router = nn.Linear(h, experts, bias=False)
+            self.router = nn.Linear(h, experts, bias=model.moe_router_bias)
             self.experts = nn.ModuleList([expert] + [Expert(model, model.expert_ffn_hidden_size, model.moe_expert_bias, act)
                                                      for _ in range(experts - 1)])
             self.deepspeed_moe = None

@@ -109,6 +109,10 @@ def wrap_attention(layers: ModelLayers, plan: Plan, mpu: Any) -> int:
                               f"'{CORE_ATTENTION}' submodule taking (batch, sequence, heads, head dim) queries, "
                               f"keys and values; wrap its attention in deepspeed.sequence.layer.DistributedAttention, "
                               f"or re-plan with --cp 1.")
+        if getattr(core, "sinks", None) is not None:
+            raise DsautoError(f"The plan runs DeepSpeed-Ulysses (cp={plan.cp}), which splits the attention heads "
+                              f"over its ranks, but transformer layer {index} has a learned sink per head "
+                              f"(gpt-oss) that dsauto does not split; re-plan with --cp 1.")
         cores.append((block, core))
     for block, core in cores:
         setattr(block, CORE_ATTENTION, UlyssesAttention(core, mpu.get_sequence_parallel_group()))
