@@ -877,7 +877,11 @@ MOE_WHY = (
     "and as unexplained. Megatron-Bridge's Qwen3-235B-A22B (256 GPUs, ep 32 over 8 nodes) spends 17 s "
     "of a 31 s step in expert all-to-alls when they are exposed (+50%); with the overlap its recipe "
     "sets and without --tp-comm-overlap (its H100 recipe turns it off at tp 2), +13..+20% over five "
-    "containers, the later ones faster by 7% at the same configuration.")
+    "containers, the later ones faster by 7% at the same configuration. AutoModel's Kimi K2 (256 GPUs, pp 8 "
+    "x vp 4, ep 32, DeepSeek-V3's architecture with 384 experts), priced now that its config is shipped "
+    "(benchmarks/hf_configs/kimi-k2.json), comes out 20% fast where its DeepSeek-V3 rows come out 14-26% "
+    "slow under the same mapping (ZeRO 1, DeepEP's dispatch exposed, over the memory budget): that "
+    "mapping's error is not one-sided.")
 """What the mixture-of-experts rows show, in words (measured, not fitted)."""
 
 WHY = {
