@@ -460,6 +460,14 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         return DsautoError(f"tp({tp}) * pp({pp}) does not divide the world size {world} "
                            f"({cluster.nodes} node{'s' if cluster.nodes > 1 else ''} x {cluster.devices_per_node} devices); change --tp, "
                            f"--pp, --nodes or --gpus-per-node.")
+    expert_ranks = (pins.ep or 1) * (pins.etp or 1)
+    stage_ranks = world // pp
+    if model.moe and expert_ranks > 1 and stage_ranks % expert_ranks:
+        # Megatron-core folds ep x etp over a stage's tp x cp x dp ranks (ParallelDims), DeepSpeed-MoE
+        # its ep over the data-parallel ranks
+        return DsautoError(f"--ep {pins.ep or 1} x --etp {pins.etp or 1} = {expert_ranks} expert ranks do not divide "
+                           f"the {stage_ranks} ranks of a pipeline stage ({world} devices / pp {pp}); pin an "
+                           f"--ep that divides {stage_ranks}, or a smaller --pp.")
     if pins.fp8_param_gather and pins.fp8 and (
             without := strategies_or_none(model, cluster, train, dataclasses.replace(pins, fp8_param_gather=None))):
         if all(s.zero_stage == 0 for s in without):

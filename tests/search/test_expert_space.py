@@ -72,6 +72,8 @@ def test_pins_reach_the_expert_degrees():
 @pytest.mark.parametrize("name, pins, message", [
     ("llama3-8b", Constraints(ep=2), r"--ep 2 --etp 1 split experts, and .* is not a mixture of experts"),
     ("mixtral-8x7b", Constraints(ep=3), r"--ep 3 does not divide the 8 experts"),
+    ("mixtral-8x7b", Constraints(ep=8, pp=4), r"--ep 8 x --etp 1 = 8 expert ranks do not divide the \d+ ranks of a "
+                                               r"pipeline stage \(\d+ devices / pp 4\)"),
 ])
 def test_impossible_expert_pins_are_one_sentence(name, pins, message):
     model = hf(name) if name.startswith("mixtral") else load_model(name)
