@@ -59,7 +59,7 @@ PUBLISHED = {
     # class's rounding
     "ministral-8b-instruct-2410": (8_019_808_256, 0.0, "Ministral-8B-Instruct-2410 model card, architecture "
                                    "table: 'Parameters 8,019,808,256'"),
-    "granite-3.1-8b-instruct": (8.1e9, 0.01, "Granite 3.0 report (IBM 2024), compute note: 8.1B parameters"),
+    "granite-3.1-8b-instruct": (8e9, 0.025, "model name and card (Granite-3.1-8B-Instruct): 8B, its size class"),
     "granite-3.0-3b-a800m-base": (3e9, 0.1, "model name and NeMo AutoModel's Granite MoE page: 3B total"),
     "olmo2-1124-7b": (7e9, 0.05, "OLMo 2 model card: 'a new family of 7B and 13B models'"),
     "olmo3-1025-7b": (7e9, 0.05, "Olmo 3 model card and paper (arXiv 2512.13961): 7B"),
@@ -70,7 +70,7 @@ PUBLISHED = {
                     "multi-token-prediction layer: the figure is truncated)"),
     "starcoder2-3b": (3e9, 0.011, "transformers' StarCoder2 page: 'sizes with 3B, 7B and 15B parameters'"),
     "gpt_bigcode-santacoder": (1.1e9, 0.025, "SantaCoder paper (Allal et al. 2023): a 1.1B parameter model"),
-    "minitron-8b-base": (8e9, 0.035, "Minitron-8B-Base model card: an 8B model pruned from Nemotron-4 15B"),
+    "minitron-8b-base": (8e9, 0.035, "model name (Minitron-8B-Base): 8B, its size class"),
     "c4ai-command-r-v01": (35e9, 0.001, "c4ai-command-r-v01 model card: 'Model Size: 35 billion parameters'"),
     "c4ai-command-r7b-12-2024": (8.028e9, 0.001, "Open LLM Leaderboard's count of the checkpoint: 8.028B "
                                  "(the model card's '7B' is its size class)"),
@@ -78,7 +78,7 @@ PUBLISHED = {
     # MiniMax-M2's config.json as two public test fixtures spell it (a vLLM fork's MiniMax-M2.7
     # contract test and a Go loader's fixture agree on every shape key); its 228.7B are the main
     # model without the three multi-token-prediction modules
-    "minimax-m2": (230e9, 0.01, "MiniMax-M2 release: '230 billion total parameters with 10 billion active'"),
+    "minimax-m2": (230e9, 0.01, "MiniMax-M2 model card: '230 billion total parameters with 10 billion active'"),
     # Llama 4 Maverick's text_config as TensorRT-LLM's Llama 4 test spells it (its
     # LLAMA_4_MAVERICK_TWO_LAYER_CONFIG, with the two values that test changes put back: 48 layers
     # and the default no_rope_layer_interval 4)
@@ -105,7 +105,7 @@ PUBLISHED_ACTIVE = {
     "glm-4.5-air": (12e9, 0.07, False, "zai-org/GLM-4.5 README: '12 billion active parameters'"),
     "granite-3.0-3b-a800m-base": (0.8e9, 0.11, False, "model name (A800M) and NeMo AutoModel's Granite MoE "
                                   "page: 800M active"),
-    "minimax-m2": (10e9, 0.05, False, "MiniMax-M2 release: '10 billion active' (10.42B without the input "
+    "minimax-m2": (10e9, 0.05, False, "MiniMax-M2 model card: '10 billion active' (10.42B without the input "
                    "embedding, 9.81B without the output layer too)"),
     "llama-4-maverick-text": (17e9, 0.011, True, "Meta's Llama 4 announcement: 17B active parameters"),
     "kimi-k2": (32e9, 0.03, True, "MoonshotAI/Kimi-K2 README: '32 billion activated parameters'"),
