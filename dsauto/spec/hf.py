@@ -1071,9 +1071,29 @@ def model_from_hf_config(config: Mapping[str, Any], where: str, default_name: st
     return from_dict(ModelSpec, spec, where)
 
 
+NOT_ATTENTION_ONLY = {
+    **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+                    "Gated DeltaNet linear-attention layers"),
+    **dict.fromkeys(("mamba", "mamba2", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "nemotron_h",
+                     "granitemoehybrid"), "Mamba state-space layers"),
+    "minimax": "lightning (linear) attention layers",
+    "lfm2": "short convolution layers",
+    "lfm2_moe": "short convolution layers",
+    "rwkv": "RWKV recurrent layers",
+    "recurrent_gemma": "recurrent (RG-LRU) layers",
+    "deepseek_v32": "DeepSeek Sparse Attention (a lightning indexer choosing each query's keys)",
+}
+"""Families whose layers are not all softmax attention and an MLP, and what they have instead."""
+
+
 def refuse_unplannable(config: Mapping[str, Any], where: str) -> None:
-    """Refuses mixtures of experts, encoder-decoder and multimodal configs with one sentence."""
+    """Refuses models with layers other than attention, mixtures of experts dsauto does not read,
+    encoder-decoder and multimodal configs with one sentence."""
     model_type = config.get("model_type")
+    if model_type in NOT_ATTENTION_ONLY:
+        raise DsautoError(f"{where} is a {model_type} model with {NOT_ATTENTION_ONLY[model_type]}, which dsauto does "
+                          f"not price: it plans transformers whose every layer is softmax attention and an MLP "
+                          f"(or experts).")
     moe = [f"{key}={config[key]!r}" for key in MOE_KEYS if config.get(key) not in (None, 0, False, {})]
     if (moe or model_type in MOE_TYPES) and model_type not in MOE_FAMILIES:
         named = f": {', '.join(moe)}" if moe else ""

@@ -518,7 +518,7 @@ def test_unknown_key_of_a_mixture_of_experts_is_an_error_naming_it():
 
 @pytest.mark.parametrize("model_type, keys", [
     ("dbrx", {}),  # a family dsauto does not read as a mixture
-    ("jamba", {"num_experts": 16}),
+    ("dbrx", {"num_experts": 16}),
     ("llama", {"num_local_experts": 4}),  # MoE keys in a dense family's config are never read as dense
 ])
 def test_other_moe_families_are_refused_naming_their_fields(model_type, keys):
@@ -529,6 +529,14 @@ def test_other_moe_families_are_refused_naming_their_fields(model_type, keys):
         model_from_hf_config(data, "config.json")
     for key in keys:
         assert key in str(error.value)
+
+
+@pytest.mark.parametrize("model_type, what", [("qwen3_next", "Gated DeltaNet"), ("qwen3_5_moe_text", "Gated DeltaNet"),
+                                              ("nemotron_h", "Mamba"), ("jamba", "Mamba"), ("deepseek_v32", "Sparse")])
+def test_models_with_layers_other_than_attention_are_refused_naming_them(model_type, what):
+    data = {**config("llama-3.2-1b"), "model_type": model_type, "num_experts": 16}
+    with pytest.raises(DsautoError, match=rf"is a {model_type} model with .*{what}.*which dsauto does not price"):
+        model_from_hf_config(data, "config.json")
 
 
 def test_t5_is_refused_saying_what_is_supported():
