@@ -237,27 +237,24 @@ class Block(nn.Module):
         return self.mlp_out_norm(out) if self.mlp_out_norm is not None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.residual_scale != 1.0:
-            return self._scaled_forward(x)
         if self.output_norm:  # OLMo 2: each branch's output normalised before its residual add
-            x = x + self.dropout(self.attention_norm(self.attention(x)))
-            return x + self.dropout(self.mlp_norm(self.mlp(x)))
+            x = x + self._branch(self.attention_norm(self.attention(x)))
+            return x + self._branch(self.mlp_norm(self.mlp(x)))
         if self.post_norm:
-            x = self.attention_norm(x + self.dropout(self.attention(x)))
-            return self.mlp_norm(x + self.dropout(self.mlp(x)))
+            x = self.attention_norm(x + self._branch(self.attention(x)))
+            return self.mlp_norm(x + self._branch(self.mlp(x)))
         if self.parallel:
             normed = self.attention_norm(x)
             mlp_input = self.mlp_norm(x) if self.mlp_norm is not None else normed
-            return x + self.dropout(self.attention(normed)) + self.dropout(self.mlp(mlp_input))
-        x = x + self.dropout(self.attention(self.attention_norm(x)))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+            return x + self._branch(self.attention(normed)) + self._branch(self.mlp(mlp_input))
+        x = x + self._branch(self.attention(self.attention_norm(x)))
+        return x + self._branch(self.mlp(self.mlp_norm(x)))
 
-    def _scaled_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """A pre-norm layer whose branch outputs are scaled before their residual adds (Granite)."""
-        if self.post_norm or self.output_norm or self.parallel:
-            raise ValueError("residual_multiplier is built for sequential pre-norm layers only")
-        x = x + self.residual_scale * self.dropout(self.attention(self.attention_norm(x)))
-        return x + self.residual_scale * self.dropout(self.mlp(self.mlp_norm(x)))
+    def _branch(self, out: torch.Tensor) -> torch.Tensor:
+        """A branch's output as its residual add takes it: dropped out, and scaled where the model
+        scales it (Granite's residual_multiplier)."""
+        out = self.dropout(out)
+        return out if self.residual_scale == 1.0 else out * self.residual_scale
 
 
 def _head_input_layers(model: ModelSpec) -> tuple[nn.Module | None, nn.Module | None]:
@@ -328,12 +325,14 @@ class HeadInput(nn.Module):
     forward = Head.hidden
 
 
-def tied_logits(softcap: float | None) -> Callable[[Embedding, torch.Tensor], torch.Tensor]:
+def tied_logits(softcap: float | None, scale: float = 1.0) -> Callable[[Embedding, torch.Tensor], torch.Tensor]:
     """The output projection through the token embedding's table, as DeepSpeed's ``TiedLayerSpec``
-    calls it (``forward_fn(embedding, x)``), soft-capped where the model caps its logits."""
+    calls it (``forward_fn(embedding, x)``), scaled and soft-capped where the model does so."""
 
     def project(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, embedding.tokens.weight)
+        if scale != 1.0:
+            logits = logits * scale
         return softcap * torch.tanh(logits / softcap) if softcap else logits
 
     return project

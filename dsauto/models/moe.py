@@ -18,7 +18,8 @@ Two implementations of the same parameters:
 
 The router's scores are a softmax over the experts in both (a ``sigmoid`` router, DeepSeek-V3's, has
 the same parameters and cost and is built as a softmax); the load-balancing loss is not added to the
-training loss. The router's bias (``moe_router_bias``, gpt-oss) is built in the own implementation;
+training loss; Llama 4's weighting of the expert's input (``moe_probs_on_input``) weights its
+output here (the same cost). The router's bias (``moe_router_bias``, gpt-oss) is built in the own implementation;
 DeepSpeed-MoE's gate has none.
 """
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from dsauto.errors import DsautoError
 from dsauto.models.gpt import Block, Embedding, HeadInput, Logits, init_weights, tied_logits
 from dsauto.spec.model import ModelSpec
 
@@ -45,8 +46,12 @@ def pipeline_layer_specs(model: ModelSpec, vocab_size: int) -> list[Any]:
     blocks = [LayerSpec(initialized(Block), model) for _ in range(model.num_layers)]
     if not model.tied_embeddings:
         return [LayerSpec(embedding, model, vocab_size), *blocks, LayerSpec(initialized(Logits), model, vocab_size)]
+    if model.head_bias:
+        raise DsautoError(f"{model.name} ties its LM head to the embedding and gives it a bias over the vocabulary, "
+                          f"which dsauto's DeepSpeed pipeline layers do not build; plan with --pp 1 or "
+                          f"--engine megatron.")
     table = ["tokens.weight"]
     return [TiedLayerSpec(TIED_KEY, embedding, model, vocab_size, tied_weight_attr=table), *blocks,
             LayerSpec(initialized(HeadInput), model),
-            TiedLayerSpec(TIED_KEY, embedding, model, vocab_size, forward_fn=tied_logits(model.final_logit_softcap),
+            TiedLayerSpec(TIED_KEY, embedding, model, vocab_size, forward_fn=tied_logits(model.final_logit_softcap, model.logit_scale),
                           tied_weight_attr=table)]

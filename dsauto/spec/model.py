@@ -63,7 +63,8 @@ class ModelSpec:
     (two matrices: up, activation, down), ``swiglu`` or ``geglu``
     (gated: gate and up matrices, SiLU or GeLU of the gate times up, down matrix)."""
     norm: Norm = "layernorm"
-    """Normalisation: ``layernorm`` (weight and bias) or ``rmsnorm`` (weight only)."""
+    """Normalisation: ``layernorm`` (weight, and a bias unless ``norm_bias`` is off) or ``rmsnorm``
+    (weight only)."""
     position_embedding: PositionEmbedding = "learned"
     """``learned`` absolute positions (a parameter table), ``rope`` or ``alibi`` (no parameters)."""
     tied_embeddings: bool = True
@@ -211,8 +212,8 @@ class ModelSpec:
     """The first layers keep a dense MLP of ``ffn_hidden_size`` (DeepSeek's ``first_k_dense_replace``)."""
     moe_router: MoeRouter = "softmax"
     """Router scores: ``softmax`` over the experts then top-k (Mixtral, Qwen, OLMoE, gpt-oss), or
-    ``sigmoid`` per expert with a load-balancing bias (DeepSeek-V3's aux-loss-free routing; the bias
-    is a buffer, not a parameter)."""
+    ``sigmoid`` per expert (DeepSeek-V3, GLM-4.5, MiniMax-M2, Llama 4), with a load-balancing bias
+    where ``moe_router_balancing_bias`` says so (a buffer, not a parameter)."""
     moe_router_balancing_bias: bool = True
     """With ``sigmoid`` routing: a per-expert bias added to the scores that choose the experts
     (DeepSeek-V3's aux-loss-free balancing, Megatron's ``--moe-router-enable-expert-bias``); Llama 4's
