@@ -153,6 +153,8 @@ def _positions(model: ModelSpec) -> list[str]:
                      f"whole number).")
     if model.rotary_percent < 1.0:
         lines.append(f"--rotary-percent {model.rotary_percent:g}")
+    if model.rotary_interleaved:
+        lines.append("--rotary-interleaved")  # adjacent pairs rotate (GPT-J's layout)
     if model.no_rope_every and not model.num_layers % model.no_rope_every:
         lines.append(f"--no-rope-freq {model.no_rope_every}")  # every N-th layer without positions
     scaling, factor = model.rope_scaling, model.rope_scaling_factor

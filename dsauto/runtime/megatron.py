@@ -477,6 +477,8 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
         kwargs["activation_func"] = functools.partial(F.gelu, approximate="tanh") if model.gelu_tanh else F.gelu
     if model.attention_scale_dim:
         kwargs["softmax_scale"] = model.attention_scale_dim ** -0.5
+    if model.rotary_interleaved:
+        kwargs["rotary_interleaved"] = True
     if model.no_rope_every and not model.num_layers % model.no_rope_every:
         kwargs["no_rope_freq"] = model.no_rope_every  # every N-th layer attends without positions
     if model.sliding_window:

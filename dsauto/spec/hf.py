@@ -320,7 +320,8 @@ def read_exaone4(cfg: Config, spec: dict[str, Any]) -> None:
     then attend without rotary positions (Exaone4Attention)."""
     layers = spec["num_layers"]
     # a null window is no window (not the config class's default)
-    window = None if "sliding_window" in cfg.data and cfg.data["sliding_window"] is None else cfg.whole("sliding_window")
+    null_window = "sliding_window" in cfg.data and cfg.data["sliding_window"] is None
+    window = None if null_window else cfg.whole("sliding_window")
     cfg.read.add("sliding_window")
     types, pattern = cfg.get("layer_types"), cfg.get("sliding_window_pattern")
     if types is not None:
@@ -699,13 +700,14 @@ _OLMO2 = {**_LLAMA, "qk_norm": True, "qk_norm_full_width": True, "norm_position"
 _GLM_DEFAULTS = {**_LLAMA_DEFAULTS, "rms_norm_eps": 1.5625e-07, "head_dim": 128, "attention_bias": True,
                  "partial_rotary_factor": 0.5}
 # Command R: one bias-free LayerNorm feeding attention and MLP side by side (CohereDecoderLayer)
-_COHERE = {**_LLAMA, "norm": "layernorm", "norm_bias": False, "parallel_attention": True, "norms_per_layer": 1}
+_COHERE = {**_LLAMA, "norm": "layernorm", "norm_bias": False, "parallel_attention": True, "norms_per_layer": 1,
+           "rotary_interleaved": True}
 _COHERE_DEFAULTS = {**_LLAMA_DEFAULTS, "layer_norm_eps": 1e-5, "tie_word_embeddings": True, "logit_scale": 0.0625}
 _COHERE_READERS: tuple[Reader, ...] = (
     read_kv_heads(), read_tied, read_rope, read_norm_epsilon("layer_norm_eps"), read_dropout("attention_dropout"),
     read_activation("hidden_act", gated=True), read_biases(attention_bias=("qkv", "proj")))
-_OLD_ROPE = frozenset({"pretraining_tp"})
-_COHERE_IGNORED = _OLD_ROPE | {"model_max_length"}  # the tokenizer's longest input  # Llama's emulation of TP-sliced matmuls: numerics only
+_OLD_ROPE = frozenset({"pretraining_tp"})  # Llama's emulation of TP-sliced matmuls: numerics only
+_COHERE_IGNORED = _OLD_ROPE | {"model_max_length"}  # the tokenizer's longest input
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(
@@ -820,10 +822,12 @@ FAMILIES: dict[str, Family] = {
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj"), mlp_bias=("mlp",)), read_no_rope,
          read_sliding_window),
         ignored=_OLD_ROPE),
+    # GLM-4 and ERNIE 4.5 rotate adjacent pairs (their rotate_half takes x[..., 0::2], x[..., 1::2])
     "glm": Family(
-        _SHAPE, _LLAMA, _GLM_DEFAULTS, (*_LLAMA_READERS, read_biases(attention_bias=("qkv",)))),
+        _SHAPE, {**_LLAMA, "rotary_interleaved": True}, _GLM_DEFAULTS,
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv",)))),
     "glm4": Family(
-        _SHAPE, {**_LLAMA, "norms_per_layer": 4}, _GLM_DEFAULTS,
+        _SHAPE, {**_LLAMA, "norms_per_layer": 4, "rotary_interleaved": True}, _GLM_DEFAULTS,
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv",)))),
     "nemotron": Family(
         _SHAPE, {**_LLAMA, "mlp": "relu2", "norm": "layernorm", "norm_plus_one": True},
@@ -866,8 +870,8 @@ FAMILIES: dict[str, Family] = {
          read_dropout("attention_dropout", "residual_dropout")),
         ignored=_OLD_ROPE),
     "ernie4_5": Family(
-        _SHAPE, _LLAMA, {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "tie_word_embeddings": True,
-                         "head_dim": 128},
+        _SHAPE, {**_LLAMA, "rotary_interleaved": True},
+        {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "tie_word_embeddings": True, "head_dim": 128},
         (*_LLAMA_READERS, read_biases(use_bias=("qkv", "proj", "mlp")))),
     "exaone4": Family(
         _SHAPE, {**_LLAMA, "qk_norm": True, "norm_position": "output"},

@@ -125,6 +125,9 @@ class ModelSpec:
     rotary_base_local: float = 0.0
     """Base of the rotary embedding of the sliding-window layers when it differs from
     ``rotary_base`` (Gemma 3); 0 means the same."""
+    rotary_interleaved: bool = False
+    """The rotary embedding rotates adjacent pairs of a head's dimensions (GPT-J's layout: GLM-4,
+    Command R, ERNIE 4.5; Megatron's ``--rotary-interleaved``) instead of its two halves; the same cost."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that the rotary embedding rotates (GPT-NeoX: 0.25)."""
     rope_scaling: RopeScaling = ""
@@ -256,6 +259,9 @@ class ModelSpec:
         if self.norm_position == "output" and (self.norms_per_layer != 2 or self.parallel_attention):
             raise ValueError("norm_position output normalises each of the two branches' outputs: it needs "
                              "norms_per_layer 2 and no parallel_attention")
+        if self.rotary_interleaved and (self.position_embedding != "rope" or self.latent_attention):
+            raise ValueError("rotary_interleaved needs rotary positions and no latent attention (Megatron-core "
+                             "refuses it with multi-latent attention)")
         if (self.qk_l2_norm or self.attention_chunk) and self.position_embedding != "rope":
             raise ValueError("qk_l2_norm and attention_chunk apply to the layers with rotary positions: they "
                              "need position_embedding rope")

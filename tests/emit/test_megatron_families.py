@@ -27,7 +27,8 @@ EXPECTED = {
          "--use-rope-scaling": None, "--rope-scaling-factor": "8", "--normalization": "RMSNorm",
          "--norm-epsilon": "1e-05", "--swiglu": None, "--disable-bias-linear": None,
          "--untie-embeddings-and-output-weights": None},
-        ("--kv-channels", "--add-qkv-bias", "--qk-layernorm", "--rotary-percent", "--window-size"),
+        ("--kv-channels", "--add-qkv-bias", "--qk-layernorm", "--rotary-percent", "--window-size",
+         "--rotary-interleaved"),
         ()),
     "llama-3.2-1b": (
         {"--rope-scaling-factor": "32", "--use-rope-scaling": None},
@@ -115,10 +116,11 @@ EXPECTED = {
         ("--untie-embeddings-and-output-weights", "--window-size"),
         ()),
     "glm-4-9b-chat-hf": (
-        {"--rotary-percent": "0.5", "--add-qkv-bias": None, "--disable-bias-linear": None, "--num-query-groups": "2"},
+        {"--rotary-interleaved": None, "--rotary-percent": "0.5", "--add-qkv-bias": None, "--disable-bias-linear": None,
+         "--num-query-groups": "2"},
         (), ()),
     "glm-4-32b-0414": (
-        {"--rotary-percent": "0.5", "--disable-bias-linear": None},
+        {"--rotary-interleaved": None, "--rotary-percent": "0.5", "--disable-bias-linear": None},
         ("--add-qkv-bias",),
         ("4 per layer",)),
     "starcoder2-3b": (
@@ -130,7 +132,8 @@ EXPECTED = {
         ("--disable-bias-linear", "--no-bias-gelu-fusion"),
         ()),
     "c4ai-command-r-v01": (
-        {"--normalization": "LayerNorm", "--rotary-base": "8000000", "--disable-bias-linear": None},
+        {"--rotary-interleaved": None, "--normalization": "LayerNorm", "--rotary-base": "8000000",
+         "--disable-bias-linear": None},
         ("--untie-embeddings-and-output-weights", "--no-rope-freq"),
         ("LayerNorms without biases", "in parallel on the same input (1 norm)", "logits multiplied by 0.0625")),
     "c4ai-command-r7b-12-2024": (
@@ -150,7 +153,8 @@ EXPECTED = {
          "--rotary-base": "10000000"},
         (), ()),
     "ernie-4.5-0.3b": (
-        {"--disable-bias-linear": None, "--kv-channels": "128", "--rotary-base": "500000"},
+        {"--rotary-interleaved": None, "--disable-bias-linear": None, "--kv-channels": "128",
+         "--rotary-base": "500000"},
         ("--add-qkv-bias", "--untie-embeddings-and-output-weights"), ()),
     "minitron-8b-base": (
         {"--squared-relu": None, "--apply-layernorm-1p": None, "--rotary-percent": "0.5",

@@ -14,8 +14,10 @@ from dsauto.runtime import megatron as dm
 from dsauto.spec.hf import model_from_hf_config
 
 CONFIGS = Path(__file__).parents[1] / "spec" / "configs"
-NEW = ["seed-oss-36b", "ernie-4.5-0.3b", "llama-4-maverick-text", "minimax-m2", "c4ai-command-r-v01", "c4ai-command-r7b-12-2024", "phi-2", "glm-4.5-air", "glm-4-32b-0414", "glm-4-9b-chat-hf", "granite-3.0-3b-a800m-base", "granite-3.1-8b-instruct",
-       "gpt_bigcode-santacoder", "minitron-8b-base", "olmo2-1124-7b", "olmo3-1025-7b", "smollm3-3b", "starcoder2-3b"]
+NEW = ["seed-oss-36b", "ernie-4.5-0.3b", "llama-4-maverick-text", "minimax-m2", "c4ai-command-r-v01",
+       "c4ai-command-r7b-12-2024", "phi-2", "glm-4.5-air", "glm-4-32b-0414", "glm-4-9b-chat-hf",
+       "granite-3.0-3b-a800m-base", "granite-3.1-8b-instruct", "gpt_bigcode-santacoder", "minitron-8b-base",
+       "olmo2-1124-7b", "olmo3-1025-7b", "smollm3-3b", "starcoder2-3b"]
 
 
 def hf(name):
@@ -28,7 +30,8 @@ def hf(name):
 def test_config_builds(name):
     model = hf(name)
     config = dm.transformer_config_class(model)(**dm.transformer_config_kwargs(model), use_cpu_initialization=True)
-    assert (config.num_layers, config.hidden_size, config.kv_channels) == (model.num_layers, model.hidden_size, model.head_dim)
+    assert (config.num_layers, config.hidden_size, config.kv_channels) == (
+        model.num_layers, model.hidden_size, model.head_dim)
     assert config.num_query_groups == model.kv_heads
     assert config.num_moe_experts == (model.num_experts or None)
 
@@ -63,3 +66,12 @@ def test_llama4_routing_reaches_the_config():
     assert config.moe_layer_freq == [0, 1] * 24 and config.moe_apply_probs_on_input
     assert config.moe_router_score_function == "sigmoid" and not config.moe_router_enable_expert_bias
     assert config.no_rope_freq == [0, 0, 0, 1] * 12
+
+
+@pytest.mark.parametrize("name, interleaved", [
+    ("glm-4-9b-chat-hf", True), ("c4ai-command-r7b-12-2024", True), ("ernie-4.5-0.3b", True), ("glm-4.5-air", False),
+    ("granite-3.1-8b-instruct", False)])
+def test_rotary_layout_reaches_the_config(name, interleaved):
+    model = hf(name)
+    config = dm.transformer_config_class(model)(**dm.transformer_config_kwargs(model), use_cpu_initialization=True)
+    assert config.rotary_interleaved is interleaved
