@@ -25,6 +25,9 @@ def megatron_gaps(model: ModelSpec) -> list[str]:
     if model.position_embedding == "rope" and model.rotary_base_local:
         gaps.append(f"sliding-window layers use the rotary base {model.rotary_base_local:g} (and no scaling); "
                     f"Megatron uses one base for all layers")
+    if model.rope_scaling and not model.rope_scaling_local and model.sliding_window:
+        gaps.append(f"{model.rope_scaling} rope scaling in the global layers only (the sliding-window layers' "
+                    f"rotary positions are not scaled); Megatron scales every layer's")
     _, proj_bias, mlp_bias = model.biases
     if not model.linear_bias and (proj_bias or mlp_bias):
         which = " and ".join(name for name, on in (("the attention output projection", proj_bias),

@@ -75,6 +75,7 @@ GENERIC_KEYS = frozenset({
 """Keys any config may carry that change neither the cost nor the emitted flags."""
 
 _ROPE_SCALINGS = {"linear", "llama3", "yarn", "dynamic", "longrope"}
+_GLOBAL_ONLY_ROPE_SCALING = frozenset({"gemma3_text", "olmo3"})
 _GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}
 """Hugging Face activation names of GeLU -> whether they use the tanh approximation."""
 _SILU = {"silu", "swish"}
@@ -239,10 +240,14 @@ def read_activation(key: str, gated: bool) -> Reader:
 def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
     """Rotary base, partial rotary and scaling, in either spelling (see the module doc)."""
     params, local_base = cfg.get("rope_parameters"), None
+    # Gemma 3 and OLMo 3 give the sliding-window layers their own rotary embedding, which the
+    # config.json's rope_scaling does not scale (their config classes put it in full_attention's)
+    local_scaled = cfg.model_type not in _GLOBAL_ONLY_ROPE_SCALING
     if isinstance(params, Mapping) and isinstance(params.get("full_attention"), Mapping):
         local = params.get("sliding_attention") or {}
         params = params["full_attention"]  # per layer type (Gemma 3): the global layers' settings
         local_base = local.get("rope_theta") if isinstance(local, Mapping) else None
+        local_scaled = isinstance(local, Mapping) and (local.get("rope_type") or "default") != "default"
     if params is not None and not isinstance(params, Mapping):
         raise cfg.error(f"rope_parameters must be a mapping, got {params!r}")
     params = dict(params or {})
@@ -268,6 +273,7 @@ def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
         raise cfg.unsupported(f"rope scaling {kind!r} (rope_scaling.rope_type)")
     factor = scaling.pop("factor", 1.0)
     spec["rope_scaling"] = kind
+    spec["rope_scaling_local"] = local_scaled
     spec["rope_scaling_factor"] = float(factor)
     spec["rope_scaling_params"] = [[name, float(value)] for name, value in scaling.items()
                                    if isinstance(value, (int, float)) and not isinstance(value, bool)]

@@ -138,6 +138,9 @@ class ModelSpec:
     rope_scaling_params: tuple[tuple[str, float], ...] = ()
     """The scaling's other numeric parameters by name (``low_freq_factor``,
     ``original_max_position_embeddings``, ...), in the config's order."""
+    rope_scaling_local: bool = True
+    """The scaling applies to the sliding-window layers too; Gemma 3 and OLMo 3 scale only their
+    global layers' rotary positions (transformers' per-layer-type ``rope_parameters``)."""
     sliding_window: int = 0
     """Tokens a sliding-window attention layer attends to (itself included); 0: no sliding window."""
     global_attention_every: int = 0

@@ -110,7 +110,7 @@ EXPECTED = {
         {"--window-size": "4095,0", "--window-attn-skip-freq": "4", "--position-embedding-type": "yarn",
          "--norm-epsilon": "1e-06"},
         (),
-        ("each branch's output normalised",)),
+        ("each branch's output normalised", "yarn rope scaling in the global layers only")),
     "smollm3-3b": (
         {"--no-rope-freq": "4", "--num-query-groups": "4", "--rotary-base": "5000000"},
         ("--untie-embeddings-and-output-weights", "--window-size"),

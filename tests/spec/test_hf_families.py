@@ -369,6 +369,11 @@ def test_olmo_norms_after_each_branch():
     olmo2, olmo3 = load("olmo2-1124-7b"), load("olmo3-1025-7b")
     assert (olmo2.norm_position, olmo2.qk_norm, olmo2.qk_norm_full_width, olmo2.sliding_window) == ("output", True, True, 0)
     assert (olmo3.sliding_window, olmo3.global_attention_every, olmo3.rope_scaling) == (4096, 4, "yarn")
+    assert not olmo3.rope_scaling_local  # Olmo3Config puts rope_scaling in full_attention's parameters
+    gemma3 = model_from_hf_config({**config("gemma-3-1b"), "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+                                  "gemma-3")
+    assert (gemma3.rope_scaling, gemma3.rope_scaling_local) == ("linear", False)
+    assert load("gpt-oss-20b").rope_scaling_local  # one rotary embedding for every layer
 
 
 def test_glm_smollm3_starcoder2_bigcode_nemotron():
