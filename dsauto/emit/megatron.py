@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dsauto.describe import layer_span, layers_text, runs_text
 from dsauto.emit.ds_config import dtype_bytes
-from dsauto.engines.architecture import megatron_gaps
+from dsauto.engines.architecture import megatron_gaps, no_rope_freq
 from dsauto.engines.megatron import (
     FSDP_STRATEGY,
     block_recompute_layers,
@@ -155,8 +155,8 @@ def _positions(model: ModelSpec) -> list[str]:
         lines.append(f"--rotary-percent {model.rotary_percent:g}")
     if model.rotary_interleaved:
         lines.append("--rotary-interleaved")  # adjacent pairs rotate (GPT-J's layout)
-    if model.no_rope_every and not model.num_layers % model.no_rope_every:
-        lines.append(f"--no-rope-freq {model.no_rope_every}")  # every N-th layer without positions
+    if no_rope_freq(model):
+        lines.append(f"--no-rope-freq {no_rope_freq(model)}")  # every N-th layer without positions
     scaling, factor = model.rope_scaling, model.rope_scaling_factor
     if scaling == "llama3":
         lines += ["--use-rope-scaling", f"--rope-scaling-factor {factor:g}"]
@@ -268,15 +268,15 @@ def _experts(model: ModelSpec, dispatcher: str = "alltoall") -> list[str]:
         flags = [1 if i in layers else 0 for i in range(model.num_layers)]
         period = next(n for n in range(1, len(flags) + 1) if len(flags) % n == 0
                       and flags == flags[:n] * (len(flags) // n))
-        runs: list[tuple[int, int]] = []
-        for flag in flags:
-            if runs and runs[-1][0] == flag:
-                runs[-1] = (flag, runs[-1][1] + 1)
-            else:
-                runs.append((flag, 1))
         if 1 < period <= 4:  # Llama 4 Maverick's alternation: ([0,1]*24)
             lines.append(f"--moe-layer-freq ([{','.join(map(str, flags[:period]))}]*{len(flags) // period})")
         else:
+            runs: list[tuple[int, int]] = []
+            for flag in flags:
+                if runs and runs[-1][0] == flag:
+                    runs[-1] = (flag, runs[-1][1] + 1)
+                else:
+                    runs.append((flag, 1))
             lines.append("--moe-layer-freq (" + "+".join(f"[{flag}]*{count}" for flag, count in runs) + ")")
     if model.moe_router == "sigmoid":
         # DeepSeek-V3's routing: sigmoid scores, balanced by a per-expert bias instead of a loss

@@ -77,7 +77,7 @@ def megatron_gaps(model: ModelSpec) -> list[str]:
     if model.attention_temperature_tuning:
         gaps.append("the layers without rotary positions scale their queries with the position (Llama 4's "
                     "attention temperature tuning)")
-    if model.no_rope_every and model.num_layers % model.no_rope_every:
+    if model.no_rope_every and not no_rope_freq(model):
         # Megatron-core's no_rope_freq (--no-rope-freq N) needs the layers to divide by N
         # (transformer_config.py, TransformerConfig.__post_init__)
         gaps.append(f"every {_ordinal(model.no_rope_every)} layer without rotary positions (NoPE), "
@@ -98,6 +98,14 @@ def megatron_gaps(model: ModelSpec) -> list[str]:
         gaps.append(f"the token-type embedding ({model.type_vocab_size} rows); Megatron's BERT has one "
                     f"only with the binary head")
     return gaps
+
+
+def no_rope_freq(model: ModelSpec) -> int:
+    """Megatron-core's ``no_rope_freq`` (``--no-rope-freq N``: every N-th layer without rotary
+    positions) for ``model``, or 0 when it has no such layers or Megatron cannot state them (N must
+    divide the layers: transformer_config.py, TransformerConfig.__post_init__)."""
+    every = model.no_rope_every
+    return every if every and not model.num_layers % every else 0
 
 
 def _ordinal(n: int) -> str:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from dsauto.describe import layer_span, layers_text, runs_text
 
 # Megatron's rules shared with megatron_args.txt: the flags and this plugin read the plan the same way.
-from dsauto.engines.architecture import megatron_gaps
+from dsauto.engines.architecture import megatron_gaps, no_rope_freq
 from dsauto.engines.megatron import (
     FSDP_STRATEGY,
     block_recompute_layers,
@@ -479,8 +479,8 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
         kwargs["softmax_scale"] = model.attention_scale_dim ** -0.5
     if model.rotary_interleaved:
         kwargs["rotary_interleaved"] = True
-    if model.no_rope_every and not model.num_layers % model.no_rope_every:
-        kwargs["no_rope_freq"] = model.no_rope_every  # every N-th layer attends without positions
+    if no_rope_freq(model):
+        kwargs["no_rope_freq"] = no_rope_freq(model)  # every N-th layer attends without positions
     if model.sliding_window:
         # Hugging Face's window counts the query's own token; Megatron's (left, right) does not.
         kwargs["window_size"] = (model.sliding_window - 1, 0)

@@ -75,7 +75,6 @@ GENERIC_KEYS = frozenset({
 """Keys any config may carry that change neither the cost nor the emitted flags."""
 
 _ROPE_SCALINGS = {"linear", "llama3", "yarn", "dynamic", "longrope"}
-_GLOBAL_ONLY_ROPE_SCALING = frozenset({"gemma3_text", "olmo3"})
 _GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True}
 """Hugging Face activation names of GeLU -> whether they use the tanh approximation."""
 _SILU = {"silu", "swish"}
@@ -240,9 +239,7 @@ def read_activation(key: str, gated: bool) -> Reader:
 def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
     """Rotary base, partial rotary and scaling, in either spelling (see the module doc)."""
     params, local_base = cfg.get("rope_parameters"), None
-    # Gemma 3 and OLMo 3 give the sliding-window layers their own rotary embedding, which the
-    # config.json's rope_scaling does not scale (their config classes put it in full_attention's)
-    local_scaled = cfg.model_type not in _GLOBAL_ONLY_ROPE_SCALING
+    local_scaled = None  # the family's choice (Family.fixed), unless the parameters are per layer type
     if isinstance(params, Mapping) and isinstance(params.get("full_attention"), Mapping):
         local = params.get("sliding_attention") or {}
         params = params["full_attention"]  # per layer type (Gemma 3): the global layers' settings
@@ -273,7 +270,8 @@ def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
         raise cfg.unsupported(f"rope scaling {kind!r} (rope_scaling.rope_type)")
     factor = scaling.pop("factor", 1.0)
     spec["rope_scaling"] = kind
-    spec["rope_scaling_local"] = local_scaled
+    if local_scaled is not None:
+        spec["rope_scaling_local"] = local_scaled
     spec["rope_scaling_factor"] = float(factor)
     spec["rope_scaling_params"] = [[name, float(value)] for name, value in scaling.items()
                                    if isinstance(value, (int, float)) and not isinstance(value, bool)]
@@ -291,10 +289,7 @@ def read_sliding_window(cfg: Config, spec: dict[str, Any]) -> None:
     pattern = cfg.whole("sliding_window_pattern", cfg.whole("_sliding_window_pattern"))
     first_global = cfg.whole("max_window_layers") if cfg.given("use_sliding_window") else None
     if types is not None:
-        sliding = [kind == "sliding_attention" for kind in types]
-        if len(sliding) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
-            raise cfg.error(f"layer_types must name {layers} layers as sliding_attention or "
-                            f"full_attention, got {types!r}")
+        sliding = sliding_layer_types(cfg, types, layers)
     else:
         if pattern:
             sliding = [(i + 1) % pattern != 0 for i in range(layers)]
@@ -305,6 +300,20 @@ def read_sliding_window(cfg: Config, spec: dict[str, Any]) -> None:
     set_window(cfg, spec, window, sliding)
 
 
+def sliding_layer_types(cfg: Config, types: Any, layers: int) -> list[bool]:
+    """Which layers slide, from ``layer_types`` (sliding_attention or full_attention per layer)."""
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise cfg.error(f"layer_types must name {layers} layers as sliding_attention or full_attention, "
+                        f"got {types!r}")
+    return [kind == "sliding_attention" for kind in types]
+
+
+def every_nth_off(flags: list[bool] | list[int]) -> int:
+    """N when ``flags`` is off at every N-th layer (the N-th, 2N-th, ...) and on at the others, else 0."""
+    return next((n for n in range(1, len(flags) + 1)
+                 if all(bool(f) == ((i + 1) % n != 0) for i, f in enumerate(flags))), 0)
+
+
 def set_window(cfg: Config, spec: dict[str, Any], window: int | None, sliding: list[bool]) -> None:
     """Sets the sliding window of the layers in ``sliding``: all of them, or all but every N-th."""
     if not window or not any(sliding):
@@ -312,8 +321,7 @@ def set_window(cfg: Config, spec: dict[str, Any], window: int | None, sliding: l
     spec["sliding_window"] = window
     if all(sliding):
         return
-    every = next((n for n in range(2, len(sliding) + 1)
-                  if all(s == ((i + 1) % n != 0) for i, s in enumerate(sliding))), 0)
+    every = every_nth_off(sliding)
     if not every:
         raise cfg.unsupported("sliding-window layers that are not all layers but every N-th "
                               f"(layer_types {['S' if s else 'F' for s in sliding]})")
@@ -331,10 +339,7 @@ def read_exaone4(cfg: Config, spec: dict[str, Any]) -> None:
     cfg.read.add("sliding_window")
     types, pattern = cfg.get("layer_types"), cfg.get("sliding_window_pattern")
     if types is not None:
-        if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
-            raise cfg.error(f"layer_types must name {layers} layers as sliding_attention or full_attention, "
-                            f"got {types!r}")
-        sliding = [kind == "sliding_attention" for kind in types]
+        sliding = sliding_layer_types(cfg, types, layers)
     elif window is None:
         sliding = [False] * layers
     elif isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
@@ -557,22 +562,24 @@ def read_glm4_moe(cfg: Config, spec: dict[str, Any]) -> None:
 
 def read_cohere(cfg: Config, spec: dict[str, Any]) -> None:
     """Command R: the logits multiplied by ``logit_scale``; Command R+'s query/key LayerNorms hold one
-    weight per head (``use_qk_norm``), which dsauto does not model. Command R7B (cohere2) slides
-    three layers of four and gives the fourth, global one no rotary positions, and fixes the head
-    width to hidden / heads (Cohere2Config)."""
+    weight per head (``use_qk_norm``), which dsauto does not model."""
     scale = cfg.number("logit_scale", 0.0625)
     if scale is None or scale <= 0:
         raise cfg.error(f"logit_scale must be above 0, got {scale!r}")
     spec["logit_scale"] = scale
     if cfg.flag("use_qk_norm"):
         raise cfg.unsupported("query/key LayerNorms with a weight per head (use_qk_norm)")
-    if cfg.model_type == "cohere2":
-        given, width = cfg.whole("head_dim"), spec["hidden_size"] // spec["num_attention_heads"]
-        if given is not None and given != width:
-            raise cfg.unsupported(f"head_dim {given}, which Cohere2Config replaces by hidden_size / "
-                                  f"num_attention_heads = {width}")
-        if spec.get("global_attention_every"):
-            spec["no_rope_every"] = spec["global_attention_every"]
+
+
+def read_cohere2(cfg: Config, spec: dict[str, Any]) -> None:
+    """Command R7B: three sliding layers of four, the fourth (global) one without rotary positions,
+    and the head width fixed to hidden / heads (Cohere2Config)."""
+    given, width = cfg.whole("head_dim"), spec["hidden_size"] // spec["num_attention_heads"]
+    if given is not None and given != width:
+        raise cfg.unsupported(f"head_dim {given}, which Cohere2Config replaces by hidden_size / "
+                              f"num_attention_heads = {width}")
+    if spec.get("global_attention_every"):
+        spec["no_rope_every"] = spec["global_attention_every"]
 
 
 def read_phi(cfg: Config, spec: dict[str, Any]) -> None:
@@ -666,7 +673,7 @@ def read_no_rope(cfg: Config, spec: dict[str, Any]) -> None:
                         f"got {rotates!r}")
     if all(rotates):
         return
-    every = next((n for n in range(1, layers + 1) if all(r == ((i + 1) % n != 0) for i, r in enumerate(rotates))), 0)
+    every = every_nth_off(rotates)
     if not every:
         raise cfg.unsupported(f"layers without rotary positions that are not every N-th (no_rope_layers {rotates})")
     spec["no_rope_every"] = every
@@ -703,6 +710,9 @@ _GEMMA_READERS: tuple[Reader, ...] = (read_kv_heads(), read_head_dim, read_tied,
 _GRANITE_DEFAULTS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
                      "attention_multiplier": 1.0}
 _OLMO2 = {**_LLAMA, "qk_norm": True, "qk_norm_full_width": True, "norm_position": "output"}
+# Gemma 3 and OLMo 3 give the sliding-window layers their own rotary embedding, which config.json's
+# rope_scaling does not scale (their config classes put it in full_attention's parameters)
+_GLOBAL_ONLY_SCALING = {"rope_scaling_local": False}
 _GLM_DEFAULTS = {**_LLAMA_DEFAULTS, "rms_norm_eps": 1.5625e-07, "head_dim": 128, "attention_bias": True,
                  "partial_rotary_factor": 0.5}
 # Command R: one bias-free LayerNorm feeding attention and MLP side by side (CohereDecoderLayer)
@@ -741,7 +751,7 @@ FAMILIES: dict[str, Family] = {
          "sliding_window": 4096, "sliding_window_pattern": 2, "query_pre_attn_scalar": 256},
         (*_GEMMA_READERS, read_sliding_window, read_softcaps, read_query_scale)),
     "gemma3_text": Family(
-        _SHAPE, {**_GEMMA_FIXED, "norms_per_layer": 4, "qk_norm": True},
+        _SHAPE, {**_GEMMA_FIXED, "norms_per_layer": 4, "qk_norm": True, **_GLOBAL_ONLY_SCALING},
         {**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
          "sliding_window": 4096, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256},
         (*_GEMMA_READERS, read_sliding_window, read_softcaps, read_query_scale, read_gemma3)),
@@ -819,7 +829,8 @@ FAMILIES: dict[str, Family] = {
         _SHAPE, _OLMO2, {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5},
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")))),
     "olmo3": Family(
-        _SHAPE, _OLMO2, {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0,
+        _SHAPE, {**_OLMO2, **_GLOBAL_ONLY_SCALING},
+        {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0,
                          "sliding_window": 4096, "sliding_window_pattern": 4},
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_sliding_window)),
     "smollm3": Family(
@@ -847,7 +858,7 @@ FAMILIES: dict[str, Family] = {
         (*_COHERE_READERS, read_cohere), ignored=_COHERE_IGNORED),
     "cohere2": Family(
         _SHAPE, _COHERE, {**_COHERE_DEFAULTS, "sliding_window": 4096, "sliding_window_pattern": 4},
-        (*_COHERE_READERS, read_sliding_window, read_cohere),
+        (*_COHERE_READERS, read_sliding_window, read_cohere, read_cohere2),
         # Cohere's own names, in Command R7B's config.json, of the architecture transformers builds
         expected={"use_gated_activation": (True, "an ungated MLP (use_gated_activation false)"),
                   "use_parallel_block": (True, "attention and MLP one after the other (use_parallel_block false)"),

@@ -354,6 +354,10 @@ class ModelSpec:
             return self.num_layers
         return self.num_layers - self.num_layers // self.global_attention_every
 
+    def rotary_layers(self) -> int:
+        """How many transformer layers rotate their queries and keys (all but every ``no_rope_every``-th)."""
+        return self.num_layers - (self.num_layers // self.no_rope_every if self.no_rope_every else 0)
+
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary padded as Megatron-LM pads it, so that it divides evenly across ``tp`` ranks."""
         multiple = VOCAB_PAD_MULTIPLE * tp
@@ -606,8 +610,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     inner = 3 if gated else 2
     # Layers normalising queries and keys (each norm keeps its input): all with qk_norm, those with
     # rotary positions with Llama 4's parameter-free L2 norm
-    rotating = 1.0 - (model.num_layers // model.no_rope_every / model.num_layers if model.no_rope_every else 0.0)
-    qk_norm_share = 1.0 if model.qk_norm else (rotating if model.qk_l2_norm else 0.0)
+    qk_norm_share = 1.0 if model.qk_norm else (model.rotary_layers() / model.num_layers if model.qk_l2_norm else 0.0)
     expert_act = moe_fraction * (top_k * (inner * fe * b + 2 * h * b) + inner * fs * b + 2 * experts * 4)
     act_tp = ((q_width + k_width + v_width + out_width) * b + dense_fraction * inner * f * b + expert_act + 4 * a
               + qk_norm_share * (qd + kvd) * b)
@@ -845,7 +848,7 @@ def attention_window_fraction(model: ModelSpec, seq_len: int) -> float:
     attention (Llama 4) computes one causal triangle per chunk in its layers with rotary positions."""
     if model.attention_chunk:
         chunk = model.attention_chunk
-        rotating = model.num_layers - (model.num_layers // model.no_rope_every if model.no_rope_every else 0)
+        rotating = model.rotary_layers()
         if chunk >= seq_len or not rotating:
             return 1.0
         whole, rest = divmod(seq_len, chunk)
