@@ -17,7 +17,9 @@ kernels and collectives get to the datasheet:
 The fit minimises the error of the predicted step time of each run (its configuration pinned, see
 benchmarks/fidelity.py) in log space with a soft-L1 loss (robust to the odd outlier), each run
 weighted by one over the number of runs of its source on that device, so that every source counts
-as much as any other however many rows it published (MosaicML's llm-foundry tables alone hold 149).
+as much as any other however many rows it published (MosaicML's llm-foundry tables alone hold 149);
+runs whose step time is set by a cost dsauto knows it does not price weigh nothing (benchmarks/
+fidelity.py, Source.fitted: DeepSpeed's ZeRO-3 of 2021).
 A100 40GB and 80GB share the A100 constants (one chip; each keeps its own memory bandwidth); the
 H100 constants also price the H200 (the same compute, its own memory bandwidth).
 
@@ -183,6 +185,7 @@ def fit(cases: Sequence[Case], start: Constants, say: Callable[[str], None] = la
         from scipy.optimize import least_squares
     except ImportError as e:  # a benchmark-only dependency
         raise SystemExit("benchmarks/fit_device.py needs scipy for its least-squares fit: pip install scipy") from e
+    cases = [c for c in cases if c.weight > 0]  # a run not fitted on (fidelity.Source.fitted) adds nothing
     names = list(free_constants(cases) if free is None else free)
     if not runs_cudnn(cases):
         start = dataclasses.replace(start, fused_attention_efficiency=None)
@@ -287,7 +290,7 @@ def main() -> int:
         print(f"{generation}: {fitted.describe()}")
         if write:
             for name in presets:
-                write_preset(name, fitted, preset_note(name, generation, len(cases), len(fp8)))
+                write_preset(name, fitted, preset_note(name, generation, sum(c.weight > 0 for c in cases), len(fp8)))
     return 0
 
 
