@@ -5,27 +5,14 @@ weighs nothing in that fit (fidelity.Source.fitted)."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import fidelity
-        import fit_device
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return fidelity, fit_device
+from benchmark_modules import load  # tests/ is on sys.path through its conftest
 
 
 def test_deepspeeds_2021_zero3_rows_are_priced_but_weigh_nothing_in_the_fit():
     pytest.importorskip("scipy")
-    fidelity, fit_device = load()
+    fidelity, fit_device = load("fidelity"), load("fit_device")
     runs, _ = fidelity.load_runs()
     a100 = fidelity.fitted_runs(runs, "a100")
     unfitted = [r.id for r in a100 if not r.source.fitted]

@@ -5,23 +5,12 @@ fitted on these runs alone (the 16-bit runs fit the rest)."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import fidelity
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return fidelity
+from benchmark_modules import load  # tests/ is on sys.path through its conftest
 
 
 def test_each_fp8_run_is_pinned_as_it_ran_and_kept_out_of_the_16_bit_fit():
-    fidelity = load()
+    fidelity = load("fidelity")
     runs, excluded = fidelity.load_runs()
     fp8 = {run.id: run for run in runs if run.pins.fp8}
     assert len(fidelity.fp8_runs(runs, "h100")) == 16 and all(r.id in fp8 for r in fidelity.fp8_runs(runs, "h100"))
@@ -39,7 +28,7 @@ def test_each_fp8_run_is_pinned_as_it_ran_and_kept_out_of_the_16_bit_fit():
 
 
 def test_the_fp8_fit_moves_only_the_fp8_gemm_efficiency():
-    fidelity = load()
+    fidelity = load("fidelity")
     runs, _ = fidelity.load_runs()
     chosen = [r for r in runs if r.id in ("mbridge2511-llama3_8b-8gpu", "mpt-h100-fp8-3b-s2048-8gpu-gbs480")]
     start = fidelity.Constants.of(fidelity.base_hardware("h100-80gb"))
