@@ -1145,11 +1145,11 @@ def report(rows: Sequence[Row], excluded: Sequence[tuple[str, str]], fitted: dic
            "device's constants fitted on all its runs. CV: group 5-fold, the runs of one model (depth x width) "
            "of one source held out together and predicted with constants fitted on the other folds. Each run "
            "weighs one over its source's run count in the fit (MosaicML's tables would otherwise outweigh "
-           "everything), except the runs of narayanan21-t2-zero3, which weigh nothing: their step time is set "
-           "by a cost dsauto knows it does not price (see 'What does not fit, and why'), and fitted on they "
-           "pulled the A100's comm_overlap_efficiency to its floor (0.5), pricing every other run's overlapped "
-           "collectives as half exposed. They are priced and reported like every other run. The headline "
-           "errors are over every usable run, unweighted.", "",
+           "everything), except the runs of " + ", ".join(sorted(k for k, s in SOURCES.items() if not s.fitted))
+           + ", which weigh nothing: their step time is set by a cost dsauto knows it does not price (see 'What "
+           "does not fit, and why'), and fitted on they would move a shared constant to absorb it. They are "
+           "priced and reported like every other run. The headline errors are over every usable run, "
+           "unweighted.", "",
            "The issue's target (CV median <= 5%, max <= 15%) is "
            + ("met." if _summary([r.cv_error for r in rows])[1] <= 0.15
               and _summary([r.cv_error for r in rows])[0] <= 0.05 else
