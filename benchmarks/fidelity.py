@@ -201,8 +201,8 @@ SOURCES = {
                       "dispatch: Qwen3-30B-A3B from 26.02), routing forced to "
                       "balance (moe_router_force_load_balancing; the tables' footnote); the recipe's selective "
                       "recomputation where it is known (GPT-OSS: layernorm, moe_act), else none; cuDNN's fused "
-                      "attention (Transformer Engine's default on Hopper) except for GPT-OSS, FlashAttention (the "
-                      "TE backend of its sink attention is not published); --tp-comm-overlap where tp > 1 and the "
+                      "attention (Transformer Engine's default on Hopper; GPT-OSS's sinks run only there or "
+                      "unfused: see _attention_kernel); --tp-comm-overlap where tp > 1 and the "
                       "recipe does not turn it off (Qwen3-235B-A22B's H100 recipe passes CommOverlapConfig("
                       "tp_comm_overlap=False) from 25.11 on: scripts/performance/configs/qwen3/qwen3_llm_pretrain.py "
                       "at v0.2.0) (the "
@@ -369,9 +369,14 @@ def _attention_kernel(record: dict, source: Source) -> AttentionKernel:
     container they ran already carried that preference is not published). Meta's stack, MosaicML's
     llm-foundry (flash-attn 2), IBM's fms-fsdp, NeMo AutoModel and torchtitan call FlashAttention-2
     or PyTorch's SDPA over it; Transformer Engine is not in their path. Megatron-Bridge's recipes
-    (Megatron-core with Transformer Engine) leave the backend to TE, cuDNN's on Hopper, except GPT-OSS,
-    whose sink attention's backend is not published (FlashAttention is priced). Pre-Hopper rows price
-    either kernel at the device's attention efficiency."""
+    (Megatron-core with Transformer Engine) leave the backend to TE, cuDNN's on Hopper. GPT-OSS's too:
+    its provider sets softmax_type 'learnable' (the sinks) and falls back to Megatron-core's local
+    attention only under TE before 2.8 (src/megatron/bridge/models/gpt_oss/gpt_oss_provider.py at
+    v0.3.0); the 26.02-26.06 containers ship TE 2.12-2.16 with cuDNN 9.18-9.21 (docs/releases/
+    software-versions.md), and TE turns FlashAttention off for a learnable softmax while cuDNN 9.13.1
+    on runs it with the 128-token causal window (TE 2.12: get_attention_backend, 'Filter: Softmax
+    type'; fused_attn.cpp). Pre-Hopper rows price either kernel at the device's attention
+    efficiency."""
     if source.key == "dgxc":
         flash = ("nemotron4-340b", "gpt3-175b")
         return "flash" if any(name in record["id"] for name in flash) else "cudnn"
@@ -379,8 +384,8 @@ def _attention_kernel(record: dict, source: Source) -> AttentionKernel:
         return "cudnn"
     if record["id"].startswith("automodel-moe-qwen3"):
         return "cudnn"  # AutoModel's qwen3_moe_30b_te_deepep config: attn te
-    if source.key == "mbridge" and "gpt-oss" not in record["id"]:
-        return "cudnn"  # Megatron-core's TE attention on Hopper, the backend left to TE (GPT-OSS's sinks: see MOE_WHY)
+    if source.key == "mbridge":
+        return "cudnn"  # Megatron-core's TE attention on Hopper, the backend left to TE (GPT-OSS's sinks too)
     return "flash"
 
 
@@ -857,14 +862,17 @@ FP8_TEXT = (
 """How the FP8 rows are priced and fitted, in words (placed above their table)."""
 
 MOE_WHY = (
-    "Megatron-Bridge's GPT-OSS 120B (Megatron-core, every option known from the recipe) runs about "
-    "1.3x slower than priced with Megatron-core's even split of the 36 layers over 4 stages (the "
+    "Megatron-Bridge's GPT-OSS 120B (Megatron-core, every option known from the recipe) runs "
+    "1.35-1.39x slower than priced with Megatron-core's even split of the 36 layers over 4 stages (the "
     "last stage also holds the 201,088-word head; the planner's own balanced split would be 1.6x): "
     "the all-to-all stays inside a node and the grouped GEMMs get 1024 tokens per expert, a shape "
     "the H100 runs at the rate priced (benchmarks/results/device_experts_h100-80gb.md). What is "
-    "left is not known: GPT-OSS's attention with learnable sinks over a 128-token window on every "
-    "other layer runs in whichever Transformer Engine backend supports them (not published; an "
-    "unfused one would explain it), and MoE layers issue many small kernels (router, permutation) "
+    "left is not known: GPT-OSS's attention with learnable sinks (a 128-token window on every other "
+    "layer) is priced in cuDNN's fused kernel, the only fused Transformer Engine backend that takes "
+    "the sinks in these containers (see _attention_kernel; priced with FlashAttention-2's rate before, "
+    "the rows came out 21-24% fast, now 26-28%): if cuDNN refused the combination at run time, TE's "
+    "unfused attention would have run (its s x s scores would explain a slower step), which the "
+    "tables do not say; and MoE layers issue many small kernels (router, permutation) "
     "on a narrow model (hidden 2880). NeMo AutoModel's rows without pipelines (FSDP2 with expert "
     "parallelism, priced as Megatron-FSDP with the experts sharded over their data-parallel group) "
     "come within 1-15%, GPT-OSS 120B with the planner's ep (the table gives none) the furthest; "
@@ -963,6 +971,14 @@ WHY = {
 """Why the runs of a source are off, where some are off by more than 15% (cross-validated)."""
 
 CHANGES = [
+    "Sliding windows in cuDNN's fused attention: Transformer Engine's FusedAttention runs a causal sliding "
+    "window without attention dropout (cuDNN 9.2 on: transformer_engine/common/fused_attn/fused_attn.cpp, "
+    "nvte_get_fused_attn_backend, and get_attention_backend's 'Filter: Sliding window attention', TE 2.12), "
+    "so dsauto's Megatron-core plans of windowed models on Hopper run and price it, as TE would pick it "
+    "(before: FlashAttention for every window; dsauto/engines/rules.py, attention_kernel_refusal). "
+    "Megatron-Bridge's GPT-OSS 120B rows are priced with it, as their containers ran it (TE turns "
+    "FlashAttention off for the sinks' learnable softmax: _attention_kernel): -21..-24% -> -26..-28%; "
+    "no dense run has a window.",
     "Runs whose step time is set by a cost dsauto knows it does not price are priced and reported but not "
     "fitted on (Source.fitted; weight 0 in benchmarks/fit_device.py): DeepSpeed's 2021 ZeRO-3 rows "
     "(narayanan21-t2-zero3, throughput falling 3x from 384 to 1536 GPUs at a fixed batch). Fitted on, "

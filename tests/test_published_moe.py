@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from benchmark_modules import load  # tests/ is on sys.path through its conftest
 
 from dsauto.spec.hf import model_from_hf_config
 
@@ -40,13 +41,7 @@ def test_every_shipped_config_is_documented():
 
 
 def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
-    import sys
-
-    sys.path.insert(0, str(CONFIGS.parent))
-    try:
-        import fidelity
-    finally:
-        sys.path.remove(str(CONFIGS.parent))
+    fidelity = load("fidelity")
     runs, excluded = fidelity.load_runs()
     moe = {run.id: run for run in runs if run.model.moe}
     assert len(moe) == 21
@@ -55,6 +50,8 @@ def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
     assert (bridge.pins.ep, bridge.pins.pp, bridge.pins.zero_stage, bridge.pins.micro_batch) == (8, 4, 1, 1)
     assert bridge.pins.recompute_modules == "layernorm,moe_act"
     assert bridge.engine_options["expert_load_balanced"] and not bridge.grad_reduce_in_fp32
+    # its sinks run in cuDNN's fused attention (TE turns FlashAttention off for them); AutoModel's in FlexAttention
+    assert bridge.attention_kernel == "cudnn" and moe["automodel-moe-gpt-oss-120b-64gpu"].attention_kernel == "flash"
     deepseek = moe["automodel-moe-deepseek-v3-256gpu"]
     assert deepseek.pins.expert_dispatcher == "deepep"  # pinned: the search prices DeepEP's dispatch
     assert deepseek.pins.zero_stage == 1 and deepseek.pins.vpp == 8  # pipelines: ZeRO 0-1

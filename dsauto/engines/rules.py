@@ -276,8 +276,12 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
     backends' variables to 0: megatron/core/models/common/language_module/language_module.py,
     ``_set_attention_backend``); dsauto's DeepSpeed plans run the model's own attention (PyTorch's SDPA
     or FlashAttention-2). Its kernels take 16-bit inputs and heads of :data:`CUDNN_MAX_HEAD_DIM` or
-    less; latent attention's unequal key and value widths and sliding windows are left to
-    FlashAttention, which a run with the backend forced to ``fused`` could not fall back to."""
+    less; latent attention's unequal key and value widths and chunked attention are left to
+    FlashAttention, which a run with the backend forced to ``fused`` could not fall back to. Causal
+    sliding windows (a left window, nothing to the right) it runs without attention dropout (cuDNN
+    9.2 on: Transformer Engine's ``nvte_get_fused_attn_backend``, transformer_engine/common/
+    fused_attn/fused_attn.cpp, and ``get_attention_backend``'s "Filter: Sliding window attention",
+    which turns FusedAttention off for a window with dropout; TE 2.12)."""
     if kernel == "flash":
         return None
     if engine != "megatron":
@@ -289,8 +293,9 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
         return "cuDNN's fused attention runs in bf16 or fp16, not fp32"
     if model.latent_attention:
         return "latent attention's unequal key and value widths are planned with FlashAttention"
-    if model.sliding_window:
-        return f"sliding-window attention ({model.sliding_window} tokens) is planned with FlashAttention"
+    if model.sliding_window and model.dropout:
+        return (f"cuDNN's fused attention runs sliding-window attention ({model.sliding_window} tokens) only "
+                f"without attention dropout")
     if model.attention_chunk:
         return f"chunked attention ({model.attention_chunk} tokens) is planned with FlashAttention"
     if model.head_dim > CUDNN_MAX_HEAD_DIM or model.head_dim % 16:

@@ -4,6 +4,8 @@ Transformer Engine picks there), FlashAttention otherwise; priced, emitted and r
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ from dsauto.refine.space import strategy_of
 from dsauto.spec.loaders import as_model
 
 LLAMA = as_model("llama3-8b")
+CONFIGS = Path(__file__).resolve().parents[1] / "spec" / "configs"
 
 
 def backend(plan) -> str:
@@ -33,7 +36,10 @@ def backend(plan) -> str:
     ("megatron", True, "bf16", False, LLAMA, "flash"),  # eager attention
     ("megatron", True, "bf16", True, dataclasses.replace(LLAMA, attention_head_dim=256), "flash"),
     ("megatron", True, "bf16", True, dataclasses.replace(LLAMA, attention_head_dim=72), "flash"),
-    ("megatron", True, "bf16", True, dataclasses.replace(LLAMA, sliding_window=4096), "flash"),
+    # cuDNN runs a causal sliding window without attention dropout (TE's fused_attn.cpp, cuDNN 9.2 on)
+    ("megatron", True, "bf16", True, dataclasses.replace(LLAMA, sliding_window=4096, dropout=False), "cudnn"),
+    ("megatron", True, "bf16", True, dataclasses.replace(LLAMA, sliding_window=4096, dropout=True), "flash"),
+    ("megatron", True, "bf16", True, dataclasses.replace(LLAMA, attention_chunk=8192), "flash"),
 ])
 def test_default_kernel(engine, fused, dtype, flash, model, expected):
     assert default_attention_kernel(engine, fused, dtype, flash, model) == expected
@@ -52,6 +58,19 @@ def test_megatron_plan_on_hopper_runs_cudnn_and_says_so(tmp_path):
                  "--out", str(tmp_path)]) == 0
     assert read_plan(tmp_path / "plan.yaml").attention_kernel == "cudnn"
     assert "--attention-backend fused" in (tmp_path / "megatron_args.txt").read_text().splitlines()
+
+
+def test_a_windowed_model_runs_cudnn_on_hopper_and_keeps_its_window():
+    # Mistral 7B: a 4096-token causal window, no attention dropout: Transformer Engine's FusedAttention
+    # (cuDNN 9.2 on) runs it, and prefers it on Hopper.
+    config = json.loads((CONFIGS / "mistral-7b-v0.1.json").read_text())
+    plan = make_plan(config, "h100-80gb", engine="megatron", seq_len=8192, global_batch=16, gpus_per_node=8)
+    assert plan.attention_kernel == "cudnn" and backend(plan) == "fused"
+    assert "--window-size 4095,0" in megatron_args(plan)
+    flash = make_plan(config, "h100-80gb", engine="megatron", seq_len=8192, global_batch=16, gpus_per_node=8,
+                      attention_kernel="flash", tp=plan.tp, pp=plan.pp, zero_stage=plan.zero_stage,
+                      micro_batch=plan.micro_batch)
+    assert flash.prediction.step_seconds > plan.prediction.step_seconds  # the window at cuDNN's faster rate
 
 
 def test_cudnn_is_priced_at_the_devices_fused_rate():
