@@ -47,7 +47,8 @@ SAMPLES = {"global_batch": 16, "seq_len": 64, "dtype": "fp16", "flash_attention"
            "vpp": 2, "cp": 2, "ep": 2, "etp": 2, "recompute_modules": "core_attn", "offload": "optimizer",
            "hpz": 2, "dist_opt_instances": 2, "attention_kernel": "flash", "tp_comm_overlap": True,
            "grad_reduce_in_fp32": False, "expert_dispatcher": "deepep", "fp8": True, "fp8_recipe": "tensorwise",
-           "fp8_param_gather": True, "cp_comm_type": "all_gather", "expert_a2a_overlap": True}
+           "fp8_param_gather": True, "cp_comm_type": "all_gather", "expert_a2a_overlap": True,
+           "stage_layers": "even"}
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))

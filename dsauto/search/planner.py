@@ -52,6 +52,7 @@ from dsauto.search.space import (
     explain_empty_space,
     layer_options,
     offloaded_variants,
+    pinned_stage_layers,
     strategies,
 )
 from dsauto.spec.cluster import ClusterSpec
@@ -263,6 +264,14 @@ def _needless_selective(strategy: Strategy, bound: float, fitted: dict[Strategy,
     return strategy.pp == 1 or bound >= twin[0].prediction.step_seconds
 
 
+def _middle_layouts(q_values: Sequence[int], mids: int, pinned: tuple[int, ...] | None) -> list[list[int]]:
+    """The layer counts of the middle pipeline stages to try: those of the pinned layout, or for each
+    q the middle stages of q or q + 1 layers, the extra ones on the last r stages."""
+    if pinned is not None:
+        return [list(pinned[1:-1])]
+    return [[q + (1 if i >= mids - r else 0) for i in range(mids)] for q in q_values for r in range(mids if mids else 1)]
+
+
 def _one_stage_order(picked: Sequence[int]) -> list[int]:
     """A one-stage DP's choices, solved in the order embedding, head, blocks, in flat layer order."""
     return [picked[0], *picked[2:], picked[1]]
@@ -388,9 +397,14 @@ class Planner:
         # and last stages take any split of the rest. Equal middle stages (r = 0) are Megatron's
         # first/last-stage flags; the rest need its pipeline layout string.
         # With v chunks per rank (interleaved 1F1B) every stage holds at least v layers, one a chunk.
+        # A pinned layout (--stage-layers) is the one layout tried.
         mids = p - 2
-        q_values = [q for q in range(max(1, L // p - 1), -(-L // p) + 2)
-                    if mids * q <= L - 2 * v and q >= v] if mids else [0]
+        pinned = pinned_stage_layers(self.pins, L, p)
+        if pinned is not None:
+            q_values = [min(pinned[1:-1], default=0)]
+        else:
+            q_values = [q for q in range(max(1, L // p - 1), -(-L // p) + 2)
+                        if mids * q <= L - 2 * v and q >= v] if mids else [0]
         if not q_values:
             return None
         # The first and last stages share the layers the middle ones leave, at most L - mids * min(q),
@@ -401,7 +415,7 @@ class Planner:
                                ends)
         last = self._stage_dp(priced, [HEAD] + [BLOCK] * (L - 1), in_flight(p - 1, p, m, v), priced.reserve(p - 1),
                               ends)
-        most_mid = max(q_values) + 1
+        most_mid = max(pinned[1:-1], default=0) if pinned is not None else max(q_values) + 1
         middle = {}
         for i in range(1, p - 1):
             flight = in_flight(i, p, m, v)
@@ -410,32 +424,30 @@ class Planner:
                 middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight, reserve)
         p2p = 2 * v * priced.p2p_seconds
         best, best_layout = math.inf, None
-        for q in q_values:
-            for r in range(mids if mids else 1):
-                counts = [q + (1 if i >= mids - r else 0) for i in range(mids)]
-                rest = L - sum(counts)
-                if rest < 2 * v:
-                    continue
-                mid_times = np.array([middle[in_flight(i + 1, p, m, v)].best_time[c] + p2p
-                                      for i, c in enumerate(counts)])
-                if mids and not np.isfinite(mid_times).all():
-                    continue
-                n_first = np.arange(v, rest - v + 1)
-                t_first = first.best_time[n_first + 1] + p2p
-                t_last = last.best_time[rest - n_first + 1] + p2p
-                mid_sum = mid_times.sum() if mids else 0.0
-                mid_max = mid_times.max() if mids else 0.0
-                # The closed form of 1F1B as the search objective (predictions simulate it).
-                slowest = np.maximum(np.maximum(t_first, t_last), mid_max)
-                if v == 1:
-                    makespan = t_first + t_last + mid_sum + ((m - 1) * slowest if m > 1 else 0.0)
-                else:  # interleaved: the fill and drain shrink v-fold (cost.step.interleaved_makespan)
-                    with np.errstate(invalid="ignore"):  # inf - inf where a stage cannot fit
-                        makespan = m * slowest + (t_first + t_last + mid_sum - slowest) / v
-                    makespan = np.where(np.isfinite(slowest), makespan, np.inf)
-                k = int(np.argmin(makespan))
-                if np.isfinite(makespan[k]) and makespan[k] < best:
-                    best, best_layout = makespan[k], (int(n_first[k]), counts, rest - int(n_first[k]))
+        for counts in _middle_layouts(q_values, mids, pinned):
+            rest = L - sum(counts)
+            if rest < 2 * v:
+                continue
+            mid_times = np.array([middle[in_flight(i + 1, p, m, v)].best_time[c] + p2p
+                                  for i, c in enumerate(counts)])
+            if mids and not np.isfinite(mid_times).all():
+                continue
+            n_first = np.arange(v, rest - v + 1) if pinned is None else np.array([pinned[0]])
+            t_first = first.best_time[n_first + 1] + p2p
+            t_last = last.best_time[rest - n_first + 1] + p2p
+            mid_sum = mid_times.sum() if mids else 0.0
+            mid_max = mid_times.max() if mids else 0.0
+            # The closed form of 1F1B as the search objective (predictions simulate it).
+            slowest = np.maximum(np.maximum(t_first, t_last), mid_max)
+            if v == 1:
+                makespan = t_first + t_last + mid_sum + ((m - 1) * slowest if m > 1 else 0.0)
+            else:  # interleaved: the fill and drain shrink v-fold (cost.step.interleaved_makespan)
+                with np.errstate(invalid="ignore"):  # inf - inf where a stage cannot fit
+                    makespan = m * slowest + (t_first + t_last + mid_sum - slowest) / v
+                makespan = np.where(np.isfinite(slowest), makespan, np.inf)
+            k = int(np.argmin(makespan))
+            if np.isfinite(makespan[k]) and makespan[k] < best:
+                best, best_layout = makespan[k], (int(n_first[k]), counts, rest - int(n_first[k]))
         if best_layout is None:
             return None
         n_first, counts, n_last = best_layout

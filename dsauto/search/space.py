@@ -186,6 +186,14 @@ class Constraints:
     """How Megatron-core's context parallelism exchanges the shards (:data:`dsauto.plan.CpCommType`);
     None: the search tries each that runs (they compute the same)."""
 
+    stage_layers: str | None = field(default=None, metadata={
+        "flag": "--stage-layers",
+        "help": "pin the transformer layers of each pipeline stage: 'even' (split evenly over the pp x vpp "
+                "model chunks, what Megatron-core does without a layout flag) or one count per stage, "
+                "comma-separated, first stage first (default: balanced by the search)"})
+    """The pipeline layout: ``"even"``, or the transformer layers of each pipeline rank, comma-separated
+    (:func:`parse_stage_layers`); None lets the search balance the stages."""
+
     @property
     def fp8_delayed(self) -> bool:
         """FP8 pinned with delayed scaling."""
@@ -207,6 +215,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     out = []
     engines = ENGINES if pins.engine is None else (pins.engine,)
     recompute_sets = {engine: recompute_module_sets(engine, model, train, pins) for engine in engines}
+    pinned_layout = None if pins.stage_layers is None else parse_stage_layers(pins.stage_layers, model.num_layers)
     for dims in _with_context_parallel(layouts(cluster.world_size, cluster.devices_per_node), train, pins):
         tp, pp, dp = dims.tp, dims.pp, dims.dp
         if (pins.tp is not None and tp != pins.tp) or (pins.pp is not None and pp != pins.pp):
@@ -245,7 +254,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                 # planned when asked for (--ep), never sprung on a model
                                 continue
                             for v in chunks:
-                                if virtual_stage_refusal(engine, pp, v, accum, model.num_layers // pp) is None:
+                                if virtual_stage_refusal(engine, pp, v, accum, model.num_layers // pp) is None and (
+                                        pins.stage_layers is None or stage_layout_refusal(pinned_layout, model.num_layers, pp, v) is None):
                                     out.extend(_host_and_hpz(Strategy(
                                         dims=expert_dims, zero_stage=zero, micro_batch=micro, grad_accum=accum,
                                         sequence_parallel=sp, engine=engine, virtual_stages=v), cluster, pins))
@@ -438,6 +448,15 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                         pins: Constraints) -> DsautoError:
     """The error to show when no strategy satisfies the rules: names the first rule that fails."""
     world = cluster.world_size
+    if pins.stage_layers is not None and (
+            without := strategies_or_none(model, cluster, train, dataclasses.replace(pins, stage_layers=None))):
+        layout = parse_stage_layers(pins.stage_layers, model.num_layers)
+        shapes = sorted({(s.pp, s.virtual_stages) for s in without})
+        reason = stage_layout_refusal(layout, model.num_layers, *shapes[0])
+        tried = ", ".join(f"pp {p}" + (f" x vpp {v}" if v > 1 else "") for p, v in shapes[:6])
+        return DsautoError(f"--stage-layers {pins.stage_layers} cannot run: {reason} (the other settings allow "
+                           f"{tried}{' and more' if len(shapes) > 6 else ''}); pin a --pp (and --vpp) it fits, or "
+                           f"leave --stage-layers out.")
     if (pins.ep or 1) > 1 or (pins.etp or 1) > 1:
         if not model.moe:
             return DsautoError(f"--ep {pins.ep or 1} --etp {pins.etp or 1} split experts, and {model.name} is "
@@ -591,6 +610,56 @@ def parse_recompute_modules(text: str, model: ModelSpec | None = None,
         if reason:
             raise DsautoError(f"--recompute-modules {text}: {reason}.")
     return names
+
+
+EVEN_STAGES = "even"
+"""The ``--stage-layers`` value for Megatron-core's own split: the transformer layers divided evenly
+over the pp x vpp model chunks (megatron/core/transformer/transformer_block.py, get_num_layers_to_build,
+which asserts that they divide when no layout flag is given)."""
+
+
+def parse_stage_layers(text: str, num_layers: int) -> tuple[int, ...] | None:
+    """The transformer layers per pipeline stage that a ``--stage-layers`` value names, or None for
+    :data:`EVEN_STAGES`; a malformed value, or counts that do not add up to ``num_layers``, is
+    refused in one sentence."""
+    if text.strip().lower() == EVEN_STAGES:
+        return None
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise DsautoError(f"--stage-layers {text}: give '{EVEN_STAGES}' or one whole number of transformer layers "
+                          f"per pipeline stage, comma-separated (such as 8,8,8,8).") from None
+    if min(counts) < 1:
+        raise DsautoError(f"--stage-layers {text}: every pipeline stage needs at least one transformer layer.")
+    if sum(counts) != num_layers:
+        raise DsautoError(f"--stage-layers {text} places {sum(counts)} transformer layers and the model has "
+                          f"{num_layers}; give counts that add up to {num_layers}, or '{EVEN_STAGES}'.")
+    return counts
+
+
+def stage_layout_refusal(layout: tuple[int, ...] | None, num_layers: int, pp: int,
+                         virtual_stages: int) -> str | None:
+    """Why a pinned layout (:func:`parse_stage_layers`: the counts, or None for the even split) cannot
+    place ``num_layers`` transformer layers on pp ranks of ``virtual_stages`` model chunks each; None
+    when it can. Each rank holds at least one layer per chunk, as the search's own layouts do."""
+    if layout is None:
+        if num_layers % (pp * virtual_stages):
+            chunks = f"pp {pp} x vpp {virtual_stages} = {pp * virtual_stages}" if virtual_stages > 1 else f"pp {pp}"
+            return f"{num_layers} transformer layers do not split evenly over {chunks} model chunks"
+        return None
+    if len(layout) != pp:
+        return f"it names {len(layout)} stage{'s' if len(layout) > 1 else ''} and the plan has pp {pp}"
+    if min(layout) < virtual_stages:
+        return f"a stage of {min(layout)} layers cannot hold vpp {virtual_stages} model chunks"
+    return None
+
+
+def pinned_stage_layers(pins: Constraints, num_layers: int, pp: int) -> tuple[int, ...] | None:
+    """The transformer layers of each pipeline rank that ``pins`` sets (for a strategy that
+    :func:`strategies` kept), or None when the search balances them."""
+    if pins.stage_layers is None:
+        return None
+    return parse_stage_layers(pins.stage_layers, num_layers) or (num_layers // pp,) * pp
 
 
 def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,

@@ -1,0 +1,110 @@
+"""--stage-layers pins the pipeline layout: Megatron-core's even split ('even'), or one count per
+stage. The search prices and bounds memory with that layout alone, the emitted flags place the
+layers so, and a layout that cannot run is refused in one sentence."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsauto.api import find_plans, make_plan, make_problem
+from dsauto.cli import main
+from dsauto.emit.megatron import megatron_args
+from dsauto.errors import DsautoError
+from dsauto.plan_io import read_plan
+from dsauto.refine.space import options_of, strategy_of
+from dsauto.search.planner import Planner
+
+# Llama 3 70B (80 layers) on 64 H100s: tp 4 x pp 4, where the search balances the stages unevenly
+# (the head makes the last stage slower, the embedding the first one lighter).
+PINS = dict(nodes=8, global_batch=128, seq_len=8192, tp=4, pp=4, engine="megatron")
+
+
+def layout_flags(plan) -> list[str]:
+    return [line for line in megatron_args(plan) if line.startswith(("--pipeline-model-parallel-layout",
+                                                                      "--decoder-first", "--decoder-last"))]
+
+
+def test_even_is_megatron_cores_default_split_and_needs_no_layout_flag():
+    balanced = make_plan("llama3-70b", "h100-80gb", **PINS)
+    even = make_plan("llama3-70b", "h100-80gb", **PINS, stage_layers="even")
+    assert balanced.stage_layers != (20, 20, 20, 20) and layout_flags(balanced)
+    assert even.stage_layers == (20, 20, 20, 20) and not layout_flags(even)
+    # The balanced layout is the search's own optimum, so the even one is not predicted faster; memory
+    # is bounded with the even split itself.
+    assert even.prediction.step_seconds >= balanced.prediction.step_seconds * (1 - 0.03)
+    assert even.prediction.peak_memory_bytes <= even.memory_budget_bytes
+
+
+def test_even_under_interleaving_splits_every_model_chunk_alike():
+    plan = make_plan("llama3-70b", "h100-80gb", **PINS, vpp=4, stage_layers="even")
+    assert plan.virtual_stages == 4 and plan.stage_layers == (20, 20, 20, 20)
+    # 5 layers in each of the 16 model chunks, as Megatron-core splits them (the layout string also
+    # carries the virtual stages)
+    assert layout_flags(plan) == ["--pipeline-model-parallel-layout Et*5|" + "t*5|" * 14 + "t*5L"]
+
+
+def test_a_pinned_layout_is_priced_as_the_planner_prices_that_layout():
+    """Pinning the layout the search chose reproduces its plan; pinning another prices that one with
+    the same per-layer search, and build_plan of the result agrees with its prediction."""
+    problem = make_problem("llama3-70b", "h100-80gb", **PINS)
+    chosen = find_plans(problem)[0]
+    again = make_plan("llama3-70b", "h100-80gb", **PINS, vpp=chosen.virtual_stages,
+                      stage_layers=chosen.stage_layers)
+    assert again.stage_layers == chosen.stage_layers
+    assert again.prediction.step_seconds == pytest.approx(chosen.prediction.step_seconds)
+
+    pinned = make_plan("llama3-70b", "h100-80gb", **PINS, vpp=1, stage_layers="18,21,21,20")
+    assert pinned.stage_layers == (18, 21, 21, 20)
+    rebuilt = Planner(problem.model, problem.cluster, problem.train, problem.pins).build_plan(
+        strategy_of(pinned), pinned.stage_layers, options_of(pinned))
+    assert rebuilt.prediction.step_seconds == pytest.approx(pinned.prediction.step_seconds)
+    assert rebuilt.prediction.peak_memory_bytes == pytest.approx(pinned.prediction.peak_memory_bytes)
+    assert layout_flags(pinned) == ["--decoder-first-pipeline-num-layers 18", "--decoder-last-pipeline-num-layers 20"]
+
+
+def test_an_uneven_pipeline_is_still_searched_without_the_pin():
+    plan = make_plan("llama3-70b", "h100-80gb", nodes=6, global_batch=128, seq_len=8192, tp=8, pp=3,
+                     engine="megatron")
+    assert sum(plan.stage_layers) == 80 and len(set(plan.stage_layers)) == 2
+
+
+def test_the_pin_leaves_the_pipeline_degree_to_the_search_where_it_names_none():
+    plan = make_plan("gpt-tiny", "cpu", nodes=1, gpus_per_node=4, engine="deepspeed", stage_layers="1,3")
+    assert plan.pp == 2 and plan.stage_layers == (1, 3)
+
+
+EIGHT_NODES = ["--nodes", "8", "--tp", "4", "--global-batch", "128"]
+SIX_NODES = ["--nodes", "6", "--tp", "8", "--global-batch", "96"]
+
+
+@pytest.mark.parametrize("argv, said", [
+    ([*EIGHT_NODES, "--stage-layers", "x,2"], "--stage-layers x,2: give 'even' or one whole number of transformer "
+                                              "layers per pipeline stage"),
+    ([*EIGHT_NODES, "--stage-layers", "10,10"], "--stage-layers 10,10 places 20 transformer layers and the model has "
+                                                "80; give counts that add up to 80, or 'even'."),
+    ([*EIGHT_NODES, "--stage-layers", "0,80"], "every pipeline stage needs at least one transformer layer"),
+    ([*EIGHT_NODES, "--pp", "8", "--stage-layers", "20,20,20,20"], "--stage-layers 20,20,20,20 cannot run: it names "
+                                                                   "4 stages and the plan has pp 8"),
+    ([*SIX_NODES, "--pp", "3", "--stage-layers", "even"], "--stage-layers even cannot run: 80 transformer layers do "
+                                                          "not split evenly over pp 3 model chunks"),
+    ([*EIGHT_NODES, "--pp", "4", "--vpp", "3", "--stage-layers", "even"], "80 transformer layers do not split evenly "
+                                                                          "over pp 4 x vpp 3 = 12 model chunks"),
+])
+def test_layouts_that_cannot_run_are_one_sentence_exit_2_and_no_files(tmp_path, capsys, argv, said):
+    code = main(["tune", "--model", "llama3-70b", "--hardware", "h100-80gb", "--seq-len", "4096", "--engine", "megatron",
+                 *argv, "--out", str(tmp_path)])
+    error = capsys.readouterr().err.strip()
+    assert code == 2, error
+    assert len(error.splitlines()) == 1 and said in error
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_pin_reaches_plan_yaml(tmp_path):
+    assert main(["tune", "--model", "gpt-tiny", "--gpus-per-node", "4", "--pp", "2", "--engine", "deepspeed",
+                 "--stage-layers", "3,1", "--out", str(tmp_path)]) == 0
+    assert read_plan(tmp_path / "plan.yaml").stage_layers == (3, 1)
+
+
+def test_api_takes_the_counts_as_a_sequence():
+    with pytest.raises(DsautoError, match="places 5 transformer layers and the model has 4"):
+        make_plan("gpt-tiny", "cpu", gpus_per_node=4, pp=2, stage_layers=(2, 3))
