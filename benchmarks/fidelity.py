@@ -57,11 +57,11 @@ from fit_device import DEVICES, Candidate, Case, Constants, fit, fit_fp8, group_
 from dsauto.cost.strategy import LayerOption, Strategy  # noqa: E402
 from dsauto.engines.rules import VIRTUAL_STAGES  # noqa: E402
 from dsauto.errors import DsautoError  # noqa: E402
-from dsauto.parallel import ParallelDims  # noqa: E402
+from dsauto.parallel import ParallelDims, divisors  # noqa: E402
 from dsauto.plan import AttentionKernel, Plan  # noqa: E402
 from dsauto.refine.space import options_of, strategy_of  # noqa: E402
 from dsauto.search.planner import Planner  # noqa: E402
-from dsauto.search.space import Constraints  # noqa: E402
+from dsauto.search.space import EVEN_STAGES, Constraints  # noqa: E402
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec  # noqa: E402
 from dsauto.spec.hf import model_from_hf_config  # noqa: E402
 from dsauto.spec.loaders import load_hardware  # noqa: E402
@@ -139,7 +139,8 @@ class Source:
     Megatron-core's and NeMo's default, unless the source says otherwise."""
     even_stages: bool = False
     """The runs split the layers evenly over the pipeline's model chunks (Megatron-core's default
-    without a layout flag) where the planner would balance them: priced with that split."""
+    without a layout flag) where the planner would balance them: searched and priced with that split
+    (--stage-layers even, :func:`_even_split`)."""
     fitted: bool = True
     """False: the runs are priced and reported (in-sample and CV) but weigh nothing in the fit,
     because their step time is set by a cost dsauto knows it does not price (WHY says which) and
@@ -308,7 +309,7 @@ class PublishedRun:
     def rebuilt(self) -> bool:
         """Whether the planner's plans are re-priced with ``engine_options`` or ``shard_all``."""
         return (self.source.shard_all or self.recompute_early_stop or self.source.scatter_gather
-                or self.balanced_routing or self.source.even_stages)
+                or self.balanced_routing)
 
     @property
     def generation(self) -> str:
@@ -531,7 +532,8 @@ def configure(record: dict) -> PublishedRun | str:
                        fp8=fp8 or None, fp8_recipe=recipe,
                        fp8_param_gather=True if fp8 and source.key == "mbridge" else None,
                        cp_comm_type=source.cp_comm_type if cp > 1 else None,
-                       expert_a2a_overlap=True if p.get("moe_a2a_overlap") else None)
+                       expert_a2a_overlap=True if p.get("moe_a2a_overlap") else None,
+                       stage_layers=EVEN_STAGES if _even_split(source, model.num_layers, pp, vpp) else None)
     train = TrainSpec(global_batch=p["global_batch"], seq_len=seq, dtype=source.dtype,
                       flash_attention=source.flash_attention)
     published = _published(record, model, source)
@@ -540,6 +542,22 @@ def configure(record: dict) -> PublishedRun | str:
     seconds, figure = published
     return PublishedRun(rid, source, record["hardware"], record["gpus"], model, m.get("name") or rid, train, pins,
                         seconds, figure, tuple(notes), fp32_reduce, early_stop, kernel)
+
+
+def _even_split(source: Source, num_layers: int, pp: int, vpp: int | None) -> bool:
+    """Whether the run split its layers evenly over its model chunks (Source.even_stages): pinned so
+    (--stage-layers even) where they divide over its stages and its published virtual stages (left to
+    the planner: those that divide them), else the planner's layout."""
+    return source.even_stages and pp > 1 and num_layers % (pp * (vpp or 1)) == 0
+
+
+def _even_chunk_counts(stage_layers: int) -> list[int]:
+    """Model chunks per pipeline rank that split ``stage_layers`` layers evenly: 1 and those of
+    VIRTUAL_STAGES that divide them, or where none does the smallest count above 1 that does."""
+    counts = [v for v in (1, *VIRTUAL_STAGES) if stage_layers % v == 0]
+    if len(counts) == 1 and stage_layers > 1:
+        counts.append(divisors(stage_layers)[1])
+    return counts
 
 
 def _node_deduplicated(parallelism: dict, source: Source) -> bool:
@@ -584,16 +602,6 @@ def _strategy(plan: Plan, run: PublishedRun) -> Strategy:
     return dataclasses.replace(strategy_of(plan), **run.engine_options)
 
 
-def _stage_layers(run: PublishedRun, plan: Plan) -> tuple[int, ...]:
-    """The transformer layers of each pipeline rank as the run had them: an even split over the
-    model chunks where its source's engine made one (Source.even_stages; a rank's layers split
-    evenly over its chunks, dsauto.plan.chunk_layers), else the planner's."""
-    chunks = plan.pp * plan.virtual_stages
-    if run.source.even_stages and chunks > 1 and run.model.num_layers % chunks == 0:
-        return (run.model.num_layers // plan.pp,) * plan.pp
-    return tuple(plan.stage_layers)
-
-
 def _options(plan: Plan, shard_all: bool) -> tuple[LayerOption, ...]:
     """The plan's per-layer options, every layer sharded where the source's engine shards them all."""
     return tuple(dataclasses.replace(option, shard_params=option.shard_params or shard_all)
@@ -603,9 +611,15 @@ def _options(plan: Plan, shard_all: bool) -> tuple[LayerOption, ...]:
 def _search(run: PublishedRun, hardware: HardwareSpec, top_k: int, pins: Constraints,
             limit: int) -> tuple[list[Plan], bool]:
     """The planner's best plans for ``pins`` under the memory ``limit`` (0: the device's budget),
-    over the interleaved schedules only where the source ran one without publishing its depth."""
+    over the interleaved schedules only where the source ran one without publishing its depth.
+    Where the run split its layers evenly (--stage-layers even) without publishing its virtual
+    stages, the search's own chunk counts (VIRTUAL_STAGES) are tried where they split a stage's
+    layers evenly, else the smallest count that does: the engine ran one that divides them."""
     choices = [pins]
-    if run.source.interleaved and pins.vpp is None:
+    if pins.vpp is None and pins.stage_layers == EVEN_STAGES:
+        choices = [dataclasses.replace(pins, vpp=v) for v in _even_chunk_counts(run.model.num_layers // pins.pp)
+                   if v > 1 or not run.source.interleaved]
+    elif run.source.interleaved and pins.vpp is None:
         choices = [dataclasses.replace(pins, vpp=v) for v in VIRTUAL_STAGES]
     found = []
     for choice in choices:
@@ -631,7 +645,7 @@ def plans(run: PublishedRun, hardware: HardwareSpec, top_k: int = 1) -> tuple[li
         found, fits = _search(run, hardware, searched, run.pins, GENEROUS_BYTES)
     if run.rebuilt:
         planner = Planner(run.model, _cluster(run, hardware, GENEROUS_BYTES), run.train, run.pins)
-        rebuilt = [planner.build_plan(_strategy(p, run), _stage_layers(run, p), _options(p, run.source.shard_all))
+        rebuilt = [planner.build_plan(_strategy(p, run), p.stage_layers, _options(p, run.source.shard_all))
                    for p in found]
         budget = _cluster(run, hardware).memory_budget_bytes
         fitting = [p for p in rebuilt if p.prediction.peak_memory_bytes <= budget]
@@ -658,7 +672,7 @@ def build_cases(runs: Sequence[PublishedRun], constants: Constants | None = None
         hardware = base_hardware(run.hardware)
         found, _ = plans(run, constants.apply(hardware) if constants else hardware, top_k=64)
         fastest = found[0].prediction.step_seconds
-        candidates = tuple(Candidate(_strategy(p, run), _stage_layers(run, p), _options(p, run.source.shard_all))
+        candidates = tuple(Candidate(_strategy(p, run), p.stage_layers, _options(p, run.source.shard_all))
                            for p in found if p.prediction.step_seconds <= fastest * (1 + keep_within))
         per_node = min(run.gpus, hardware.gpus_per_node)
         weight = 1.0 / per_source[run.source.key] if run.source.fitted else 0.0
