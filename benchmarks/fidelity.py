@@ -1081,8 +1081,8 @@ CHANGES = [
     "flag, and DeepSpeed's partition_method 'type:transformer' split the layers evenly over the pipeline's model "
     "chunks, the last stage also carrying the head; the planner balances stage times instead. The harness then "
     "re-priced the planner's plans with the even split where the layers divide (Source.even_stages: narayanan21, "
-    "korthikanti22, mtnlg, megatron-readme24, dgxc, Megatron-Bridge; now searched with it, see above). The planner's splits of the A100 runs were "
-    "even already; on H100 the refit moved fused_attention_efficiency 0.713 -> 0.738 and comm_overlap_efficiency "
+    "korthikanti22, mtnlg, megatron-readme24, dgxc, Megatron-Bridge; now searched with it, see above). The "
+    "planner's splits of the A100 runs were even already; on H100 the refit moved fused_attention_efficiency 0.713 -> 0.738 and comm_overlap_efficiency "
     "0.775 -> 0.773 (written into the presets), dgxc's CV median 4.4% -> 3.9%, the headline not at all. "
     "Megatron-Bridge's GPT-OSS 120B (out of sample, 201,088-word head on the last of 4 stages): -38.5% -> "
     "-22.1% (-21.0% with the short-group price of device_experts.py).",

@@ -714,8 +714,10 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         # The same stages as one chunk each: v - 1 fewer boundaries to cross per micro-batch.
         saved_p2p = 2 * (v - 1) * p2p
         plain = [t - saved_p2p for t in times]
-        plain_bubble = (interleaved_makespan(plain, m, 1) - m * max(plain)) * cost.calibration.pipeline_bubble
-    bubble = (makespan - compute) * cost.calibration.pipeline_bubble
+        plain_bubble = max(0.0, interleaved_makespan(plain, m, 1) - m * max(plain)) * cost.calibration.pipeline_bubble
+    # The slowest stage runs all m micro-batches, so the makespan is at least m of them; max() drops
+    # the rounding of a schedule whose other stages all fit in its gaps.
+    bubble = max(0.0, makespan - compute) * cost.calibration.pipeline_bubble
     exposed, optimizer = max(tails, key=lambda e: e[0] + e[1])
     step = compute + bubble + exposed + optimizer
     # Per data-parallel replica the stages above run concurrently; scale FLOPs to the cluster.

@@ -255,7 +255,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                 continue
                             for v in chunks:
                                 if virtual_stage_refusal(engine, pp, v, accum, model.num_layers // pp) is None and (
-                                        pins.stage_layers is None or stage_layout_refusal(pinned_layout, model.num_layers, pp, v) is None):
+                                        pins.stage_layers is None
+                                        or stage_layout_refusal(pinned_layout, model.num_layers, pp, v) is None):
                                     out.extend(_host_and_hpz(Strategy(
                                         dims=expert_dims, zero_stage=zero, micro_batch=micro, grad_accum=accum,
                                         sequence_parallel=sp, engine=engine, virtual_stages=v), cluster, pins))

@@ -91,8 +91,8 @@ SIX_NODES = ["--nodes", "6", "--tp", "8", "--global-batch", "96"]
                                                                           "over pp 4 x vpp 3 = 12 model chunks"),
 ])
 def test_layouts_that_cannot_run_are_one_sentence_exit_2_and_no_files(tmp_path, capsys, argv, said):
-    code = main(["tune", "--model", "llama3-70b", "--hardware", "h100-80gb", "--seq-len", "4096", "--engine", "megatron",
-                 *argv, "--out", str(tmp_path)])
+    code = main(["tune", "--model", "llama3-70b", "--hardware", "h100-80gb", "--seq-len", "4096",
+                 "--engine", "megatron", *argv, "--out", str(tmp_path)])
     error = capsys.readouterr().err.strip()
     assert code == 2, error
     assert len(error.splitlines()) == 1 and said in error
@@ -108,3 +108,30 @@ def test_the_pin_reaches_plan_yaml(tmp_path):
 def test_api_takes_the_counts_as_a_sequence():
     with pytest.raises(DsautoError, match="places 5 transformer layers and the model has 4"):
         make_plan("gpt-tiny", "cpu", gpus_per_node=4, pp=2, stage_layers=(2, 3))
+
+
+def fastest(plan) -> float:
+    """The fastest step the search found (the winner may trade a near-tie for memory headroom)."""
+    return plan.ranking.fastest_step_seconds if plan.ranking else plan.prediction.step_seconds
+
+
+@pytest.mark.parametrize("model, pp, vpp", [("gpt-tiny", 2, 1), ("llama3-8b", 2, 2), ("llama3-8b", 4, 1)])
+def test_no_pinned_layout_beats_the_balanced_search(model, pp, vpp):
+    """Layouts pinned one at a time (any first stage, the rest even): none is predicted faster than
+    the fastest plan of the search that balances the stages itself."""
+    hardware, nodes = ("cpu", {"gpus_per_node": 4}) if model == "gpt-tiny" else ("h100-80gb", {"nodes": 2})
+    pins = dict(pp=pp, vpp=vpp, engine="megatron", global_batch=16, micro_batch=1, zero_stage=1, **nodes)
+    balanced = make_plan(model, hardware, **pins)
+    num_layers = balanced.model.num_layers
+    tried = 0
+    for first in range(vpp, num_layers - (pp - 1) * vpp + 1):
+        rest = num_layers - first
+        middle = rest // (pp - 1)
+        if rest % (pp - 1) or middle < vpp or first % vpp or middle % vpp:
+            continue
+        layout = (first, *(middle,) * (pp - 1))
+        pinned = make_plan(model, hardware, **pins, stage_layers=layout)
+        tried += 1
+        assert pinned.stage_layers == layout
+        assert fastest(pinned) >= fastest(balanced) * (1 - 1e-9)
+    assert tried >= 2
