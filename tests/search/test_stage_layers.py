@@ -29,9 +29,9 @@ def test_even_is_megatron_cores_default_split_and_needs_no_layout_flag():
     even = make_plan("llama3-70b", "h100-80gb", **PINS, stage_layers="even")
     assert balanced.stage_layers != (20, 20, 20, 20) and layout_flags(balanced)
     assert even.stage_layers == (20, 20, 20, 20) and not layout_flags(even)
-    # The balanced layout is the search's own optimum, so the even one is not predicted faster; memory
-    # is bounded with the even split itself.
-    assert even.prediction.step_seconds >= balanced.prediction.step_seconds * (1 - 0.03)
+    # The balanced layouts include the even one, so the even split is not predicted faster; memory is
+    # bounded with the even split itself.
+    assert fastest(even) >= fastest(balanced) * (1 - 1e-9)
     assert even.prediction.peak_memory_bytes <= even.memory_budget_bytes
 
 
