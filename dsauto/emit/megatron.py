@@ -155,8 +155,8 @@ def _positions(model: ModelSpec) -> list[str]:
         lines.append(f"--rotary-percent {model.rotary_percent:g}")
     if model.rotary_interleaved:
         lines.append("--rotary-interleaved")  # adjacent pairs rotate (GPT-J's layout)
-    if no_rope_freq(model):
-        lines.append(f"--no-rope-freq {no_rope_freq(model)}")  # every N-th layer without positions
+    if every := no_rope_freq(model):
+        lines.append(f"--no-rope-freq {every}")  # every N-th layer without positions
     scaling, factor = model.rope_scaling, model.rope_scaling_factor
     if scaling == "llama3":
         lines += ["--use-rope-scaling", f"--rope-scaling-factor {factor:g}"]

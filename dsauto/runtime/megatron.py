@@ -479,8 +479,8 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
         kwargs["softmax_scale"] = model.attention_scale_dim ** -0.5
     if model.rotary_interleaved:
         kwargs["rotary_interleaved"] = True
-    if no_rope_freq(model):
-        kwargs["no_rope_freq"] = no_rope_freq(model)  # every N-th layer attends without positions
+    if every := no_rope_freq(model):
+        kwargs["no_rope_freq"] = every  # every N-th layer attends without positions
     if model.sliding_window:
         # Hugging Face's window counts the query's own token; Megatron's (left, right) does not.
         kwargs["window_size"] = (model.sliding_window - 1, 0)

@@ -264,14 +264,6 @@ def _needless_selective(strategy: Strategy, bound: float, fitted: dict[Strategy,
     return strategy.pp == 1 or bound >= twin[0].prediction.step_seconds
 
 
-def _middle_layouts(q_values: Sequence[int], mids: int, pinned: tuple[int, ...] | None) -> list[list[int]]:
-    """The layer counts of the middle pipeline stages to try: those of the pinned layout, or for each
-    q the middle stages of q or q + 1 layers, the extra ones on the last r stages."""
-    if pinned is not None:
-        return [list(pinned[1:-1])]
-    return [[q + (1 if i >= mids - r else 0) for i in range(mids)] for q in q_values for r in range(mids if mids else 1)]
-
-
 def _one_stage_order(picked: Sequence[int]) -> list[int]:
     """A one-stage DP's choices, solved in the order embedding, head, blocks, in flat layer order."""
     return [picked[0], *picked[2:], picked[1]]
@@ -400,22 +392,24 @@ class Planner:
         # A pinned layout (--stage-layers) is the one layout tried.
         mids = p - 2
         pinned = pinned_stage_layers(self.pins, L, p)
-        if pinned is not None:
-            q_values = [min(pinned[1:-1], default=0)]
-        else:
+        if pinned is None:
             q_values = [q for q in range(max(1, L // p - 1), -(-L // p) + 2)
                         if mids * q <= L - 2 * v and q >= v] if mids else [0]
-        if not q_values:
-            return None
-        # The first and last stages share the layers the middle ones leave, at most L - mids * min(q),
-        # and each keeps at least v of them: no layout reads either DP past that less v layers (and
-        # its embedding or head).
-        ends = L - mids * min(q_values) - v + 1
+            if not q_values:
+                return None
+            middles = [[q + (1 if i >= mids - r else 0) for i in range(mids)]
+                       for q in q_values for r in range(mids if mids else 1)]
+            # The first and last stages share the layers the middle ones leave, at most
+            # L - mids * min(q), and each keeps at least v of them: no layout reads either DP past
+            # that less v layers (and its embedding or head).
+            ends, most_mid = L - mids * min(q_values) - v + 1, max(q_values) + 1
+        else:
+            middles = [list(pinned[1:-1])]
+            ends, most_mid = max(pinned[0], pinned[-1]) + 1, max(pinned[1:-1], default=0)
         first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * (L - 1), in_flight(0, p, m, v), priced.reserve(0),
                                ends)
         last = self._stage_dp(priced, [HEAD] + [BLOCK] * (L - 1), in_flight(p - 1, p, m, v), priced.reserve(p - 1),
                               ends)
-        most_mid = max(pinned[1:-1], default=0) if pinned is not None else max(q_values) + 1
         middle = {}
         for i in range(1, p - 1):
             flight = in_flight(i, p, m, v)
@@ -424,7 +418,7 @@ class Planner:
                 middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight, reserve)
         p2p = 2 * v * priced.p2p_seconds
         best, best_layout = math.inf, None
-        for counts in _middle_layouts(q_values, mids, pinned):
+        for counts in middles:
             rest = L - sum(counts)
             if rest < 2 * v:
                 continue
