@@ -121,6 +121,7 @@ def make_problem(
     cp_comm_type: CpCommType | None = None,
     expert_a2a_overlap: bool | None = None,
     stage_layers: str | Sequence[int] | None = None,
+    recompute_num_layers: int | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
 
@@ -189,6 +190,9 @@ def make_problem(
         stage_layers: the transformer layers of each pipeline stage, first stage first (a sequence,
             or the same comma-separated), or ``"even"``: split evenly over the pp x vpp model chunks,
             as Megatron-core does without a layout flag; None: balanced by the search.
+        recompute_num_layers: N checkpoints the first N transformer layers of every pipeline stage (of
+            every model chunk with virtual stages) and no others, Megatron-core's ``--recompute-method
+            block --recompute-num-layers N``; None: chosen per layer by the search.
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -217,7 +221,8 @@ def make_problem(
                        fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
                        expert_a2a_overlap=expert_a2a_overlap,
                        stage_layers=stage_layers if stage_layers is None or isinstance(stage_layers, str)
-                       else ",".join(str(count) for count in stage_layers))
+                       else ",".join(str(count) for count in stage_layers),
+                       recompute_num_layers=recompute_num_layers)
     if fp8_recipe is not None and not fp8:
         raise DsautoError(f"--fp8-recipe {fp8_recipe} sets how FP8 training scales its tensors, and FP8 is off; "
                           f"add --fp8 or leave out --fp8-recipe.")
@@ -320,6 +325,7 @@ def make_plan(
     cp_comm_type: CpCommType | None = None,
     expert_a2a_overlap: bool | None = None,
     stage_layers: str | Sequence[int] | None = None,
+    recompute_num_layers: int | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """The fastest plan that fits: :func:`find_plans` of :func:`make_problem` with these arguments
@@ -337,5 +343,6 @@ def make_plan(
                            tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                            expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe,
                            fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
-                           expert_a2a_overlap=expert_a2a_overlap, stage_layers=stage_layers)
+                           expert_a2a_overlap=expert_a2a_overlap, stage_layers=stage_layers,
+                           recompute_num_layers=recompute_num_layers)
     return find_plans(problem, profile=profile)[0]

@@ -305,8 +305,11 @@ def candidates(planner: Planner, plans: Sequence[Plan],
                prefetch_scales: Sequence[float] = PREFETCH_SCALES,
                memory_slack: float = MEMORY_SLACK) -> list[Candidate]:
     """Every point of the space around ``plans`` that the cost model does not rule out (predicted
-    peak within ``memory_slack`` of the budget), priced by ``planner``; base plans first."""
+    peak within ``memory_slack`` of the budget), priced by ``planner``; base plans first. Checkpointing
+    pinned by ``--checkpoint`` or ``--recompute-num-layers`` is kept as the plans have it."""
     budget = planner.cluster.memory_budget_bytes * (1 + memory_slack)
+    if planner.pins.checkpoint is not None or planner.pins.recompute_num_layers is not None:
+        checkpoint_deltas = [d for d in checkpoint_deltas if d == 0]  # the pins say which layers
     found: list[Candidate] = []
     for plan in plans:
         label, strategy = plan_label(plan), strategy_of(plan)

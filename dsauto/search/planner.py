@@ -44,11 +44,12 @@ from dsauto.cost.zero3 import (
     zero3_moments_apply,
 )
 from dsauto.errors import DsautoError
-from dsauto.plan import LayerChoice, Plan, rank_layers
+from dsauto.plan import LayerChoice, Plan, chunk_layers, rank_layers
 from dsauto.search.dp import solve_prefixes
 from dsauto.search.space import (
     Constraints,
     allowed,
+    block_recompute_flags,
     explain_empty_space,
     layer_options,
     offloaded_variants,
@@ -101,13 +102,22 @@ class _Priced:
         # The step is m * slowest + (sum - slowest) / v >= (m + (p - 1) / v) * mean stage time.
         return (s.grad_accum + (s.pp - 1) / v) * (total / s.pp + p2p) + self.optimizer_seconds / s.pp
 
-    def least_memory(self, num_layers: int) -> float:
-        """A lower bound on the peak memory of the busiest rank, with an even layout."""
+    def least_memory(self, num_layers: int, recompute_num_layers: int | None = None) -> float:
+        """A lower bound on the peak memory of the busiest rank, with an even layout. Under
+        ``--recompute-num-layers N`` at most N layers of each model chunk are checkpointed."""
         s = self.strategy
         flight = in_flight(0, s.pp, s.grad_accum, s.virtual_stages)
-        smallest = np.where(np.isfinite(self.time), self.static + flight * self.activation, np.inf).min(axis=1)
+        kept = np.where(np.isfinite(self.time), self.static + flight * self.activation, np.inf)
+        smallest = kept.min(axis=1)
+        blocks = smallest[BLOCK] * num_layers
+        if recompute_num_layers is not None:
+            checkpointed = np.array([o.checkpoint for o in self.options])
+            with_ = kept[BLOCK][checkpointed].min(initial=np.inf)
+            without = kept[BLOCK][~checkpointed].min(initial=np.inf)
+            most = min(num_layers, recompute_num_layers * s.virtual_stages * s.pp)
+            blocks = most * min(with_, without) + (num_layers - most) * without
         least_transient = np.where(np.isfinite(self.time), self.transient, np.inf).min(axis=1).max()
-        per_stage = (smallest[BLOCK] * num_layers + smallest[EMBEDDING] + smallest[HEAD]) / s.pp
+        per_stage = (blocks + smallest[EMBEDDING] + smallest[HEAD]) / s.pp
         return per_stage + least_transient + self.constant_bytes
 
 
@@ -350,13 +360,22 @@ class Planner:
         return dataclasses.replace(plain, strategy=strategy, options=options, **arrays)
 
     def _stage_dp(self, priced: _Priced, sequence: Sequence[int], flight: int, reserve: float = 0.0,
-                  prefixes: int | None = None):
+                  prefixes: int | None = None, lead: int = 0):
         """Prefix DP over the layer groups in ``sequence`` with ``flight`` micro-batches in flight,
         ``reserve`` bytes of the layer budget kept back; answered for the first ``prefixes`` layers
         only when given. The memory unit is the whole sequence's either way, so each prefix's answer
-        does not depend on ``prefixes``."""
+        does not depend on ``prefixes``. The transformer layers follow the ``lead`` rows of the
+        embedding or head; under ``--recompute-num-layers`` each takes the checkpointing that
+        :meth:`_pinned_recompute` gives its position."""
         rows = np.asarray(sequence, dtype=np.int64)
         time = priced.time[rows]
+        wanted = self._pinned_recompute(len(rows) - lead, priced.strategy.virtual_stages)
+        if wanted is not None:
+            checkpointed = np.array([o.checkpoint for o in priced.options])
+            block_rows = np.arange(len(rows)) >= lead
+            wrong = np.zeros(time.shape, dtype=bool)
+            wrong[block_rows] = checkpointed[None, :] != wanted[:, None]
+            time = np.where(wrong, np.inf, time)
         finite = np.isfinite(time)
         memory = np.where(finite, priced.static[rows] + flight * priced.activation[rows], 0.0)
         transient = np.where(finite, priced.transient[rows], 0.0)
@@ -372,12 +391,46 @@ class Planner:
         n = len(rows) if prefixes is None else prefixes
         return solve_prefixes(time[:n], q_memory[:n], transient[:n] / unit, budgets[: n + 1])
 
+    def _pinned_recompute(self, blocks: int, virtual_stages: int) -> np.ndarray | None:
+        """Under ``--recompute-num-layers N``: whether the j-th transformer layer a pipeline rank's DP
+        adds is checkpointed, for j < ``blocks``; None without the pin. A rank of j layers splits them
+        over its chunks as :func:`dsauto.plan.chunk_layers` does (the earlier chunks taking the
+        remainder), so its (j + 1)-th layer lengthens a chunk of j // v layers, which Megatron's block
+        method checkpoints when that is below N: every prefix of the DP then checkpoints exactly the
+        layers Megatron would on a rank of that many (:meth:`_block_order` puts them in place)."""
+        n = self.pins.recompute_num_layers
+        if n is None:
+            return None
+        return np.arange(max(blocks, 0)) // virtual_stages < n
+
+    def _block_order(self, options: Sequence[LayerOption], stage_layers: Sequence[int],
+                     virtual_stages: int) -> list[LayerOption]:
+        """``options`` (one per flat layer) with each rank's transformer layers reordered so that,
+        under ``--recompute-num-layers N``, its checkpointed ones are the first N of each of its model
+        chunks (the DP checkpoints the right number per rank, by position: :meth:`_pinned_recompute`);
+        unchanged without the pin."""
+        n = self.pins.recompute_num_layers
+        if n is None:
+            return list(options)
+        out, pp, L = list(options), len(stage_layers), self.model.num_layers
+        chunks = chunk_layers(stage_layers, virtual_stages)
+        for rank, held in enumerate(rank_layers(stage_layers, virtual_stages)):
+            blocks = [j for j in held if 1 <= j <= L]
+            flags = block_recompute_flags([chunks[s * pp + rank] for s in range(virtual_stages)], n)
+            picked = {True: [out[j] for j in blocks if out[j].checkpoint],
+                      False: [out[j] for j in blocks if not out[j].checkpoint]}
+            assert [len(picked[True]), len(picked[False])] == [sum(flags), len(flags) - sum(flags)], \
+                "the DP checkpoints as many layers per rank as the block method"
+            for j, flag in zip(blocks, flags):
+                out[j] = picked[flag].pop(0)
+        return out
+
     def _solve(self, priced: _Priced) -> _Solved | None:
         s, L = priced.strategy, self.model.num_layers
         m, p, v = s.grad_accum, s.pp, s.virtual_stages
         if p == 1:
             sequence = [EMBEDDING, HEAD] + [BLOCK] * L
-            solution = self._stage_dp(priced, sequence, in_flight(0, 1, m), priced.reserve(0))
+            solution = self._stage_dp(priced, sequence, in_flight(0, 1, m), priced.reserve(0), lead=2)
             if not np.isfinite(solution.best_time[L + 2]):
                 return None
             picked = solution.choices(L + 2)
@@ -407,9 +460,9 @@ class Planner:
             middles = [list(pinned[1:-1])]
             ends, most_mid = max(pinned[0], pinned[-1]) + 1, max(pinned[1:-1], default=0)
         first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * (L - 1), in_flight(0, p, m, v), priced.reserve(0),
-                               ends)
+                               ends, lead=1)
         last = self._stage_dp(priced, [HEAD] + [BLOCK] * (L - 1), in_flight(p - 1, p, m, v), priced.reserve(p - 1),
-                              ends)
+                              ends, lead=1)
         middle = {}
         for i in range(1, p - 1):
             flight = in_flight(i, p, m, v)
@@ -455,7 +508,7 @@ class Planner:
         for choices, layers in zip(per_rank, rank_layers(stage_layers, v)):
             for choice, layer in zip(choices, layers):
                 flat[layer] = choice
-        return _Solved(s, stage_layers, tuple(priced.options[o] for o in flat))
+        return _Solved(s, stage_layers, tuple(self._block_order([priced.options[o] for o in flat], stage_layers, v)))
 
     def _fit_looser(self, priced: _Priced, solved: _Solved, fits: Plan) -> Plan:
         """``fits``, or a faster plan of the same strategy that fits too.
@@ -592,7 +645,7 @@ class Planner:
 
         def plan_for(embedding: int, head: int, resident: int) -> Plan | None:
             sequence = [embedding, head] + [BLOCK] * resident + [block_sharded] * (L - resident)
-            solution = self._stage_dp(ext, sequence, flight)
+            solution = self._stage_dp(ext, sequence, flight, lead=2)
             if not np.isfinite(solution.best_time[L + 2]):
                 return None
             picked = solution.choices(L + 2)
@@ -706,12 +759,12 @@ class Planner:
         for i, offloaded, bound in self._offloaded(spilled, priced, bounds, bounded_out):
             consider(i, offloaded, bound)
         if not kept:
+            least = min(p.least_memory(L, self.pins.recompute_num_layers) for p in priced if p is not None)
             raise DsautoError(
                 f"{self.model.name} does not fit on {self.cluster.world_size} x "
                 f"{self.cluster.device.name} with {format_bytes(self.cluster.memory_budget_bytes)} per "
-                f"device under any allowed setting: the smallest plan needs about "
-                f"{format_bytes(min(p.least_memory(L) for p in priced if p is not None))} per device; add devices, "
-                f"raise --memory-limit or unpin choices."
+                f"device under any allowed setting: the smallest plan needs about {format_bytes(least)} per "
+                f"device; add devices, raise --memory-limit or unpin choices."
             )
         near = [e for e in near if -e[0] <= best * (1 + within)] if within > 0 else []
         return [plan for _, _, plan in sorted(kept + near, key=lambda e: (-e[0], -e[1]))]

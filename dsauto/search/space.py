@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from dsauto.cost.strategy import LayerOption, Strategy
@@ -194,6 +194,14 @@ class Constraints:
     """The pipeline layout: ``"even"``, or the transformer layers of each pipeline rank, comma-separated
     (:func:`parse_stage_layers`); None lets the search balance the stages."""
 
+    recompute_num_layers: int | None = field(default=None, metadata={
+        "flag": "--recompute-num-layers",
+        "help": "checkpoint the first N transformer layers of every pipeline stage (of every model chunk "
+                "with --vpp) and no others: Megatron-core's --recompute-method block --recompute-num-layers N "
+                "(default: chosen per layer)"})
+    """Megatron's block recomputation: the first N transformer layers of each model chunk checkpointed
+    whole, the rest not (:func:`block_recompute_flags`); None lets the search choose per layer."""
+
     @property
     def fp8_delayed(self) -> bool:
         """FP8 pinned with delayed scaling."""
@@ -212,6 +220,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     each engine runs only what :func:`dsauto.engines.rules.refusal` allows.
     """
     check_search_size(model, cluster, train, pins)  # before building any: huge inputs answer at once
+    if pins.recompute_num_layers is not None and (why := recompute_num_layers_refusal(pins)):
+        raise DsautoError(f"--recompute-num-layers {pins.recompute_num_layers} {why}.")
     out = []
     engines = ENGINES if pins.engine is None else (pins.engine,)
     recompute_sets = {engine: recompute_module_sets(engine, model, train, pins) for engine in engines}
@@ -680,9 +690,41 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
         return (modules,)
     searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention] + (("moe_act",) if model.moe else ())
                      if recompute_module_refusal(m, model.linear_bias, engine, model.moe, pins.fp8_delayed) is None)
-    if pins.checkpoint is True or not searched:
+    if pins.checkpoint is True or pins.recompute_num_layers is not None or not searched:
         return ((),)
     return ((), searched)
+
+
+def recompute_num_layers_refusal(pins: Constraints) -> str | None:
+    """Why ``--recompute-num-layers`` cannot go with the other pins (the rest of a sentence), or None.
+    Megatron-core's block method recomputes whole layers, so it excludes selective recomputation
+    (TransformerConfig: recompute_num_layers must be None under the selective granularity) and the
+    expert all-to-alls' overlap (which asserts recompute_num_layers None); --checkpoint already says
+    which layers to checkpoint."""
+    n = pins.recompute_num_layers
+    if n is None:
+        return None
+    if n < 1:
+        return "needs N >= 1; for no checkpointing use --checkpoint none"
+    if pins.checkpoint is not None:
+        which = "all" if pins.checkpoint else "none"
+        return (f"and --checkpoint {which} both say which transformer layers to checkpoint; keep one of the two "
+                f"(--checkpoint all is N at least the layers of a stage)")
+    if pins.recompute_modules is not None and parse_recompute_modules(pins.recompute_modules):
+        return (f"checkpoints whole layers and --recompute-modules {pins.recompute_modules} recomputes parts of "
+                f"every layer; Megatron-core runs one of the two, so drop one")
+    if pins.expert_a2a_overlap:
+        return ("recomputes whole layers, which Megatron-core refuses beside the expert all-to-alls' overlap "
+                "(--moe-a2a-overlap); drop one of the two")
+    return None
+
+
+def block_recompute_flags(chunk_sizes: Sequence[int], n: int) -> list[bool]:
+    """Whether each transformer layer of a pipeline rank, in order, is checkpointed under Megatron's
+    block recomputation of ``n`` layers: the first ``n`` of each of its model chunks
+    (``chunk_sizes``, in order; megatron/core/recompute.py, the 'block' method, run per
+    TransformerBlock, i.e. per chunk)."""
+    return [i < n for size in chunk_sizes for i in range(size)]
 
 
 def allowed(kind: str, option: LayerOption, pins: Constraints, recompute: tuple[str, ...] = ()) -> bool:
