@@ -98,6 +98,17 @@ def chunk_layers(stage_layers: Sequence[int], virtual_stages: int = 1) -> list[i
     return out
 
 
+def block_recompute_set(stage_layers: Sequence[int], virtual_stages: int, n: int) -> frozenset[int]:
+    """The transformer layers (flat numbering, 1..L) that Megatron's block recomputation of ``n``
+    layers checkpoints: the first ``n`` of every model chunk (megatron/core/recompute.py, the 'block'
+    method, run by each TransformerBlock, i.e. each chunk; chunks as :func:`chunk_layers`)."""
+    out, start = set(), 1
+    for count in chunk_layers(stage_layers, virtual_stages):
+        out.update(range(start, start + min(n, count)))
+        start += count
+    return frozenset(out)
+
+
 def rank_layers(stage_layers: Sequence[int], virtual_stages: int = 1) -> list[list[int]]:
     """The flat layers each pipeline rank holds, in order: the layers of its chunks (chunks hold
     consecutive layers, in chunk order), the embedding on rank 0 and the head on the last rank.

@@ -26,7 +26,7 @@ from dsauto.cost.calibration import Calibration
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.engines.megatron import block_recompute_layers
 from dsauto.errors import DsautoError
-from dsauto.plan import Plan
+from dsauto.plan import Plan, block_recompute_set
 from dsauto.search.planner import Planner
 
 CHECKPOINT_DELTAS = (-1, 0, 1)
@@ -294,7 +294,7 @@ def _megatron_checkpoint_delta(plan: Plan, delta: int) -> tuple[LayerOption, ...
     longest = max(len(layers) for layers in chunks)
     if n < 0 or n > longest:
         return None
-    recomputed = {layer for layers in chunks for layer in list(layers)[:n]}
+    recomputed = block_recompute_set(plan.stage_layers, plan.virtual_stages, n)
     return tuple(dataclasses.replace(option, checkpoint=j in recomputed)
                  for j, option in enumerate(options_of(plan)))
 

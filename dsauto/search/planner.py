@@ -44,12 +44,11 @@ from dsauto.cost.zero3 import (
     zero3_moments_apply,
 )
 from dsauto.errors import DsautoError
-from dsauto.plan import LayerChoice, Plan, chunk_layers, rank_layers
+from dsauto.plan import LayerChoice, Plan, block_recompute_set, rank_layers
 from dsauto.search.dp import solve_prefixes
 from dsauto.search.space import (
     Constraints,
     allowed,
-    block_recompute_flags,
     explain_empty_space,
     layer_options,
     offloaded_variants,
@@ -412,17 +411,15 @@ class Planner:
         n = self.pins.recompute_num_layers
         if n is None:
             return list(options)
-        out, pp, L = list(options), len(stage_layers), self.model.num_layers
-        chunks = chunk_layers(stage_layers, virtual_stages)
-        for rank, held in enumerate(rank_layers(stage_layers, virtual_stages)):
+        out, L = list(options), self.model.num_layers
+        wanted = block_recompute_set(stage_layers, virtual_stages, n)
+        for held in rank_layers(stage_layers, virtual_stages):
             blocks = [j for j in held if 1 <= j <= L]
-            flags = block_recompute_flags([chunks[s * pp + rank] for s in range(virtual_stages)], n)
-            picked = {True: [out[j] for j in blocks if out[j].checkpoint],
-                      False: [out[j] for j in blocks if not out[j].checkpoint]}
-            assert [len(picked[True]), len(picked[False])] == [sum(flags), len(flags) - sum(flags)], \
+            picked = {flag: [out[j] for j in blocks if out[j].checkpoint == flag] for flag in (True, False)}
+            assert len(picked[True]) == sum(j in wanted for j in blocks), \
                 "the DP checkpoints as many layers per rank as the block method"
-            for j, flag in zip(blocks, flags):
-                out[j] = picked[flag].pop(0)
+            for j in blocks:
+                out[j] = picked[j in wanted].pop(0)
         return out
 
     def _solve(self, priced: _Priced) -> _Solved | None:

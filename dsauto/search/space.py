@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from dsauto.cost.strategy import LayerOption, Strategy
@@ -200,7 +200,7 @@ class Constraints:
                 "with --vpp) and no others: Megatron-core's --recompute-method block --recompute-num-layers N "
                 "(default: chosen per layer)"})
     """Megatron's block recomputation: the first N transformer layers of each model chunk checkpointed
-    whole, the rest not (:func:`block_recompute_flags`); None lets the search choose per layer."""
+    whole, the rest not (:func:`dsauto.plan.block_recompute_set`); None lets the search choose per layer."""
 
     @property
     def fp8_delayed(self) -> bool:
@@ -717,14 +717,6 @@ def recompute_num_layers_refusal(pins: Constraints) -> str | None:
         return ("recomputes whole layers, which Megatron-core refuses beside the expert all-to-alls' overlap "
                 "(--moe-a2a-overlap); drop one of the two")
     return None
-
-
-def block_recompute_flags(chunk_sizes: Sequence[int], n: int) -> list[bool]:
-    """Whether each transformer layer of a pipeline rank, in order, is checkpointed under Megatron's
-    block recomputation of ``n`` layers: the first ``n`` of each of its model chunks
-    (``chunk_sizes``, in order; megatron/core/recompute.py, the 'block' method, run per
-    TransformerBlock, i.e. per chunk)."""
-    return [i < n for size in chunk_sizes for i in range(size)]
 
 
 def allowed(kind: str, option: LayerOption, pins: Constraints, recompute: tuple[str, ...] = ()) -> bool:
