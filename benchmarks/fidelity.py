@@ -130,8 +130,8 @@ class Source:
     """The source's stack checkpoints with PyTorch's non-reentrant checkpoint, early stop included
     (PyTorch 2.1 on): see :func:`_engine_options` for which of its runs."""
     balanced_routing: bool = False
-    """The source's MoE benchmarks route every token as if the experts were balanced
-    (Strategy.expert_load_balanced)."""
+    """The source's MoE benchmarks force the routing to balance: pinned as --moe-router-force-load-balancing
+    (Constraints.expert_load_balanced)."""
     expert_dispatcher: str = "alltoall"
     """The MoE token dispatcher the source's runs used (Strategy.expert_dispatcher)."""
     cp_comm_type: str = "p2p"
@@ -299,17 +299,12 @@ class PublishedRun:
         return dict(grad_reduce_in_fp32=self.grad_reduce_in_fp32, recompute_early_stop=self.recompute_early_stop,
                     pipeline_scatter_gather=self.source.scatter_gather,
                     tp_comm_overlap=self.source.tp_comm_overlap and self.pins.tp_comm_overlap is not False,
-                    attention_kernel=self.attention_kernel, expert_load_balanced=self.balanced_routing)
-
-    @property
-    def balanced_routing(self) -> bool:
-        return self.source.balanced_routing and self.model.moe
+                    attention_kernel=self.attention_kernel)
 
     @property
     def rebuilt(self) -> bool:
         """Whether the planner's plans are re-priced with ``engine_options`` or ``shard_all``."""
-        return (self.source.shard_all or self.recompute_early_stop or self.source.scatter_gather
-                or self.balanced_routing)
+        return self.source.shard_all or self.recompute_early_stop or self.source.scatter_gather
 
     @property
     def generation(self) -> str:
@@ -529,6 +524,7 @@ def configure(record: dict) -> PublishedRun | str:
                        tp_comm_overlap=False if p.get("tp_comm_overlap") is False else source.tp_comm_overlap or None,
                        grad_reduce_in_fp32=None if fp32_reduce else False,
                        expert_dispatcher="deepep" if model.moe and _node_deduplicated(p, source) else None,
+                       expert_load_balanced=True if source.balanced_routing and model.moe else None,
                        fp8=fp8 or None, fp8_recipe=recipe,
                        fp8_param_gather=True if fp8 and source.key == "mbridge" else None,
                        cp_comm_type=source.cp_comm_type if cp > 1 else None,
@@ -905,9 +901,11 @@ MOE_WHY = (
     "dispatch priced as DeepEP's; the 26.02 row (pp 2 x vp 12, DeepEP, 5,113) is as slow as 25.11's "
     "and as unexplained. Megatron-Bridge's Qwen3-235B-A22B (256 GPUs, ep 32 over 8 nodes) spends 17 s "
     "of a 31 s step in expert all-to-alls when they are exposed (+50%); with the overlap its recipe "
-    "sets and without --tp-comm-overlap (its H100 recipe turns it off at tp 2), +13..+20% over five "
-    "containers, the later ones up to 6% faster at the same configuration (1,611-1,712 tokens/s per "
-    "GPU). AutoModel's Kimi K2 (256 GPUs, pp 8 "
+    "sets and without --tp-comm-overlap (its H100 recipe turns it off at tp 2), +4..+10% over five "
+    "containers (+12..+19% while the forced balance was priced after the search: the memory bound then saw "
+    "1.1x the mean of dispatched tokens and ruled out the layout that gives the last stage, which holds the "
+    "151,936-word head, 11 layers), the later ones up to 6% faster at the same configuration (1,611-1,712 "
+    "tokens/s per GPU). AutoModel's Kimi K2 (256 GPUs, pp 8 "
     "x vp 4, ep 32, DeepSeek-V3's architecture with 384 experts), priced now that its config is shipped "
     "(benchmarks/hf_configs/kimi-k2.json), comes out 20% fast where its DeepSeek-V3 rows come out 14-26% "
     "slow under the same mapping (ZeRO 1, DeepEP's dispatch exposed, over the memory budget): that "
@@ -986,6 +984,14 @@ WHY = {
 """Why the runs of a source are off, where some are off by more than 15% (cross-validated)."""
 
 CHANGES = [
+    "Forced-balance routing pinned, not re-priced: the MoE runs whose benchmarks forced the routers to balance "
+    "(Megatron-Bridge's tables, AutoModel's 'fake balanced gate') are searched with "
+    "--moe-router-force-load-balancing (Constraints.expert_load_balanced, now a CLI option), so the memory bound "
+    "and the layout search see the mean load, where the harness used to re-price the planner's plans with it "
+    "after a search that bounded memory with 1.1x the mean. Megatron-Bridge's Qwen3-235B-A22B: +12..+19% -> "
+    "+4..+10% (the layout 11, 12 x 6, 11 fits now; the search had kept 11, 11, 12 x 6, whose last stage holds 12 "
+    "layers and the head); AutoModel's GPT-OSS rows recompute fewer layers (-6.4% -> -7.4%, -14.9% -> -16.1%); "
+    "moe_median_error 18.0% -> 17.5%; no dense run moved.",
     "Even pipeline splits searched, not re-priced: the runs whose engine split the layers evenly over the model "
     "chunks (Source.even_stages) are searched with --stage-layers even (Constraints.stage_layers; the planner's "
     "_solve prices that layout alone, so the memory bound, the per-layer choices and the ranking see it), where "

@@ -115,6 +115,7 @@ def make_problem(
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
+    expert_load_balanced: bool | None = None,
     fp8: bool | None = None,
     fp8_recipe: Fp8Recipe | None = None,
     fp8_param_gather: bool | None = None,
@@ -174,6 +175,9 @@ def make_problem(
             ``--grad-reduce-in-bf16``, bf16 plans only; default: fp32).
         expert_dispatcher: ``deepep`` dispatches a mixture of experts' tokens with DeepEP
             (Megatron-core's flex dispatcher; DeepEP installed apart); None: ``alltoall``.
+        expert_load_balanced: True prices a mixture of experts' routing forced to balance
+            (Megatron-core's ``--moe-router-force-load-balancing``, a benchmarking option that changes
+            what the model learns); None: off, the busiest expert-parallel rank carrying 1.1x the mean.
         fp8: True trains the transformer layers' linear layers in FP8 (Megatron-core's
             ``--fp8-format hybrid`` through Transformer Engine; bf16 or fp16 Megatron-core plans on
             devices with an ``fp8`` peak, H100 and H200); None: off.
@@ -217,8 +221,8 @@ def make_problem(
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,
                        recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                        tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                       expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe,
-                       fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
+                       expert_dispatcher=expert_dispatcher, expert_load_balanced=expert_load_balanced, fp8=fp8,
+                       fp8_recipe=fp8_recipe, fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
                        expert_a2a_overlap=expert_a2a_overlap,
                        stage_layers=stage_layers if stage_layers is None or isinstance(stage_layers, str)
                        else ",".join(str(count) for count in stage_layers),
@@ -319,6 +323,7 @@ def make_plan(
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
+    expert_load_balanced: bool | None = None,
     fp8: bool | None = None,
     fp8_recipe: Fp8Recipe | None = None,
     fp8_param_gather: bool | None = None,
@@ -341,7 +346,8 @@ def make_plan(
                            dist_opt_instances=dist_opt_instances,
                            recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                            tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                           expert_dispatcher=expert_dispatcher, fp8=fp8, fp8_recipe=fp8_recipe,
+                           expert_dispatcher=expert_dispatcher,
+                           expert_load_balanced=expert_load_balanced, fp8=fp8, fp8_recipe=fp8_recipe,
                            fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
                            expert_a2a_overlap=expert_a2a_overlap, stage_layers=stage_layers,
                            recompute_num_layers=recompute_num_layers)

@@ -86,7 +86,8 @@ def describe_plan(plan: Plan) -> str:
         dims = plan.dims
         lines.append(f"  experts     {plan.model.num_experts} per MoE layer, top-{plan.model.moe_top_k}: ep {dims.ep} x "
                      f"etp {dims.etp} over the {dims.stage_ranks} ranks of a stage, expert data parallel "
-                     f"{dims.expert_dp}; {'DeepEP dispatch' if plan.expert_dispatcher == 'deepep' else 'all-to-all'} "
+                     f"{dims.expert_dp}{', routing forced to balance' if plan.expert_load_balanced else ''}; "
+                     f"{'DeepEP dispatch' if plan.expert_dispatcher == 'deepep' else 'all-to-all'} "
                      f"{format_seconds(pred.expert_all_to_all_seconds)} per step ("
                      f"{'beside another micro-batch, overlapped' if plan.expert_a2a_overlap else 'in compute'})")
     if plan.measured is not None:

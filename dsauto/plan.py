@@ -395,6 +395,10 @@ class Plan:
     """Megatron-core's ``--overlap-moe-expert-parallel-comm``: the expert all-to-alls of one
     micro-batch overlap another's compute; only in a 16-bit Megatron-core plan of a mixture of
     experts with ep > 1, the interleaved schedule when pp > 1 and no checkpointed layer."""
+    expert_load_balanced: bool = False
+    """Megatron-core's ``--moe-router-force-load-balancing``: the routers spread the tokens evenly over
+    the experts (a benchmarking option, only when pinned); only in a Megatron-core plan of a mixture of
+    experts."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -435,6 +439,9 @@ class Plan:
         if self.expert_dispatcher not in EXPERT_DISPATCHERS:
             raise ValueError(f"expert_dispatcher must be one of {', '.join(EXPERT_DISPATCHERS)}, "
                              f"got {self.expert_dispatcher!r}")
+        if self.expert_load_balanced and (self.engine != "megatron" or not self.model.moe):
+            raise ValueError(f"expert_load_balanced needs a Megatron-core plan (not {self.engine}) of a mixture of "
+                             f"experts ({self.model.name} has {self.model.num_experts} experts)")
         if self.expert_dispatcher == "deepep" and (self.engine != "megatron" or not self.model.moe):
             raise ValueError(f"expert_dispatcher deepep needs a Megatron-core plan (not {self.engine}) of a "
                              f"mixture of experts ({self.model.name} has {self.model.num_experts} experts)")

@@ -3,6 +3,7 @@ budget, and prints the expert degrees and the all-to-all time per step."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from pathlib import Path
@@ -101,4 +102,51 @@ def test_deepep_where_it_cannot_run_is_one_sentence(model, extra, message, tmp_p
         code = main(["tune", "--model", model, "--moe-dispatcher", "deepep", *extra, "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "--moe-dispatcher deepep" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_routing_forced_to_balance_is_priced_emitted_and_applied(tmp_path, capsys):
+    """--moe-router-force-load-balancing (NVIDIA's MoE performance tables set it): the busiest
+    expert-parallel rank carries the mean load instead of 1.1x it, so the experts' GEMMs and
+    all-to-alls of the same configuration are priced shorter; the flag is emitted and the plugin
+    sets it. Never chosen unless pinned."""
+    base = ["tune", "--model", str(CONFIGS / "qwen3-30b-a3b.json"), "--hardware", "h100-80gb", "--nodes", "2",
+            "--gpus-per-node", "8", "--global-batch", "256", "--seq-len", "4096", "--zero-stage", "1",
+            "--ep", "8", "--pp", "1", "--micro-batch", "1", "--checkpoint", "none", "--engine", "megatron"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main([*base, "--out", str(tmp_path / "own")]) == 0
+        assert main([*base, "--moe-router-force-load-balancing", "--out", str(tmp_path / "even")]) == 0
+    assert "routing forced to balance" in capsys.readouterr().out
+    own, even = read_plan(tmp_path / "own" / "plan.yaml"), read_plan(tmp_path / "even" / "plan.yaml")
+    assert (own.expert_load_balanced, even.expert_load_balanced) == (False, True)
+    assert (own.dims, own.micro_batch) == (even.dims, even.micro_batch)
+    # the dispatch is the busiest rank's: its bytes 1.1x the mean without the pin (EXPERT_LOAD_IMBALANCE),
+    # its latency the same
+    a2a_own, a2a_even = own.prediction.expert_all_to_all_seconds, even.prediction.expert_all_to_all_seconds
+    assert a2a_even < a2a_own < 1.1 * a2a_even
+    assert even.prediction.step_seconds < own.prediction.step_seconds
+    assert "--moe-router-force-load-balancing" in (tmp_path / "even" / "megatron_args.txt").read_text()
+    assert "--moe-router-force-load-balancing" not in (tmp_path / "own" / "megatron_args.txt").read_text()
+    from megatron.core.transformer import TransformerConfig
+
+    import dsauto.runtime.megatron as dm
+
+    config = TransformerConfig(**dm.transformer_config_kwargs(even.model), use_cpu_initialization=True)
+    assert dm.apply(even, config).moe_router_force_load_balancing
+    with pytest.raises(ValueError, match="expert_load_balanced needs"):
+        dataclasses.replace(even, engine="deepspeed", attention_kernel="flash")
+
+
+@pytest.mark.parametrize("model, extra, message", [
+    ("gpt-tiny", [], "the model has no experts"),
+    (str(CONFIGS / "mixtral-8x7b.json"), ["--engine", "deepspeed"], "plan with --engine megatron"),
+])
+def test_forced_balance_where_it_cannot_run_is_one_sentence(model, extra, message, tmp_path, capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main(["tune", "--model", model, "--moe-router-force-load-balancing", *extra,
+                     "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "--moe-router-force-load-balancing" in err and err.count("\n") == 1
     assert not (tmp_path / "x").exists()

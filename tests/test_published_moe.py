@@ -49,7 +49,7 @@ def test_the_fidelity_harness_prices_each_moe_run_as_it_ran():
     assert bridge.model.num_layers == 36 and bridge.model.num_experts == 128
     assert (bridge.pins.ep, bridge.pins.pp, bridge.pins.zero_stage, bridge.pins.micro_batch) == (8, 4, 1, 1)
     assert bridge.pins.recompute_modules == "layernorm,moe_act"
-    assert bridge.engine_options["expert_load_balanced"] and not bridge.grad_reduce_in_fp32
+    assert bridge.pins.expert_load_balanced and not bridge.grad_reduce_in_fp32  # pinned: the search bounds memory so
     # its sinks run in cuDNN's fused attention (TE turns FlashAttention off for them); AutoModel's in FlexAttention
     assert bridge.attention_kernel == "cudnn" and moe["automodel-moe-gpt-oss-120b-64gpu"].attention_kernel == "flash"
     deepseek = moe["automodel-moe-deepseek-v3-256gpu"]

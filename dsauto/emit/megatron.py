@@ -110,6 +110,8 @@ def _model_shape(plan: Plan) -> list[str]:
     lines += _norms(model)
     lines += _mlp(model)
     lines += _experts(model, plan.expert_dispatcher)
+    if plan.expert_load_balanced:
+        lines.append("--moe-router-force-load-balancing")  # a benchmarking option, emitted only when pinned
     if not model.tied_embeddings:
         lines.append("--untie-embeddings-and-output-weights")
     if not model.dropout:

@@ -411,6 +411,18 @@ def expert_dispatcher_refusal(engine: Engine, moe: bool) -> str | None:
     return None
 
 
+def force_load_balancing_refusal(engine: Engine, moe: bool) -> str | None:
+    """Why routing cannot be forced to balance, or None: Megatron-core's
+    ``--moe-router-force-load-balancing`` (TransformerConfig.moe_router_force_load_balancing; its
+    router then spreads the tokens evenly over the experts: megatron/core/transformer/moe/router.py),
+    for the routers of a mixture of experts; DeepSpeed-MoE has no such option."""
+    if not moe:
+        return "forcing the routing to balance applies to a mixture of experts, and the model has no experts"
+    if engine != "megatron":
+        return "forced load balancing is Megatron-core's router option; plan with --engine megatron"
+    return None
+
+
 def grad_reduce_refusal(engine: Engine, dtype: Dtype) -> str | None:
     """Why gradients cannot be kept and reduced in bf16 (Megatron-LM's ``--grad-reduce-in-bf16``,
     DistributedDataParallelConfig.grad_reduce_in_fp32 False), or None: Megatron-core only, and only

@@ -137,7 +137,8 @@ def strategy_of(plan: Plan) -> Strategy:
                     attention_kernel=plan.attention_kernel, tp_comm_overlap=plan.tp_comm_overlap,
                     grad_reduce_in_fp32=plan.grad_reduce_in_fp32, expert_dispatcher=plan.expert_dispatcher,
                     fp8=plan.fp8, fp8_recipe=plan.fp8_recipe, fp8_param_gather=plan.fp8_param_gather,
-                    cp_comm_type=plan.cp_comm_type, expert_a2a_overlap=plan.expert_a2a_overlap)
+                    cp_comm_type=plan.cp_comm_type, expert_a2a_overlap=plan.expert_a2a_overlap,
+                    expert_load_balanced=plan.expert_load_balanced)
 
 
 def options_of(plan: Plan) -> tuple[LayerOption, ...]:

@@ -238,6 +238,12 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
         _report("The config dispatches the experts' tokens with the flex dispatcher and the plan was priced "
                 "with alltoall's; dsauto keeps the config's (re-plan with --moe-dispatcher deepep to price "
                 "DeepEP's).")
+    if plan.expert_load_balanced:
+        fields["moe_router_force_load_balancing"] = True
+    elif plan.model.moe and config.moe_router_force_load_balancing:
+        _report("The config forces the routing to balance (moe_router_force_load_balancing) and the plan was "
+                "priced with the router's own balance; dsauto keeps it on, so the step may be faster than "
+                "predicted (re-plan with --moe-router-force-load-balancing to price it).")
     if plan.cp > 1:
         # Transformer Engine's context parallelism (its attention only); None is its ring, p2p.
         if config.cp_comm_type not in (None, plan.cp_comm_type):

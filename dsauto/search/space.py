@@ -16,6 +16,7 @@ from dsauto.engines.rules import (
     default_attention_kernel,
     expert_a2a_overlap_refusal,
     expert_dispatcher_refusal,
+    force_load_balancing_refusal,
     grad_reduce_refusal,
     expert_parallel_refusal,
     dist_opt_instances_refusal,
@@ -150,6 +151,14 @@ class Constraints:
                 "DeepSeek's DeepEP kernels, installed apart: across nodes a token crosses the network once "
                 "per node holding its experts) (Megatron-core plans of mixtures of experts; default: alltoall)"})
     """The MoE token dispatcher (:data:`dsauto.plan.ExpertDispatcher`); None: ``alltoall``."""
+    expert_load_balanced: bool | None = field(default=None, metadata={
+        "flag": "--moe-router-force-load-balancing", "const": True,
+        "help": "price the routing forced to balance, so the busiest expert-parallel rank carries the mean load "
+                "(Megatron-core's --moe-router-force-load-balancing, a benchmarking option that changes what the "
+                "model learns; NVIDIA's MoE performance tables set it) (Megatron-core plans of mixtures of "
+                "experts; default: off, the busiest rank carrying 1.1x the mean)"})
+    """True: routing forced to balance (:attr:`dsauto.cost.strategy.Strategy.expert_load_balanced`); None:
+    the router's own balance (never chosen by the search: it changes what the model learns)."""
     fp8: bool | None = field(default=None, metadata={
         "flag": "--fp8", "const": True,
         "help": "train the transformer layers' linear layers in FP8 (Megatron-core's --fp8-format hybrid "
@@ -279,6 +288,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     out = [dataclasses.replace(s, recompute_modules=modules, attention_kernel=kernels[s.engine],
                                tp_comm_overlap=bool(pins.tp_comm_overlap),
                                expert_dispatcher=pins.expert_dispatcher or "alltoall",
+                               expert_load_balanced=bool(pins.expert_load_balanced),
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
                                fp8=bool(pins.fp8), fp8_recipe=pins.fp8_recipe or "delayed",
                                fp8_param_gather=bool(pins.fp8 and pins.fp8_param_gather), cp_comm_type=exchange,
@@ -321,7 +331,8 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
                            model: ModelSpec) -> dict[str, tuple[str, str]]:
     """Flag -> (why ``engine`` cannot run it, what to do) of each pinned engine option it refuses: the
     attention kernel (:func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``,
-    ``--grad-reduce-in-bf16``, ``--moe-dispatcher deepep``, ``--fp8`` and ``--cp-comm-type``
+    ``--grad-reduce-in-bf16``, ``--moe-dispatcher deepep``, ``--moe-router-force-load-balancing``, ``--fp8``
+    and ``--cp-comm-type``
     (Megatron-core's). The search drops the
     engine's strategies when any is refused."""
     out = {}
@@ -334,6 +345,8 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--grad-reduce-in-bf16"] = why, "leave it out"
     if pins.expert_dispatcher == "deepep" and (why := expert_dispatcher_refusal(engine, model.moe)):
         out["--moe-dispatcher deepep"] = why, "leave it out"
+    if pins.expert_load_balanced and (why := force_load_balancing_refusal(engine, model.moe)):
+        out["--moe-router-force-load-balancing"] = why, "leave it out"
     if pins.fp8 and (why := fp8_refusal(engine, train.dtype, model)):
         out["--fp8"] = why, "leave it out"
     if pins.expert_a2a_overlap and (why := expert_a2a_overlap_refusal(engine, model.moe, train.dtype, pins.checkpoint)):
