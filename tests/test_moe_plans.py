@@ -92,16 +92,17 @@ def test_a_pinned_deepep_dispatch_is_priced_emitted_and_applied(tmp_path, capsys
     assert (applied.moe_token_dispatcher_type, applied.moe_flex_dispatcher_backend) == ("flex", "deepep")
 
 
+@pytest.mark.parametrize("flag", [["--moe-dispatcher", "deepep"], ["--moe-router-force-load-balancing"]])
 @pytest.mark.parametrize("model, extra, message", [
     ("gpt-tiny", [], "the model has no experts"),
     (str(CONFIGS / "mixtral-8x7b.json"), ["--engine", "deepspeed"], "plan with --engine megatron"),
 ])
-def test_deepep_where_it_cannot_run_is_one_sentence(model, extra, message, tmp_path, capsys):
+def test_expert_options_where_they_cannot_run_are_one_sentence(flag, model, extra, message, tmp_path, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        code = main(["tune", "--model", model, "--moe-dispatcher", "deepep", *extra, "--out", str(tmp_path / "x")])
+        code = main(["tune", "--model", model, *flag, *extra, "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err
-    assert code == 2 and message in err and "--moe-dispatcher deepep" in err
+    assert code == 2 and message in err and " ".join(flag) in err and err.count("\n") == 1
     assert not (tmp_path / "x").exists()
 
 
@@ -136,17 +137,3 @@ def test_routing_forced_to_balance_is_priced_emitted_and_applied(tmp_path, capsy
     assert dm.apply(even, config).moe_router_force_load_balancing
     with pytest.raises(ValueError, match="expert_load_balanced needs"):
         dataclasses.replace(even, engine="deepspeed", attention_kernel="flash")
-
-
-@pytest.mark.parametrize("model, extra, message", [
-    ("gpt-tiny", [], "the model has no experts"),
-    (str(CONFIGS / "mixtral-8x7b.json"), ["--engine", "deepspeed"], "plan with --engine megatron"),
-])
-def test_forced_balance_where_it_cannot_run_is_one_sentence(model, extra, message, tmp_path, capsys):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        code = main(["tune", "--model", model, "--moe-router-force-load-balancing", *extra,
-                     "--out", str(tmp_path / "x")])
-    err = capsys.readouterr().err
-    assert code == 2 and message in err and "--moe-router-force-load-balancing" in err and err.count("\n") == 1
-    assert not (tmp_path / "x").exists()
