@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsauto.errors import DsautoError
+from dsauto.errors import DsautoError, DsautoWarning
 
 if TYPE_CHECKING:
     from dsauto.api import Problem
@@ -599,15 +599,21 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _check_config_keys(path: Path, plan: Any) -> None:
-    """Refuses a ``ds_config.json`` whose DeepSpeed keys contradict its own dsauto block."""
-    from dsauto.engines.deepspeed import config_contradictions
+    """Refuses a ``ds_config.json`` whose DeepSpeed keys contradict its own dsauto block, and warns of
+    the settings its prediction does not price."""
+    from dsauto.engines.deepspeed import config_contradictions, unpriced_config_settings
     from dsauto.plan_io import PLAN_KEY
     from dsauto.serde import read_data
 
-    problems = config_contradictions(read_data(path, str(path)), plan)
+    config = read_data(path, str(path))
+    problems = config_contradictions(config, plan)
     if problems:
         raise DsautoError(f"{path} contradicts its own {PLAN_KEY!r} block: {'; '.join(problems)}; write it "
                           f"again with dsauto, or restore the values it wrote.")
+    unpriced = unpriced_config_settings(config, plan) if isinstance(config, dict) else []
+    if unpriced:
+        warnings.warn(f"{path}: its {'; '.join(unpriced)}: the step will differ from the plan's prediction; "
+                      f"restore the values dsauto wrote to train as predicted.", DsautoWarning, stacklevel=2)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

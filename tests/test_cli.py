@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from dsauto.cli import add_field_options, build_parser, field_values, main, problem_from_args
+from dsauto.errors import DsautoWarning
 from dsauto.plan_io import read_plan
 from dsauto.search.space import Constraints
 from dsauto.spec.training import TrainSpec
@@ -63,7 +64,19 @@ def test_explain_and_validate(tmp_path, capsys):
     assert code == 0 and "dsauto plan: gpt-tiny" in out
     code, out, err = run(capsys, "validate", str(out_dir / "ds_config.json"))
     assert code == 0, err
-    assert "DeepSpeed accepts" in out
+    assert "DeepSpeed accepts" in out and "warning" not in err
+
+
+def test_validate_warns_of_settings_the_plan_does_not_price(tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    assert run(capsys, "tune", "--zero-stage", "1", "--engine", "deepspeed", "--out", str(out_dir))[0] == 0
+    path = out_dir / "ds_config.json"
+    config = json.loads(path.read_text())
+    config["zero_optimization"]["overlap_comm"] = False
+    path.write_text(json.dumps(config))
+    with pytest.warns(DsautoWarning, match="zero_optimization.overlap_comm is false.*restore the values dsauto wrote"):
+        code, out, _ = run(capsys, "validate", str(path))
+    assert code == 0 and "DeepSpeed accepts" in out
 
 
 def bad_model_yaml(tmp_path):

@@ -90,6 +90,43 @@ def config_contradictions(config: Mapping[str, Any], plan: Plan, batch: bool = T
     return found
 
 
+QUANTIZED_KEYS = (
+    ("zero_quantized_weights", "quantizes ZeRO-3's parameter all-gathers to int8 (ZeRO++'s qwZ)"),
+    ("zero_quantized_nontrainable_weights", "keeps the frozen ZeRO-3 parameters quantized"),
+    ("zero_quantized_gradients", "quantizes the gradient reduction (ZeRO++'s qgZ)"),
+)
+"""ZeRO++'s quantized communication (deepspeed/runtime/zero/config.py), which dsauto does not price."""
+
+
+def unpriced_config_settings(config: Mapping[str, Any], plan: Plan) -> list[str]:
+    """Settings of ``config`` under which DeepSpeed communicates otherwise than ``plan`` is priced, one
+    phrase each (empty when none); they do not contradict the plan's choices, so the hook warns
+    rather than refuses. The plan prices ZeRO's gradient reductions overlapped with backward in the
+    training dtype by reduce-scatter, its parameter gathers unquantized: DeepSpeed turns
+    ``overlap_comm`` off below ZeRO-3 when the key is missing (ZeroConfig.overlap_comm_valid),
+    ``reduce_scatter: false`` all-reduces instead, and ``communication_data_type`` fp32 doubles the
+    bytes of a 16-bit plan's reductions."""
+    zero = config.get("zero_optimization", {})
+    zero = zero if isinstance(zero, Mapping) else {}
+    found = []
+    if plan.zero_stage >= 1:
+        overlap = zero.get("overlap_comm")
+        if overlap is False or (overlap is None and plan.zero_stage < 3):
+            found.append("zero_optimization.overlap_comm is " + ("false" if overlap is False else
+                         f"missing, which DeepSpeed reads as false under ZeRO stage {plan.zero_stage}")
+                         + ", so the gradient reductions wait for backward where the plan overlaps them")
+    for key, what in QUANTIZED_KEYS:
+        if zero.get(key) is True:
+            found.append(f"zero_optimization.{key} {what}, moving fewer bytes than the plan prices")
+    if zero.get("reduce_scatter") is False and plan.zero_stage in (1, 2):
+        found.append("zero_optimization.reduce_scatter is false, so the gradients are all-reduced, twice the "
+                     "bytes the plan's reduce-scatter moves")
+    if str(config.get("communication_data_type", "")).lower() in ("fp32", "float32") and plan.dtype != "fp32":
+        found.append(f"communication_data_type is fp32, so the gradients are reduced in 4 bytes an element "
+                     f"where the plan's {plan.dtype} reduces them in 2")
+    return found
+
+
 def _offload_contradictions(zero: Mapping[str, Any], plan: Plan) -> list[str]:
     """Where ``zero_optimization``'s offload sections and hpZ size say something else than the plan
     (a missing section or ``"device": "none"`` is no offload: deepspeed/runtime/zero/offload_config.py)."""
