@@ -64,9 +64,11 @@ def test_a_layer_is_checkpointed_whole_or_recomputes_known_modules():
 
 def test_mixed_selective_layers_are_not_expressed_by_flags(eager_plans):
     plan = eager_plans[None]
-    runs = list(plan.layers)
-    runs[1] = dataclasses.replace(runs[1], recompute_modules=())
-    mixed = dataclasses.replace(plan, layers=tuple(runs))
+    # the first run of layers that recompute selectively, its second half made to recompute nothing
+    i, run = next((i, r) for i, r in enumerate(plan.layers) if r.recompute_modules and r.last > r.first)
+    middle = (run.first + run.last) // 2
+    halves = (dataclasses.replace(run, last=middle), dataclasses.replace(run, first=middle + 1, recompute_modules=()))
+    mixed = dataclasses.replace(plan, layers=plan.layers[:i] + halves + plan.layers[i + 1:])
     assert selective_recompute_modules(mixed) is None
     assert any(line.startswith("# Not expressed: selective recomputation") for line in megatron_args(mixed))
 
