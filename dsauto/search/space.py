@@ -722,7 +722,7 @@ def recompute_num_layers_refusal(pins: Constraints) -> str | None:
     if pins.checkpoint is not None:
         which = "all" if pins.checkpoint else "none"
         return (f"and --checkpoint {which} both say which transformer layers to checkpoint; keep one of the two "
-                f"(--checkpoint all is N at least the layers of a stage)")
+                f"(--checkpoint all is an N of at least a stage's layers)")
     if pins.recompute_modules is not None and parse_recompute_modules(pins.recompute_modules):
         return (f"checkpoints whole layers and --recompute-modules {pins.recompute_modules} recomputes parts of "
                 f"every layer; Megatron-core runs one of the two, so drop one")
