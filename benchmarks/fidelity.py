@@ -900,7 +900,7 @@ MOE_WHY = (
     "tables do not say; and MoE layers issue many small kernels (router, permutation) "
     "on a narrow model (hidden 2880). NeMo AutoModel's rows without pipelines (FSDP2 with expert "
     "parallelism, priced as Megatron-FSDP with the experts sharded over their data-parallel group) "
-    "come within 1-12%, GPT-OSS 120B with the planner's ep (the table gives none) the furthest; "
+    "come within 12%, GPT-OSS 120B with the planner's ep (the table gives none) the furthest; "
     "its DeepSeek-V3 rows (pp 4 x vp 8) are priced as ZeRO 1, whose larger per-rank state makes the "
     "planner recompute layers FSDP2 need not (on 1024 GPUs 52 of 61 layers; the recomputation the "
     "run used is not published), and DeepEP's dispatch is priced by its network traffic with "
@@ -967,8 +967,9 @@ WHY = {
            "token, at the same layout and micro-batch, and the blog's 'selective' checkpointing of it (every "
            "n-th block, n not published) is left to the planner, which checkpoints nothing; it comes out 14% "
            "fast (CV) where the 7B row comes out 2% fast. The A100 70B row (every block checkpointed) comes "
-           "out 17% slow: on 400 Gb/s its per-layer gathers take nearly as long as the layer's compute, and "
-           "dsauto prices the overlap's contention by the time they overlap.",
+           "out 17% slow (CV): on 400 Gb/s its gathers still hide under the layers' compute, but for longer, and "
+           "dsauto prices the overlap's slowdown of the GEMMs by the time they overlap (in sample 24.98 s "
+           "against 23.18 s on a DGX network at the same constants; published 22.14 s).",
     "mpt": "Patterns that no mechanism dsauto knows explains. (1) The 30B runs on 8 GPUs at 4-8K tokens are "
            "slower per token than their attention explains on both GPUs (the other sizes fit one attention rate "
            "per GPU within a few percent); dsauto puts their peak at 67-71 GiB of the 80, where PyTorch's "

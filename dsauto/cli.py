@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsauto.errors import DsautoError, DsautoWarning
+from dsauto.errors import DsautoError
 
 if TYPE_CHECKING:
     from dsauto.api import Problem
@@ -601,7 +601,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _check_config_keys(path: Path, plan: Any) -> None:
     """Refuses a ``ds_config.json`` whose DeepSpeed keys contradict its own dsauto block, and warns of
     the settings its prediction does not price."""
-    from dsauto.engines.deepspeed import config_contradictions, unpriced_config_settings
+    from dsauto.engines.deepspeed import config_contradictions, warn_unpriced_settings
     from dsauto.plan_io import PLAN_KEY
     from dsauto.serde import read_data
 
@@ -610,10 +610,7 @@ def _check_config_keys(path: Path, plan: Any) -> None:
     if problems:
         raise DsautoError(f"{path} contradicts its own {PLAN_KEY!r} block: {'; '.join(problems)}; write it "
                           f"again with dsauto, or restore the values it wrote.")
-    unpriced = unpriced_config_settings(config, plan) if isinstance(config, dict) else []
-    if unpriced:
-        warnings.warn(f"{path}: its {'; '.join(unpriced)}: the step will differ from the plan's prediction; "
-                      f"restore the values dsauto wrote to train as predicted.", DsautoWarning, stacklevel=2)
+    warn_unpriced_settings(config, plan, f"{path}: its")
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

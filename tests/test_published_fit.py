@@ -30,3 +30,21 @@ def test_deepspeeds_2021_zero3_rows_are_priced_but_weigh_nothing_in_the_fit():
     # ... and it would have moved the constant: fitted on alone, the ZeRO-3 row wants slower GEMMs.
     alone = fit_device.fit([dataclasses.replace(cases[2], weight=1.0)], start, free=free, starts=())
     assert alone.matmul_efficiency < without.matmul_efficiency
+
+
+def test_a_run_is_priced_on_the_network_its_source_states():
+    """IBM's blog states its clusters' inter-node bandwidth (400 Gb/s a node on A100, 800 Gb/s on
+    H100): those runs are priced with it shared by a node's 8 GPUs, the others on their presets."""
+    fidelity = load("fidelity")
+    runs, _ = fidelity.load_runs()
+    by_id = {r.id: r for r in runs}
+    a100, h100 = by_id["ibm-fsdp-llama2-7b-a100"], by_id["ibm-fsdp-llama2-7b-h100"]
+    assert (a100.inter_node_gbps, h100.inter_node_gbps) == (400, 800)
+    assert fidelity.run_hardware(a100).inter_node.bandwidth_gbps == pytest.approx(6.25)  # GB/s a GPU
+    assert fidelity.run_hardware(h100).inter_node.bandwidth_gbps == pytest.approx(12.5)
+    assert all(fidelity.run_hardware(r) == fidelity.base_hardware(r.hardware) for r in runs if r.source.key != "ibm")
+    # the prediction and the fit's cases see it: the H100 7B row's gathers slow its step
+    on_dgx = dataclasses.replace(h100, inter_node_gbps=None)
+    assert fidelity.predict(h100, fidelity.Constants.of(fidelity.run_hardware(h100)))[0].prediction.step_seconds > \
+        fidelity.predict(on_dgx, fidelity.Constants.of(fidelity.run_hardware(on_dgx)))[0].prediction.step_seconds
+    assert fidelity.build_cases([h100])[0].hardware == fidelity.run_hardware(h100)

@@ -7,10 +7,13 @@ Keys a Hugging Face Trainer fills in (``"auto"``) agree with anything: the Train
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from dsauto.errors import DsautoWarning
 from dsauto.plan import Plan
+from dsauto.units import format_seconds
 
 AUTO = "auto"
 """Hugging Face's placeholder for a value its TrainingArguments fill in."""
@@ -125,6 +128,16 @@ def unpriced_config_settings(config: Mapping[str, Any], plan: Plan) -> list[str]
         found.append(f"communication_data_type is fp32, so the gradients are reduced in 4 bytes an element "
                      f"where the plan's {plan.dtype} reduces them in 2")
     return found
+
+
+def warn_unpriced_settings(config: Mapping[str, Any], plan: Plan, subject: str) -> None:
+    """Warns, in one line beginning with ``subject``, of the settings of ``config`` that ``plan``'s
+    prediction does not price (:func:`unpriced_config_settings`); nothing when there are none."""
+    unpriced = unpriced_config_settings(config, plan)
+    if unpriced:
+        warnings.warn(f"{subject} {'; '.join(unpriced)}: the step will differ from the plan's "
+                      f"{format_seconds(plan.prediction.step_seconds)}; restore the values dsauto wrote to train "
+                      f"as predicted.", DsautoWarning, stacklevel=3)
 
 
 def _offload_contradictions(zero: Mapping[str, Any], plan: Plan) -> list[str]:

@@ -59,7 +59,7 @@ from typing import Any
 
 from torch import nn
 
-from dsauto.engines.deepspeed import config_contradictions, unpriced_config_settings
+from dsauto.engines.deepspeed import config_contradictions, warn_unpriced_settings
 from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.plan import Plan
 from dsauto.plan_io import PLAN_KEY, check_artifact_set, plan_from_data
@@ -75,7 +75,6 @@ from dsauto.runtime.split import (
     split_embedding,
 )
 from dsauto.runtime.ulysses import sequence_parallel_mpu, wrap_attention
-from dsauto.units import format_seconds
 
 TESTED_DEEPSPEED_VERSIONS = ("0.19.8",)
 """DeepSpeed releases the hook's tests pass with (it reads engine internals, see the module doc)."""
@@ -141,11 +140,7 @@ def check_config(plan: Plan, config: dict[str, Any]) -> None:
     if problems:
         raise DsautoError(f"The config's {'; '.join(problems)}, so DeepSpeed and the {PLAN_KEY!r} plan would "
                           f"train differently; re-plan with dsauto, or restore the values it wrote.")
-    unpriced = unpriced_config_settings(config, plan)
-    if unpriced:
-        warnings.warn(f"The config's {'; '.join(unpriced)}: the step will differ from the plan's "
-                      f"{format_seconds(plan.prediction.step_seconds)}; restore the values dsauto wrote to train "
-                      f"as predicted.", DsautoWarning, stacklevel=3)
+    warn_unpriced_settings(config, plan, "The config's")
 
 
 def check_moe_layers(plan: Plan, model: nn.Module) -> None:

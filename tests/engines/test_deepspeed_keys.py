@@ -61,8 +61,8 @@ def test_the_hook_leaves_the_batch_keys_to_the_engine(plan):
 def zero1_plan():
     planner = Planner(load_model("gpt-tiny"), load_cluster("cpu", nodes=1, gpus_per_node=2), TrainSpec(8, 64, "bf16"))
     plan = planner.search()[0]
-    return Planner(planner.model, planner.cluster, planner.train).build_plan(
-        dataclasses.replace(strategy_of(plan), zero_stage=1, engine="deepspeed"), plan.stage_layers, options_of(plan))
+    return planner.build_plan(dataclasses.replace(strategy_of(plan), zero_stage=1, engine="deepspeed"),
+                              plan.stage_layers, options_of(plan))
 
 
 def test_a_written_config_has_no_unpriced_settings(zero1_plan):
