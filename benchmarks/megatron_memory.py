@@ -160,8 +160,8 @@ def build_plan(case: Case, profile=None):
 
 # ---- the worker: one rank of a torchrun launch ------------------------------------------------------
 
-def batches(plan, seed: int) -> Iterator[dict]:
-    """This data-parallel rank's micro-batches of random tokens, as GPTModel inputs."""
+def batches(plan, seed: int, device: str = "cpu") -> Iterator[dict]:
+    """This data-parallel rank's micro-batches of random tokens, as GPTModel inputs on ``device``."""
     import torch
     from megatron.core import parallel_state
 
@@ -169,7 +169,8 @@ def batches(plan, seed: int) -> Iterator[dict]:
     positions = torch.arange(plan.seq_len).unsqueeze(0).expand(plan.micro_batch, -1)
     while True:
         tokens = torch.randint(0, plan.model.vocab_size, (plan.micro_batch, plan.seq_len + 1), generator=generator)
-        yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": positions}
+        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": positions}
+        yield {name: tensor.to(device) for name, tensor in batch.items()}
 
 
 def forward_step(data_iterator, model):
@@ -195,8 +196,10 @@ def build(plan):
 
     import dsauto.megatron as dm
 
+    # On a GPU the parameters are created on it, as Megatron-LM's get_model does.
     config = dm.apply(plan, TransformerConfig(**dm.transformer_config_kwargs(plan.model),
-                                              use_cpu_initialization=True, attention_backend=AttnBackend.local))
+                                              use_cpu_initialization=not torch.cuda.is_available(),
+                                              attention_backend=AttnBackend.local))
     [model] = dm.model_chunks(plan, lambda **where: GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
         **dm.gpt_model_kwargs(plan), **where))

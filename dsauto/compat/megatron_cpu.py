@@ -220,6 +220,11 @@ class MegatronCpuShim:
             self._patch(module, "get_rng_state", lambda device="cuda": torch.get_rng_state())
             self._patch(module, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state))
             self._patch(module, "manual_seed", lambda seed: torch.manual_seed(seed))
+        # Megatron-core's fusions (megatron/core/jit.py: jit_fuser is torch.compile) run eagerly:
+        # the same arithmetic and kept tensors, without compiling kernels per process and shape.
+        from torch._dynamo import config as dynamo_config
+
+        self._patch(dynamo_config, "disable", True)
         self._patch(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state)
         self._patch(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state)
         original_new = vars(WrappedTorchNorm)["__new__"]

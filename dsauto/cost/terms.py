@@ -587,7 +587,8 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
 
     ``core_attn``: under eager attention, the scores' bytes (:attr:`LayerGroup.
     attention_score_bytes_per_token`, Korthikanti's 5as/h share) and, on Megatron-core, its fp32
-    softmax output (:func:`megatron_softmax_fp32_bytes_per_token`). A fused (flash) attention kernel
+    softmax output (:func:`megatron_softmax_fp32_bytes_per_token`) and the repeated keys and values
+    (:func:`megatron_eager_qkv_bytes_per_token`). A fused (flash) attention kernel
     keeps no scores: only its inputs, its output and two fp32 statistics per head and token, and
     under the checkpoint Q, K and V stay as its inputs and the output as the projection's input, so
     re-running it frees a few bytes per head and token, which the model counts as nothing (and it
@@ -604,7 +605,9 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     if "core_attn" in modules and not ctx.flash_attention:
         saved += group.attention_score_bytes_per_token / ctx.tp
         if ctx.engine == "megatron":
-            saved += megatron_softmax_fp32_bytes_per_token(group, ctx.tp, ctx.dtype_bytes)
+            saved += (megatron_softmax_fp32_bytes_per_token(group, ctx.tp, ctx.dtype_bytes)
+                      + megatron_eager_qkv_bytes_per_token(group, ctx.tp)
+                      - megatron_eager_qkv_bytes_per_token(group, ctx.tp, core_recomputed=True))
     # Under FP8 the norms' outputs and the MLP output projections' inputs are kept in FP8
     # (fp8_activation_change_bytes_per_token), so recomputing them frees that much.
     shrink = FP8_BYTES / ctx.dtype_bytes if ctx.fp8 else 1.0
@@ -1086,7 +1089,8 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     full_activation += tokens * fp8_activation_change_bytes_per_token(group, ctx)
     megatron = ctx.engine == "megatron"
     if megatron and group.kind == "transformer" and not flash:
-        full_activation += tokens * megatron_softmax_fp32_bytes_per_token(group, t, ctx.dtype_bytes)
+        full_activation += tokens * (megatron_softmax_fp32_bytes_per_token(group, t, ctx.dtype_bytes)
+                                     + megatron_eager_qkv_bytes_per_token(group, t))
     checkpoint_activation = tokens * group.checkpoint_bytes_per_token / replicated_div
     # A transformer layer's kept bytes are measured too (the profile's shards have no sequence
     # parallelism, so it applies without SP only); the embedding and head keep the analytic
@@ -1160,8 +1164,42 @@ def megatron_softmax_fp32_bytes_per_token(group: LayerGroup, tp: int, dtype_byte
     the values (``DotProductAttention.forward``, megatron/core/transformer/dot_product_attention.py)
     keeps the probabilities cast back to 16 bits: 4 more bytes per score. Measured: one layer's core
     attention kept 3.31 MiB per micro-batch, of which 2 MiB the fp32 softmax, 1 MiB the bf16
-    probabilities and 0.25 MiB its output. In fp32 the softmax output is the probabilities (0)."""
-    return attention_scores_per_token(group) * 4 / tp if dtype_bytes < 4 else 0.0
+    probabilities and 0.25 MiB its output. In fp32 the softmax output is the probabilities (0).
+
+    With attention dropout the product with the values keeps the dropout's output instead, which
+    the engine-neutral count already holds beside the mask, and nothing keeps the 16-bit
+    probabilities: 4 - 2 bytes per score. Measured on an H100 (benchmarks/device_steps.py, GPT-2 XL's
+    layers, 8 x 1024 tokens): the count without this put the peak 14% high; tensor by tensor on CPU
+    in bf16, the layer kept the fp32 softmax output, the dropout's mask and its 16-bit output."""
+    if dtype_bytes >= 4:
+        return 0.0
+    return attention_scores_per_token(group) * (4 - (dtype_bytes if group.attention_dropout else 0)) / tp
+
+
+def megatron_eager_qkv_bytes_per_token(group: LayerGroup, tp: int, core_recomputed: bool = False) -> float:
+    """Bytes per token that Megatron-core's unfused attention keeps of the queries, keys and values
+    beyond the engine-neutral count (one copy of each, :attr:`LayerGroup.act_tp_bytes_per_token`).
+
+    ``SelfAttention`` (megatron/core/transformer/attention.py) splits the fused QKV output into
+    views of one storage; the rotary embedding (``apply_rotary_pos_emb``) returns new query and
+    key tensors; ``DotProductAttention.forward`` (dot_product_attention.py) repeats grouped keys and
+    values to every head (``repeat_interleave``, a copy) before its matrix products keep them. A
+    kept view keeps the whole QKV storage. Under ``core_attn`` recomputation the checkpoint keeps
+    its inputs instead: the rotated copies and the unrepeated values (a view). Measured tensor by
+    tensor on CPU in bf16 (Llama-shaped, 8 heads, 4 key/value groups): the rotated queries and the
+    repeated keys and values, each at the query width, and no QKV storage."""
+    q, kv = group.query_bytes_per_token, group.kv_bytes_per_token
+    if not q:
+        return 0.0
+    k, rotary = kv / 2, group.rotary
+    grouped = k < q and not core_recomputed  # repeated only inside the recomputed core
+    query = q if rotary else 0.0
+    key = q if grouped else k if rotary else 0.0
+    value = q if grouped else 0.0
+    # The QKV storage stays while a view of it is kept: the query or key unrotated, the value unrepeated.
+    storage = q + kv if not rotary or not grouped else 0.0
+    kept = query + key + value + storage
+    return (kept - (q + kv)) / tp
 
 
 def megatron_mlp_backward_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int,

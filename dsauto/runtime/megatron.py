@@ -264,6 +264,7 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
                 f"keeps it, so the step may be faster and its memory other than predicted (re-plan with --fp8 "
                 f"to price it).")
     _report_kernel(plan, config)
+    _report_unfused_swiglu(plan, config)
     _report_unsplit(plan)
     for gap in megatron_gaps(plan.model):  # the model's own details Megatron-core cannot build
         _report(f"Megatron-core does not build {gap}.")
@@ -468,8 +469,11 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
         hidden_dropout=0.1 if model.dropout else 0.0,
         attention_dropout=0.1 if model.dropout else 0.0,
         gated_linear_unit=model.gated_mlp,
-        # Megatron's fused bias-GeLU is the tanh approximation; the exact GeLU needs it off.
-        bias_activation_fusion=False,
+        # Megatron-LM fuses SwiGLU by default (--bias-swiglu-fusion), and the plan's memory is priced
+        # so: the fused function keeps its input alone, where the unfused one also keeps the SiLU's
+        # output and a copy of the linear half (MLP.forward's glu adds glu_linear_offset). Its fused
+        # bias-GeLU is the tanh approximation, so the exact GeLU keeps it off.
+        bias_activation_fusion=model.mlp == "swiglu",
     )
     if model.mlp == "swiglu":
         kwargs["activation_func"] = F.silu
@@ -584,6 +588,21 @@ def _check_model(model: ModelSpec, config: TransformerConfig) -> None:
             raise DsautoError(f"The TransformerConfig has {name}={got} but the plan was made for "
                               f"{model.name} with {name}={want}; build the model the plan describes "
                               f"or re-plan for this one.")
+
+
+def _report_unfused_swiglu(plan: Plan, config: TransformerConfig) -> None:
+    """Says when the config computes a SwiGLU MLP unfused: ``MLP.forward``'s glu
+    (megatron/core/transformer/mlp.py) then keeps the SiLU's output and a copy of the linear half
+    (it adds ``glu_linear_offset``) beside the fc1 output, where the fused function
+    (megatron/core/fusions/fused_bias_swiglu.py) keeps its input alone, as the plan's memory is
+    priced. Measured on an H100 (benchmarks/device_steps.py): the two more tensors per layer."""
+    import torch.nn.functional as F
+
+    if plan.model.mlp == "swiglu" and config.activation_func is F.silu and not config.bias_activation_fusion:
+        width = plan.model.expert_ffn_hidden_size if plan.model.moe else plan.model.ffn_hidden_size
+        _report(f"The config computes the SwiGLU unfused (bias_activation_fusion=False), which keeps 2 x {width} "
+                f"more values per token in every layer than the plan's memory prices; set "
+                f"bias_activation_fusion=True (Megatron-LM's default, --bias-swiglu-fusion).")
 
 
 def _report_kernel(plan: Plan, config: TransformerConfig) -> None:

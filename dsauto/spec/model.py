@@ -496,6 +496,13 @@ class LayerGroup:
     attention_io_bytes_per_token: float = 0.0
     """Bytes per token of the layer's queries, keys, values and attention output (before tensor
     parallelism splits the heads): what DeepSpeed-Ulysses' all-to-alls move."""
+    query_bytes_per_token: float = 0.0
+    """Bytes per token of the layer's queries (before tensor parallelism splits the heads); 0 for
+    latent attention, whose queries and keys are shaped otherwise."""
+    rotary: bool = False
+    """Whether the layer rotates its queries and keys (rotary positions), which makes copies of them."""
+    attention_dropout: bool = False
+    """Whether dropout follows the attention softmax (eager attention keeps its mask and output)."""
 
     # Mixture of experts: zero for dense layers. The group's layers may mix dense and MoE layers
     # (DeepSeek's first dense layers); the per-token numbers then average over its layers.
@@ -671,6 +678,9 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         attention_window_fraction=attention_window_fraction(model, s),
         kv_bytes_per_token=(k_width + v_width) * b,
         attention_io_bytes_per_token=(q_width + k_width + v_width + out_width) * b,
+        query_bytes_per_token=0.0 if model.latent_attention else q_width * b,
+        rotary=model.position_embedding == "rope" and model.rotary_layers() > 0,
+        attention_dropout=model.dropout,
         num_experts=experts,
         moe_top_k=top_k,
         moe_layer_fraction=moe_fraction,

@@ -8,6 +8,7 @@ the benchmark measured (benchmarks/results/megatron_memory.md).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,48 @@ def test_predicted_peaks_are_within_3_percent_of_megatron_cores(plan, recompute)
     measured = MEASURED[plan, recompute]
     predicted = predict(PLANS[plan], recompute).prediction.peak_memory_bytes
     assert abs(predicted - measured) / measured <= 0.03
+
+
+# ---- one layer's kept tensors on an H100 -----------------------------------------------------------
+
+SAVED_ON_H100 = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "device_steps_saved_h100.txt"
+"""Every tensor autograd saved, by storage, in one forward of a one-layer Megatron-core GPT (local layer
+spec, bf16, the dsauto plugin's config) on an H100, listed with torch's saved_tensors_hooks (the
+layers of benchmarks/device_steps.py's cases; how it was measured: that file's results)."""
+NOT_ACTIVATIONS = ("vocab_parallel_cross_entropy", "attention_mask_func", "apply_rotary_pos_emb", "int64")
+"""Saved tensors the activation count leaves out: the loss's fp32 logits (the head's transient), the
+s x s causal mask and the rotary tables Megatron-core builds once per call, the token indices."""
+
+
+def _saved_on_h100() -> dict[str, tuple[int, int, float]]:
+    """{model: (micro-batch, sequence length, MiB of saved activations)} from the listing."""
+    import re
+
+    cases: dict[str, tuple[int, int, float]] = {}
+    name = ""
+    for line in SAVED_ON_H100.read_text().splitlines():
+        if header := re.match(r"== (\S+): mb (\d+) s (\d+)", line):
+            name = header[1]
+            cases[name] = (int(header[2]), int(header[3]), 0.0)
+        elif (row := re.match(r"\s*([\d.]+) MiB", line)) and not any(word in line for word in NOT_ACTIVATIONS):
+            micro_batch, seq_len, total = cases[name]
+            cases[name] = (micro_batch, seq_len, total + float(row[1]))
+    return cases
+
+
+@pytest.mark.parametrize("preset", ["llama2-7b", "llama3-8b", "gpt2-xl"])
+def test_one_layer_keeps_what_megatron_core_saved_on_an_h100(preset):
+    # Llama 2 7B: rotated queries and keys beside the QKV storage the values' view keeps; Llama 3 8B:
+    # keys and values repeated to every head; GPT-2 XL: attention dropout, whose output replaces the
+    # 16-bit probabilities. The fp32 softmax output, the 16-bit probabilities and the fused SwiGLU's
+    # input in each (terms.megatron_softmax_fp32_bytes_per_token, megatron_eager_qkv_bytes_per_token).
+    from dsauto.spec.loaders import load_model
+
+    micro_batch, seq_len, measured = _saved_on_h100()[preset]
+    model = dataclasses.replace(load_model(preset), num_layers=1)
+    cluster = load_cluster("h100-80gb", nodes=1, gpus_per_node=1)
+    run = TrainSpec(global_batch=micro_batch, seq_len=seq_len, dtype="bf16", flash_attention=False)
+    cost = CostModel(cluster, run, Strategy(dims=ParallelDims(), zero_stage=1, micro_batch=micro_batch, grad_accum=1,
+                                            sequence_parallel=False, engine="megatron"), model.hidden_size)
+    kept = sum(cost.layer(group, KEEP).activation_bytes for group in layer_groups(model, seq_len, 2))
+    assert kept / MiB == pytest.approx(measured, rel=1e-3)

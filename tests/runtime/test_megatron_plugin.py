@@ -457,3 +457,26 @@ def test_pinned_tp_comm_overlap_and_bf16_gradients_reach_megatron_core(caplog):
     assert dm.ddp_config(plain).grad_reduce_in_fp32 is True
     assert dm.apply(plain, config_for(plain.model, tp_comm_overlap=True)).tp_comm_overlap is True
     assert any("priced without it" in m for m in warnings_of(caplog))
+
+
+def test_an_unfused_swiglu_is_reported_and_the_plugin_fuses_it(caplog):
+    # The plan's memory holds the fused SwiGLU's input alone; Megatron-core's unfused glu keeps two more
+    # FFN-wide tensors a token (measured on an H100: benchmarks/results/device_steps_saved_h100.txt).
+    import torch.nn.functional as F
+
+    from dsauto.api import make_plan as plan_for
+
+    llama = dataclasses.replace(TINY, name="tiny-llama", mlp="swiglu", norm="rmsnorm", position_embedding="rope",
+                                linear_bias=False, tied_embeddings=False)
+    plan = plan_for(llama, "cpu", engine="megatron", dtype="bf16")
+    assert dm.transformer_config_kwargs(plan.model)["bias_activation_fusion"] is True
+    unfused = {**dm.transformer_config_kwargs(plan.model), "bias_activation_fusion": False}
+    dm.apply(plan, TransformerConfig(**unfused))
+    [message] = [m for m in warnings_of(caplog) if "SwiGLU" in m]
+    assert f"2 x {llama.ffn_hidden_size} more values per token" in message and "bias_activation_fusion=True" in message
+    caplog.clear()
+    dm.apply(plan, config_for(plan.model))
+    gpt = plan_for("gpt-tiny", "cpu", engine="megatron", dtype="bf16")
+    assert dm.transformer_config_kwargs(gpt.model)["bias_activation_fusion"] is False  # the exact GeLU
+    dm.apply(gpt, TransformerConfig(**{**dm.transformer_config_kwargs(gpt.model), "activation_func": F.gelu}))
+    assert not [m for m in warnings_of(caplog) if "SwiGLU" in m]
