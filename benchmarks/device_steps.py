@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.megatron_memory import batches, build, forward_step  # noqa: E402
+from benchmarks.megatron_memory import batches, build, tracked_schedules, train_step  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_FILE = RESULTS / "device_steps_h100_run2.json"
@@ -128,7 +128,6 @@ def worker(plan_path: Path, out_path: Path) -> None:
         shim = megatron_cpu.enable()
     dist.init_process_group("nccl" if cuda else "gloo")
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     plan = dm.load_plan(plan_path)
@@ -139,45 +138,17 @@ def worker(plan_path: Path, out_path: Path) -> None:
     data = batches(plan, 1234, device)
     outside_before = _outside_allocator_bytes() if cuda else 0
     tracker = MemoryTracker(device)
-    forward, backward = schedules.forward_step, schedules.backward_step
-
-    def tracked_forward(*args, **kwargs):
-        with tracker.region("forward"):
-            return forward(*args, **kwargs)
-
-    def tracked_backward(*args, **kwargs):
-        with tracker.region("backward"):
-            return backward(*args, **kwargs)
-
-    def train_step(model, optimizer, track: bool) -> float | None:
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=model,
-            num_microbatches=plan.grad_accum, seq_length=plan.seq_len,
-            micro_batch_size=plan.micro_batch, forward_only=False)
-        if track:
-            with tracker.region("optimizer"):
-                optimizer.step()
-        else:
-            optimizer.step()
-        return float(torch.stack([o["lm loss"] for o in out]).mean()) if out else None
-
     losses = []
-    schedules.forward_step, schedules.backward_step = tracked_forward, tracked_backward
-    try:
-        with tracker:
-            model, optimizer = build(plan)
-            with tracker.region("built"):
+    with tracker, tracked_schedules(tracker):
+        model, optimizer = build(plan)
+        with tracker.region("built"):
+            pass
+        for _ in range(TRACKED_STEPS):
+            loss = train_step(plan, data, model, optimizer, tracker)
+            with tracker.region("between"):
                 pass
-            for _ in range(TRACKED_STEPS):
-                loss = train_step(model, optimizer, track=True)
-                with tracker.region("between"):
-                    pass
-                if loss is not None:
-                    losses.append(loss)
-    finally:
-        schedules.forward_step, schedules.backward_step = forward, backward
+            if loss is not None:
+                losses.append(loss)
     record: dict = {"peak_bytes": tracker.peak_bytes(), "losses": losses,
                     **{f"{name}_bytes": tracker.peak_bytes(name)
                        for name in ("built", "forward", "backward", "optimizer", "between")}}
@@ -190,7 +161,7 @@ def worker(plan_path: Path, out_path: Path) -> None:
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        train_step(model, optimizer, track=False)
+        train_step(plan, data, model, optimizer)
         if cuda:
             torch.cuda.synchronize()
         if index >= WARMUP_STEPS:

@@ -28,6 +28,7 @@ measured peak above the predicted one).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -216,6 +217,46 @@ def build(plan):
     return model, optimizer
 
 
+@contextlib.contextmanager
+def tracked_schedules(tracker) -> Iterator[None]:
+    """Regions "forward" and "backward" of ``tracker`` around each micro-batch's forward (the loss
+    included) and backward, wherever Megatron-core's schedules (no pipelining, or 1F1B) call them."""
+    from megatron.core.pipeline_parallel import schedules
+
+    forward, backward = schedules.forward_step, schedules.backward_step
+
+    def tracked_forward(*args, **kwargs):
+        with tracker.region("forward"):
+            return forward(*args, **kwargs)
+
+    def tracked_backward(*args, **kwargs):
+        with tracker.region("backward"):
+            return backward(*args, **kwargs)
+
+    schedules.forward_step, schedules.backward_step = tracked_forward, tracked_backward
+    try:
+        yield
+    finally:
+        schedules.forward_step, schedules.backward_step = forward, backward
+
+
+def train_step(plan, data: Iterator[dict], model, optimizer, tracker=None) -> float | None:
+    """One optimizer step as Megatron-LM's train_step runs it, the optimizer's update in ``tracker``'s
+    region "optimizer" when one is given; the mean loss on the last stage."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=model,
+        num_microbatches=plan.grad_accum, seq_length=plan.seq_len,
+        micro_batch_size=plan.micro_batch, forward_only=False)
+    with tracker.region("optimizer") if tracker is not None else contextlib.nullcontext():
+        optimizer.step()
+    return float(torch.stack([o["lm loss"] for o in out]).mean()) if out else None
+
+
 def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: int = 2) -> None:
     """Trains the plan in ``plan_path`` for :data:`STEPS` steps under the memory tracker, then (when
     ``timed_steps``) ``warmup_steps`` untimed and ``timed_steps`` timed steps without it; rank 0
@@ -235,7 +276,6 @@ def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     plan = dm.load_plan(plan_path)
@@ -244,46 +284,18 @@ def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: 
     model_parallel_cuda_manual_seed(1234)
     data = batches(plan, 1234)
     tracker = MemoryTracker("cpu")
-    # Regions around each micro-batch's forward (the loss included) and backward, wherever the
-    # schedules (no pipelining, or 1F1B) call them.
-    forward, backward = schedules.forward_step, schedules.backward_step
-
-    def tracked_forward(*args, **kwargs):
-        with tracker.region("forward"):
-            return forward(*args, **kwargs)
-
-    def tracked_backward(*args, **kwargs):
-        with tracker.region("backward"):
-            return backward(*args, **kwargs)
-
-    def train_step(model, optimizer) -> float | None:
-        """One optimizer step as Megatron-LM's train_step runs it; the mean loss on the last stage."""
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=model,
-            num_microbatches=plan.grad_accum, seq_length=plan.seq_len,
-            micro_batch_size=plan.micro_batch, forward_only=False)
-        with tracker.region("optimizer"):
-            optimizer.step()
-        return float(torch.stack([o["lm loss"] for o in out]).mean()) if out else None
-
-    schedules.forward_step, schedules.backward_step = tracked_forward, tracked_backward
     losses = []
-    try:
-        with tracker:
-            model, optimizer = build(plan)
-            with tracker.region("built"):
+    with tracker, tracked_schedules(tracker):
+        model, optimizer = build(plan)
+        with tracker.region("built"):
+            pass
+        for _ in range(STEPS):
+            with tracker.region("step"):
+                loss = train_step(plan, data, model, optimizer, tracker)
+            with tracker.region("between"):
                 pass
-            for _ in range(STEPS):
-                with tracker.region("step"):
-                    loss = train_step(model, optimizer)
-                with tracker.region("between"):
-                    pass
-                if loss is not None:
-                    losses.append(loss)
-    finally:
-        schedules.forward_step, schedules.backward_step = forward, backward
+            if loss is not None:
+                losses.append(loss)
     # Timed steps: the tracker is off (its hooks cost time), the schedules are Megatron's own; each
     # step starts and ends with a barrier, so its time is the slowest rank's. On a machine other
     # processes share, their time slices stretch the step: each step also records the ranks' time
@@ -296,11 +308,11 @@ def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: 
     cores = sorted(os.sched_getaffinity(0))
     steps = []
     for _ in range(warmup_steps if timed_steps else 0):
-        train_step(model, optimizer)
+        train_step(plan, data, model, optimizer)
     for _ in range(timed_steps):
         dist.barrier()
         start, (on, waiting), busy = time.perf_counter(), run_queue_seconds(whole_process=True), busy_seconds(cores)
-        train_step(model, optimizer)
+        train_step(plan, data, model, optimizer)
         dist.barrier()
         own = [a - b for a, b in zip(run_queue_seconds(whole_process=True), (on, waiting))]
         others = busy_seconds(cores) - busy - own[0] if len(cores) == 1 else 0.0
