@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.megatron_memory import batches, build, tracked_schedules, train_step  # noqa: E402
+from benchmarks.megatron_memory import batches, build, tracked_training, train_step  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_FILE = RESULTS / "device_steps_h100_run2.json"
@@ -138,17 +138,7 @@ def worker(plan_path: Path, out_path: Path) -> None:
     data = batches(plan, 1234, device)
     outside_before = _outside_allocator_bytes() if cuda else 0
     tracker = MemoryTracker(device)
-    losses = []
-    with tracker, tracked_schedules(tracker):
-        model, optimizer = build(plan)
-        with tracker.region("built"):
-            pass
-        for _ in range(TRACKED_STEPS):
-            loss = train_step(plan, data, model, optimizer, tracker)
-            with tracker.region("between"):
-                pass
-            if loss is not None:
-                losses.append(loss)
+    model, optimizer, losses = tracked_training(plan, data, tracker, TRACKED_STEPS)
     record: dict = {"peak_bytes": tracker.peak_bytes(), "losses": losses,
                     **{f"{name}_bytes": tracker.peak_bytes(name)
                        for name in ("built", "forward", "backward", "optimizer", "between")}}

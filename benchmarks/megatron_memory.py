@@ -257,6 +257,25 @@ def train_step(plan, data: Iterator[dict], model, optimizer, tracker=None) -> fl
     return float(torch.stack([o["lm loss"] for o in out]).mean()) if out else None
 
 
+def tracked_training(plan, data: Iterator[dict], tracker, steps: int) -> tuple[object, object, list[float]]:
+    """Builds the rank's model and optimizer and trains ``steps`` steps under ``tracker`` (started
+    here, before the model is built), with regions "built", "step", "forward", "backward",
+    "optimizer" and "between"; returns the model, the optimizer and the last stage's losses."""
+    losses = []
+    with tracker, tracked_schedules(tracker):
+        model, optimizer = build(plan)
+        with tracker.region("built"):
+            pass
+        for _ in range(steps):
+            with tracker.region("step"):
+                loss = train_step(plan, data, model, optimizer, tracker)
+            with tracker.region("between"):
+                pass
+            if loss is not None:
+                losses.append(loss)
+    return model, optimizer, losses
+
+
 def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: int = 2) -> None:
     """Trains the plan in ``plan_path`` for :data:`STEPS` steps under the memory tracker, then (when
     ``timed_steps``) ``warmup_steps`` untimed and ``timed_steps`` timed steps without it; rank 0
@@ -284,18 +303,7 @@ def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: 
     model_parallel_cuda_manual_seed(1234)
     data = batches(plan, 1234)
     tracker = MemoryTracker("cpu")
-    losses = []
-    with tracker, tracked_schedules(tracker):
-        model, optimizer = build(plan)
-        with tracker.region("built"):
-            pass
-        for _ in range(STEPS):
-            with tracker.region("step"):
-                loss = train_step(plan, data, model, optimizer, tracker)
-            with tracker.region("between"):
-                pass
-            if loss is not None:
-                losses.append(loss)
+    model, optimizer, losses = tracked_training(plan, data, tracker, STEPS)
     # Timed steps: the tracker is off (its hooks cost time), the schedules are Megatron's own; each
     # step starts and ends with a barrier, so its time is the slowest rank's. On a machine other
     # processes share, their time slices stretch the step: each step also records the ranks' time
