@@ -19,6 +19,7 @@ from dsauto.engines.megatron import (
     FSDP_STRATEGY,
     block_recompute_layers,
     degree_flags,
+    max_connections,
     megatron_grad_bytes,
     pipeline_layout,
     selective_recompute_modules,
@@ -73,6 +74,8 @@ def _header(plan: Plan) -> list[str]:
         f"{plan.world_size} / (tp {plan.tp} x pp {plan.pp}).",
         PLAN_ID_COMMENT + plan_id(plan),  # ties the file to the other artifacts of its set
     ]
+    if need := max_connections(plan):
+        lines.append(f"{COMMENT}Launch environment: {need.setting()}, for {need.why}.")
     if plan.model.architecture == "encoder":
         lines.append(f"{COMMENT}Encoder (masked language) model: use these with Megatron-LM's "
                      f"pretrain_bert.py.")

@@ -62,6 +62,38 @@ class PipelineLayout:
     """``pipeline_model_parallel_layout`` (``--pipeline-model-parallel-layout``)."""
 
 
+@dataclass(frozen=True)
+class MaxConnections:
+    """What the plan needs of ``CUDA_DEVICE_MAX_CONNECTIONS``, the hardware queues CUDA spreads a
+    process's streams over, at launch on Hopper and earlier GPUs."""
+
+    one: bool
+    """True: it must be 1 (kernels start in the order issued, so that the tensor-parallel
+    collectives Megatron-core issues before the GEMMs they overlap start first:
+    megatron/core/tensor_parallel/layers.py); False: it must not be 1 (unset, or more)."""
+    why: str
+    """What needs it, as a phrase."""
+
+    def setting(self) -> str:
+        return "CUDA_DEVICE_MAX_CONNECTIONS=1" if self.one else "CUDA_DEVICE_MAX_CONNECTIONS unset (or above 1)"
+
+
+def max_connections(plan: Plan) -> MaxConnections | None:
+    """The plan's need of ``CUDA_DEVICE_MAX_CONNECTIONS`` (None: either works), as Megatron-LM's
+    ``validate_args`` (megatron/training/arguments.py) checks it before Blackwell: Megatron-FSDP
+    asserts it is not 1, tensor or context parallelism asserts it is 1 (without Megatron-FSDP or the
+    expert all-to-all overlap, where it only warns), and the expert all-to-all overlap needs more
+    than 1 (megatron/core/transformer/moe/README.md)."""
+    if plan.zero_stage in FSDP_STRATEGY:
+        return MaxConnections(False, "Megatron-FSDP (validate_args asserts it is not 1)")
+    if plan.expert_a2a_overlap:
+        return MaxConnections(False, "the expert all-to-all overlap (Megatron-core's MoE requirements)")
+    if plan.tp > 1 or plan.cp > 1:
+        return MaxConnections(True, "tensor or context parallelism (validate_args asserts it before Blackwell, and "
+                                    "the overlap of their collectives the plan prices relies on it)")
+    return None
+
+
 def megatron_grad_bytes(plan: Plan) -> int:
     """Bytes of one gradient in Megatron-core's gradient buffer, which its ``bucket_size`` (Megatron-LM's
     ``--ddp-bucket-size``, in parameters) fills: fp32 under bf16 (Megatron-LM's validate_args sets

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -54,6 +55,7 @@ from dsauto.engines.megatron import (
     FSDP_STRATEGY,
     block_recompute_layers,
     degree_fields,
+    max_connections,
     megatron_grad_bytes,
     pipeline_layout,
     selective_recompute_modules,
@@ -265,6 +267,7 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
                 f"to price it).")
     _report_kernel(plan, config)
     _report_unfused_swiglu(plan, config)
+    _report_max_connections(plan)
     _report_unsplit(plan)
     for gap in megatron_gaps(plan.model):  # the model's own details Megatron-core cannot build
         _report(f"Megatron-core does not build {gap}.")
@@ -588,6 +591,21 @@ def _check_model(model: ModelSpec, config: TransformerConfig) -> None:
             raise DsautoError(f"The TransformerConfig has {name}={got} but the plan was made for "
                               f"{model.name} with {name}={want}; build the model the plan describes "
                               f"or re-plan for this one.")
+
+
+def _report_max_connections(plan: Plan) -> None:
+    """Says when this process's ``CUDA_DEVICE_MAX_CONNECTIONS`` is not what the plan needs on a GPU
+    (:func:`dsauto.engines.megatron.max_connections`; megatron_args.txt states it too). CUDA reads it
+    when the process starts using the GPU, so it is reported, not set."""
+    import torch
+
+    need = max_connections(plan)
+    if need is None or not torch.cuda.is_available():
+        return
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if (value == "1") != need.one:
+        _report(f"The plan needs {need.setting()} for {need.why}, and this process has "
+                f"{'none set' if value is None else value}; set it in the launch environment.")
 
 
 def _report_unfused_swiglu(plan: Plan, config: TransformerConfig) -> None:

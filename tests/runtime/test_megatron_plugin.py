@@ -480,3 +480,35 @@ def test_an_unfused_swiglu_is_reported_and_the_plugin_fuses_it(caplog):
     assert dm.transformer_config_kwargs(gpt.model)["bias_activation_fusion"] is False  # the exact GeLU
     dm.apply(gpt, TransformerConfig(**{**dm.transformer_config_kwargs(gpt.model), "activation_func": F.gelu}))
     assert not [m for m in warnings_of(caplog) if "SwiGLU" in m]
+
+
+def test_the_launch_environment_the_plan_needs_is_written_and_checked(caplog, monkeypatch):
+    # Megatron-LM's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism before
+    # Blackwell, and that it is not 1 with Megatron-FSDP; megatron_args.txt says which, and the hook
+    # reports a process launched otherwise (on a GPU, where CUDA reads it).
+    from dsauto.api import make_plan as plan_for
+    from dsauto.emit.megatron import megatron_args
+
+    tp = plan_for("gpt-tiny", "cpu", engine="megatron", dtype="bf16", tp=2)
+    fsdp = plan_for("gpt-tiny", "cpu", engine="megatron", dtype="bf16", zero_stage=3, tp=1)
+    plain = plan_for("gpt-tiny", "cpu", engine="megatron", dtype="bf16", tp=1, zero_stage=1)
+    assert "# Launch environment: CUDA_DEVICE_MAX_CONNECTIONS=1, for tensor or context parallelism" in "\n".join(
+        megatron_args(tp))
+    assert "# Launch environment: CUDA_DEVICE_MAX_CONNECTIONS unset (or above 1), for Megatron-FSDP" in "\n".join(
+        megatron_args(fsdp))
+    assert not [line for line in megatron_args(plain) if "Launch environment" in line]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for plan, value, reported in ((tp, None, True), (tp, "1", False), (fsdp, "1", True), (fsdp, "32", False),
+                                  (plain, "1", False)):
+        caplog.clear()
+        if value is None:
+            monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
+        dm.apply(plan, config_for(plan.model))
+        said = [m for m in warnings_of(caplog) if "CUDA_DEVICE_MAX_CONNECTIONS" in m]
+        assert bool(said) == reported, (plan.tp, plan.zero_stage, value, said)
+        if plan is fsdp and reported:
+            assert said == ["dsauto: The plan needs CUDA_DEVICE_MAX_CONNECTIONS unset (or above 1) for Megatron-FSDP "
+                            "(validate_args asserts it is not 1), and this process has 1; set it in the launch "
+                            "environment."]
