@@ -144,7 +144,7 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     from dsauto.search.space import Constraints
     from dsauto.spec.training import TrainSpec
 
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"{_MODEL_HELP} (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None, help=f"{_MODEL_HELP} (default: {DEFAULT_MODEL})")
     p.add_argument("--hardware", default=DEFAULT_HARDWARE,
                    help=f"hardware preset name or a cluster YAML (default: {DEFAULT_HARDWARE})")
     p.add_argument("--nodes", type=_positive_int, default=None, help="number of nodes (default: 1)")
@@ -154,6 +154,9 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     add_field_options(p, Constraints)
     p.add_argument("--memory-limit", default=None,
                    help="per-device memory budget such as 60GiB (default: device memory minus reserve)")
+    p.add_argument("--megatron-args", type=Path, default=None, metavar="FILE",
+                   help="a Megatron-LM launch's arguments (megatron_args.txt, or a script's flags): plan with "
+                        "everything it fixes pinned, and its model unless --model names one")
     p.add_argument("--top", type=_whole(0, 100), default=0, metavar="K", help="also list the next K plans")
     p.add_argument("--profile", default=None, metavar="PATH",
                    help="a profile file or folder from `dsauto profile`: price layers from measurements")
@@ -271,15 +274,48 @@ def build_parser() -> argparse.ArgumentParser:
 def problem_from_args(args: argparse.Namespace) -> Problem:
     """The problem ``dsauto tune`` / ``dsauto plan`` solve: :func:`dsauto.api.make_problem` of the
     options, so the command line and Python share every default."""
-    from dsauto.api import make_problem
+    from dsauto.api import DEFAULT_MODEL, make_problem
     from dsauto.search.space import Constraints
     from dsauto.spec.training import TrainSpec
 
-    pins = field_values(args, Constraints)
+    pins, train = field_values(args, Constraints), field_values(args, TrainSpec)
+    model: Any = args.model or DEFAULT_MODEL
+    if args.megatron_args is not None:
+        model, launch_train, launch_pins = _launch_from_args(args)
+        train, pins = _merged(train, launch_train, "--megatron-args"), _merged(pins, launch_pins, "--megatron-args")
     if getattr(args, "target", None) == "hf":
         pins.setdefault("engine", "deepspeed")  # Hugging Face's Trainer and accelerate run DeepSpeed
-    return make_problem(args.model, args.hardware, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                        memory_limit=args.memory_limit, **field_values(args, TrainSpec), **pins)
+    return make_problem(model, args.hardware, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                        memory_limit=args.memory_limit, **train, **pins)
+
+
+def _launch_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The model, batch and pins of ``--megatron-args``, warning of what it sets that dsauto does
+    not read or prices otherwise."""
+    from dsauto.engines.megatron_args import read_megatron_args
+    from dsauto.errors import DsautoWarning
+    from dsauto.spec.loaders import as_model
+
+    named = as_model(args.model) if args.model else None
+    launch = read_megatron_args(args.megatron_args, named)
+    if launch.model is None:
+        raise DsautoError(f"{args.megatron_args} does not describe the model (no --num-layers); name it with "
+                          f"--model.")
+    if launch.unknown:
+        warnings.warn(f"{args.megatron_args} sets {', '.join(launch.unknown)}, which dsauto does not read; the plan "
+                      f"is priced without them.", DsautoWarning, stacklevel=2)
+    for note in launch.notes:
+        warnings.warn(note, DsautoWarning, stacklevel=2)
+    return launch.model, launch.train, launch.pins
+
+
+def _merged(given: dict[str, Any], launch: dict[str, Any], source: str) -> dict[str, Any]:
+    """The options given on the command line over the launch's, refusing one that contradicts it."""
+    for key, value in given.items():
+        if key in launch and launch[key] != value:
+            raise DsautoError(f"{source} fixes {key} = {launch[key]!r} and the command line gives {value!r}; drop "
+                              f"one of them.")
+    return {**launch, **given}
 
 
 def _search(args: argparse.Namespace):
@@ -395,6 +431,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     """``dsauto tune --trials N``: profile if needed, search, measure candidates, write the winner.
 
     Every option, file and limit is checked before anything is profiled or launched."""
+    from dsauto.api import DEFAULT_MODEL
     from dsauto.describe import describe_plan
     from dsauto.emit.artifacts import check_writable_folder, write_artifacts
     from dsauto.profile.launch import clean_stale_launches
@@ -446,7 +483,10 @@ def _cmd_refine(args: argparse.Namespace) -> int:
                                "profile on a machine with a GPU, or pass a profile measured elsewhere with "
                                "--profile, or use fewer --gpus-per-node or a shorter --seq-len")
                 _say(f"profiling {model.name} on {ranks} ranks into {source} first (once; later tunes reuse it)")
-                launch_profile(args.model, train.dtype, train.seq_len, tps, ranks, source, _say,
+                if args.model is None and args.megatron_args is not None:
+                    raise DsautoError("--trials profiles the model by name, and --megatron-args describes it by "
+                                      "flags; name it with --model too.")
+                launch_profile(args.model or DEFAULT_MODEL, train.dtype, train.seq_len, tps, ranks, source, _say,
                                engine=pins.engine or REFERENCE_ENGINE)
                 profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine)
         if profile.calibration is not None:

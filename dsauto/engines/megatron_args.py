@@ -1,0 +1,462 @@
+"""Reads a Megatron-LM launch's arguments (a ``megatron_args.txt``, or the flags of a training
+script) into what dsauto plans from: the model, the batch and every choice the launch fixes, so that
+``dsauto plan --megatron-args FILE`` prices that launch (and searches what it leaves open).
+
+Flags are Megatron-LM's (megatron/training/arguments.py), with its defaults where a flag is absent:
+a launch without ``--sequence-parallel`` runs without it, one without recompute flags recomputes
+nothing, one without ``--use-distributed-optimizer`` keeps the optimizer whole (ZeRO 0), one without
+a layout flag splits the layers evenly over the pipeline, and one without ``--hidden-dropout 0``
+applies dropout. A flag that changes what dsauto prices but is not read here is an error; a flag
+that changes nothing dsauto prices (learning rate, data, logging, checkpoints) is accepted; any
+other is named in a warning.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsauto.errors import DsautoError
+from dsauto.plan import chunk_layers
+from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec
+
+VALUED = {
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+    "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+    "--num-virtual-stages-per-pipeline-rank", "--data-parallel-sharding-strategy", "--recompute-granularity",
+    "--recompute-method", "--recompute-num-layers", "--recompute-modules", "--micro-batch-size",
+    "--global-batch-size", "--seq-length", "--fp8-format", "--fp8-recipe", "--attention-backend", "--cp-comm-type",
+    "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers", "--optimizer-offload-fraction", "--num-distributed-optimizer-instances",
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
+    "--kv-channels", "--max-position-embeddings", "--position-embedding-type", "--rotary-base", "--rotary-percent",
+    "--normalization", "--norm-epsilon", "--vocab-size", "--make-vocab-size-divisible-by", "--hidden-dropout",
+    "--attention-dropout", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+    "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
+    "--ddp-bucket-size", "--pipeline-model-parallel-layout",
+}
+"""Flags read here that take a value (``--recompute-modules`` takes several)."""
+
+SWITCHES = {
+    "--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--use-torch-fsdp2",
+    "--recompute-activations", "--bf16", "--fp16", "--fp8-param-gather", "--tp-comm-overlap",
+    "--grad-reduce-in-bf16", "--overlap-moe-expert-parallel-comm", "--moe-router-force-load-balancing",
+    "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
+    "--overlap-grad-reduce", "--overlap-param-gather", "--group-query-attention",
+    "--swiglu", "--squared-relu", "--disable-bias-linear", "--add-qkv-bias", "--untie-embeddings-and-output-weights",
+    "--qk-layernorm", "--apply-layernorm-1p", "--no-bias-gelu-fusion", "--moe-shared-expert-gate",
+    "--moe-router-enable-expert-bias", "--moe-grouped-gemm",
+}
+"""Flags read here that take no value."""
+
+UNPRICED = (
+    "--lr", "--min-lr", "--lr-", "--weight-decay", "--clip-grad", "--adam-", "--init-method-std", "--seed",
+    "--train-iters", "--train-samples", "--eval-", "--log-", "--tensorboard-", "--wandb-", "--save", "--load",
+    "--data-", "--split", "--tokenizer-", "--vocab-file", "--merge-file", "--mock-data", "--distributed-backend",
+    "--distributed-timeout-minutes", "--no-load-", "--exit-", "--timing-log-level", "--ckpt-format",
+    "--use-checkpoint-args", "--finetune", "--override-opt_param-scheduler", "--use-mcore-models",
+    "--transformer-impl", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+    "--use-flash-attn", "--manual-gc", "--async-save", "--dist-ckpt-", "--no-create-attention-mask-in-dataloader",
+    "--num-workers", "--bias-swiglu-fusion", "--no-async-tensor-model-parallel-allreduce",
+    "--overlap-p2p-communication", "--no-overlap-p2p-communication", "--cross-entropy-loss-fusion",
+    "--cross-entropy-fusion-impl", "--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad",
+    "--rerun-mode", "--use-rotary-position-embeddings",
+)
+"""Prefixes of flags that change nothing dsauto prices (optimizer hyperparameters, data, logging,
+checkpoints, fusions that keep the same tensors)."""
+
+REFUSED = {
+    "--recompute-method uniform": "uniform recomputation of more than one layer a group",
+    "--cpu-offloading": "activation offloading",
+    "--position-embedding-type none": "a model without position embeddings",
+    "--multi-latent-attention": "latent attention (give the model with --model)",
+}
+"""What a launch may say that dsauto does not price from flags, with the phrase its error uses."""
+
+
+@dataclass
+class MegatronLaunch:
+    """A Megatron-LM launch as dsauto reads it."""
+
+    model: ModelSpec | None
+    """The model the flags describe, or None when they give no ``--num-layers``."""
+    train: dict[str, Any] = field(default_factory=dict)
+    """``dsauto.api.make_problem`` keywords of the batch and dtype (global_batch, seq_len, dtype,
+    flash_attention)."""
+    pins: dict[str, Any] = field(default_factory=dict)
+    """``make_problem`` keywords of the choices the launch fixes."""
+    unknown: list[str] = field(default_factory=list)
+    """Flags neither read nor known to change nothing dsauto prices."""
+    notes: list[str] = field(default_factory=list)
+    """What dsauto prices otherwise than the launch runs, one sentence each."""
+
+
+def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> MegatronLaunch:
+    """The launch in the file at ``path``: Megatron-LM flags separated by spaces or lines, ``\\``
+    line continuations, ``#`` comments; other words before the first flag (a launcher and its
+    script) are skipped. ``model``: the model named otherwise (``--model``), which the flags'
+    model, if they describe one, must match (:func:`parse_megatron_args`)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise DsautoError(f"cannot read the Megatron-LM arguments {path}: {error.strerror}; give a readable "
+                          f"file.") from None
+    lines = [line.split("#", 1)[0] if not line.lstrip().startswith("#") else "" for line in text.splitlines()]
+    try:
+        words = shlex.split(" ".join(line.rstrip().removesuffix("\\") for line in lines))
+    except ValueError as error:
+        raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
+    return parse_megatron_args(words, str(path), model)
+
+
+def parse_megatron_args(words: Iterable[str], where: str = "the arguments",
+                        model: ModelSpec | None = None) -> MegatronLaunch:
+    """The launch of a list of Megatron-LM arguments (see :func:`read_megatron_args`). With
+    ``model``, the launch plans that model, after checking that the flags describe it (its
+    vocabulary stands in for a missing ``--vocab-size``: Megatron-LM reads it from the tokenizer)."""
+    flags = _flag_values(list(words), where)
+    for spelling, what in REFUSED.items():
+        name, _, value = spelling.partition(" ")
+        if name in flags and (not value or flags[name] == value):
+            if spelling == "--recompute-method uniform" and flags.get("--recompute-num-layers", "1") == "1":
+                continue
+            raise DsautoError(f"{where} sets {spelling}, and dsauto does not price {what}; remove it, or plan "
+                              f"without --megatron-args.")
+    described = _model(flags, where, model.vocab_size if model is not None else None)
+    if model is not None and described is not None:
+        _check_model(described, model, where)
+    launch = MegatronLaunch(model=model or described)
+    _batch(flags, launch, where)
+    _parallelism(flags, launch, where)
+    _recompute(flags, launch, where)
+    known = VALUED | SWITCHES | set(REFUSED_NAMES)
+    launch.unknown = sorted(name for name in flags if name not in known and not name.startswith(UNPRICED))
+    return launch
+
+
+REFUSED_NAMES = {spelling.split(" ")[0] for spelling in REFUSED}
+
+
+def _flag_values(words: list[str], where: str) -> dict[str, str]:
+    """{flag: its value ('' for a switch; the words joined by spaces for --recompute-modules)}."""
+    first = next((i for i, word in enumerate(words) if word.startswith("--")), len(words))
+    flags: dict[str, str] = {}
+    i = first
+    while i < len(words):
+        word = words[i]
+        if not word.startswith("--"):
+            raise DsautoError(f"{where} has the value {word!r} after {words[i - 1]}, which takes none; remove it.")
+        name, equals, value = word.partition("=")
+        i += 1
+        if not equals and name == "--recompute-modules":
+            values = []
+            while i < len(words) and not words[i].startswith("--"):
+                values.append(words[i])
+                i += 1
+            value = " ".join(values)
+        elif not equals and name not in SWITCHES and i < len(words) and not words[i].startswith("--"):
+            value = words[i]
+            i += 1
+        if name in VALUED and not value:
+            raise DsautoError(f"{where} gives {name} no value; give it one.")
+        if name in flags and flags[name] != value:
+            raise DsautoError(f"{where} sets {name} twice ({flags[name]!r} and {value!r}); keep one.")
+        flags[name] = value
+    return flags
+
+
+def _int(flags: dict[str, str], name: str, where: str, default: int | None = None) -> int | None:
+    if name not in flags:
+        return default
+    try:
+        value = int(flags[name])
+    except ValueError:
+        raise DsautoError(f"{where} gives {name} {flags[name]!r}, not a whole number; give one.") from None
+    if value < 0:
+        raise DsautoError(f"{where} gives {name} {value}; give a number of at least 0.")
+    return value
+
+
+def _float(flags: dict[str, str], name: str, where: str, default: float) -> float:
+    if name not in flags:
+        return default
+    try:
+        return float(flags[name])
+    except ValueError:
+        raise DsautoError(f"{where} gives {name} {flags[name]!r}, not a number; give one.") from None
+
+
+def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSpec | None:
+    """The model of the flags, with Megatron-LM's defaults (GPT: GeLU, LayerNorm, learned positions,
+    tied embeddings, biases, dropout 0.1); None without ``--num-layers``."""
+    if "--num-layers" not in flags:
+        return None
+    missing = [name for name in ("--hidden-size", "--num-attention-heads", "--seq-length") if name not in flags]
+    if missing:
+        raise DsautoError(f"{where} gives --num-layers but not {', '.join(missing)}; give the whole model, or "
+                          f"name it with --model.")
+    if "--vocab-size" not in flags and vocabulary is None:
+        raise DsautoError(f"{where} describes the model but not its vocabulary (it comes from the tokenizer); "
+                          f"add --vocab-size N, or name the model with --model.")
+    hidden, heads = _int(flags, "--hidden-size", where), _int(flags, "--num-attention-heads", where)
+    assert hidden is not None and heads is not None
+    position = flags.get("--position-embedding-type", "learned_absolute")
+    positions = {"learned_absolute": "learned", "rope": "rope"}
+    if position not in positions:
+        raise DsautoError(f"{where} sets --position-embedding-type {position}, which dsauto does not price; "
+                          f"use learned_absolute or rope, or name the model with --model.")
+    normalization = flags.get("--normalization", "LayerNorm")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise DsautoError(f"{where} sets --normalization {normalization}; dsauto prices LayerNorm and RMSNorm.")
+    biases = "--disable-bias-linear" not in flags
+    mlp = "swiglu" if "--swiglu" in flags else "relu2" if "--squared-relu" in flags else "gelu"
+    dropout = (_float(flags, "--hidden-dropout", where, 0.1) > 0, _float(flags, "--attention-dropout", where, 0.1) > 0)
+    if dropout[0] != dropout[1]:
+        raise DsautoError(f"{where} applies dropout to {'the hidden states' if dropout[0] else 'attention'} only; "
+                          f"dsauto prices dropout in both or neither: set --hidden-dropout and --attention-dropout "
+                          f"alike.")
+    seq = _int(flags, "--seq-length", where)
+    fields: dict[str, Any] = dict(
+        name="megatron-args", architecture="decoder", num_layers=_int(flags, "--num-layers", where),
+        hidden_size=hidden, num_attention_heads=heads,
+        ffn_hidden_size=_int(flags, "--ffn-hidden-size", where, 4 * hidden),
+        vocab_size=_int(flags, "--vocab-size", where, vocabulary),
+        max_position_embeddings=_int(flags, "--max-position-embeddings", where, seq),
+        num_kv_heads=_int(flags, "--num-query-groups", where, 1) if "--group-query-attention" in flags else heads,
+        attention_head_dim=_int(flags, "--kv-channels", where, 0),
+        mlp=mlp, norm="rmsnorm" if normalization == "RMSNorm" else "layernorm",
+        norm_epsilon=_float(flags, "--norm-epsilon", where, 1e-5), norm_plus_one="--apply-layernorm-1p" in flags,
+        position_embedding=positions[position], tied_embeddings="--untie-embeddings-and-output-weights" not in flags,
+        linear_bias=biases, qkv_bias="--add-qkv-bias" in flags, qk_norm="--qk-layernorm" in flags,
+        dropout=dropout[0],
+        # Megatron fuses bias and GeLU (the tanh approximation) when the layers have biases.
+        gelu_tanh=mlp == "gelu" and biases and "--no-bias-gelu-fusion" not in flags,
+    )
+    if position == "rope":
+        fields.update(rotary_base=_float(flags, "--rotary-base", where, 10000.0),
+                      rotary_percent=_float(flags, "--rotary-percent", where, 1.0))
+    if "--num-experts" in flags:
+        freq = flags.get("--moe-layer-freq", "1")
+        if not freq.isdigit():
+            raise DsautoError(f"{where} sets --moe-layer-freq {freq}; dsauto reads an interval (every N-th layer), "
+                              f"not a pattern: name the model with --model.")
+        router = flags.get("--moe-router-score-function", "softmax")
+        if router not in ("softmax", "sigmoid"):
+            raise DsautoError(f"{where} sets --moe-router-score-function {router}; dsauto prices softmax and sigmoid.")
+        fields.update(num_experts=_int(flags, "--num-experts", where), moe_top_k=_int(flags, "--moe-router-topk", where, 2),
+                      moe_ffn_hidden_size=_int(flags, "--moe-ffn-hidden-size", where, fields["ffn_hidden_size"]),
+                      shared_expert_ffn_hidden_size=_int(flags, "--moe-shared-expert-intermediate-size", where, 0),
+                      shared_expert_gate="--moe-shared-expert-gate" in flags, moe_layer_freq=int(freq),
+                      moe_router=router, moe_router_balancing_bias="--moe-router-enable-expert-bias" in flags)
+    try:
+        return ModelSpec(**fields)
+    except (TypeError, ValueError, DsautoError) as error:
+        raise DsautoError(f"{where} does not describe a model dsauto can plan: {error}") from None
+
+
+def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
+    train, pins = launch.train, launch.pins
+    if "--global-batch-size" in flags:
+        train["global_batch"] = _int(flags, "--global-batch-size", where)
+    if "--seq-length" in flags:
+        train["seq_len"] = _int(flags, "--seq-length", where)
+    if "--micro-batch-size" in flags:
+        pins["micro_batch"] = _int(flags, "--micro-batch-size", where)
+    if "--bf16" in flags and "--fp16" in flags:
+        raise DsautoError(f"{where} sets both --bf16 and --fp16; keep one.")
+    train["dtype"] = "bf16" if "--bf16" in flags else "fp16" if "--fp16" in flags else "fp32"
+    backend = flags.get("--attention-backend", "auto")
+    kernels = {"flash": "flash", "fused": "cudnn", "auto": None, "local": None, "unfused": None}
+    if backend not in kernels:
+        raise DsautoError(f"{where} sets --attention-backend {backend}; dsauto prices flash, fused, auto, local "
+                          f"and unfused.")
+    if backend in ("local", "unfused"):
+        train["flash_attention"] = False  # Megatron-core's own attention keeps the s x s scores
+    elif kernels[backend]:
+        pins["attention_kernel"] = kernels[backend]
+    if "--fp8-format" in flags:
+        pins["fp8"] = True
+        recipe = flags.get("--fp8-recipe", "delayed")
+        if recipe not in ("delayed", "tensorwise"):
+            raise DsautoError(f"{where} sets --fp8-recipe {recipe}; dsauto prices delayed and tensorwise scaling.")
+        pins["fp8_recipe"] = recipe
+        pins["fp8_param_gather"] = "--fp8-param-gather" in flags
+    else:
+        pins["fp8"] = False
+
+
+def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
+    pins = launch.pins
+    degrees = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+               "cp": "--context-parallel-size"}
+    for key, name in degrees.items():
+        pins[key] = _int(flags, name, where, 1)
+    if "--num-experts" in flags or launch.model is None:
+        for key, name in (("ep", "--expert-model-parallel-size"), ("etp", "--expert-tensor-parallel-size")):
+            if name in flags:
+                pins[key] = _int(flags, name, where)
+        if "--num-experts" in flags:
+            pins.setdefault("ep", 1)
+    pins["sequence_parallel"] = "--sequence-parallel" in flags
+    pins["engine"] = "megatron"
+    strategy = flags.get("--data-parallel-sharding-strategy", "no_shard")
+    if "--use-torch-fsdp2" in flags:
+        raise DsautoError(f"{where} sets --use-torch-fsdp2; dsauto prices Megatron-FSDP, whose sharding is the "
+                          f"same: use --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params.")
+    if "--use-megatron-fsdp" in flags:
+        stages = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+        if strategy not in stages:
+            raise DsautoError(f"{where} sets --data-parallel-sharding-strategy {strategy}; Megatron-FSDP's are "
+                              f"{', '.join(stages)}.")
+        pins["zero_stage"] = stages[strategy]
+    else:
+        pins["zero_stage"] = 1 if "--use-distributed-optimizer" in flags else 0
+    if "--num-distributed-optimizer-instances" in flags:
+        pins["dist_opt_instances"] = _int(flags, "--num-distributed-optimizer-instances", where)
+    if "--optimizer-cpu-offload" in flags:
+        if _float(flags, "--optimizer-offload-fraction", where, 1.0) != 1.0:
+            raise DsautoError(f"{where} offloads part of the optimizer (--optimizer-offload-fraction "
+                              f"{flags['--optimizer-offload-fraction']}); dsauto prices all of it or none.")
+        pins["offload"] = "optimizer"
+    else:
+        pins["offload"] = "none"
+    pins["tp_comm_overlap"] = "--tp-comm-overlap" in flags
+    pins["grad_reduce_in_fp32"] = "--grad-reduce-in-bf16" not in flags
+    if "--cp-comm-type" in flags:
+        pins["cp_comm_type"] = flags["--cp-comm-type"]
+    pins["expert_a2a_overlap"] = "--overlap-moe-expert-parallel-comm" in flags
+    if "--moe-router-force-load-balancing" in flags:
+        pins["expert_load_balanced"] = True
+    dispatcher = flags.get("--moe-token-dispatcher-type", "allgather" if "--num-experts" in flags else "alltoall")
+    if dispatcher == "flex" and flags.get("--moe-flex-dispatcher-backend") == "deepep":
+        pins["expert_dispatcher"] = "deepep"
+    elif dispatcher != "alltoall":
+        raise DsautoError(f"{where} dispatches the experts' tokens with {dispatcher}; dsauto prices alltoall "
+                          f"(--moe-token-dispatcher-type alltoall) and DeepEP (flex with the deepep backend).")
+    _virtual_stages(flags, launch, where)
+    _layout(flags, launch, where)
+    if "--ddp-bucket-size" in flags:
+        launch.notes.append(f"{where} sets --ddp-bucket-size {flags['--ddp-bucket-size']}, and dsauto prices the "
+                            f"gradient buckets of its own plan (megatron_args.txt writes their size).")
+    divisor = _int(flags, "--make-vocab-size-divisible-by", where, VOCAB_PAD_MULTIPLE)
+    if divisor != VOCAB_PAD_MULTIPLE:
+        launch.notes.append(f"{where} pads the vocabulary to a multiple of {divisor} x tp, and dsauto prices it "
+                            f"padded to a multiple of {VOCAB_PAD_MULTIPLE} x tp.")
+    missing = [name for name, needed in (("--overlap-grad-reduce", True),
+                                         ("--overlap-param-gather", pins["zero_stage"] >= 1)) if needed and name not in flags]
+    if missing:
+        launch.notes.append(f"{where} does not set {' or '.join(missing)}, and dsauto prices the data-parallel "
+                            f"communication overlapped as its plans run it; add them to run as priced.")
+
+
+def _virtual_stages(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
+    pins = launch.pins
+    if "--num-virtual-stages-per-pipeline-rank" in flags:
+        pins["vpp"] = _int(flags, "--num-virtual-stages-per-pipeline-rank", where)
+    elif "--num-layers-per-virtual-pipeline-stage" in flags:
+        per_chunk = _int(flags, "--num-layers-per-virtual-pipeline-stage", where)
+        if launch.model is None:
+            raise DsautoError(f"{where} sets --num-layers-per-virtual-pipeline-stage without --num-layers; give "
+                              f"--num-virtual-stages-per-pipeline-rank instead.")
+        chunks = launch.model.num_layers // per_chunk if per_chunk else 0
+        if not per_chunk or chunks * per_chunk != launch.model.num_layers or chunks % pins["pp"]:
+            raise DsautoError(f"{where} puts {per_chunk} layers in each virtual stage, which does not split "
+                              f"{launch.model.num_layers} layers over pp {pins['pp']}; give a count that does.")
+        pins["vpp"] = chunks // pins["pp"]
+    else:
+        pins["vpp"] = 1
+
+
+def _layout(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
+    pins = launch.pins
+    if "--pipeline-model-parallel-layout" in flags:
+        _layout_string(flags["--pipeline-model-parallel-layout"], launch, where)
+        return
+    first = _int(flags, "--decoder-first-pipeline-num-layers", where)
+    last = _int(flags, "--decoder-last-pipeline-num-layers", where)
+    if first is None and last is None:
+        if pins["pp"] > 1:
+            pins["stage_layers"] = "even"  # Megatron-core's split without a layout flag
+        return
+    if launch.model is None:
+        raise DsautoError(f"{where} sets the first or last stage's layers without --num-layers; give the model's "
+                          f"flags too.")
+    pp, layers = pins["pp"], launch.model.num_layers
+    middle = pp - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    if middle < 0 or rest < 0 or (middle and rest % middle) or (not middle and rest):
+        raise DsautoError(f"{where} gives the first and last pipeline stages {first} and {last} of {layers} layers, "
+                          f"which leaves no even split of the rest over pp {pp}; give counts that do.")
+    stages = (([first] if first is not None else []) + ([rest // middle] * middle if middle else [])
+              + ([last] if last is not None else []))
+    pins["stage_layers"] = tuple(stages)
+
+
+def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:
+    """A layout string of the form dsauto writes (megatron/core/transformer/
+    pipeline_parallel_layer_layout.py): model chunks split by "|", in Megatron's chunk order, each
+    ``E`` (the embedding, first), ``t`` or ``t*N`` (transformer layers) and ``L`` (the head, last)."""
+    pins, pp = launch.pins, launch.pins["pp"]
+    chunks = []
+    for index, chunk in enumerate(text.split("|")):
+        body = chunk.removeprefix("E") if index == 0 else chunk
+        body = body.removesuffix("L") if index == text.count("|") else body
+        if body in ("", "t") or (body.startswith("t*") and body[2:].isdigit()):
+            chunks.append(0 if not body else 1 if body == "t" else int(body[2:]))
+        else:
+            raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, whose chunk {chunk!r} dsauto "
+                              f"does not read (E, t or t*N, L); give --stage-layers instead.")
+    if len(chunks) % pp:
+        raise DsautoError(f"{where} lays out {len(chunks)} model chunks, not a multiple of pp {pp}; give one chunk "
+                          f"per pipeline rank and virtual stage.")
+    virtual = len(chunks) // pp
+    stages = tuple(sum(chunks[s * pp + rank] for s in range(virtual)) for rank in range(pp))
+    if chunk_layers(stages, virtual) != chunks:
+        raise DsautoError(f"{where} lays out the chunks {chunks}; dsauto splits a pipeline rank's layers over its "
+                          f"virtual stages as evenly as possible, earlier ones taking the remainder "
+                          f"({chunk_layers(stages, virtual)}), and prices only that.")
+    if pins.get("vpp", 1) not in (1, virtual):
+        raise DsautoError(f"{where} sets {pins['vpp']} virtual stages a rank and a layout of {virtual}; keep one.")
+    pins["vpp"], pins["stage_layers"] = virtual, stages
+
+
+def _recompute(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
+    pins = launch.pins
+    granularity = flags.get("--recompute-granularity")
+    if "--recompute-activations" in flags:
+        granularity = granularity or "selective"
+    if granularity is None:
+        pins["checkpoint"] = False
+        return
+    if granularity == "selective":
+        pins["recompute_modules"] = ",".join(flags.get("--recompute-modules", "core_attn").split())
+        return
+    if granularity != "full":
+        raise DsautoError(f"{where} sets --recompute-granularity {granularity}; Megatron-LM's are full and "
+                          f"selective.")
+    method = flags.get("--recompute-method")
+    number = _int(flags, "--recompute-num-layers", where, 1)
+    if method == "uniform":
+        pins["checkpoint"] = True  # groups of one layer (REFUSED names more)
+    elif method == "block":
+        pins["recompute_num_layers"] = number
+    else:
+        raise DsautoError(f"{where} sets --recompute-granularity full without --recompute-method; give "
+                          f"--recompute-method uniform or block, as Megatron-LM requires.")
+
+
+def _check_model(described: ModelSpec, model: ModelSpec, where: str) -> None:
+    """Refuses flags that describe a model other than ``model`` (the one named with ``--model``):
+    the shapes, the MLP, the norm, the positions and the head's tying."""
+    compared = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_heads", "mlp", "norm",
+                "position_embedding", "tied_embeddings", "num_experts", "moe_top_k")
+    for name in compared:
+        got, want = getattr(described, name), getattr(model, name)
+        if got != want:
+            raise DsautoError(f"{where} describes a model with {name} {got}, and --model {model.name} has {want}; "
+                              f"plan the model the launch trains.")
+

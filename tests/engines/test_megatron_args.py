@@ -1,0 +1,158 @@
+"""``--megatron-args``: a Megatron-LM launch read back into the model, the batch and the pins.
+
+The strongest check is the round trip: dsauto's own megatron_args.txt, read back with the model
+named, pins everything the plan chose, so the search returns the same plan. The
+others check Megatron-LM's defaults for flags a launch leaves out, and each refusal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dsauto.api import find_plans, make_plan, make_problem
+from dsauto.cli import main
+from dsauto.emit.megatron import megatron_args, write_megatron_args
+from dsauto.engines.megatron_args import parse_megatron_args, read_megatron_args
+from dsauto.errors import DsautoError, DsautoWarning
+from dsauto.spec.loaders import load_model
+
+ROUND_TRIPS = [
+    # (model, hardware, nodes, global batch, sequence, pins of the original search)
+    ("llama3-8b", "h100-80gb", 4, 512, 8192, {}),  # Megatron-FSDP (ZeRO-2 sharding), fused attention
+    ("llama3-70b", "h100-80gb", 8, 512, 8192,
+     dict(tp=4, pp=4, vpp=5, stage_layers="even", recompute_num_layers=2)),  # interleaved, block recompute
+    ("gpt3-175b", "a100-80gb", 128, 1536, 2048, dict(checkpoint=True)),  # every layer recomputed
+    ("llama2-13b", "a100-80gb", 2, 256, 4096,
+     dict(tp=2, recompute_modules="core_attn", grad_reduce_in_fp32=False, tp_comm_overlap=True)),
+    ("llama3-8b", "h100-80gb", 2, 64, 8192, dict(cp=2, fp8=True, fp8_recipe="tensorwise", checkpoint=False)),
+    ("llama2-7b", "a100-40gb", 1, 64, 4096, dict(offload="optimizer", zero_stage=1, checkpoint=True)),
+]
+
+
+@pytest.mark.parametrize("name, hardware, nodes, batch, seq, pins", ROUND_TRIPS,
+                         ids=[f"{r[0]}-{r[2]}n" for r in ROUND_TRIPS])
+def test_dsautos_own_arguments_read_back_into_the_same_plan(tmp_path, name, hardware, nodes, batch, seq, pins):
+    plan = make_plan(name, hardware, nodes=nodes, global_batch=batch, seq_len=seq, engine="megatron", **pins)
+    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    assert "# Not expressed" not in path.read_text()  # the flags say everything the plan chose
+    launch = read_megatron_args(path, plan.model)
+    assert launch.unknown == []
+    assert [note.split(",")[0] for note in launch.notes] == [f"{path} sets --ddp-bucket-size "
+                                                            f"{megatron_bucket_params(plan)}"]
+    [again] = find_plans(make_problem(launch.model, hardware, nodes=nodes, **launch.train, **launch.pins))
+    # The same plan; only the ranking's record of the ties differs, the launch having pinned them away.
+    assert dataclasses.replace(again, ranking=None) == dataclasses.replace(plan, ranking=None)
+
+
+def megatron_bucket_params(plan) -> int:
+    line = next(line for line in megatron_args(plan) if line.startswith("--ddp-bucket-size "))
+    return int(line.split()[1])
+
+
+def test_the_model_is_read_from_the_flags_given_the_vocabulary():
+    plan = make_plan("llama3-8b", "h100-80gb", nodes=1, global_batch=64, seq_len=8192, engine="megatron", tp=2)
+    flags = [line for line in megatron_args(plan) if not line.startswith("#")]
+    launch = parse_megatron_args(" ".join(flags).split() + ["--vocab-size", "128256"])
+    model = launch.model
+    assert (model.num_layers, model.hidden_size, model.ffn_hidden_size, model.kv_heads, model.vocab_size) == (
+        32, 4096, 14336, 8, 128256)
+    assert (model.mlp, model.norm, model.position_embedding, model.tied_embeddings, model.linear_bias,
+            model.dropout, model.rotary_base) == ("swiglu", "rmsnorm", "rope", False, False, False, 500000.0)
+    [again] = find_plans(make_problem(model, "h100-80gb", nodes=1, **launch.train, **launch.pins))
+    assert (again.tp, again.micro_batch, again.zero_stage) == (plan.tp, plan.micro_batch, plan.zero_stage)
+    assert again.prediction == plan.prediction  # the same costs: the flags hold everything dsauto prices
+
+
+MINIMAL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --vocab-size 4096 "
+           "--micro-batch-size 2 --global-batch-size 8 --tensor-model-parallel-size 2 "
+           "--pipeline-model-parallel-size 2 --lr 3e-4 --train-iters 100 --data-path /data/x")
+
+
+def test_what_a_launch_leaves_out_reads_as_megatron_lms_defaults():
+    launch = parse_megatron_args(MINIMAL.split())
+    model = launch.model
+    # Megatron-LM's GPT: GeLU fused with the biases (tanh), LayerNorm, learned positions, tied head, dropout 0.1
+    assert (model.mlp, model.gelu_tanh, model.norm, model.position_embedding, model.tied_embeddings,
+            model.linear_bias, model.dropout, model.ffn_hidden_size, model.max_position_embeddings) == (
+        "gelu", True, "layernorm", "learned", True, True, True, 1024, 256)
+    assert launch.train == {"global_batch": 8, "seq_len": 256, "dtype": "fp32"}
+    pins = launch.pins
+    assert (pins["tp"], pins["pp"], pins["micro_batch"], pins["sequence_parallel"], pins["zero_stage"],
+            pins["checkpoint"], pins["stage_layers"], pins["vpp"], pins["offload"], pins["fp8"]) == (
+        2, 2, 2, False, 0, False, "even", 1, "none", False)
+    assert launch.unknown == []  # the learning rate, iterations and data change nothing priced
+    assert launch.notes == ["the arguments does not set --overlap-grad-reduce, and dsauto prices the data-parallel "
+                            "communication overlapped as its plans run it; add them to run as priced."]
+
+
+@pytest.mark.parametrize("extra, pins", [
+    ("--recompute-activations", {"recompute_modules": "core_attn"}),
+    ("--recompute-granularity selective --recompute-modules core_attn mlp", {"recompute_modules": "core_attn,mlp"}),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", {"checkpoint": True}),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 1", {"recompute_num_layers": 1}),
+    ("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather", {"zero_stage": 1}),
+    ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params", {"zero_stage": 3}),
+    ("--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3", {"stage_layers": (1, 3)}),
+    ("--num-layers-per-virtual-pipeline-stage 1", {"vpp": 2}),
+    ("--pipeline-model-parallel-layout Et|t|t|tL", {"vpp": 2, "stage_layers": (2, 2)}),
+    ("--bf16 --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather",
+     {"fp8": True, "fp8_recipe": "delayed", "fp8_param_gather": True}),
+    ("--sequence-parallel --tp-comm-overlap --grad-reduce-in-bf16",
+     {"sequence_parallel": True, "tp_comm_overlap": True, "grad_reduce_in_fp32": False}),
+    ("--attention-backend flash", {"attention_kernel": "flash"}),
+])
+def test_each_choice_a_launch_fixes_becomes_a_pin(extra, pins):
+    launch = parse_megatron_args((MINIMAL + " " + extra).split())
+    assert {key: launch.pins[key] for key in pins} == pins
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2", "uniform recomputation"),
+    ("--recompute-granularity full", "without --recompute-method"),
+    ("--use-torch-fsdp2", "dsauto prices Megatron-FSDP"),
+    ("--optimizer-cpu-offload --optimizer-offload-fraction 0.5", "offloads part of the optimizer"),
+    ("--pipeline-model-parallel-layout Et*3|tmL", "does not read"),
+    ("--pipeline-model-parallel-layout Et|t*2|tL", "not a multiple of pp 2"),
+    ("--decoder-first-pipeline-num-layers 5", "no even split"),
+    ("--hidden-dropout 0.0", "dropout to attention only"),
+    ("--tensor-model-parallel-size 4", "sets --tensor-model-parallel-size twice"),
+    ("--num-experts 8 --moe-router-topk 2", "dispatches the experts' tokens with allgather"),
+    ("--position-embedding-type none", "does not price a model without position embeddings"),
+    ("--seq-length", "gives --seq-length no value"),
+])
+def test_what_dsauto_does_not_price_is_refused_in_one_sentence(extra, message):
+    with pytest.raises(DsautoError, match=message):
+        parse_megatron_args((MINIMAL + " " + extra).split())
+
+
+def test_a_launch_needs_its_vocabulary_or_a_named_model():
+    words = [word for word in MINIMAL.split() if word not in ("--vocab-size", "4096")]
+    with pytest.raises(DsautoError, match="add --vocab-size N, or name the model with --model"):
+        parse_megatron_args(words)
+    gpt = dataclasses.replace(load_model("gpt-tiny"), num_layers=4, hidden_size=256, num_attention_heads=4,
+                              ffn_hidden_size=1024, max_position_embeddings=256, tied_embeddings=True)
+    assert parse_megatron_args(words, model=gpt).model is gpt
+    with pytest.raises(DsautoError, match="num_layers 4, and --model gpt-tiny has 6"):
+        parse_megatron_args(words, model=dataclasses.replace(gpt, num_layers=6))
+
+
+@pytest.mark.filterwarnings("ignore:.*--ddp-bucket-size:UserWarning")
+def test_the_command_line_plans_a_launch_and_refuses_contradictions(tmp_path, capsys):
+    plan = make_plan("llama3-8b", "h100-80gb", nodes=1, global_batch=64, seq_len=8192, engine="megatron", tp=2)
+    path = write_megatron_args(plan, tmp_path / "launch.txt")
+    common = ["--megatron-args", str(path), "--model", "llama3-8b", "--hardware", "h100-80gb"]
+    with pytest.warns(DsautoWarning, match="--ddp-bucket-size"):
+        assert main(["tune", *common, "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "megatron_args.txt").read_text().split("\n")[4:] == path.read_text().split("\n")[4:]
+    capsys.readouterr()
+    assert main(["plan", *common, "--tp", "4"]) == 2
+    assert "--megatron-args fixes tp = 2 and the command line gives 4; drop one of them." in capsys.readouterr().err
+    path.write_text(path.read_text() + "--some-new-flag 3\n")
+    with pytest.warns(DsautoWarning, match=r"sets --some-new-flag, which dsauto does not read"):
+        assert main(["plan", *common]) == 0
+    assert main(["plan", "--megatron-args", str(path), "--hardware", "h100-80gb"]) == 2
+    assert "add --vocab-size N, or name the model with --model" in capsys.readouterr().err
+    assert main(["plan", "--megatron-args", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot read the Megatron-LM arguments" in capsys.readouterr().err
