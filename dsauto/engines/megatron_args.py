@@ -36,7 +36,7 @@ VALUED = {
     "--normalization", "--norm-epsilon", "--vocab-size", "--make-vocab-size-divisible-by", "--hidden-dropout",
     "--attention-dropout", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
-    "--ddp-bucket-size", "--pipeline-model-parallel-layout",
+    "--ddp-bucket-size", "--pipeline-model-parallel-layout", "--transformer-impl",
 }
 """Flags read here that take a value (``--recompute-modules`` takes several)."""
 
@@ -58,8 +58,7 @@ UNPRICED = (
     "--data-", "--split", "--tokenizer-", "--vocab-file", "--merge-file", "--mock-data", "--distributed-backend",
     "--distributed-timeout-minutes", "--no-load-", "--exit-", "--timing-log-level", "--ckpt-format",
     "--use-checkpoint-args", "--finetune", "--override-opt_param-scheduler", "--use-mcore-models",
-    "--transformer-impl", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
-    "--use-flash-attn", "--manual-gc", "--async-save", "--dist-ckpt-", "--no-create-attention-mask-in-dataloader",
+    "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--manual-gc", "--async-save", "--dist-ckpt-", "--no-create-attention-mask-in-dataloader",
     "--num-workers", "--bias-swiglu-fusion", "--no-async-tensor-model-parallel-allreduce",
     "--overlap-p2p-communication", "--no-overlap-p2p-communication", "--cross-entropy-loss-fusion",
     "--cross-entropy-fusion-impl", "--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad",
@@ -274,7 +273,10 @@ def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     if backend not in kernels:
         raise DsautoError(f"{where} sets --attention-backend {backend}; dsauto prices flash, fused, auto, local "
                           f"and unfused.")
-    if backend in ("local", "unfused"):
+    impl = flags.get("--transformer-impl", "transformer_engine")
+    if impl not in ("transformer_engine", "local"):
+        raise DsautoError(f"{where} sets --transformer-impl {impl}; dsauto prices transformer_engine and local.")
+    if backend in ("local", "unfused") or impl == "local":
         train["flash_attention"] = False  # Megatron-core's own attention keeps the s x s scores
     elif kernels[backend]:
         pins["attention_kernel"] = kernels[backend]
@@ -339,6 +341,9 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
                           f"(--moe-token-dispatcher-type alltoall) and DeepEP (flex with the deepep backend).")
     _virtual_stages(flags, launch, where)
     _layout(flags, launch, where)
+    if "--num-experts" in flags and "--moe-grouped-gemm" not in flags:
+        launch.notes.append(f"{where} does not set --moe-grouped-gemm, and dsauto prices the experts' GEMMs "
+                            f"grouped; add it to run as priced.")
     if "--ddp-bucket-size" in flags:
         launch.notes.append(f"{where} sets --ddp-bucket-size {flags['--ddp-bucket-size']}, and dsauto prices the "
                             f"gradient buckets of its own plan (megatron_args.txt writes their size).")

@@ -70,6 +70,12 @@ MINIMAL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-lengt
            "--pipeline-model-parallel-size 2 --lr 3e-4 --train-iters 100 --data-path /data/x")
 
 
+def test_megatron_cores_own_layers_price_eager_attention():
+    for extra in ("--transformer-impl local", "--attention-backend local", "--attention-backend unfused"):
+        assert parse_megatron_args((MINIMAL + " " + extra).split()).train["flash_attention"] is False
+    assert "flash_attention" not in parse_megatron_args(MINIMAL.split()).train
+
+
 def test_what_a_launch_leaves_out_reads_as_megatron_lms_defaults():
     launch = parse_megatron_args(MINIMAL.split())
     model = launch.model
@@ -102,6 +108,8 @@ def test_what_a_launch_leaves_out_reads_as_megatron_lms_defaults():
     ("--sequence-parallel --tp-comm-overlap --grad-reduce-in-bf16",
      {"sequence_parallel": True, "tp_comm_overlap": True, "grad_reduce_in_fp32": False}),
     ("--attention-backend flash", {"attention_kernel": "flash"}),
+    ("--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-grouped-gemm "
+     "--expert-model-parallel-size 2", {"ep": 2}),
 ])
 def test_each_choice_a_launch_fixes_becomes_a_pin(extra, pins):
     launch = parse_megatron_args((MINIMAL + " " + extra).split())
