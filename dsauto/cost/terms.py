@@ -101,6 +101,9 @@ class DeviceModel:
     """Peak FP8 FLOP/s (0: the device has no FP8 tensor cores)."""
     fp8_matmul_efficiency: float = 0.0
     """Fraction of ``fp8_peak_flops`` that large FP8 GEMMs reach."""
+    softmax_backward_fp32_scores: int = 4
+    """fp32 score-sized tensors at the backward of Megatron-core's unfused 16-bit softmax
+    (:attr:`dsauto.spec.cluster.DeviceSpec.softmax_backward_fp32_scores`)."""
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> DeviceModel:
@@ -113,7 +116,8 @@ class DeviceModel:
                    fused_attention_efficiency=device.fused_attention_efficiency or 0.0,
                    grouped_gemm_knee_tokens=device.grouped_gemm_knee_tokens,
                    fp8_peak_flops=device.peak_flops.get("fp8", 0.0),
-                   fp8_matmul_efficiency=device.fp8_matmul_efficiency or device.matmul_efficiency)
+                   fp8_matmul_efficiency=device.fp8_matmul_efficiency or device.matmul_efficiency,
+                   softmax_backward_fp32_scores=device.softmax_backward_fp32_scores)
 
     def matmul_seconds(self, flops: float, dim: float, fp8: bool = False) -> float:
         """A GEMM of ``flops`` whose smallest dimension is ``dim``: efficiency saturates with size.
@@ -1125,7 +1129,8 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
         if group.kind == "transformer":
             mlp = megatron_mlp_backward_bytes_per_token(group, t, ctx.dtype_bytes, replicated_div)
             projection = grad + tokens * mlp
-            softmax = 0.0 if flash else tokens * megatron_attention_backward_bytes_per_token(group, t, ctx.dtype_bytes)
+            softmax = 0.0 if flash else tokens * megatron_attention_backward_bytes_per_token(
+                group, t, ctx.dtype_bytes, ctx.device.softmax_backward_fp32_scores)
             transient += max(projection, softmax)
         else:
             transient += grad
@@ -1224,7 +1229,8 @@ def mlp_out_input_elements(group: LayerGroup) -> float:
     return group.mlp_out_matmul_flops_per_token / (2 * group.gemm_dim) if group.gemm_dim else 0.0
 
 
-def megatron_attention_backward_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int) -> float:
+def megatron_attention_backward_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int,
+                                                 fp32_scores: int = 3) -> float:
     """Bytes per token beyond a transformer layer's kept activations at the backward of Megatron-core's
     unfused attention softmax, where the score-sized gradients peak: the fp32 ones alive then, less
     the kept scores (freed by their backward) and the MLP's inner activations (freed before).
@@ -1237,12 +1243,13 @@ def megatron_attention_backward_bytes_per_token(group: LayerGroup, tp: int, dtyp
     CopySlices' result, the clone of its slice and ``masked_fill``'s output, 4 score tensors at
     once. In 16 bits the softmax runs on an fp32 copy (``input.float()``, no view): its saved fp32
     output, the up-cast gradient of the probabilities and the softmax's input gradient, 3. Measured
-    on one rank (hidden 256, 4 heads, 1 x 1024 tokens, 16 MiB per fp32 score tensor): 4 and 3 of
+    on one CPU rank (hidden 256, 4 heads, 1 x 1024 tokens, 16 MiB per fp32 score tensor): 4 and 3 of
     them at the peak of the layer's backward, which the layer's count puts within 0.05% in both
     dtypes beside the s x s boolean causal mask Megatron makes per call, not counted
-    (tests/cost/test_megatron_memory.py)."""
+    (tests/cost/test_megatron_memory.py). On an H100 the 16-bit backward holds one more
+    (``fp32_scores``, the device's ``softmax_backward_fp32_scores``: 4; benchmarks/device_steps.py)."""
     scores = attention_scores_per_token(group) / tp
-    alive = (4 if dtype_bytes >= 4 else 3) * 4 * scores
+    alive = (4 if dtype_bytes >= 4 else fp32_scores) * 4 * scores
     kept = group.attention_score_bytes_per_token / tp + megatron_softmax_fp32_bytes_per_token(group, tp, dtype_bytes)
     return alive - kept - group.mlp_act_bytes_per_token / tp
 

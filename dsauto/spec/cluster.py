@@ -70,6 +70,13 @@ class DeviceSpec:
     time grows as 1 + (knee / tokens per expert)^2 (:func:`dsauto.cost.terms.expert_gemm_seconds`).
     Measured, not fitted to runs: benchmarks/device_experts.py on the GPU. 0: not measured, no
     such penalty priced."""
+    softmax_backward_fp32_scores: int = 4
+    """fp32 tensors of the attention scores' size alive at the backward of Megatron-core's unfused
+    16-bit softmax (``FusedScaleMaskSoftmax.forward_torch_softmax`` up-casts the scores;
+    :func:`dsauto.cost.terms.megatron_attention_backward_bytes_per_token`). Measured: 4 on an H100
+    (torch 2.11; benchmarks/results/device_steps_h100-80gb.md: the backward peaks of five plans
+    within 0.6% with it, 3.3-10.3% low with 3), 3 on CPU ranks (torch 2.13; tests/cost/
+    test_megatron_memory.py). Which tensor the GPU holds more was not established."""
     kernel_launch_seconds: float = 5e-6
     """Fixed cost of launching one kernel; operator splitting launches more of them."""
     memory_reserve_bytes: int = 0
@@ -94,6 +101,7 @@ class DeviceSpec:
             *(((self.fp8_matmul_efficiency, "fp8_matmul_efficiency", dict(above=0, maximum=1)),)
               if self.fp8_matmul_efficiency is not None else ()),
             (self.grouped_gemm_knee_tokens, "grouped_gemm_knee_tokens", dict(minimum=0, maximum=MAX_WIDTH)),
+            (self.softmax_backward_fp32_scores, "softmax_backward_fp32_scores", dict(minimum=0, maximum=16)),
             (self.kernel_launch_seconds, "kernel_launch_seconds", dict(minimum=0, maximum=MAX_SECONDS)),
             (self.memory_reserve_bytes, "memory_reserve_bytes", dict(minimum=0, maximum=self.memory_bytes - 1)),
         ])

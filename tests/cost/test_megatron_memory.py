@@ -257,3 +257,21 @@ def test_one_layer_keeps_what_megatron_core_saved_on_an_h100(preset):
                                             sequence_parallel=False, engine="megatron"), model.hidden_size)
     kept = sum(cost.layer(group, KEEP).activation_bytes for group in layer_groups(model, seq_len, 2))
     assert kept / MiB == pytest.approx(measured, rel=1e-3)
+
+
+def test_megatron_core_steps_on_an_h100_peak_as_priced():
+    # Real Megatron-core training on an H100 (benchmarks/device_steps.py, run 2): each plan's peak of
+    # live bytes over its first steps against its prediction, within 1%. The backward of unfused 16-bit
+    # attention holds 4 fp32 score tensors there (the device's softmax_backward_fp32_scores), 3 on CPU.
+    import json
+
+    from benchmark_modules import load
+
+    steps = load("device_steps")
+    data = json.loads(steps.DEFAULT_FILE.read_text())
+    cases = {case.name: case for case in steps.CASES}
+    measured = [entry for entry in data["cases"] if "measured" in entry]
+    assert len(measured) == 6
+    for entry in measured:
+        plan = steps.reprice(cases[entry["case"]], entry["plan_yaml"], "h100-80gb")
+        assert plan.prediction.peak_memory_bytes == pytest.approx(entry["measured"]["peak_bytes"], rel=0.01), entry["case"]
