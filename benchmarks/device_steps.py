@@ -258,7 +258,8 @@ def measure(path: Path, cases: tuple[Case, ...], hardware: str, only: str = "") 
     work = Path(tempfile.mkdtemp(prefix="dsauto-device-steps-"))
     doc = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "megatron_core": _version("megatron-core"), "hardware": hardware,
-           "command": f"python benchmarks/device_steps.py --measure benchmarks/results/{path.name}" + (f" --only '{only}'" if only else ""),
+           "command": f"python benchmarks/device_steps.py --measure benchmarks/results/{path.name}"
+                      + (f" --only '{only}'" if only else ""),
            "cases": []}
     for number, case in enumerate(cases):
         started = time.perf_counter()
@@ -378,7 +379,8 @@ def compare(path: Path, hardware: str, out: Path | None) -> None:
         m, [stage] = row.measured, row.plan.stages
         state = stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes
         lines.append(f"| {row.case.name} | {m['built_bytes'] / GiB:.2f} | {state / GiB:.2f} | "
-                     f"{m['between_bytes'] / GiB:.2f} | {m['forward_bytes'] / GiB:.2f} | {m['backward_bytes'] / GiB:.2f} | "
+                     f"{m['between_bytes'] / GiB:.2f} | {m['forward_bytes'] / GiB:.2f} | "
+                     f"{m['backward_bytes'] / GiB:.2f} | "
                      f"{m['optimizer_bytes'] / GiB:.2f} | {stage.peak_bytes / GiB:.2f} |")
     if reserve:
         worst = max(m.get("reserved_peak_bytes", 0) - m["peak_bytes"] + m.get("outside_allocator_bytes", 0)
@@ -441,7 +443,8 @@ def _plot(rows: list[Row], path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", type=Path, default=None, metavar="FILE", help="train the cases here into FILE")
-    parser.add_argument("--only", default="", help="with --measure: only the cases whose name contains one of these comma-separated words")
+    parser.add_argument("--only", default="",
+                        help="with --measure: only the cases whose name contains one of these comma-separated words")
     parser.add_argument("--smoke", action="store_true", help="two tiny cases priced on the cpu preset (a CPU check)")
     parser.add_argument("--file", type=Path, default=DEFAULT_FILE, help="measurements to compare against")
     parser.add_argument("--hardware", default=None, help=f"preset to price with (default: {HARDWARE})")

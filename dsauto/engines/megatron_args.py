@@ -6,9 +6,11 @@ Flags are Megatron-LM's (megatron/training/arguments.py), with its defaults wher
 a launch without ``--sequence-parallel`` runs without it, one without recompute flags recomputes
 nothing, one without ``--use-distributed-optimizer`` keeps the optimizer whole (ZeRO 0), one without
 a layout flag splits the layers evenly over the pipeline, and one without ``--hidden-dropout 0``
-applies dropout. A flag that changes what dsauto prices but is not read here is an error; a flag
-that changes nothing dsauto prices (learning rate, data, logging, checkpoints) is accepted; any
-other is named in a warning.
+applies dropout. A setting dsauto would price otherwise than the launch runs it (uniform recompute
+groups of several layers, activation offloading, a partial optimizer offload, ...) is refused in one
+sentence; a flag that changes nothing dsauto prices (learning rate, data, logging, checkpoints) is
+accepted; any other flag is named in a warning, and so is what dsauto prices its own way (the
+gradient buckets, overlap flags the launch leaves out).
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ UNPRICED = (
     "--data-", "--split", "--tokenizer-", "--vocab-file", "--merge-file", "--mock-data", "--distributed-backend",
     "--distributed-timeout-minutes", "--no-load-", "--exit-", "--timing-log-level", "--ckpt-format",
     "--use-checkpoint-args", "--finetune", "--override-opt_param-scheduler", "--use-mcore-models",
-    "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--manual-gc", "--async-save", "--dist-ckpt-", "--no-create-attention-mask-in-dataloader",
-    "--num-workers", "--bias-swiglu-fusion", "--no-async-tensor-model-parallel-allreduce",
+    "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--manual-gc", "--async-save",
+    "--dist-ckpt-", "--no-create-attention-mask-in-dataloader", "--num-workers", "--bias-swiglu-fusion",
+    "--no-async-tensor-model-parallel-allreduce",
     "--overlap-p2p-communication", "--no-overlap-p2p-communication", "--cross-entropy-loss-fusion",
     "--cross-entropy-fusion-impl", "--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad",
     "--rerun-mode", "--use-rotary-position-embeddings",
@@ -245,8 +248,10 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
                               f"not a pattern: name the model with --model.")
         router = flags.get("--moe-router-score-function", "softmax")
         if router not in ("softmax", "sigmoid"):
-            raise DsautoError(f"{where} sets --moe-router-score-function {router}; dsauto prices softmax and sigmoid.")
-        fields.update(num_experts=_int(flags, "--num-experts", where), moe_top_k=_int(flags, "--moe-router-topk", where, 2),
+            raise DsautoError(f"{where} sets --moe-router-score-function {router}; dsauto prices softmax and "
+                              f"sigmoid.")
+        fields.update(num_experts=_int(flags, "--num-experts", where),
+                      moe_top_k=_int(flags, "--moe-router-topk", where, 2),
                       moe_ffn_hidden_size=_int(flags, "--moe-ffn-hidden-size", where, fields["ffn_hidden_size"]),
                       shared_expert_ffn_hidden_size=_int(flags, "--moe-shared-expert-intermediate-size", where, 0),
                       shared_expert_gate="--moe-shared-expert-gate" in flags, moe_layer_freq=int(freq),
@@ -351,8 +356,8 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     if divisor != VOCAB_PAD_MULTIPLE:
         launch.notes.append(f"{where} pads the vocabulary to a multiple of {divisor} x tp, and dsauto prices it "
                             f"padded to a multiple of {VOCAB_PAD_MULTIPLE} x tp.")
-    missing = [name for name, needed in (("--overlap-grad-reduce", True),
-                                         ("--overlap-param-gather", pins["zero_stage"] >= 1)) if needed and name not in flags]
+    overlaps = (("--overlap-grad-reduce", True), ("--overlap-param-gather", pins["zero_stage"] >= 1))
+    missing = [name for name, needed in overlaps if needed and name not in flags]
     if missing:
         launch.notes.append(f"{where} does not set {' or '.join(missing)}, and dsauto prices the data-parallel "
                             f"communication overlapped as its plans run it; add them to run as priced.")

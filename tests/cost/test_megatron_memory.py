@@ -274,4 +274,5 @@ def test_megatron_core_steps_on_an_h100_peak_as_priced():
     assert len(measured) == 6
     for entry in measured:
         plan = steps.reprice(cases[entry["case"]], entry["plan_yaml"], "h100-80gb")
-        assert plan.prediction.peak_memory_bytes == pytest.approx(entry["measured"]["peak_bytes"], rel=0.01), entry["case"]
+        peak = entry["measured"]["peak_bytes"]
+        assert plan.prediction.peak_memory_bytes == pytest.approx(peak, rel=0.01), entry["case"]
