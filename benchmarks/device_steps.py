@@ -196,7 +196,7 @@ def list_saved(path: Path) -> None:
         dm.initialize_model_parallel(plan)
         torch.manual_seed(0)
         model_parallel_cuda_manual_seed(0)
-        model, optimizer = build(plan)
+        model, optimizer = build(plan, cuda=True)
         batch = next(batches(plan, 1, "cuda"))
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved: dict[int, tuple[int, tuple, str, str]] = {}
@@ -334,6 +334,8 @@ def reprice(case: Case, plan_yaml: str, hardware: str):
 
 
 def compare(path: Path, hardware: str, out: Path | None) -> None:
+    """Prices the plans measured in ``path`` with ``hardware``'s preset, prints the summary line and
+    (``out``) writes the table and the plot."""
 
     data = json.loads(path.read_text())
     by_name = {case.name: case for case in CASES + SMOKE_CASES}

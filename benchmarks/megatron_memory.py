@@ -184,9 +184,9 @@ def forward_step(data_iterator, model):
     return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), loss_func
 
 
-def build(plan):
-    """The rank's model and optimizer, as a Megatron-LM training script builds them with the plugin."""
-    import torch
+def build(plan, cuda: bool = False):
+    """The rank's model and optimizer, as a Megatron-LM training script builds them with the plugin;
+    ``cuda``: on this process's GPU (else on the CPU, through dsauto's Megatron CPU shim)."""
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -199,7 +199,7 @@ def build(plan):
 
     # On a GPU the parameters are created on it, as Megatron-LM's get_model does.
     config = dm.apply(plan, TransformerConfig(**dm.transformer_config_kwargs(plan.model),
-                                              use_cpu_initialization=not torch.cuda.is_available(),
+                                              use_cpu_initialization=not cuda,
                                               attention_backend=AttnBackend.local))
     [model] = dm.model_chunks(plan, lambda **where: GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
@@ -208,7 +208,7 @@ def build(plan):
         # As Megatron-LM's get_model: every parameter (the norms and the position table too) in 16
         # bits, inputs cast on the first stage, the loss returned in fp32 (transformer/module.py).
         model = Float16Module(config, model)
-    ddp_config = dm.ddp_config(plan, megatron_fsdp=torch.cuda.is_available())
+    ddp_config = dm.ddp_config(plan, megatron_fsdp=cuda)
     model = DistributedDataParallel(config, ddp_config, model)
     optimizer = get_megatron_optimizer(dm.optimizer_config(plan, lr=1e-4), [model])
     if ddp_config.overlap_grad_reduce:
@@ -263,7 +263,7 @@ def tracked_training(plan, data: Iterator[dict], tracker, steps: int) -> tuple[o
     "optimizer" and "between"; returns the model, the optimizer and the last stage's losses."""
     losses = []
     with tracker, tracked_schedules(tracker):
-        model, optimizer = build(plan)
+        model, optimizer = build(plan, cuda=tracker.device.type == "cuda")
         with tracker.region("built"):
             pass
         for _ in range(steps):

@@ -311,8 +311,15 @@ def _launch_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
 
 def _merged(given: dict[str, Any], launch: dict[str, Any], source: str) -> dict[str, Any]:
     """The options given on the command line over the launch's, refusing one that contradicts it."""
+    def normal(key: str, value: Any) -> Any:  # the spellings of one value that the pins accept
+        if key == "stage_layers" and isinstance(value, str) and value != "even":
+            return tuple(int(part) for part in value.split(",") if part.strip().isdigit())
+        if key == "recompute_modules" and isinstance(value, str):
+            return frozenset(part.strip() for part in value.split(","))
+        return value
+
     for key, value in given.items():
-        if key in launch and launch[key] != value:
+        if key in launch and normal(key, launch[key]) != normal(key, value):
             raise DsautoError(f"{source} fixes {key} = {launch[key]!r} and the command line gives {value!r}; drop "
                               f"one of them.")
     return {**launch, **given}
@@ -447,6 +454,9 @@ def _cmd_refine(args: argparse.Namespace) -> int:
 
     settings = _tune_settings(args)
     problem = problem_from_args(args)
+    if args.model is None and args.megatron_args is not None:
+        raise DsautoError("--trials profiles the model by name, and --megatron-args describes it by flags; name it "
+                          "with --model too.")
     model, cluster, train, pins = problem.model, problem.cluster, problem.train, problem.pins
     check_writable_folder(args.out, "--out")
     out = Path(args.out)
@@ -483,9 +493,6 @@ def _cmd_refine(args: argparse.Namespace) -> int:
                                "profile on a machine with a GPU, or pass a profile measured elsewhere with "
                                "--profile, or use fewer --gpus-per-node or a shorter --seq-len")
                 _say(f"profiling {model.name} on {ranks} ranks into {source} first (once; later tunes reuse it)")
-                if args.model is None and args.megatron_args is not None:
-                    raise DsautoError("--trials profiles the model by name, and --megatron-args describes it by "
-                                      "flags; name it with --model too.")
                 launch_profile(args.model or DEFAULT_MODEL, train.dtype, train.seq_len, tps, ranks, source, _say,
                                engine=pins.engine or REFERENCE_ENGINE)
                 profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine)

@@ -1230,7 +1230,7 @@ def mlp_out_input_elements(group: LayerGroup) -> float:
 
 
 def megatron_attention_backward_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int,
-                                                 fp32_scores: int = 3) -> float:
+                                                 fp32_scores: int) -> float:
     """Bytes per token beyond a transformer layer's kept activations at the backward of Megatron-core's
     unfused attention softmax, where the score-sized gradients peak: the fp32 ones alive then, less
     the kept scores (freed by their backward) and the MLP's inner activations (freed before).

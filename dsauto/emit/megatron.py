@@ -16,6 +16,7 @@ from dsauto.describe import layer_span, layers_text, runs_text
 from dsauto.emit.ds_config import dtype_bytes
 from dsauto.engines.architecture import megatron_gaps, no_rope_freq
 from dsauto.engines.megatron import (
+    ATTENTION_BACKEND,
     FSDP_STRATEGY,
     block_recompute_layers,
     degree_flags,
@@ -328,7 +329,7 @@ def _batch_and_precision(plan: Plan) -> list[str]:
     # the eager softmax whose scores the plan counts. "fused" is cuDNN's kernel (Transformer
     # Engine's FusedAttention), "flash" FlashAttention: the kernel the plan's time is priced with,
     # named rather than left to Transformer Engine's "auto".
-    backend = {"flash": "flash", "cudnn": "fused"}[plan.attention_kernel] if plan.flash_attention else "unfused"
+    backend = ATTENTION_BACKEND[plan.attention_kernel] if plan.flash_attention else "unfused"
     lines.append("--attention-backend " + backend)
     return lines
 

@@ -42,6 +42,10 @@ def degree_fields(dims: ParallelDims, experts: bool = False) -> dict[str, int]:
             if experts or dim not in EXPERT_DEGREES}
 
 
+ATTENTION_BACKEND = {"flash": "flash", "cudnn": "fused"}
+"""Megatron-LM's ``--attention-backend`` of each fused attention kernel a plan is priced with
+(FlashAttention, cuDNN's fused attention through Transformer Engine)."""
+
 FSDP_STRATEGY = {2: "optim_grads", 3: "optim_grads_params"}
 """ZeRO stage -> Megatron-FSDP sharding strategy (megatron/core/distributed/
 distributed_data_parallel_config.py: ``data_parallel_sharding_strategy``). Stage 1 is Megatron's

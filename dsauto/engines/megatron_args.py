@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsauto.engines.megatron import ATTENTION_BACKEND, FSDP_STRATEGY
 from dsauto.errors import DsautoError
 from dsauto.plan import chunk_layers
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec
@@ -50,7 +51,7 @@ SWITCHES = {
     "--overlap-grad-reduce", "--overlap-param-gather", "--group-query-attention",
     "--swiglu", "--squared-relu", "--disable-bias-linear", "--add-qkv-bias", "--untie-embeddings-and-output-weights",
     "--qk-layernorm", "--apply-layernorm-1p", "--no-bias-gelu-fusion", "--moe-shared-expert-gate",
-    "--moe-router-enable-expert-bias", "--moe-grouped-gemm",
+    "--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--use-rotary-position-embeddings",
 }
 """Flags read here that take no value."""
 
@@ -60,18 +61,19 @@ UNPRICED = (
     "--data-", "--split", "--tokenizer-", "--vocab-file", "--merge-file", "--mock-data", "--distributed-backend",
     "--distributed-timeout-minutes", "--no-load-", "--exit-", "--timing-log-level", "--ckpt-format",
     "--use-checkpoint-args", "--finetune", "--override-opt_param-scheduler", "--use-mcore-models",
-    "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--manual-gc", "--async-save",
-    "--dist-ckpt-", "--no-create-attention-mask-in-dataloader", "--num-workers", "--bias-swiglu-fusion",
+    "--no-gradient-accumulation-fusion", "--manual-gc", "--async-save",
+    "--dist-ckpt-", "--no-create-attention-mask-in-dataloader", "--num-workers",
     "--no-async-tensor-model-parallel-allreduce",
     "--overlap-p2p-communication", "--no-overlap-p2p-communication", "--cross-entropy-loss-fusion",
     "--cross-entropy-fusion-impl", "--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad",
-    "--rerun-mode", "--use-rotary-position-embeddings",
+    "--rerun-mode",
 )
 """Prefixes of flags that change nothing dsauto prices (optimizer hyperparameters, data, logging,
 checkpoints, fusions that keep the same tensors)."""
 
 REFUSED = {
     "--recompute-method uniform": "uniform recomputation of more than one layer a group",
+    "--no-bias-swiglu-fusion": "an unfused SwiGLU (it keeps 2 x FFN more values a token in every layer)",
     "--cpu-offloading": "activation offloading",
     "--position-embedding-type none": "a model without position embeddings",
     "--multi-latent-attention": "latent attention (give the model with --model)",
@@ -107,9 +109,8 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
     except OSError as error:
         raise DsautoError(f"cannot read the Megatron-LM arguments {path}: {error.strerror}; give a readable "
                           f"file.") from None
-    lines = [line.split("#", 1)[0] if not line.lstrip().startswith("#") else "" for line in text.splitlines()]
     try:
-        words = shlex.split(" ".join(line.rstrip().removesuffix("\\") for line in lines))
+        words = shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
     return parse_megatron_args(words, str(path), model)
@@ -136,7 +137,8 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments",
     _parallelism(flags, launch, where)
     _recompute(flags, launch, where)
     known = VALUED | SWITCHES | set(REFUSED_NAMES)
-    launch.unknown = sorted(name for name in flags if name not in known and not name.startswith(UNPRICED))
+    launch.unknown = sorted(launch.unknown + [name for name in flags
+                                              if name not in known and not name.startswith(UNPRICED)])
     return launch
 
 
@@ -144,25 +146,27 @@ REFUSED_NAMES = {spelling.split(" ")[0] for spelling in REFUSED}
 
 
 def _flag_values(words: list[str], where: str) -> dict[str, str]:
-    """{flag: its value ('' for a switch; the words joined by spaces for --recompute-modules)}."""
-    first = next((i for i, word in enumerate(words) if word.startswith("--")), len(words))
+    """{flag: its value ('' for a switch; several words joined by spaces)}. The words up to the
+    training script (the last ending in ``.py``), or to the first flag without one, are the
+    launcher's and are skipped. A flag read here takes the values it takes; any other takes every
+    word up to the next flag (Megatron-LM's lists, such as ``--data-path``)."""
+    scripts = [i for i, word in enumerate(words) if word.endswith(".py")]
+    i = scripts[-1] + 1 if scripts else next((i for i, word in enumerate(words) if word.startswith("--")), len(words))
     flags: dict[str, str] = {}
-    i = first
     while i < len(words):
         word = words[i]
         if not word.startswith("--"):
-            raise DsautoError(f"{where} has the value {word!r} after {words[i - 1]}, which takes none; remove it.")
+            raise DsautoError(f"{where} has the word {word!r} where a flag should start; remove it or give it a flag.")
         name, equals, value = word.partition("=")
         i += 1
-        if not equals and name == "--recompute-modules":
+        if not equals and name not in SWITCHES:
             values = []
             while i < len(words) and not words[i].startswith("--"):
                 values.append(words[i])
                 i += 1
+                if name in VALUED and name != "--recompute-modules":
+                    break
             value = " ".join(values)
-        elif not equals and name not in SWITCHES and i < len(words) and not words[i].startswith("--"):
-            value = words[i]
-            i += 1
         if name in VALUED and not value:
             raise DsautoError(f"{where} gives {name} no value; give it one.")
         if name in flags and flags[name] != value:
@@ -171,15 +175,16 @@ def _flag_values(words: list[str], where: str) -> dict[str, str]:
     return flags
 
 
-def _int(flags: dict[str, str], name: str, where: str, default: int | None = None) -> int | None:
+def _int(flags: dict[str, str], name: str, where: str, default: int | None = None, minimum: int = 1) -> int | None:
+    """``name``'s whole-number value (at least ``minimum``), or ``default`` when the flag is absent."""
     if name not in flags:
         return default
     try:
         value = int(flags[name])
     except ValueError:
         raise DsautoError(f"{where} gives {name} {flags[name]!r}, not a whole number; give one.") from None
-    if value < 0:
-        raise DsautoError(f"{where} gives {name} {value}; give a number of at least 0.")
+    if value < minimum:
+        raise DsautoError(f"{where} gives {name} {value}; give a number of at least {minimum}.")
     return value
 
 
@@ -206,7 +211,9 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
                           f"add --vocab-size N, or name the model with --model.")
     hidden, heads = _int(flags, "--hidden-size", where), _int(flags, "--num-attention-heads", where)
     assert hidden is not None and heads is not None
-    position = flags.get("--position-embedding-type", "learned_absolute")
+    # --use-rotary-position-embeddings, Megatron-LM's older spelling, still sets rope (validate_args).
+    rotary = "--use-rotary-position-embeddings" in flags
+    position = flags.get("--position-embedding-type", "rope" if rotary else "learned_absolute")
     positions = {"learned_absolute": "learned", "rope": "rope"}
     if position not in positions:
         raise DsautoError(f"{where} sets --position-embedding-type {position}, which dsauto does not price; "
@@ -222,10 +229,13 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
                           f"dsauto prices dropout in both or neither: set --hidden-dropout and --attention-dropout "
                           f"alike.")
     seq = _int(flags, "--seq-length", where)
+    # validate_args: without --ffn-hidden-size, 4 x hidden, or for SwiGLU 2/3 of it rounded down to a
+    # multiple of 64.
+    ffn_default = int(4 * hidden * 2 / 3 / 64) * 64 if mlp == "swiglu" else 4 * hidden
     fields: dict[str, Any] = dict(
         name="megatron-args", architecture="decoder", num_layers=_int(flags, "--num-layers", where),
         hidden_size=hidden, num_attention_heads=heads,
-        ffn_hidden_size=_int(flags, "--ffn-hidden-size", where, 4 * hidden),
+        ffn_hidden_size=_int(flags, "--ffn-hidden-size", where, ffn_default),
         vocab_size=_int(flags, "--vocab-size", where, vocabulary),
         max_position_embeddings=_int(flags, "--max-position-embeddings", where, seq),
         num_kv_heads=_int(flags, "--num-query-groups", where, 1) if "--group-query-attention" in flags else heads,
@@ -264,8 +274,11 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
 
 def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     train, pins = launch.train, launch.pins
-    if "--global-batch-size" in flags:
-        train["global_batch"] = _int(flags, "--global-batch-size", where)
+    if "--global-batch-size" not in flags:
+        # Megatron-LM's default is one micro-batch per data-parallel rank, a number of the plan.
+        raise DsautoError(f"{where} does not set --global-batch-size; give it, so that the plan trains the "
+                          f"launch's batch.")
+    train["global_batch"] = _int(flags, "--global-batch-size", where)
     if "--seq-length" in flags:
         train["seq_len"] = _int(flags, "--seq-length", where)
     if "--micro-batch-size" in flags:
@@ -274,7 +287,8 @@ def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
         raise DsautoError(f"{where} sets both --bf16 and --fp16; keep one.")
     train["dtype"] = "bf16" if "--bf16" in flags else "fp16" if "--fp16" in flags else "fp32"
     backend = flags.get("--attention-backend", "auto")
-    kernels = {"flash": "flash", "fused": "cudnn", "auto": None, "local": None, "unfused": None}
+    kernels = {**{name: kernel for kernel, name in ATTENTION_BACKEND.items()}, "auto": None, "local": None,
+               "unfused": None}
     if backend not in kernels:
         raise DsautoError(f"{where} sets --attention-backend {backend}; dsauto prices flash, fused, auto, local "
                           f"and unfused.")
@@ -283,6 +297,11 @@ def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
         raise DsautoError(f"{where} sets --transformer-impl {impl}; dsauto prices transformer_engine and local.")
     if backend in ("local", "unfused") or impl == "local":
         train["flash_attention"] = False  # Megatron-core's own attention keeps the s x s scores
+        launch.notes.append(
+            f"{where} runs unfused attention, which dsauto prices as its own Megatron-core plugin configures "
+            f"it (torch's softmax in fp32); Megatron-LM's defaults differ (its fused masked softmax, 16-bit "
+            f"unless --attention-softmax-in-fp32), keeping fewer score-sized tensors, so the memory is priced "
+            f"high.")
     elif kernels[backend]:
         pins["attention_kernel"] = kernels[backend]
     if "--fp8-format" in flags:
@@ -302,28 +321,32 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
                "cp": "--context-parallel-size"}
     for key, name in degrees.items():
         pins[key] = _int(flags, name, where, 1)
-    if "--num-experts" in flags or launch.model is None:
-        for key, name in (("ep", "--expert-model-parallel-size"), ("etp", "--expert-tensor-parallel-size")):
-            if name in flags:
-                pins[key] = _int(flags, name, where)
-        if "--num-experts" in flags:
-            pins.setdefault("ep", 1)
+    experts = "--num-experts" in flags or (launch.model is not None and launch.model.moe)
+    if experts:
+        # Megatron-LM's defaults: ep 1, and etp = tp (validate_args sets expert_tensor_parallel_size).
+        pins["ep"] = _int(flags, "--expert-model-parallel-size", where, 1)
+        pins["etp"] = _int(flags, "--expert-tensor-parallel-size", where, pins["tp"])
+    elif any(name in flags for name in ("--expert-model-parallel-size", "--expert-tensor-parallel-size")):
+        raise DsautoError(f"{where} sets expert parallelism for a model without experts; name the mixture of experts "
+                          f"with --model, or give --num-experts.")
     pins["sequence_parallel"] = "--sequence-parallel" in flags
     pins["engine"] = "megatron"
-    strategy = flags.get("--data-parallel-sharding-strategy", "no_shard")
     if "--use-torch-fsdp2" in flags:
         raise DsautoError(f"{where} sets --use-torch-fsdp2; dsauto prices Megatron-FSDP, whose sharding is the "
                           f"same: use --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params.")
     if "--use-megatron-fsdp" in flags:
-        stages = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+        # Megatron-LM's default strategy changed between versions (no_shard, then optim_grads_params).
+        stages = {"no_shard": 0, "optim": 1, **{name: stage for stage, name in FSDP_STRATEGY.items()}}
+        strategy = flags.get("--data-parallel-sharding-strategy")
         if strategy not in stages:
-            raise DsautoError(f"{where} sets --data-parallel-sharding-strategy {strategy}; Megatron-FSDP's are "
+            raise DsautoError(f"{where} sets --use-megatron-fsdp with --data-parallel-sharding-strategy "
+                              f"{strategy or 'not given (its default depends on the version)'}; give one of "
                               f"{', '.join(stages)}.")
         pins["zero_stage"] = stages[strategy]
     else:
         pins["zero_stage"] = 1 if "--use-distributed-optimizer" in flags else 0
-    if "--num-distributed-optimizer-instances" in flags:
-        pins["dist_opt_instances"] = _int(flags, "--num-distributed-optimizer-instances", where)
+    if pins["zero_stage"] == 1:
+        pins["dist_opt_instances"] = _int(flags, "--num-distributed-optimizer-instances", where, 1)
     if "--optimizer-cpu-offload" in flags:
         if _float(flags, "--optimizer-offload-fraction", where, 1.0) != 1.0:
             raise DsautoError(f"{where} offloads part of the optimizer (--optimizer-offload-fraction "
@@ -333,20 +356,24 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
         pins["offload"] = "none"
     pins["tp_comm_overlap"] = "--tp-comm-overlap" in flags
     pins["grad_reduce_in_fp32"] = "--grad-reduce-in-bf16" not in flags
-    if "--cp-comm-type" in flags:
-        pins["cp_comm_type"] = flags["--cp-comm-type"]
+    if pins["cp"] > 1:
+        comm = flags.get("--cp-comm-type", "p2p")  # Megatron-LM's default
+        if comm not in ("p2p", "all_gather", "a2a"):
+            raise DsautoError(f"{where} sets --cp-comm-type {comm}; dsauto prices one of p2p, all_gather and a2a "
+                              f"for every layer.")
+        pins["cp_comm_type"] = comm
     pins["expert_a2a_overlap"] = "--overlap-moe-expert-parallel-comm" in flags
     if "--moe-router-force-load-balancing" in flags:
         pins["expert_load_balanced"] = True
-    dispatcher = flags.get("--moe-token-dispatcher-type", "allgather" if "--num-experts" in flags else "alltoall")
-    if dispatcher == "flex" and flags.get("--moe-flex-dispatcher-backend") == "deepep":
+    dispatcher = flags.get("--moe-token-dispatcher-type", "allgather" if experts else "alltoall")
+    if dispatcher == "flex" and flags.get("--moe-flex-dispatcher-backend", "deepep") == "deepep":
         pins["expert_dispatcher"] = "deepep"
     elif dispatcher != "alltoall":
         raise DsautoError(f"{where} dispatches the experts' tokens with {dispatcher}; dsauto prices alltoall "
                           f"(--moe-token-dispatcher-type alltoall) and DeepEP (flex with the deepep backend).")
     _virtual_stages(flags, launch, where)
     _layout(flags, launch, where)
-    if "--num-experts" in flags and "--moe-grouped-gemm" not in flags:
+    if experts and "--moe-grouped-gemm" not in flags:
         launch.notes.append(f"{where} does not set --moe-grouped-gemm, and dsauto prices the experts' GEMMs "
                             f"grouped; add it to run as priced.")
     if "--ddp-bucket-size" in flags:
@@ -356,6 +383,9 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     if divisor != VOCAB_PAD_MULTIPLE:
         launch.notes.append(f"{where} pads the vocabulary to a multiple of {divisor} x tp, and dsauto prices it "
                             f"padded to a multiple of {VOCAB_PAD_MULTIPLE} x tp.")
+    if "--optimizer-cpu-offload" not in flags:
+        launch.unknown += [name for name in ("--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer")
+                           if name in flags]  # read only beside the offload they serve
     overlaps = (("--overlap-grad-reduce", True), ("--overlap-param-gather", pins["zero_stage"] >= 1))
     missing = [name for name, needed in overlaps if needed and name not in flags]
     if missing:
@@ -439,6 +469,8 @@ def _recompute(flags: dict[str, str], launch: MegatronLaunch, where: str) -> Non
     granularity = flags.get("--recompute-granularity")
     if "--recompute-activations" in flags:
         granularity = granularity or "selective"
+    if granularity != "selective":
+        pins["recompute_modules"] = "none"  # no selective recomputation beside what the flags say
     if granularity is None:
         pins["checkpoint"] = False
         return
@@ -461,9 +493,12 @@ def _recompute(flags: dict[str, str], launch: MegatronLaunch, where: str) -> Non
 
 def _check_model(described: ModelSpec, model: ModelSpec, where: str) -> None:
     """Refuses flags that describe a model other than ``model`` (the one named with ``--model``):
-    the shapes, the MLP, the norm, the positions and the head's tying."""
-    compared = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_heads", "mlp", "norm",
-                "position_embedding", "tied_embeddings", "num_experts", "moe_top_k")
+    the shapes, the vocabulary, the MLP, the norm, the positions, the biases, dropout, the head's
+    tying and the experts. Megatron-LM's defaults count as said: a launch without
+    ``--disable-bias-linear`` trains with biases, one without ``--hidden-dropout 0`` with dropout."""
+    compared = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_heads", "head_dim", "mlp",
+                "norm", "position_embedding", "tied_embeddings", "linear_bias", "dropout", "vocab_size",
+                "num_experts", "moe_top_k")
     for name in compared:
         got, want = getattr(described, name), getattr(model, name)
         if got != want:

@@ -472,7 +472,7 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
         hidden_dropout=0.1 if model.dropout else 0.0,
         attention_dropout=0.1 if model.dropout else 0.0,
         gated_linear_unit=model.gated_mlp,
-        # Megatron-LM fuses SwiGLU by default (--bias-swiglu-fusion), and the plan's memory is priced
+        # Megatron-LM fuses SwiGLU unless --no-bias-swiglu-fusion, and the plan's memory is priced
         # so: the fused function keeps its input alone, where the unfused one also keeps the SiLU's
         # output and a copy of the linear half (MLP.forward's glu adds glu_linear_offset). Its fused
         # bias-GeLU is the tanh approximation, so the exact GeLU keeps it off.
@@ -620,7 +620,7 @@ def _report_unfused_swiglu(plan: Plan, config: TransformerConfig) -> None:
         width = plan.model.expert_ffn_hidden_size if plan.model.moe else plan.model.ffn_hidden_size
         _report(f"The config computes the SwiGLU unfused (bias_activation_fusion=False), which keeps 2 x {width} "
                 f"more values per token in every layer than the plan's memory prices; set "
-                f"bias_activation_fusion=True (Megatron-LM's default, --bias-swiglu-fusion).")
+                f"bias_activation_fusion=True (Megatron-LM's default, off only with --no-bias-swiglu-fusion).")
 
 
 def _report_kernel(plan: Plan, config: TransformerConfig) -> None:

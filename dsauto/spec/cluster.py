@@ -76,7 +76,10 @@ class DeviceSpec:
     :func:`dsauto.cost.terms.megatron_attention_backward_bytes_per_token`). Measured: 4 on an H100
     (torch 2.11; benchmarks/results/device_steps_h100-80gb.md: the backward peaks of five plans
     within 0.6% with it, 3.3-10.3% low with 3), 3 on CPU ranks (torch 2.13; tests/cost/
-    test_megatron_memory.py). Which tensor the GPU holds more was not established."""
+    test_megatron_memory.py). Which tensor the GPU holds more was not established, nor whether the
+    difference is the device's or torch's (the two ran different versions); the A100 and H200
+    presets take the H100's count unmeasured. Measured with Megatron-core's local layer spec
+    (DotProductAttention); Transformer Engine's unfused attention may hold a different count."""
     kernel_launch_seconds: float = 5e-6
     """Fixed cost of launching one kernel; operator splitting launches more of them."""
     memory_reserve_bytes: int = 0

@@ -276,3 +276,32 @@ def test_megatron_core_steps_on_an_h100_peak_as_priced():
         plan = steps.reprice(cases[entry["case"]], entry["plan_yaml"], "h100-80gb")
         peak = entry["measured"]["peak_bytes"]
         assert plan.prediction.peak_memory_bytes == pytest.approx(peak, rel=0.01), entry["case"]
+
+
+def test_unfused_attention_keeps_per_score_and_per_token_what_the_listing_shows():
+    # Per score in bf16: the 16-bit probabilities and the fp32 softmax output (2 + 4) without dropout;
+    # with dropout its mask and output replace the probabilities (1 + 2 + 4). Per token, Llama 3 8B's
+    # grouped keys and values repeated to all 32 heads beside the rotated queries (3 x 8192 bytes
+    # against the neutral 8192 + 4096); under core_attn recomputation the checkpoint keeps the rotated
+    # queries and keys and the unrepeated QKV storage (8192 + 2048 + 12288).
+    from dsauto.cost.terms import (
+        attention_scores_per_token,
+        megatron_eager_qkv_bytes_per_token,
+        megatron_softmax_fp32_bytes_per_token,
+    )
+    from dsauto.spec.loaders import load_model
+
+    llama = load_model("llama3-8b")
+    [block] = [g for g in layer_groups(llama, 4096, 2) if g.kind == "transformer"]
+    scores = attention_scores_per_token(block)
+    assert scores == 32 * 4096
+    assert block.attention_score_bytes_per_token == 2 * scores and not block.attention_dropout
+    assert megatron_softmax_fp32_bytes_per_token(block, 1, 2) == 4 * scores
+    dropped = dataclasses.replace(llama, dropout=True)
+    [with_dropout] = [g for g in layer_groups(dropped, 4096, 2) if g.kind == "transformer"]
+    kept = with_dropout.attention_score_bytes_per_token + megatron_softmax_fp32_bytes_per_token(with_dropout, 1, 2)
+    assert kept == 7 * scores
+    assert megatron_softmax_fp32_bytes_per_token(block, 1, 4) == 0  # in fp32 the output is the probabilities
+    assert megatron_eager_qkv_bytes_per_token(block, 1) == 3 * 8192 - (8192 + 4096)
+    assert megatron_eager_qkv_bytes_per_token(block, 1, core_recomputed=True) == 8192 + 2048
+    assert megatron_eager_qkv_bytes_per_token(block, 2) == (3 * 8192 - (8192 + 4096)) / 2

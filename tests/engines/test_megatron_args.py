@@ -108,6 +108,9 @@ def test_what_a_launch_leaves_out_reads_as_megatron_lms_defaults():
     ("--sequence-parallel --tp-comm-overlap --grad-reduce-in-bf16",
      {"sequence_parallel": True, "tp_comm_overlap": True, "grad_reduce_in_fp32": False}),
     ("--attention-backend flash", {"attention_kernel": "flash"}),
+    ("--use-distributed-optimizer", {"dist_opt_instances": 1}),  # Megatron-LM's one instance
+    ("--context-parallel-size 2", {"cp": 2, "cp_comm_type": "p2p"}),  # its ring by default
+    ("", {"recompute_modules": "none", "checkpoint": False}),  # nothing recomputed, selectively either
     ("--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-grouped-gemm "
      "--expert-model-parallel-size 2", {"ep": 2}),
 ])
@@ -129,6 +132,11 @@ def test_each_choice_a_launch_fixes_becomes_a_pin(extra, pins):
     ("--num-experts 8 --moe-router-topk 2", "dispatches the experts' tokens with allgather"),
     ("--position-embedding-type none", "does not price a model without position embeddings"),
     ("--seq-length", "gives --seq-length no value"),
+    ("--context-parallel-size 0", "give a number of at least 1"),
+    ("--use-megatron-fsdp", "its default depends on the version"),
+    ("--context-parallel-size 2 --cp-comm-type a2a+p2p", "dsauto prices one of p2p, all_gather and a2a"),
+    ("--no-bias-swiglu-fusion", "an unfused SwiGLU"),
+    ("--expert-model-parallel-size 2", "expert parallelism for a model without experts"),
 ])
 def test_what_dsauto_does_not_price_is_refused_in_one_sentence(extra, message):
     with pytest.raises(DsautoError, match=message):
@@ -140,10 +148,15 @@ def test_a_launch_needs_its_vocabulary_or_a_named_model():
     with pytest.raises(DsautoError, match="add --vocab-size N, or name the model with --model"):
         parse_megatron_args(words)
     gpt = dataclasses.replace(load_model("gpt-tiny"), num_layers=4, hidden_size=256, num_attention_heads=4,
-                              ffn_hidden_size=1024, max_position_embeddings=256, tied_embeddings=True)
+                              ffn_hidden_size=1024, max_position_embeddings=256, tied_embeddings=True, dropout=True)
     assert parse_megatron_args(words, model=gpt).model is gpt
     with pytest.raises(DsautoError, match="num_layers 4, and --model gpt-tiny has 6"):
         parse_megatron_args(words, model=dataclasses.replace(gpt, num_layers=6))
+    # Megatron-LM's defaults count as said: no --hidden-dropout 0 means dropout, no flag the biases.
+    with pytest.raises(DsautoError, match="dropout True, and --model gpt-tiny has False"):
+        parse_megatron_args(words, model=dataclasses.replace(gpt, dropout=False))
+    with pytest.raises(DsautoError, match="vocab_size 4096, and --model gpt-tiny has 50257"):
+        parse_megatron_args(MINIMAL.split(), model=dataclasses.replace(gpt, vocab_size=50257))
 
 
 @pytest.mark.filterwarnings("ignore:.*--ddp-bucket-size:UserWarning")
@@ -157,6 +170,13 @@ def test_the_command_line_plans_a_launch_and_refuses_contradictions(tmp_path, ca
     capsys.readouterr()
     assert main(["plan", *common, "--tp", "4"]) == 2
     assert "--megatron-args fixes tp = 2 and the command line gives 4; drop one of them." in capsys.readouterr().err
+    assert main(["plan", *common, "--tp", "2", "--recompute-modules", "none"]) == 0  # the same values repeated
+    described = tmp_path / "described.txt"
+    described.write_text(path.read_text() + "--vocab-size 128256\n")
+    capsys.readouterr()
+    assert main(["tune", "--megatron-args", str(described), "--hardware", "h100-80gb", "--trials", "2", "--out",
+                 str(tmp_path / "t")]) == 2
+    assert "name it with --model too" in capsys.readouterr().err
     path.write_text(path.read_text() + "--some-new-flag 3\n")
     with pytest.warns(DsautoWarning, match=r"sets --some-new-flag, which dsauto does not read"):
         assert main(["plan", *common]) == 0
@@ -164,3 +184,36 @@ def test_the_command_line_plans_a_launch_and_refuses_contradictions(tmp_path, ca
     assert "add --vocab-size N, or name the model with --model" in capsys.readouterr().err
     assert main(["plan", "--megatron-args", str(tmp_path / "missing.txt")]) == 2
     assert "cannot read the Megatron-LM arguments" in capsys.readouterr().err
+
+
+def test_megatron_lms_own_defaults_for_what_a_launch_leaves_out():
+    swiglu = parse_megatron_args((MINIMAL + " --swiglu --use-rotary-position-embeddings").split()).model
+    assert swiglu.ffn_hidden_size == 640  # validate_args: int(4 x 256 x 2 / 3 / 64) x 64
+    assert swiglu.position_embedding == "rope"  # the older spelling still sets rope
+    moe = parse_megatron_args((MINIMAL + " --num-experts 4 --moe-token-dispatcher-type flex --moe-grouped-gemm").split())
+    assert (moe.pins["ep"], moe.pins["etp"], moe.pins["expert_dispatcher"]) == (1, 2, "deepep")  # etp = tp
+    with pytest.raises(DsautoError, match="--global-batch-size"):
+        parse_megatron_args([word for word in MINIMAL.split() if word not in ("--global-batch-size", "8")])
+    eager = parse_megatron_args((MINIMAL + " --transformer-impl local").split())
+    assert any("runs unfused attention" in note for note in eager.notes)
+
+
+def test_a_named_mixture_of_experts_takes_the_launchs_expert_degrees():
+    gpt = load_model("gpt-tiny")
+    moe = dataclasses.replace(gpt, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=gpt.ffn_hidden_size)
+    words = ("--tensor-model-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
+             "--moe-grouped-gemm --global-batch-size 8 --micro-batch-size 1").split()
+    launch = parse_megatron_args(words, model=moe)
+    assert (launch.pins["ep"], launch.pins["etp"]) == (2, 2)
+    with pytest.raises(DsautoError, match="allgather"):
+        parse_megatron_args(words[:4] + words[6:], model=moe)  # Megatron-LM's default dispatcher
+
+
+def test_a_launch_script_reads_as_its_flags(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text("# a launch as people write it\n"
+                      "torchrun --nproc_per_node=8 --nnodes 1 pretrain_gpt.py \\\n"
+                      "    " + MINIMAL.replace(" --data-path /data/x", "") + " \\\n"
+                      "    --data-path 0.5 /data/a 0.5 /data/b --wandb-exp-name 'run#3'  # two datasets\n")
+    launch = read_megatron_args(script)
+    assert launch.pins["tp"] == 2 and launch.train["global_batch"] == 8 and launch.unknown == []
