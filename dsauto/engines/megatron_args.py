@@ -188,6 +188,15 @@ def _int(flags: dict[str, str], name: str, where: str, default: int | None = Non
     return value
 
 
+def _choice(flags: dict[str, str], name: str, where: str, default: str, choices: Iterable[str]) -> str:
+    """``name``'s value (``default`` when absent), refused unless it is one of ``choices``."""
+    value, allowed = flags.get(name, default), list(choices)
+    if value not in allowed:
+        raise DsautoError(f"{where} sets {name} {value}; dsauto prices {', '.join(allowed[:-1])} and {allowed[-1]} "
+                          f"(name the model with --model where the flag describes it).")
+    return value
+
+
 def _float(flags: dict[str, str], name: str, where: str, default: float) -> float:
     if name not in flags:
         return default
@@ -213,14 +222,9 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
     assert hidden is not None and heads is not None
     # --use-rotary-position-embeddings, Megatron-LM's older spelling, still sets rope (validate_args).
     rotary = "--use-rotary-position-embeddings" in flags
-    position = flags.get("--position-embedding-type", "rope" if rotary else "learned_absolute")
     positions = {"learned_absolute": "learned", "rope": "rope"}
-    if position not in positions:
-        raise DsautoError(f"{where} sets --position-embedding-type {position}, which dsauto does not price; "
-                          f"use learned_absolute or rope, or name the model with --model.")
-    normalization = flags.get("--normalization", "LayerNorm")
-    if normalization not in ("LayerNorm", "RMSNorm"):
-        raise DsautoError(f"{where} sets --normalization {normalization}; dsauto prices LayerNorm and RMSNorm.")
+    position = _choice(flags, "--position-embedding-type", where, "rope" if rotary else "learned_absolute", positions)
+    normalization = _choice(flags, "--normalization", where, "LayerNorm", ("LayerNorm", "RMSNorm"))
     biases = "--disable-bias-linear" not in flags
     mlp = "swiglu" if "--swiglu" in flags else "relu2" if "--squared-relu" in flags else "gelu"
     dropout = (_float(flags, "--hidden-dropout", where, 0.1) > 0, _float(flags, "--attention-dropout", where, 0.1) > 0)
@@ -256,10 +260,7 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
         if not freq.isdigit():
             raise DsautoError(f"{where} sets --moe-layer-freq {freq}; dsauto reads an interval (every N-th layer), "
                               f"not a pattern: name the model with --model.")
-        router = flags.get("--moe-router-score-function", "softmax")
-        if router not in ("softmax", "sigmoid"):
-            raise DsautoError(f"{where} sets --moe-router-score-function {router}; dsauto prices softmax and "
-                              f"sigmoid.")
+        router = _choice(flags, "--moe-router-score-function", where, "softmax", ("softmax", "sigmoid"))
         fields.update(num_experts=_int(flags, "--num-experts", where),
                       moe_top_k=_int(flags, "--moe-router-topk", where, 2),
                       moe_ffn_hidden_size=_int(flags, "--moe-ffn-hidden-size", where, fields["ffn_hidden_size"]),
@@ -286,15 +287,10 @@ def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     if "--bf16" in flags and "--fp16" in flags:
         raise DsautoError(f"{where} sets both --bf16 and --fp16; keep one.")
     train["dtype"] = "bf16" if "--bf16" in flags else "fp16" if "--fp16" in flags else "fp32"
-    backend = flags.get("--attention-backend", "auto")
     kernels = {**{name: kernel for kernel, name in ATTENTION_BACKEND.items()}, "auto": None, "local": None,
                "unfused": None}
-    if backend not in kernels:
-        raise DsautoError(f"{where} sets --attention-backend {backend}; dsauto prices flash, fused, auto, local "
-                          f"and unfused.")
-    impl = flags.get("--transformer-impl", "transformer_engine")
-    if impl not in ("transformer_engine", "local"):
-        raise DsautoError(f"{where} sets --transformer-impl {impl}; dsauto prices transformer_engine and local.")
+    backend = _choice(flags, "--attention-backend", where, "auto", kernels)
+    impl = _choice(flags, "--transformer-impl", where, "transformer_engine", ("transformer_engine", "local"))
     if backend in ("local", "unfused") or impl == "local":
         train["flash_attention"] = False  # Megatron-core's own attention keeps the s x s scores
         launch.notes.append(
@@ -306,10 +302,7 @@ def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
         pins["attention_kernel"] = kernels[backend]
     if "--fp8-format" in flags:
         pins["fp8"] = True
-        recipe = flags.get("--fp8-recipe", "delayed")
-        if recipe not in ("delayed", "tensorwise"):
-            raise DsautoError(f"{where} sets --fp8-recipe {recipe}; dsauto prices delayed and tensorwise scaling.")
-        pins["fp8_recipe"] = recipe
+        pins["fp8_recipe"] = _choice(flags, "--fp8-recipe", where, "delayed", ("delayed", "tensorwise"))
         pins["fp8_param_gather"] = "--fp8-param-gather" in flags
     else:
         pins["fp8"] = False
@@ -357,11 +350,8 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     pins["tp_comm_overlap"] = "--tp-comm-overlap" in flags
     pins["grad_reduce_in_fp32"] = "--grad-reduce-in-bf16" not in flags
     if pins["cp"] > 1:
-        comm = flags.get("--cp-comm-type", "p2p")  # Megatron-LM's default
-        if comm not in ("p2p", "all_gather", "a2a"):
-            raise DsautoError(f"{where} sets --cp-comm-type {comm}; dsauto prices one of p2p, all_gather and a2a "
-                              f"for every layer.")
-        pins["cp_comm_type"] = comm
+        # Megatron-LM's default, the ring; one exchange for every layer
+        pins["cp_comm_type"] = _choice(flags, "--cp-comm-type", where, "p2p", ("p2p", "all_gather", "a2a"))
     pins["expert_a2a_overlap"] = "--overlap-moe-expert-parallel-comm" in flags
     if "--moe-router-force-load-balancing" in flags:
         pins["expert_load_balanced"] = True

@@ -131,10 +131,11 @@ def test_each_choice_a_launch_fixes_becomes_a_pin(extra, pins):
     ("--tensor-model-parallel-size 4", "sets --tensor-model-parallel-size twice"),
     ("--num-experts 8 --moe-router-topk 2", "dispatches the experts' tokens with allgather"),
     ("--position-embedding-type none", "does not price a model without position embeddings"),
+    ("--normalization LayerNorm1P", "dsauto prices LayerNorm and RMSNorm"),
     ("--seq-length", "gives --seq-length no value"),
     ("--context-parallel-size 0", "give a number of at least 1"),
     ("--use-megatron-fsdp", "its default depends on the version"),
-    ("--context-parallel-size 2 --cp-comm-type a2a+p2p", "dsauto prices one of p2p, all_gather and a2a"),
+    ("--context-parallel-size 2 --cp-comm-type a2a+p2p", "dsauto prices p2p, all_gather and a2a"),
     ("--no-bias-swiglu-fusion", "an unfused SwiGLU"),
     ("--expert-model-parallel-size 2", "expert parallelism for a model without experts"),
 ])
