@@ -84,10 +84,10 @@ class MaxConnections:
 
 def max_connections(plan: Plan) -> MaxConnections | None:
     """The plan's need of ``CUDA_DEVICE_MAX_CONNECTIONS`` (None: either works), as Megatron-LM's
-    ``validate_args`` (megatron/training/arguments.py) checks it before Blackwell: Megatron-FSDP
-    asserts it is not 1, tensor or context parallelism asserts it is 1 (without Megatron-FSDP or the
-    expert all-to-all overlap, where it only warns), and the expert all-to-all overlap needs more
-    than 1 (megatron/core/transformer/moe/README.md)."""
+    ``validate_args`` (megatron/training/arguments.py) checks it: Megatron-FSDP asserts it is not 1
+    (on every GPU); before Blackwell, tensor or context parallelism asserts it is 1 (without
+    Megatron-FSDP or the expert all-to-all overlap, where it only warns); the expert all-to-all
+    overlap needs more than 1 (megatron/core/transformer/moe/README.md)."""
     if plan.zero_stage in FSDP_STRATEGY:
         return MaxConnections(False, "Megatron-FSDP (validate_args asserts it is not 1)")
     if plan.expert_a2a_overlap:
