@@ -147,11 +147,11 @@ REFUSED_NAMES = {spelling.split(" ")[0] for spelling in REFUSED}
 
 def _flag_values(words: list[str], where: str) -> dict[str, str]:
     """{flag: its value ('' for a switch; several words joined by spaces)}. The words up to the
-    training script (the last ending in ``.py``), or to the first flag without one, are the
+    training script (the first ending in ``.py``), or to the first flag without one, are the
     launcher's and are skipped. A flag read here takes the values it takes; any other takes every
     word up to the next flag (Megatron-LM's lists, such as ``--data-path``)."""
     scripts = [i for i, word in enumerate(words) if word.endswith(".py")]
-    i = scripts[-1] + 1 if scripts else next((i for i, word in enumerate(words) if word.startswith("--")), len(words))
+    i = scripts[0] + 1 if scripts else next((i for i, word in enumerate(words) if word.startswith("--")), len(words))
     flags: dict[str, str] = {}
     while i < len(words):
         word = words[i]
