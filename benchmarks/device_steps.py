@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -183,8 +182,9 @@ def list_saved(path: Path) -> None:
 
     import dsauto.megatron as dm
     from dsauto.api import find_plans
+    from dsauto.refine.launchers import free_port
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")
     from megatron.core import parallel_state
@@ -230,12 +230,6 @@ def list_saved(path: Path) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _outside_allocator_bytes() -> int:
     """GPU memory in use that the caching allocator has not reserved: the CUDA context, the
     libraries' own buffers (cuBLAS, NCCL) and any other process on the GPU."""
@@ -254,6 +248,7 @@ def measure(path: Path, cases: tuple[Case, ...], hardware: str, only: str = "") 
 
     from dsauto.api import find_plans
     from dsauto.plan_io import plan_id, write_plan_yaml
+    from dsauto.refine.launchers import free_port
 
     work = Path(tempfile.mkdtemp(prefix="dsauto-device-steps-"))
     doc = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -267,7 +262,7 @@ def measure(path: Path, cases: tuple[Case, ...], hardware: str, only: str = "") 
         plan_path = write_plan_yaml(plan, work / f"case{number}.yaml")
         out_path = work / f"case{number}.json"
         env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(_free_port())}
+               "MASTER_PORT": str(free_port())}
         log = work / f"case{number}.log"
         with log.open("w") as out:
             try:

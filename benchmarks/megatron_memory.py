@@ -33,7 +33,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -438,9 +437,9 @@ def launch(plan_path: Path, out_path: Path, log: Path, nproc: int, timed_steps: 
            layers: bool = False) -> None:
     """Runs :func:`worker` (or with ``layers`` :func:`layer_times`) on ``nproc`` CPU ranks with
     torchrun, killed after the timeout (``timed_steps``: steps to time after the tracked ones)."""
-    with socket.socket() as probe:  # a free port for the rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from dsauto.refine.launchers import free_port
+
+    port = free_port()  # for the rendezvous
     command = ["timeout", "--signal=KILL", str(LAUNCH_TIMEOUT_SECONDS), sys.executable, "-m",
                "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
                __file__, "--worker", str(plan_path), str(out_path), "--timed-steps", str(timed_steps),

@@ -613,7 +613,8 @@ def _report_unfused_swiglu(plan: Plan, config: TransformerConfig) -> None:
     (megatron/core/transformer/mlp.py) then keeps the SiLU's output and a copy of the linear half
     (it adds ``glu_linear_offset``) beside the fc1 output, where the fused function
     (megatron/core/fusions/fused_bias_swiglu.py) keeps its input alone, as the plan's memory is
-    priced. Measured on an H100 (benchmarks/device_steps.py): the two more tensors per layer."""
+    priced. Listed tensor by tensor in bf16 (Megatron-core's local layers on CPU): the two more tensors
+    per layer."""
     import torch.nn.functional as F
 
     if plan.model.mlp == "swiglu" and config.activation_func is F.silu and not config.bias_activation_fusion:

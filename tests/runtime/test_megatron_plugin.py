@@ -460,8 +460,9 @@ def test_pinned_tp_comm_overlap_and_bf16_gradients_reach_megatron_core(caplog):
 
 
 def test_an_unfused_swiglu_is_reported_and_the_plugin_fuses_it(caplog):
-    # The plan's memory holds the fused SwiGLU's input alone; Megatron-core's unfused glu keeps two more
-    # FFN-wide tensors a token (measured on an H100: benchmarks/results/device_steps_saved_h100.txt).
+    # The plan's memory holds the fused SwiGLU's input alone (the H100 listing,
+    # benchmarks/results/device_steps_saved_h100.txt: bias_swiglu_impl keeps its 2 x FFN input); Megatron-core's
+    # unfused glu keeps two more FFN-wide tensors a token.
     import torch.nn.functional as F
 
     from dsauto.api import make_plan as plan_for
