@@ -182,7 +182,7 @@ def list_saved(path: Path) -> None:
 
     import dsauto.megatron as dm
     from dsauto.api import find_plans
-    from dsauto.refine.launchers import free_port
+    from dsauto.profile.launch import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.cuda.set_device(0)
@@ -248,7 +248,7 @@ def measure(path: Path, cases: tuple[Case, ...], hardware: str, only: str = "") 
 
     from dsauto.api import find_plans
     from dsauto.plan_io import plan_id, write_plan_yaml
-    from dsauto.refine.launchers import free_port
+    from dsauto.profile.launch import free_port
 
     work = Path(tempfile.mkdtemp(prefix="dsauto-device-steps-"))
     doc = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",

@@ -437,7 +437,7 @@ def launch(plan_path: Path, out_path: Path, log: Path, nproc: int, timed_steps: 
            layers: bool = False) -> None:
     """Runs :func:`worker` (or with ``layers`` :func:`layer_times`) on ``nproc`` CPU ranks with
     torchrun, killed after the timeout (``timed_steps``: steps to time after the tracked ones)."""
-    from dsauto.refine.launchers import free_port
+    from dsauto.profile.launch import free_port
 
     port = free_port()  # for the rendezvous
     command = ["timeout", "--signal=KILL", str(LAUNCH_TIMEOUT_SECONDS), sys.executable, "-m",

@@ -26,6 +26,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,14 @@ GRACE_SECONDS = 5.0
 """Time descendants get to exit after SIGTERM before they are killed."""
 SHARED_MEMORY = Path("/dev/shm")
 """Where DeepSpeed's CPU all-reduce keeps its per-rank buffers."""
+
+
+def free_port() -> int:
+    """A TCP port free on every interface of this machine, for a launch's rendezvous: node 0's store
+    binds them all, and two launches at once must not meet."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PR_SET_CHILD_SUBREAPER = 36

@@ -17,7 +17,7 @@ import torch
 
 from dsauto.errors import DsautoError
 from dsauto.profile.cpu_optimizer import measure_cpu_optimizer
-from dsauto.profile.launch import launch, stop
+from dsauto.profile.launch import free_port, launch, stop
 from dsauto.profile.layers import REFERENCE_ENGINE, LayerMeasurement, measure_layer, median_seconds, profile_layers
 from dsauto.profile.store import Profile, load_profile, profile_path, software_versions, update_profile
 from dsauto.spec.model import ModelSpec
@@ -243,13 +243,10 @@ def launch_profile(model: str, dtype: Dtype, seq_len: int, tps: Sequence[int], r
     ZeRO-3 hook cost are measured too; ``model`` is what ``--model`` takes. The ranks run under a
     guard (:mod:`dsauto.profile.launch`): they end with this process, however it ends. Raises
     DsautoError with the last lines of its output when it fails."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:  # a free master port: two profiles at once must not meet
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(port), "-m", "dsauto.cli", "profile", "--model", model, "--dtype", dtype, "--seq-len",
                str(seq_len), "--tp", ",".join(map(str, tps)), "--out", str(out_dir), "--engine", engine]

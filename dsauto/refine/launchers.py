@@ -19,7 +19,6 @@ Two launchers start the ranks of a multi-node trial:
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -65,13 +64,6 @@ def node_args(launcher: Launcher, rendezvous: Rendezvous) -> list[str]:
                 *address, "--master_port", str(r.master_port)]
     return ["--nnodes", str(r.nodes), "--node_rank", str(r.node_rank), "--nproc_per_node", str(r.ranks_per_node),
             "--master_addr", r.master_addr, "--master_port", str(r.master_port)]
-
-
-def free_port() -> int:
-    """A TCP port free on every interface of this machine (node 0's rendezvous store binds them all)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def deepspeed_env_file(folder: Path, exports: dict[str, str]) -> dict[str, str]:

@@ -39,8 +39,8 @@ from optuna.trial import TrialState
 from dsauto.emit.ds_config import ds_config
 from dsauto.errors import DsautoError
 from dsauto.plan import Plan
-from dsauto.profile.launch import launch, process_alive, remove_shared_memory, stop
-from dsauto.refine.launchers import Launcher, Rendezvous, free_port
+from dsauto.profile.launch import free_port, launch, process_alive, remove_shared_memory, stop
+from dsauto.refine.launchers import Launcher, Rendezvous
 from dsauto.refine.runner import TrialOutcome, TrialSettings, launch_env, trial_command
 from dsauto.serde import from_dict, to_dict, write_json
 

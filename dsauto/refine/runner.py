@@ -27,7 +27,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from typing import Literal
 from dsauto.emit.ds_config import ds_config
 from dsauto.errors import DsautoError
 from dsauto.plan import Plan
-from dsauto.profile.launch import launch, remove_shared_memory, stop
+from dsauto.profile.launch import free_port, launch, remove_shared_memory, stop
 from dsauto.profile.resources import MEMORY_WAIT_SECONDS, PROCESS_BYTES, CpuMeter, await_fits, ranks_on_cpu
 from dsauto.profile.steps import StepMeasurement
 from dsauto.refine.launchers import Rendezvous, deepspeed_env_file, node_args
@@ -101,11 +100,6 @@ class TrialOutcome:
     """Whether the trial's CPU ranks competed with other processes for cores (its step time is
     then slower than the plan runs alone, and it counts little in the calibration)."""
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_env(ranks: int, extra: dict[str, str]) -> dict[str, str]:
@@ -195,7 +189,7 @@ def run_trial(plan: Plan, ranks: int, settings: TrialSettings, work_dir: Path | 
                                    warmup_steps=settings.warmup_steps, memory_steps=settings.memory_steps),
                       request)
         extra_env[TRIAL_ENV] = str(request.resolve())
-    port = _free_port() if rendezvous is None else rendezvous.master_port
+    port = free_port() if rendezvous is None else rendezvous.master_port
     if rendezvous is not None and rendezvous.hostfile is not None and extra_env:
         extra_env.update(deepspeed_env_file(work, extra_env))  # its launcher forwards only what is listed
     command = trial_command(settings, ranks, plans_path, out_path, port, rendezvous)

@@ -16,13 +16,14 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+from dsauto.profile.launch import free_port
 
 START_SECONDS = 60.0
 """How long the server may take to accept connections (a loaded machine is slow, not broken)."""
@@ -49,11 +50,6 @@ def _server_user() -> pwd.struct_passwd | None:
             return pwd.getpwnam(name)
     pytest.skip("PostgreSQL refuses to run as root and this machine has neither a 'postgres' nor a 'nobody' user")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _shut_down_with_the_tests() -> None:
@@ -98,7 +94,7 @@ def postgres_url():
                                "UTF8", "--no-sync"], capture_output=True, text=True, env=env, cwd=root, **run_as)
         if made.returncode != 0:
             pytest.fail(f"initdb failed: {(made.stdout + made.stderr)[-2000:]}")
-        port = _free_port()
+        port = free_port()
         # No fsync: a test's database need not survive a power cut, and fsync is slow on a loaded disk.
         with open(log, "wb") as output:
             server = subprocess.Popen([str(bin_dir / "postgres"), "-D", str(data), "-p", str(port),

@@ -161,7 +161,7 @@ def test_a_follower_ends_when_node_0_finishes_and_says_why_node_0_stopped(tmp_pa
 def test_a_follower_ends_its_agent_at_the_trial_timeout(tmp_path):
     import psutil
 
-    from dsauto.refine.launchers import free_port
+    from dsauto.profile.launch import free_port
     from dsauto.refine.nodes import publish
     from dsauto.search.planner import Planner
     from dsauto.spec.loaders import load_cluster, load_model

@@ -33,7 +33,7 @@ from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.emit.ds_config import PLAN_KEY, ds_config
 from dsauto.parallel import ParallelDims
 from dsauto.plan import Offload, Plan
-from dsauto.profile.launch import all_reduce_buffers
+from dsauto.profile.launch import all_reduce_buffers, free_port
 from dsauto.search.planner import Planner
 from dsauto.spec.loaders import load_cluster, load_model
 from dsauto.spec.training import TrainSpec
@@ -118,7 +118,7 @@ def launch(cases_: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                           os.environ.get("PYTHONPATH", "")])}
-    port = _free_port()
+    port = free_port()
     result = subprocess.run(
         [sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:0,1", "--master_port", str(port),
          str(WORKER), "--cases", str(cases_file), "--out", str(out)],
@@ -129,13 +129,6 @@ def launch(cases_: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
     assert not all_reduce_buffers(port)
     return json.loads(out.read_text())
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +222,7 @@ def test_example_trains_with_the_generated_plan(tmp_path, pins):
     assert plan["pp"] == (2 if pins else 1)
     train = subprocess.run(
         [sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:0,1", "--master_port",
-         str(_free_port()), str(root / "examples" / "deepspeed" / "train_gpt.py"),
+         str(free_port()), str(root / "examples" / "deepspeed" / "train_gpt.py"),
          "--deepspeed_config", str(tmp_path / "out" / "ds_config.json"), "--steps", "6"],
         capture_output=True, text=True, env=env, timeout=600, cwd=root)
     # DeepSpeed 0.19.8 on CPU now and then aborts in interpreter teardown, after training and after

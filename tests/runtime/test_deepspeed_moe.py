@@ -21,6 +21,7 @@ from dsauto.errors import DsautoError
 from dsauto.models import build_model
 from dsauto.parallel import ParallelDims
 from dsauto.plan import Plan
+from dsauto.profile.launch import free_port
 from dsauto.runtime.deepspeed import check_moe_layers
 from dsauto.search.planner import Planner
 from dsauto.spec.loaders import load_cluster
@@ -67,7 +68,7 @@ def test_moe_plans_train_on_two_ranks(tmp_path):
     plans_file.write_text(json.dumps([p.to_dict() for p in plans]))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          "-m", "dsauto.profile.steps", "--plans", str(plans_file), "--out", str(out), "--steps", "2", "--warmup", "1"],
         capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0 and out.exists(), result.stdout[-4000:] + result.stderr[-4000:]
@@ -80,10 +81,3 @@ def test_moe_plans_train_on_two_ranks(tmp_path):
         predicted = plan.prediction.peak_memory_bytes
         assert abs(predicted - m["peak_bytes"]) / m["peak_bytes"] < 0.10, (plan.ep, predicted, m)
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

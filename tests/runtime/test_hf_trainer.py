@@ -26,6 +26,7 @@ import pytest
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.emit.ds_config import AUTO, ds_config
 from dsauto.parallel import ParallelDims
+from dsauto.profile.launch import free_port
 from dsauto.search.planner import Planner
 from dsauto.spec.hf import model_from_hf_config
 from dsauto.spec.loaders import load_cluster
@@ -58,13 +59,6 @@ def make_plan():
     return planner.build_plan(strategy, [model.num_layers], OPTIONS)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict[str, Any]:
@@ -79,7 +73,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(
-        [sys.executable, launcher, "--include", "localhost:0,1", "--master_port", str(_free_port()), str(WORKER),
+        [sys.executable, launcher, "--include", "localhost:0,1", "--master_port", str(free_port()), str(WORKER),
          "--case", str(tmp / "case.json"), "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=600)
     # DeepSpeed 0.19.8 on CPU now and then aborts in interpreter teardown, after the results are
