@@ -25,7 +25,8 @@ from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype, TrainSpec
 
 if TYPE_CHECKING:
-    from dsauto.plan import AttentionKernel, CpCommType, Engine, ExpertDispatcher, Fp8Recipe, Offload, Plan
+    from dsauto.plan import (AttentionKernel, CpCommType, Engine, ExpertDispatcher, Fp8Recipe, MomentsDtype, Offload,
+                             Plan)
     from dsauto.profile.store import Profile
     from dsauto.search.planner import Progress
 
@@ -114,6 +115,7 @@ def make_problem(
     attention_kernel: AttentionKernel | None = None,
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
+    precision_aware_optimizer: MomentsDtype | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
     expert_load_balanced: bool | None = None,
     fp8: bool | None = None,
@@ -173,6 +175,9 @@ def make_problem(
             with sequence parallelism (Megatron-core plans only; default: off).
         grad_reduce_in_fp32: False keeps and reduces gradients in bf16 (Megatron-core's
             ``--grad-reduce-in-bf16``, bf16 plans only; default: fp32).
+        precision_aware_optimizer: the dtype of Adam's moments under Megatron-core's precision-aware
+            optimizer (``--use-precision-aware-optimizer``, Transformer Engine's FusedAdam, the fp32
+            main weights kept as remainders; bf16 Megatron-core plans with ZeRO 1); None: off.
         expert_dispatcher: ``deepep`` dispatches a mixture of experts' tokens with DeepEP
             (Megatron-core's flex dispatcher; DeepEP installed apart); None: ``alltoall``.
         expert_load_balanced: True prices a mixture of experts' routing forced to balance
@@ -221,6 +226,7 @@ def make_problem(
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,
                        recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                        tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
+                       precision_aware_optimizer=precision_aware_optimizer,
                        expert_dispatcher=expert_dispatcher, expert_load_balanced=expert_load_balanced, fp8=fp8,
                        fp8_recipe=fp8_recipe, fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
                        expert_a2a_overlap=expert_a2a_overlap,
@@ -322,6 +328,7 @@ def make_plan(
     attention_kernel: AttentionKernel | None = None,
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
+    precision_aware_optimizer: MomentsDtype | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
     expert_load_balanced: bool | None = None,
     fp8: bool | None = None,
@@ -346,7 +353,7 @@ def make_plan(
                            dist_opt_instances=dist_opt_instances,
                            recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                            tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                           expert_dispatcher=expert_dispatcher,
+                           precision_aware_optimizer=precision_aware_optimizer, expert_dispatcher=expert_dispatcher,
                            expert_load_balanced=expert_load_balanced, fp8=fp8, fp8_recipe=fp8_recipe,
                            fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
                            expert_a2a_overlap=expert_a2a_overlap, stage_layers=stage_layers,

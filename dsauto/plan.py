@@ -64,6 +64,12 @@ recipes): ``delayed`` from a history of each tensor's maxima (Megatron-core's de
 scaling)."""
 FP8_RECIPES: tuple[Fp8Recipe, ...] = ("delayed", "tensorwise")
 
+MomentsDtype = Literal["fp32", "bf16", "fp16", "fp8"]
+"""The dtype Megatron-core's precision-aware optimizer keeps Adam's two moments in
+(``--exp-avg-dtype`` and ``--exp-avg-sq-dtype``)."""
+MOMENT_BYTES: dict[MomentsDtype, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+"""Bytes of one moment of one parameter, by :data:`MomentsDtype`."""
+
 CpCommType = Literal["p2p", "all_gather", "a2a"]
 """How Megatron-core's context parallelism exchanges a sequence's shards around attention
 (``--cp-comm-type``, Transformer Engine's ``cp_comm_type``): ``p2p`` passes keys and values around
@@ -399,6 +405,11 @@ class Plan:
     """Megatron-core's ``--moe-router-force-load-balancing``: the routers spread the tokens evenly over
     the experts (a benchmarking option, only when pinned); only in a Megatron-core plan of a mixture of
     experts."""
+    precision_aware_optimizer: MomentsDtype | None = None
+    """Megatron-core's ``--use-precision-aware-optimizer`` (Transformer Engine's FusedAdam) with Adam's
+    moments in this dtype, and the fp32 main weights kept as the 16 bits the bf16 weights lack; None:
+    Megatron-core's own optimizer (fp32 main weights and moments). Only when pinned, in a bf16
+    Megatron-core plan with the distributed optimizer (ZeRO 1) and the optimizer on the device."""
     version: int = PLAN_VERSION
     """Plan format version."""
 
@@ -462,6 +473,13 @@ class Plan:
             raise ValueError(f"fp8 needs a Megatron-core plan (not {self.engine}) in bf16 or fp16 (not {self.dtype})")
         if self.fp8_param_gather and (not self.fp8 or self.zero_stage == 0):
             raise ValueError(f"fp8_param_gather needs fp8 (not {self.fp8}) and ZeRO stage 1-3 (not {self.zero_stage})")
+        if self.precision_aware_optimizer is not None and (
+                self.precision_aware_optimizer not in MOMENT_BYTES or self.engine != "megatron" or self.dtype != "bf16"
+                or self.zero_stage != 1 or self.offload != "none"):
+            raise ValueError(f"precision_aware_optimizer {self.precision_aware_optimizer!r} must be one of "
+                             f"{', '.join(MOMENT_BYTES)} and needs a bf16 Megatron-core plan (not {self.engine}, "
+                             f"{self.dtype}) with ZeRO stage 1 (not {self.zero_stage}) and no offload (not "
+                             f"{self.offload})")
         if not self.grad_reduce_in_fp32 and (self.engine != "megatron" or self.dtype != "bf16"):
             raise ValueError(f"grad_reduce_in_fp32 False (bf16 gradients) needs a Megatron-core plan (not "
                              f"{self.engine}) in bf16 (not {self.dtype})")

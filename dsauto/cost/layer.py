@@ -127,12 +127,18 @@ class CostModel:
         self.tokens = strategy.micro_batch * train.seq_len // dims.cp
         # Gradient and optimizer-state bytes as the engine keeps them (see state_bytes_per_param).
         dtype_bytes = train.dtype_bytes
-        grad_bytes, optimizer_bytes = state_bytes_per_param(strategy.engine, dtype_bytes, train.dtype == "bf16",
-                                                            strategy.zero_stage)
+        current_scaling = strategy.fp8 and strategy.fp8_recipe == "tensorwise"
+        grad_bytes, optimizer_bytes = state_bytes_per_param(
+            strategy.engine, dtype_bytes, train.dtype == "bf16", strategy.zero_stage,
+            strategy.precision_aware_optimizer, current_scaling)
         if strategy.engine == "megatron" and train.dtype == "bf16" and not strategy.grad_reduce_in_fp32:
             # The gradient buffer then takes the parameter dtype (megatron/core/distributed/
             # distributed_data_parallel.py: grad_dtype = fp32 only with grad_reduce_in_fp32).
             grad_bytes = dtype_bytes
+        # Adam's memory traffic a parameter: its states read and written, its gradient read, its
+        # weight written (and, with the main weights kept as remainders, the weight read to rebuild them).
+        self.adam_bytes = ADAM_BYTES_PER_PARAM if strategy.precision_aware_optimizer is None else (
+            2 * optimizer_bytes + grad_bytes + dtype_bytes * (1 if current_scaling else 2))
         self.context = LayerContext(
             device=self.device, tp=strategy.tp, dp=replicas.dp, zero_stage=strategy.zero_stage,
             tokens=self.tokens,
@@ -204,7 +210,7 @@ class CostModel:
         if self.profile is not None and self.profile.optimizer_seconds_per_param > 0:
             seconds = params * self.profile.optimizer_seconds_per_param
         else:
-            seconds = self.memory_seconds(params * ADAM_BYTES_PER_PARAM)
+            seconds = self.memory_seconds(params * self.adam_bytes)
         return seconds * self.calibration.optimizer
 
     def matmul_seconds(self, flops: float, dim: float) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsauto.parallel import ParallelDims
-from dsauto.plan import AttentionKernel, CpCommType, Engine, ExpertDispatcher, Fp8Recipe, Offload
+from dsauto.plan import AttentionKernel, CpCommType, Engine, ExpertDispatcher, Fp8Recipe, MomentsDtype, Offload
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,11 @@ class Strategy:
     expert-parallel rank carries the mean load (:func:`dsauto.cost.terms.expert_load_factor`).
     It changes what the model learns: plans dsauto emits never set it; it prices published
     benchmarks that did (NVIDIA's Megatron-Bridge MoE tables)."""
+    precision_aware_optimizer: MomentsDtype | None = None
+    """Megatron-core's ``--use-precision-aware-optimizer`` with Adam's moments in this dtype
+    (:attr:`dsauto.plan.Plan.precision_aware_optimizer`; :func:`dsauto.cost.terms.state_bytes_per_param`
+    prices its state). It changes the optimizer's numerics: plans set it only when pinned
+    (``--precision-aware-optimizer``); published runs that kept their states in bf16 set it."""
     tp_comm_overlap: bool = False
     """Megatron-core's ``--tp-comm-overlap`` (Transformer Engine userbuffers, with sequence
     parallelism): the tensor-parallel collectives overlap the linear layers' GEMMs

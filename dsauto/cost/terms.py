@@ -25,7 +25,7 @@ from dsauto.cost.collectives import AllToAll, Group
 from dsauto.cost.measured import MeasuredCosts, MeasuredLayer
 from dsauto.cost.strategy import LayerOption
 from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR
-from dsauto.plan import AttentionKernel, CpCommType, Engine, ExpertDispatcher, Fp8Recipe
+from dsauto.plan import MOMENT_BYTES, AttentionKernel, CpCommType, Engine, ExpertDispatcher, Fp8Recipe, MomentsDtype
 from dsauto.spec.cluster import DeviceSpec
 from dsauto.spec.model import LayerGroup
 
@@ -979,7 +979,9 @@ def partial_dist_opt_sync_seconds(grad_bytes: float, instance: Group, across: Gr
 
 # ---- memory ----------------------------------------------------------------------------------------------
 
-def state_bytes_per_param(engine: str, dtype_bytes: int, bf16: bool, zero_stage: int) -> tuple[int, int]:
+def state_bytes_per_param(engine: str, dtype_bytes: int, bf16: bool, zero_stage: int,
+                          precision_aware: MomentsDtype | None = None, fp8_current_scaling: bool = False
+                          ) -> tuple[int, int]:
     """(gradient, optimizer-state) bytes per parameter as the engine keeps them, before ZeRO shards.
 
     DeepSpeed: gradients in the parameter dtype; mixed-precision Adam keeps an fp32 master copy and
@@ -996,7 +998,18 @@ def state_bytes_per_param(engine: str, dtype_bytes: int, bf16: bool, zero_stage:
     two moments: 2 + 4 + 12 = 18 bytes, 6 + 12/d with the distributed optimizer. Under fp16 the
     gradients are fp16 and the optimizer also keeps fp32 main gradients: 2 + 2 + 16 = 20, or
     4 + 16/d. In fp32: 4 + 4 + 8 = 16, or 8 + 8/d.
+
+    Megatron-core's precision-aware optimizer (``precision_aware``: the moments' dtype; bf16 with the
+    distributed optimizer only) hands the update to Transformer Engine's FusedAdam with
+    ``exp_avg_dtype`` and ``exp_avg_sq_dtype`` (1, 2 or 4 bytes each) and, from TE 2.1, the fp32 main
+    weights stored as their 16 low bits beside the bf16 weights (``store_param_remainders``, on by
+    default): megatron/core/optimizer/__init__.py (the Adam kwargs ``master_weights``,
+    ``master_weight_dtype``, ``store_param_remainders``) and optimizer_config.py. Under FP8 with
+    current scaling (``fp8_current_scaling``: the tensorwise recipe) Megatron-core keeps the fp32
+    main weights itself, whole (``use_precision_aware_optimizer_no_fp8_or_ds_fp8`` is then False).
     """
+    if engine == "megatron" and precision_aware is not None and bf16:
+        return 4, (4 if fp8_current_scaling else 2) + 2 * MOMENT_BYTES[precision_aware]
     if engine == "megatron":
         if bf16:
             return 4, 12

@@ -318,6 +318,11 @@ def _batch_and_precision(plan: Plan) -> list[str]:
         lines.append(f"--{plan.dtype}")
     if not plan.grad_reduce_in_fp32:
         lines.append("--grad-reduce-in-bf16")
+    if plan.precision_aware_optimizer is not None:
+        # Transformer Engine's FusedAdam: the moments in this dtype, the fp32 main weights as the bits
+        # the bf16 weights lack (store_param_remainders, Megatron-core's default from TE 2.1).
+        moments = plan.precision_aware_optimizer
+        lines += ["--use-precision-aware-optimizer", f"--exp-avg-dtype {moments}", f"--exp-avg-sq-dtype {moments}"]
     if plan.fp8:
         # Transformer Engine's FP8 linear layers: E4M3 in forward, E5M2 for the gradients, scaled
         # by the recipe the plan is priced with.

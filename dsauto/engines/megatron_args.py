@@ -23,7 +23,7 @@ from typing import Any
 
 from dsauto.engines.megatron import ATTENTION_BACKEND, FSDP_STRATEGY
 from dsauto.errors import DsautoError
-from dsauto.plan import chunk_layers
+from dsauto.plan import MOMENT_BYTES, chunk_layers
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec
 
 VALUED = {
@@ -40,6 +40,7 @@ VALUED = {
     "--attention-dropout", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
     "--ddp-bucket-size", "--pipeline-model-parallel-layout", "--transformer-impl",
+    "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
 }
 """Flags read here that take a value (``--recompute-modules`` takes several)."""
 
@@ -192,7 +193,8 @@ def _choice(flags: dict[str, str], name: str, where: str, default: str, choices:
     """``name``'s value (``default`` when absent), refused unless it is one of ``choices``."""
     value, allowed = flags.get(name, default), list(choices)
     if value not in allowed:
-        raise DsautoError(f"{where} sets {name} {value}; dsauto prices {', '.join(allowed[:-1])} and {allowed[-1]} "
+        priced = allowed[0] if len(allowed) == 1 else f"{', '.join(allowed[:-1])} and {allowed[-1]}"
+        raise DsautoError(f"{where} sets {name} {value}; dsauto prices {priced} "
                           f"(name the model with --model where the flag describes it).")
     return value
 
@@ -349,6 +351,7 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
         pins["offload"] = "none"
     pins["tp_comm_overlap"] = "--tp-comm-overlap" in flags
     pins["grad_reduce_in_fp32"] = "--grad-reduce-in-bf16" not in flags
+    _optimizer_precision(flags, launch, where)
     if pins["cp"] > 1:
         # Megatron-LM's default, the ring; one exchange for every layer
         pins["cp_comm_type"] = _choice(flags, "--cp-comm-type", where, "p2p", ("p2p", "all_gather", "a2a"))
@@ -373,14 +376,43 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     if divisor != VOCAB_PAD_MULTIPLE:
         launch.notes.append(f"{where} pads the vocabulary to a multiple of {divisor} x tp, and dsauto prices it "
                             f"padded to a multiple of {VOCAB_PAD_MULTIPLE} x tp.")
-    if "--optimizer-cpu-offload" not in flags:
-        launch.unknown += [name for name in ("--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer")
-                           if name in flags]  # read only beside the offload they serve
+    if "--optimizer-cpu-offload" not in flags and "--overlap-cpu-optimizer-d2h-h2d" in flags:
+        launch.unknown.append("--overlap-cpu-optimizer-d2h-h2d")  # read only beside the offload it serves
     overlaps = (("--overlap-grad-reduce", True), ("--overlap-param-gather", pins["zero_stage"] >= 1))
     missing = [name for name, needed in overlaps if needed and name not in flags]
     if missing:
         launch.notes.append(f"{where} does not set {' or '.join(missing)}, and dsauto prices the data-parallel "
                             f"communication overlapped as its plans run it; add them to run as priced.")
+
+
+def _optimizer_precision(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
+    """The precision-aware optimizer's pins (Megatron-LM's ``--use-precision-aware-optimizer`` and its
+    dtypes; megatron/core/optimizer/optimizer_config.py). Without it Megatron-core asserts every dtype
+    fp32; with the optimizer offloaded it is the offload's companion, its states priced in fp32; else
+    the plan keeps both moments in one dtype, the fp32 main weights as remainders, and
+    ``--main-grads-dtype bf16`` is a bf16 gradient buffer (validate_args then leaves
+    accumulate_allreduce_grads_in_fp32 off)."""
+    dtypes = {name: _choice(flags, name, where, "fp32", choices) for name, choices in (
+        ("--main-grads-dtype", ("fp32", "bf16")), ("--main-params-dtype", ("fp32",)),
+        ("--exp-avg-dtype", MOMENT_BYTES), ("--exp-avg-sq-dtype", MOMENT_BYTES))}
+    changed = [f"{name} {value}" for name, value in dtypes.items() if value != "fp32"]
+    if "--use-precision-aware-optimizer" not in flags:
+        if changed:
+            raise DsautoError(f"{where} sets {', '.join(changed)} without --use-precision-aware-optimizer, which "
+                              f"Megatron-core refuses; add it or leave them out.")
+        return
+    if "--optimizer-cpu-offload" in flags:
+        if changed:
+            raise DsautoError(f"{where} sets {', '.join(changed)} with the optimizer offloaded; dsauto prices the "
+                              f"host's optimizer in fp32, so leave them out or keep the optimizer on the device.")
+        return
+    if dtypes["--exp-avg-dtype"] != dtypes["--exp-avg-sq-dtype"]:
+        raise DsautoError(f"{where} keeps Adam's moments in {dtypes['--exp-avg-dtype']} and "
+                          f"{dtypes['--exp-avg-sq-dtype']}; dsauto prices both in one dtype, so give "
+                          f"--exp-avg-dtype and --exp-avg-sq-dtype the same value.")
+    launch.pins["precision_aware_optimizer"] = dtypes["--exp-avg-dtype"]
+    if dtypes["--main-grads-dtype"] == "bf16":
+        launch.pins["grad_reduce_in_fp32"] = False
 
 
 def _virtual_stages(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:

@@ -423,6 +423,24 @@ def force_load_balancing_refusal(engine: Engine, moe: bool) -> str | None:
     return None
 
 
+def precision_aware_refusal(engine: Engine, dtype: Dtype, zero_stage: int | None, offload: str | None) -> str | None:
+    """Why Megatron-core's precision-aware optimizer (``--use-precision-aware-optimizer`` with the
+    moments' dtype) cannot run as dsauto prices it, or None. Megatron-core builds it only with the
+    distributed optimizer (megatron/core/optimizer/__init__.py: "--use-precision-aware-optimizer only
+    supported with distributed optimizer"), which is ZeRO 1 in dsauto's Megatron plans (Megatron-FSDP
+    keeps its own main weights: ``megatron_fsdp_main_params_dtype``); dsauto prices it under bf16 with
+    the optimizer on the device. ``zero_stage`` and ``offload``: the pins, None when searched."""
+    if engine != "megatron":
+        return "the precision-aware optimizer is Megatron-core's (Transformer Engine's FusedAdam); plan with --engine megatron"
+    if dtype != "bf16":
+        return f"dsauto prices the precision-aware optimizer under bf16, not {dtype}"
+    if zero_stage is not None and zero_stage != 1:
+        return (f"Megatron-core runs it inside its distributed optimizer, ZeRO stage 1, not stage {zero_stage}")
+    if offload not in (None, "none"):
+        return "dsauto prices its states on the device; with --offload optimizer Megatron-core keeps them on the host"
+    return None
+
+
 def grad_reduce_refusal(engine: Engine, dtype: Dtype) -> str | None:
     """Why gradients cannot be kept and reduced in bf16 (Megatron-LM's ``--grad-reduce-in-bf16``,
     DistributedDataParallelConfig.grad_reduce_in_fp32 False), or None: Megatron-core only, and only

@@ -138,7 +138,8 @@ def strategy_of(plan: Plan) -> Strategy:
                     grad_reduce_in_fp32=plan.grad_reduce_in_fp32, expert_dispatcher=plan.expert_dispatcher,
                     fp8=plan.fp8, fp8_recipe=plan.fp8_recipe, fp8_param_gather=plan.fp8_param_gather,
                     cp_comm_type=plan.cp_comm_type, expert_a2a_overlap=plan.expert_a2a_overlap,
-                    expert_load_balanced=plan.expert_load_balanced)
+                    expert_load_balanced=plan.expert_load_balanced,
+                    precision_aware_optimizer=plan.precision_aware_optimizer)
 
 
 def options_of(plan: Plan) -> tuple[LayerOption, ...]:

@@ -430,6 +430,18 @@ def optimizer_config(plan: Plan, **overrides: Any) -> OptimizerConfig:
         fp16=plan.dtype == "fp16",
         params_dtype=_torch_dtype(plan),
     )
+    if plan.precision_aware_optimizer is not None:
+        # Transformer Engine's FusedAdam with the plan's moments (emit.megatron writes the same flags);
+        # OptimizerConfig imports it to check its arguments (megatron/core/optimizer/optimizer_config.py).
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise DsautoError(f"The plan keeps Adam's moments in {plan.precision_aware_optimizer} through Megatron-core's "
+                              f"precision-aware optimizer, which needs Transformer Engine; install transformer-engine "
+                              f"or re-plan without --precision-aware-optimizer.")
+        moments = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                   "fp8": torch.uint8}[plan.precision_aware_optimizer]
+        fields.update(use_precision_aware_optimizer=True, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
     if plan.offload != "none":
         # The plan's optimizer lives on the host (the same settings as emit.megatron's flags). The
         # precision-aware optimizer keeps no fp32 main parameters on the device, and OptimizerConfig

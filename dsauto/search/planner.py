@@ -839,6 +839,7 @@ class Planner:
             fp8_recipe=strategy.fp8_recipe, fp8_param_gather=strategy.fp8_param_gather,
             cp_comm_type=strategy.cp_comm_type, expert_a2a_overlap=strategy.expert_a2a_overlap,
             expert_load_balanced=strategy.expert_load_balanced,
+            precision_aware_optimizer=strategy.precision_aware_optimizer,
             # bf16 gradients as they take effect (the cost model prices them so too): Megatron-core under bf16.
             grad_reduce_in_fp32=strategy.grad_reduce_in_fp32 or not (
                 strategy.engine == "megatron" and self.train.dtype == "bf16"),

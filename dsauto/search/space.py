@@ -18,6 +18,7 @@ from dsauto.engines.rules import (
     expert_dispatcher_refusal,
     force_load_balancing_refusal,
     grad_reduce_refusal,
+    precision_aware_refusal,
     expert_parallel_refusal,
     dist_opt_instances_refusal,
     hpz_refusal,
@@ -41,6 +42,7 @@ from dsauto.plan import (
     Engine,
     ExpertDispatcher,
     Fp8Recipe,
+    MomentsDtype,
     Offload,
 )
 from dsauto.search.limits import check_search_size, check_strategies
@@ -145,6 +147,15 @@ class Constraints:
                 "bf16 Megatron-core plans only) (default: fp32, Megatron-core's default)"})
     """False: gradients kept and reduced in bf16 (Megatron-core's ``--grad-reduce-in-bf16``); None:
     fp32, the engine's default (never chosen by the search: it trades precision for memory)."""
+    precision_aware_optimizer: MomentsDtype | None = field(default=None, metadata={
+        "flag": "--precision-aware-optimizer",
+        "help": "keep Adam's moments in this dtype and the fp32 main weights as the 16 bits bf16 lacks "
+                "(Megatron-core's --use-precision-aware-optimizer with --exp-avg-dtype and --exp-avg-sq-dtype, "
+                "Transformer Engine's FusedAdam; bf16 Megatron-core plans with the distributed optimizer, ZeRO 1) "
+                "(default: off, fp32 main weights and moments)"})
+    """The moments' dtype of Megatron-core's precision-aware optimizer
+    (:attr:`dsauto.cost.strategy.Strategy.precision_aware_optimizer`); None: off (never chosen by the
+    search: it changes the optimizer's numerics)."""
     expert_dispatcher: ExpertDispatcher | None = field(default=None, metadata={
         "flag": "--moe-dispatcher", "choices": {"alltoall": None, "deepep": "deepep"},
         "help": "the MoE token dispatcher: alltoall, or deepep (Megatron-core's flex dispatcher with "
@@ -290,10 +301,12 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                expert_dispatcher=pins.expert_dispatcher or "alltoall",
                                expert_load_balanced=bool(pins.expert_load_balanced),
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
+                               precision_aware_optimizer=pins.precision_aware_optimizer,
                                fp8=bool(pins.fp8), fp8_recipe=pins.fp8_recipe or "delayed",
                                fp8_param_gather=bool(pins.fp8 and pins.fp8_param_gather), cp_comm_type=exchange,
                                expert_a2a_overlap=bool(pins.expert_a2a_overlap))
            for s in out if runnable[s.engine] and not (pins.fp8_param_gather and s.zero_stage == 0)
+           and not (pins.precision_aware_optimizer and (s.zero_stage != 1 or s.offload != "none"))
            and not (pins.expert_a2a_overlap and not a2a_overlap_runs(s))
            for exchange in cp_comm_types(s, model, pins)
            for modules in recompute_sets[s.engine]]
@@ -331,7 +344,7 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
                            model: ModelSpec) -> dict[str, tuple[str, str]]:
     """Flag -> (why ``engine`` cannot run it, what to do) of each pinned engine option it refuses: the
     attention kernel (:func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``,
-    ``--grad-reduce-in-bf16``, ``--moe-dispatcher deepep``, ``--moe-router-force-load-balancing``, ``--fp8``
+    ``--grad-reduce-in-bf16``, ``--precision-aware-optimizer``, ``--moe-dispatcher deepep``, ``--moe-router-force-load-balancing``, ``--fp8``
     and ``--cp-comm-type``
     (Megatron-core's). The search drops the
     engine's strategies when any is refused."""
@@ -343,6 +356,9 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--tp-comm-overlap"] = why, "otherwise leave it out"
     if pins.grad_reduce_in_fp32 is False and (why := grad_reduce_refusal(engine, train.dtype)):
         out["--grad-reduce-in-bf16"] = why, "leave it out"
+    if pins.precision_aware_optimizer is not None and (why := precision_aware_refusal(
+            engine, train.dtype, pins.zero_stage, pins.offload)):
+        out[f"--precision-aware-optimizer {pins.precision_aware_optimizer}"] = why, "leave it out"
     if pins.expert_dispatcher == "deepep" and (why := expert_dispatcher_refusal(engine, model.moe)):
         out["--moe-dispatcher deepep"] = why, "leave it out"
     if pins.expert_load_balanced and (why := force_load_balancing_refusal(engine, model.moe)):
@@ -401,10 +417,12 @@ def dist_opt_instance_counts(strategy: Strategy, cluster: ClusterSpec, pins: Con
 
 def offloaded_variants(strategy: Strategy, cluster: ClusterSpec, pins: Constraints) -> list[Strategy]:
     """``strategy`` with its optimizer offloaded, and under DeepSpeed ZeRO-3 its parameters too: what
-    the planner tries for a strategy that fits nowhere without offload, unless ``offload`` is pinned.
-    Not for distributed-optimizer instances: one instance over all ranks keeps less optimizer state, so
-    it is the one offloaded when nothing fits."""
-    if pins.offload is not None or strategy.offload != "none" or host_problem(cluster):
+    the planner tries for a strategy that fits nowhere without offload, unless ``offload`` or the
+    precision-aware optimizer (its states priced on the device) is pinned. Not for distributed-optimizer
+    instances: one instance over all ranks keeps less optimizer state, so it is the one offloaded when
+    nothing fits."""
+    if (pins.offload is not None or pins.precision_aware_optimizer is not None or strategy.offload != "none"
+            or host_problem(cluster)):
         return []
     if strategy.dist_opt_instances > 1:
         return []

@@ -38,12 +38,32 @@ def test_state_bytes_per_parameter(dtype, bf16, megatron, deepspeed):
     assert dtype + grads + optimizer == {(2, True): 18, (2, False): 20, (4, False): 16}[(dtype, bf16)]
 
 
-def _layer(engine: str, zero: int, dp: int = 8):
+@pytest.mark.parametrize("moments, fp8_current_scaling, optimizer", [
+    # Transformer Engine's FusedAdam under --use-precision-aware-optimizer: the fp32 main weights as
+    # 2 bytes of remainders beside the bf16 weights, and two moments of 4, 2 or 1 bytes; under FP8
+    # current scaling Megatron-core keeps whole fp32 main weights itself.
+    ("fp32", False, 10), ("bf16", False, 6), ("fp16", False, 6), ("fp8", False, 4), ("bf16", True, 8),
+])
+def test_precision_aware_optimizer_state_bytes(moments, fp8_current_scaling, optimizer):
+    assert state_bytes_per_param("megatron", 2, True, 1, moments, fp8_current_scaling) == (4, optimizer)
+
+
+def test_precision_aware_optimizer_shrinks_the_distributed_optimizer_shard_and_its_update():
+    standard, local = _layer("megatron", zero=1)
+    bf16, _ = _layer("megatron", zero=1, precision_aware_optimizer="bf16")
+    assert bf16.optimizer_bytes == pytest.approx(6 * local / 8)  # 2 + 2 x 2 bytes, over dp 8
+    assert (bf16.params_bytes, bf16.grads_bytes) == (standard.params_bytes, standard.grads_bytes)
+    # Adam's traffic: 2 x 6 state bytes + the fp32 gradient + the weight read and written = 20 of 30.
+    assert bf16.optimizer_seconds == pytest.approx(standard.optimizer_seconds * 20 / 30)
+
+
+def _layer(engine: str, zero: int, dp: int = 8, precision_aware_optimizer: str | None = None):
     cluster = load_cluster("a100-80gb", nodes=1, gpus_per_node=8)
     model = load_model("llama3-8b")
     train = TrainSpec(global_batch=64, seq_len=2048, dtype="bf16")
     strategy = Strategy(dims=ParallelDims(dp=dp, tp=8 // dp), zero_stage=zero, micro_batch=1,
-                        grad_accum=64 // dp, sequence_parallel=False, engine=engine)
+                        grad_accum=64 // dp, sequence_parallel=False, engine=engine,
+                        precision_aware_optimizer=precision_aware_optimizer)
     block = layer_groups(model, train.seq_len, train.dtype_bytes, strategy.tp)[1]
     local = block.tp_params / strategy.tp + block.params - block.tp_params
     return CostModel(cluster, train, strategy, model.hidden_size).layer(block, PLAIN), local
