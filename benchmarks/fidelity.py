@@ -95,6 +95,8 @@ DGXC_MAPPING = ("NeMo launcher recipes (DGX H100 reference): engine megatron wit
                 "micro-batch; --tp-comm-overlap where the recipe sets ub_tp_comm_overlap (all but the 8B, "
                 "tp 1); Nemotron-4 with its squared-ReLU MLP and layernorm1p (norm_plus_one); "
                 "GPT-3 with NeMo's GPT defaults (GeLU, learned positions, biases, tied embeddings, dropout 0.1); "
+                "Nemotron-4 340B's optimizer state in bf16 (its yaml's optim.dtype bf16), priced as Megatron-core's "
+                "precision-aware optimizer with bf16 moments (6 bytes a parameter either way); "
                 "the layers split evenly over the model chunks where they divide (no layout in the recipes)")
 
 
@@ -141,6 +143,9 @@ class Source:
     """The runs split the layers evenly over the pipeline's model chunks (Megatron-core's default
     without a layout flag) where the planner would balance them: searched and priced with that split
     (--stage-layers even, :func:`_even_split`)."""
+    optimizer_moments: str | None = None
+    """The dtype the run's optimizer kept Adam's state in, where lower than fp32: priced as Megatron-core's
+    precision-aware optimizer with its moments in it (--precision-aware-optimizer)."""
     fitted: bool = True
     """False: the runs are priced and reported (in-sample and CV) but weigh nothing in the fit,
     because their step time is set by a cost dsauto knows it does not price (WHY says which) and
@@ -248,6 +253,11 @@ SOURCES = {
                                even_stages=True),
     "dgxc2501-nemotron4": Source("dgxc", "megatron", 1, True, "bf16", DGXC_MAPPING, NEMOTRON, tp_comm_overlap=True,
                                  even_stages=True),
+    # Nemotron-4 340B's yaml alone keeps the optimizer state in bf16 (optim.dtype bf16: Apex's
+    # DistributedFusedAdam with its default store_params holds a copy of the weights and both moments
+    # in that dtype, 6 bytes a parameter, as the precision-aware optimizer with bf16 moments does).
+    "dgxc2501-nemotron4-340b": Source("dgxc", "megatron", 1, True, "bf16", DGXC_MAPPING, NEMOTRON,
+                                      tp_comm_overlap=True, even_stages=True, optimizer_moments="bf16"),
     "dgxc2501-gpt3": Source("dgxc", "megatron", 1, True, "bf16", DGXC_MAPPING, GPT, tp_comm_overlap=True,
                             even_stages=True),
     "torchtitan2404": Source("torchtitan", "megatron", 3, True, "bf16",
@@ -527,6 +537,7 @@ def configure(record: dict) -> PublishedRun | str:
                        attention_kernel=kernel,
                        tp_comm_overlap=False if p.get("tp_comm_overlap") is False else source.tp_comm_overlap or None,
                        grad_reduce_in_fp32=None if fp32_reduce else False,
+                       precision_aware_optimizer=source.optimizer_moments,
                        expert_dispatcher="deepep" if model.moe and _node_deduplicated(p, source) else None,
                        expert_load_balanced=True if source.balanced_routing and model.moe else None,
                        fp8=fp8 or None, fp8_recipe=recipe,
@@ -1007,6 +1018,13 @@ WHY = {
 """Why the runs of a source are off, where some are off by more than 15% (cross-validated)."""
 
 CHANGES = [
+    "Optimizer state in bf16 where the run kept it so (Source.optimizer_moments; Strategy.precision_aware_optimizer, "
+    "Megatron-core's --use-precision-aware-optimizer, a new pin): Nemotron-4 340B's DGX Cloud yaml sets optim.dtype "
+    "bf16 for Apex's DistributedFusedAdam (a copy of the weights and both moments in bf16, 6 bytes a parameter), "
+    "priced as Megatron-core's precision-aware optimizer with bf16 moments (2 bytes of main-weight remainders and "
+    "two 2-byte moments, 6 as well). Its 128-GPU configuration, priced at 82 GiB with 12 bytes of fp32 state, now "
+    "fits the 80 GiB H100 it ran on (the memory section lists 3 configurations instead of 4); its CV error went "
+    "from +6.8% to +6.3%, the 2048-GPU row's barely moved, the headline not at all.",
     "IBM's FSDP runs priced on the networks their blog states ('an A100 cluster with 128 GPUs and 400Gbps "
     "inter-node interconnect, and an H100 cluster with 96 GPUs and 800Gbps inter-node interconnect'; "
     "published_runs.yaml inter_node_gbps, run_hardware), a quarter of the DGX network of the presets they "
