@@ -756,15 +756,25 @@ class Planner:
         for i, offloaded, bound in self._offloaded(spilled, priced, bounds, bounded_out):
             consider(i, offloaded, bound)
         if not kept:
-            least = min(p.least_memory(L, self.pins.recompute_num_layers) for p in priced if p is not None)
-            raise DsautoError(
-                f"{self.model.name} does not fit on {self.cluster.world_size} x "
-                f"{self.cluster.device.name} with {format_bytes(self.cluster.memory_budget_bytes)} per "
-                f"device under any allowed setting: the smallest plan needs about {format_bytes(least)} per "
-                f"device; add devices, raise --memory-limit or unpin choices."
-            )
+            raise DsautoError(self._does_not_fit([p for p in priced if p is not None]))
         near = [e for e in near if -e[0] <= best * (1 + within)] if within > 0 else []
         return [plan for _, _, plan in sorted(kept + near, key=lambda e: (-e[0], -e[1]))]
+
+    def _does_not_fit(self, priced: Sequence[_Priced]) -> str:
+        """The sentence for a search that found no plan within the budget. The layers' lower bound
+        (:meth:`_Priced.least_memory`) is quoted only where it exceeds the budget: a bound at or below it
+        says nothing of what a plan needs (the plans went over at a moment the bound leaves out, such as
+        the optimizer update, or the host's memory held no offload). Raising --memory-limit is offered
+        only while the limit is below the device's memory."""
+        budget = self.cluster.memory_budget_bytes
+        least = min((p.least_memory(self.model.num_layers, self.pins.recompute_num_layers) for p in priced),
+                    default=math.inf)
+        where = (f"{self.model.name} does not fit on {self.cluster.world_size} x {self.cluster.device.name} with "
+                 f"{format_bytes(budget)} per device under any allowed setting")
+        why = (f"the smallest plan needs about {format_bytes(least)} per device" if budget < least < math.inf else
+               "no plan priced stays within it at every moment of the step")
+        raise_limit = budget < self.cluster.device.memory_bytes
+        return f"{where}: {why}; add devices{', raise --memory-limit' if raise_limit else ''} or unpin choices."
 
     def _offloaded(self, spilled: list[int], priced: Sequence[_Priced], bounds: Sequence[float],
                    bounded_out: Callable[[float], bool]) -> Iterator[tuple[int, _Priced, float]]:

@@ -83,7 +83,9 @@ def load_model(name_or_path: str) -> ModelSpec:
     if path is None:
         return from_dict(ModelSpec, data, where)
     if "model_type" in data:
-        return model_from_hf_config(data, where, default_name=path.resolve().parent.name)
+        # A Hugging Face folder's config.json takes the folder's name; any other file its own.
+        named = path.resolve().parent.name if path.name == "config.json" else path.stem
+        return model_from_hf_config(data, where, default_name=named)
     data.setdefault("name", path.stem)
     return from_dict(ModelSpec, data, where)
 

@@ -67,8 +67,22 @@ def test_a_tighter_budget_trades_time_for_memory():
 def test_impossible_budget_names_the_smallest_need():
     model, cluster, train = setup(model="llama2-70b", nodes=1, per_node=2, batch=8,
                                   memory_limit=4 * 2**30)
-    with pytest.raises(DsautoError, match=r"does not fit .* needs about [0-9.]+ GiB per device"):
+    with pytest.raises(DsautoError, match=r"does not fit .* needs about [0-9.]+ GiB per device") as caught:
         Planner(model, cluster, train).search()
+    assert "raise --memory-limit" in str(caught.value)  # 4 GiB of the device's 80
+
+
+def test_a_lower_bound_within_the_budget_is_not_quoted_as_what_a_plan_needs():
+    """llama3-405b on 32 A100s under DeepSpeed without offload: the layers' lower bound says nothing of
+    the plans (it came out negative), so the error quotes no figure; at the device's whole memory it
+    does not offer to raise the limit."""
+    from dsauto.api import make_plan
+
+    with pytest.raises(DsautoError) as caught:
+        make_plan("llama3-405b", "a100-80gb", nodes=4, engine="deepspeed", offload="none", memory_limit="80GiB")
+    message = str(caught.value)
+    assert "no plan priced stays within it" in message and "needs about" not in message
+    assert "--memory-limit" not in message and "add devices" in message
 
 
 def test_no_strategy_explains_the_rule():

@@ -100,6 +100,12 @@ def test_model_folder_reads_its_config_json(tmp_path):
     assert model.num_kv_heads == 8
 
 
+def test_a_config_file_of_another_name_is_named_after_the_file(tmp_path):
+    config = {k: v for k, v in LLAMA3_8B_CONFIG.items() if k != "_name_or_path"}
+    path = write_json(tmp_path / "models" / "llama-8b-variant.json", config)
+    assert load_model(str(path)).name == "llama-8b-variant"  # not its folder's "models"
+
+
 def test_llama2_config_without_kv_heads_has_no_gqa(tmp_path):
     config = {**LLAMA3_8B_CONFIG, "intermediate_size": 11008, "vocab_size": 32000}
     del config["num_key_value_heads"]
