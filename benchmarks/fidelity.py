@@ -538,6 +538,10 @@ def configure(record: dict) -> PublishedRun | str:
                        tp_comm_overlap=False if p.get("tp_comm_overlap") is False else source.tp_comm_overlap or None,
                        grad_reduce_in_fp32=None if fp32_reduce else False,
                        precision_aware_optimizer=source.optimizer_moments,
+                       # Megatron-LM's and Megatron-DeepSpeed's eager attention ran their fused masked-softmax
+                       # kernel (on by default; these runs' 2048 keys fit it), which keeps 16 bits.
+                       attention_softmax_in_fp32=False if source.engine == "megatron" and not (
+                           source.flash_attention or source.dtype == "fp32") else None,
                        expert_dispatcher="deepep" if model.moe and _node_deduplicated(p, source) else None,
                        expert_load_balanced=True if source.balanced_routing and model.moe else None,
                        fp8=fp8 or None, fp8_recipe=recipe,
@@ -1018,6 +1022,13 @@ WHY = {
 """Why the runs of a source are off, where some are off by more than 15% (cross-validated)."""
 
 CHANGES = [
+    "The eager attention of Megatron-LM's and Megatron-DeepSpeed's runs (narayanan21, korthikanti22, mtnlg, bloom) "
+    "priced with its softmax in 16 bits (Strategy.attention_softmax_in_fp32 False, the new pin "
+    "--no-attention-softmax-in-fp32): their fused masked-softmax kernel, on by default and taking their 2048 keys, "
+    "keeps its 16-bit output (megatron/core/fusions/fused_softmax.py), where dsauto's own plugin keeps an fp32 copy "
+    "of the scores. Measured on one CPU rank (tests/cost/test_megatron_memory.py): a 16-bit softmax keeps one fp32 "
+    "score tensor less at the layer's peak, what the cost model takes off. Memory only: these runs recompute every "
+    "layer or the attention core, so the published configurations' step times do not move (see the headline).",
     "Optimizer state in bf16 where the run kept it so (Source.optimizer_moments; Strategy.precision_aware_optimizer, "
     "Megatron-core's --use-precision-aware-optimizer, a new pin): Nemotron-4 340B's DGX Cloud yaml sets optim.dtype "
     "bf16 for Apex's DistributedFusedAdam (a copy of the weights and both moments in bf16, 6 bytes a parameter), "

@@ -116,6 +116,7 @@ def make_problem(
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
     precision_aware_optimizer: MomentsDtype | None = None,
+    attention_softmax_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
     expert_load_balanced: bool | None = None,
     fp8: bool | None = None,
@@ -178,6 +179,9 @@ def make_problem(
         precision_aware_optimizer: the dtype of Adam's moments under Megatron-core's precision-aware
             optimizer (``--use-precision-aware-optimizer``, Transformer Engine's FusedAdam, the fp32
             main weights kept as remainders; bf16 Megatron-core plans with ZeRO 1); None: off.
+        attention_softmax_in_fp32: False prices Megatron-core's unfused attention (``flash_attention``
+            False) with its softmax in 16 bits, no fp32 copy of the scores kept, as Megatron-LM's launches
+            run it by default (16-bit Megatron-core plans); None: fp32, as dsauto's plugin runs it.
         expert_dispatcher: ``deepep`` dispatches a mixture of experts' tokens with DeepEP
             (Megatron-core's flex dispatcher; DeepEP installed apart); None: ``alltoall``.
         expert_load_balanced: True prices a mixture of experts' routing forced to balance
@@ -227,6 +231,7 @@ def make_problem(
                        recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                        tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                        precision_aware_optimizer=precision_aware_optimizer,
+                       attention_softmax_in_fp32=attention_softmax_in_fp32,
                        expert_dispatcher=expert_dispatcher, expert_load_balanced=expert_load_balanced, fp8=fp8,
                        fp8_recipe=fp8_recipe, fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
                        expert_a2a_overlap=expert_a2a_overlap,
@@ -329,6 +334,7 @@ def make_plan(
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
     precision_aware_optimizer: MomentsDtype | None = None,
+    attention_softmax_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
     expert_load_balanced: bool | None = None,
     fp8: bool | None = None,
@@ -353,7 +359,8 @@ def make_plan(
                            dist_opt_instances=dist_opt_instances,
                            recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                            tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                           precision_aware_optimizer=precision_aware_optimizer, expert_dispatcher=expert_dispatcher,
+                           precision_aware_optimizer=precision_aware_optimizer,
+                           attention_softmax_in_fp32=attention_softmax_in_fp32, expert_dispatcher=expert_dispatcher,
                            expert_load_balanced=expert_load_balanced, fp8=fp8, fp8_recipe=fp8_recipe,
                            fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
                            expert_a2a_overlap=expert_a2a_overlap, stage_layers=stage_layers,

@@ -58,7 +58,8 @@ def describe_plan(plan: Plan) -> str:
         f"  batch       micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation steps x dp "
         f"{plan.dp} = {plan.global_batch} sequences of {plan.seq_len} tokens; {plan.dtype}"
         f"{'' if plan.grad_reduce_in_fp32 else ' (gradients too)'}"
-        f"{f', Adam moments in {plan.precision_aware_optimizer} (precision-aware optimizer)' if plan.precision_aware_optimizer else ''}"
+        f"{_moments_text(plan)}"
+        f"{'' if plan.attention_softmax_in_fp32 else ', the unfused softmax in 16 bits'}"
         f"{f', linear layers in FP8 ({plan.fp8_recipe} scaling)' if plan.fp8 else ''}"
         f"{' with FP8 weights' if plan.fp8_param_gather else ''}, {attention}",
         f"  layout      {plan.pp} stage{'s' if plan.pp > 1 else ''}, transformer layers per stage "
@@ -112,6 +113,12 @@ def describe_plan(plan: Plan) -> str:
             f"{format_seconds(st.backward_seconds):>10}"
         )
     return "\n".join(lines)
+
+
+def _moments_text(plan: Plan) -> str:
+    """The precision-aware optimizer's moments, when the plan keeps them in a lower dtype."""
+    moments = plan.precision_aware_optimizer
+    return f", Adam moments in {moments} (precision-aware optimizer)" if moments else ""
 
 
 def _host_and_hpz_text(plan: Plan) -> str:

@@ -405,6 +405,10 @@ class Plan:
     """Megatron-core's ``--moe-router-force-load-balancing``: the routers spread the tokens evenly over
     the experts (a benchmarking option, only when pinned); only in a Megatron-core plan of a mixture of
     experts."""
+    attention_softmax_in_fp32: bool = True
+    """Megatron-core's unfused attention in 16 bits: the softmax on an fp32 copy of the scores, its fp32
+    output kept (TransformerConfig's default, dsauto's plugin); False: in 16 bits (Megatron-LM's
+    default launch), only in a 16-bit Megatron-core plan with unfused attention."""
     precision_aware_optimizer: MomentsDtype | None = None
     """Megatron-core's ``--use-precision-aware-optimizer`` (Transformer Engine's FusedAdam) with Adam's
     moments in this dtype, and the fp32 main weights kept as the 16 bits the bf16 weights lack; None:
@@ -473,6 +477,10 @@ class Plan:
             raise ValueError(f"fp8 needs a Megatron-core plan (not {self.engine}) in bf16 or fp16 (not {self.dtype})")
         if self.fp8_param_gather and (not self.fp8 or self.zero_stage == 0):
             raise ValueError(f"fp8_param_gather needs fp8 (not {self.fp8}) and ZeRO stage 1-3 (not {self.zero_stage})")
+        if not self.attention_softmax_in_fp32 and (self.engine != "megatron" or self.dtype == "fp32"
+                                                   or self.flash_attention):
+            raise ValueError(f"attention_softmax_in_fp32 False needs a 16-bit Megatron-core plan (not {self.engine}, "
+                             f"{self.dtype}) with unfused attention (flash_attention {self.flash_attention})")
         if self.precision_aware_optimizer is not None and (
                 self.precision_aware_optimizer not in MOMENT_BYTES or self.engine != "megatron" or self.dtype != "bf16"
                 or self.zero_stage != 1 or self.offload != "none"):

@@ -151,6 +151,7 @@ class CostModel:
             calibration=self.calibration,
             # cp is Transformer Engine's context parallelism (its cp_comm_type) under Megatron-core and
             # DeepSpeed-Ulysses under DeepSpeed.
+            softmax_fp32=strategy.attention_softmax_in_fp32,
             cp=dims.cp, cp_group=scaled(cp, comm) if dims.cp > 1 and strategy.engine == "megatron" else None,
             cp_all_to_all=all_to_all_of(cluster, dims, "cp", comm) if dims.cp > 1 and (
                 strategy.engine == "deepspeed" or strategy.cp_comm_type == "a2a") else None,

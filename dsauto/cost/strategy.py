@@ -70,6 +70,13 @@ class Strategy:
     expert-parallel rank carries the mean load (:func:`dsauto.cost.terms.expert_load_factor`).
     It changes what the model learns: plans dsauto emits never set it; it prices published
     benchmarks that did (NVIDIA's Megatron-Bridge MoE tables)."""
+    attention_softmax_in_fp32: bool = True
+    """Megatron-core's unfused attention (TrainSpec.flash_attention False) in 16 bits computes its
+    softmax on an fp32 copy of the scores and keeps the fp32 output for backward (TransformerConfig's
+    ``attention_softmax_in_fp32``, True by default and in dsauto's plugin); False: the softmax keeps
+    its 16-bit output, as Megatron-LM's launches run it by default (``--attention-softmax-in-fp32``
+    is opt-in, and its fused masked-softmax kernel keeps 16 bits either way). Memory only:
+    :func:`dsauto.cost.terms.megatron_softmax_fp32_bytes_per_token`."""
     precision_aware_optimizer: MomentsDtype | None = None
     """Megatron-core's ``--use-precision-aware-optimizer`` with Adam's moments in this dtype
     (:attr:`dsauto.plan.Plan.precision_aware_optimizer`; :func:`dsauto.cost.terms.state_bytes_per_param`

@@ -212,6 +212,10 @@ class LayerContext:
     dist_opt_inter_group: Group | None = None
     """The ranks holding the same shard in every instance, calibrated: the shard's all-reduce runs
     over it; None with one instance."""
+    softmax_fp32: bool = True
+    """Megatron-core's unfused attention computes its softmax on an fp32 copy of 16-bit scores and
+    keeps its fp32 output (:attr:`dsauto.cost.strategy.Strategy.attention_softmax_in_fp32`); False:
+    the softmax keeps its 16-bit output alone."""
     recompute_early_stop: bool = False
     """A checkpointed layer's recomputation stops before its last matrix multiply (PyTorch's
     non-reentrant checkpoint: :attr:`dsauto.cost.strategy.Strategy.recompute_early_stop`)."""
@@ -609,7 +613,7 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     if "core_attn" in modules and not ctx.flash_attention:
         saved += group.attention_score_bytes_per_token / ctx.tp
         if ctx.engine == "megatron":
-            saved += (megatron_softmax_fp32_bytes_per_token(group, ctx.tp, ctx.dtype_bytes)
+            saved += (megatron_softmax_fp32_bytes_per_token(group, ctx.tp, ctx.dtype_bytes, ctx.softmax_fp32)
                       + megatron_eager_qkv_bytes_per_token(group, ctx.tp)
                       - megatron_eager_qkv_bytes_per_token(group, ctx.tp, core_recomputed=True))
     # Under FP8 the norms' outputs and the MLP output projections' inputs are kept in FP8
@@ -1106,8 +1110,9 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     full_activation += tokens * fp8_activation_change_bytes_per_token(group, ctx)
     megatron = ctx.engine == "megatron"
     if megatron and group.kind == "transformer" and not flash:
-        full_activation += tokens * (megatron_softmax_fp32_bytes_per_token(group, t, ctx.dtype_bytes)
-                                     + megatron_eager_qkv_bytes_per_token(group, t))
+        full_activation += tokens * (
+            megatron_softmax_fp32_bytes_per_token(group, t, ctx.dtype_bytes, ctx.softmax_fp32)
+            + megatron_eager_qkv_bytes_per_token(group, t))
     checkpoint_activation = tokens * group.checkpoint_bytes_per_token / replicated_div
     # A transformer layer's kept bytes are measured too (the profile's shards have no sequence
     # parallelism, so it applies without SP only); the embedding and head keep the analytic
@@ -1143,7 +1148,7 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
             mlp = megatron_mlp_backward_bytes_per_token(group, t, ctx.dtype_bytes, replicated_div)
             projection = grad + tokens * mlp
             softmax = 0.0 if flash else tokens * megatron_attention_backward_bytes_per_token(
-                group, t, ctx.dtype_bytes, ctx.device.softmax_backward_fp32_scores)
+                group, t, ctx.dtype_bytes, ctx.device.softmax_backward_fp32_scores, ctx.softmax_fp32)
             transient += max(projection, softmax)
         else:
             transient += grad
@@ -1171,7 +1176,8 @@ def attention_scores_per_token(group: LayerGroup) -> float:
     return group.attention_flops_per_token / (4 * group.head_dim) if group.head_dim else 0.0
 
 
-def megatron_softmax_fp32_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int) -> float:
+def megatron_softmax_fp32_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int,
+                                           softmax_fp32: bool = True) -> float:
     """Bytes per token that Megatron-core's unfused attention keeps for backward beyond the 16-bit
     probabilities :attr:`LayerGroup.attention_score_bytes_per_token` counts.
 
@@ -1188,8 +1194,13 @@ def megatron_softmax_fp32_bytes_per_token(group: LayerGroup, tp: int, dtype_byte
     the engine-neutral count already holds beside the mask, and nothing keeps the 16-bit
     probabilities: 4 - 2 bytes per score. Measured on an H100 (benchmarks/device_steps.py, GPT-2 XL's
     layers, 8 x 1024 tokens): the count without this put the peak 14% high; tensor by tensor on CPU
-    in bf16, the layer kept the fp32 softmax output, the dropout's mask and its 16-bit output."""
-    if dtype_bytes >= 4:
+    in bf16, the layer kept the fp32 softmax output, the dropout's mask and its 16-bit output.
+
+    Without ``softmax_fp32`` (``attention_softmax_in_fp32`` False, Megatron-LM's default, or its
+    fused masked-softmax kernel, ``masked_softmax_fusion``, whose 16-bit output is what it keeps for
+    backward: megatron/core/fusions/fused_softmax.py) the softmax keeps its 16-bit output, the
+    probabilities the engine-neutral count holds: nothing more."""
+    if dtype_bytes >= 4 or not softmax_fp32:
         return 0.0
     return attention_scores_per_token(group) * (4 - (dtype_bytes if group.attention_dropout else 0)) / tp
 
@@ -1243,7 +1254,7 @@ def mlp_out_input_elements(group: LayerGroup) -> float:
 
 
 def megatron_attention_backward_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int,
-                                                 fp32_scores: int) -> float:
+                                                 fp32_scores: int, softmax_fp32: bool = True) -> float:
     """Bytes per token beyond a transformer layer's kept activations at the backward of Megatron-core's
     unfused attention softmax, where the score-sized gradients peak: the fp32 ones alive then, less
     the kept scores (freed by their backward) and the MLP's inner activations (freed before).
@@ -1260,10 +1271,17 @@ def megatron_attention_backward_bytes_per_token(group: LayerGroup, tp: int, dtyp
     them at the peak of the layer's backward, which the layer's count puts within 0.05% in both
     dtypes beside the s x s boolean causal mask Megatron makes per call, not counted
     (tests/cost/test_megatron_memory.py). On an H100 the 16-bit backward holds one more
-    (``fp32_scores``, the device's ``softmax_backward_fp32_scores``: 4; benchmarks/device_steps.py)."""
+    (``fp32_scores``, the device's ``softmax_backward_fp32_scores``: 4; benchmarks/device_steps.py).
+    Without ``softmax_fp32`` the 16-bit softmax runs on the scores themselves, and its backward
+    holds the fp32 path's 4 tensors in 16 bits: measured on one CPU rank in bf16 (the layer above),
+    the peak is one fp32 score tensor (16 MiB) below the fp32 softmax's, which this count gives
+    (tests/cost/test_megatron_memory.py measures both). Megatron's fused kernel, CUDA-only, is not
+    measured here; its backward writes the input's gradient into the output's (fused_softmax.py),
+    so this count bounds it from above."""
     scores = attention_scores_per_token(group) / tp
-    alive = (4 if dtype_bytes >= 4 else fp32_scores) * 4 * scores
-    kept = group.attention_score_bytes_per_token / tp + megatron_softmax_fp32_bytes_per_token(group, tp, dtype_bytes)
+    alive = (4 * 4 if dtype_bytes >= 4 else fp32_scores * 4 if softmax_fp32 else 4 * dtype_bytes) * scores
+    kept = group.attention_score_bytes_per_token / tp + megatron_softmax_fp32_bytes_per_token(
+        group, tp, dtype_bytes, softmax_fp32)
     return alive - kept - group.mlp_act_bytes_per_token / tp
 
 

@@ -336,6 +336,11 @@ def _batch_and_precision(plan: Plan) -> list[str]:
     # named rather than left to Transformer Engine's "auto".
     backend = ATTENTION_BACKEND[plan.attention_kernel] if plan.flash_attention else "unfused"
     lines.append("--attention-backend " + backend)
+    if not plan.flash_attention and plan.dtype != "fp32" and plan.attention_softmax_in_fp32:
+        # The unfused softmax as priced and as dsauto's plugin runs it: on an fp32 copy of the scores,
+        # its fp32 output kept. Megatron-LM's defaults keep 16 bits (the flag is opt-in, and its fused
+        # masked-softmax kernel, on by default, keeps 16 bits where the shapes allow it).
+        lines += ["--attention-softmax-in-fp32", "--no-masked-softmax-fusion"]
     return lines
 
 

@@ -53,6 +53,7 @@ SWITCHES = {
     "--swiglu", "--squared-relu", "--disable-bias-linear", "--add-qkv-bias", "--untie-embeddings-and-output-weights",
     "--qk-layernorm", "--apply-layernorm-1p", "--no-bias-gelu-fusion", "--moe-shared-expert-gate",
     "--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--use-rotary-position-embeddings",
+    "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-masked-softmax-fusion",
 }
 """Flags read here that take no value."""
 
@@ -295,11 +296,8 @@ def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     impl = _choice(flags, "--transformer-impl", where, "transformer_engine", ("transformer_engine", "local"))
     if backend in ("local", "unfused") or impl == "local":
         train["flash_attention"] = False  # Megatron-core's own attention keeps the s x s scores
-        launch.notes.append(
-            f"{where} runs unfused attention, which dsauto prices as its own Megatron-core plugin configures "
-            f"it (torch's softmax in fp32); Megatron-LM's defaults differ (its fused masked softmax, 16-bit "
-            f"unless --attention-softmax-in-fp32), keeping fewer score-sized tensors, so the memory is priced "
-            f"high.")
+        if train["dtype"] != "fp32":
+            pins["attention_softmax_in_fp32"] = _softmax_in_fp32(flags, train.get("seq_len"))
     elif kernels[backend]:
         pins["attention_kernel"] = kernels[backend]
     if "--fp8-format" in flags:
@@ -383,6 +381,24 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     if missing:
         launch.notes.append(f"{where} does not set {' or '.join(missing)}, and dsauto prices the data-parallel "
                             f"communication overlapped as its plans run it; add them to run as priced.")
+
+
+FUSED_SOFTMAX_MAX_KEYS = 4096
+"""The longest key sequence Megatron-core's fused masked-softmax kernel takes
+(megatron/core/fusions/fused_softmax.py, ``FusedScaleMaskSoftmax.is_kernel_available``, 0.16)."""
+
+
+def _softmax_in_fp32(flags: dict[str, str], seq_len: int | None) -> bool:
+    """Whether a 16-bit launch's unfused attention keeps an fp32 copy of its softmax: only when the
+    softmax runs in fp32 (``--attention-softmax-in-fp32``, which ``--apply-query-key-layer-scaling``
+    implies: validate_args) through torch rather than the fused kernel, which Megatron-LM runs by
+    default (``--no-masked-softmax-fusion`` turns it off) where the keys fit it (16 < s <= 4096, s a
+    multiple of 4; the heads x batch condition is taken to hold). Either kernel keeps 16 bits
+    otherwise."""
+    fp32 = "--attention-softmax-in-fp32" in flags or "--apply-query-key-layer-scaling" in flags
+    fused = "--no-masked-softmax-fusion" not in flags and seq_len is not None and (
+        16 < seq_len <= FUSED_SOFTMAX_MAX_KEYS and seq_len % 4 == 0)
+    return fp32 and not fused
 
 
 def _optimizer_precision(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:

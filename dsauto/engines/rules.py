@@ -441,6 +441,19 @@ def precision_aware_refusal(engine: Engine, dtype: Dtype, zero_stage: int | None
     return None
 
 
+def softmax_16_bit_refusal(engine: Engine, dtype: Dtype, flash_attention: bool) -> str | None:
+    """Why a 16-bit softmax in unfused attention (TransformerConfig's ``attention_softmax_in_fp32``
+    False) is no choice, or None: Megatron-core's own attention only, in 16-bit training, and only
+    without fused attention (which keeps no score matrix)."""
+    if engine != "megatron":
+        return "the softmax of unfused attention is Megatron-core's setting; plan with --engine megatron"
+    if dtype == "fp32":
+        return "in fp32 the softmax is fp32 anyway"
+    if flash_attention:
+        return "fused attention keeps no score matrix; it applies with --no-flash-attention"
+    return None
+
+
 def grad_reduce_refusal(engine: Engine, dtype: Dtype) -> str | None:
     """Why gradients cannot be kept and reduced in bf16 (Megatron-LM's ``--grad-reduce-in-bf16``,
     DistributedDataParallelConfig.grad_reduce_in_fp32 False), or None: Megatron-core only, and only

@@ -139,7 +139,8 @@ def strategy_of(plan: Plan) -> Strategy:
                     fp8=plan.fp8, fp8_recipe=plan.fp8_recipe, fp8_param_gather=plan.fp8_param_gather,
                     cp_comm_type=plan.cp_comm_type, expert_a2a_overlap=plan.expert_a2a_overlap,
                     expert_load_balanced=plan.expert_load_balanced,
-                    precision_aware_optimizer=plan.precision_aware_optimizer)
+                    precision_aware_optimizer=plan.precision_aware_optimizer,
+                    attention_softmax_in_fp32=plan.attention_softmax_in_fp32)
 
 
 def options_of(plan: Plan) -> tuple[LayerOption, ...]:

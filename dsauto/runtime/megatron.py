@@ -265,6 +265,14 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
         _report(f"The config trains in FP8 (fp8={config.fp8!r}) and the plan was priced in {plan.dtype}; dsauto "
                 f"keeps it, so the step may be faster and its memory other than predicted (re-plan with --fp8 "
                 f"to price it).")
+    if not plan.flash_attention and plan.dtype != "fp32":
+        # The unfused softmax in the precision the plan's memory was priced with.
+        fields["attention_softmax_in_fp32"] = plan.attention_softmax_in_fp32
+        if plan.attention_softmax_in_fp32 and config.masked_softmax_fusion:
+            _report("The config fuses the masked softmax (masked_softmax_fusion), whose kernel keeps 16 bits where "
+                    "the shapes allow it, and the plan was priced with the fp32 softmax's copy of the scores; dsauto "
+                    "keeps the fusion, so the memory may be lower than predicted (re-plan with "
+                    "--no-attention-softmax-in-fp32 to price it).")
     _report_kernel(plan, config)
     _report_unfused_swiglu(plan, config)
     _report_max_connections(plan)
@@ -436,9 +444,9 @@ def optimizer_config(plan: Plan, **overrides: Any) -> OptimizerConfig:
         import importlib.util
 
         if importlib.util.find_spec("transformer_engine") is None:
-            raise DsautoError(f"The plan keeps Adam's moments in {plan.precision_aware_optimizer} through Megatron-core's "
-                              f"precision-aware optimizer, which needs Transformer Engine; install transformer-engine "
-                              f"or re-plan without --precision-aware-optimizer.")
+            raise DsautoError(f"The plan keeps Adam's moments in {plan.precision_aware_optimizer} through "
+                              f"Megatron-core's precision-aware optimizer, which needs Transformer Engine; install "
+                              f"transformer-engine or re-plan without --precision-aware-optimizer.")
         moments = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                    "fp8": torch.uint8}[plan.precision_aware_optimizer]
         fields.update(use_precision_aware_optimizer=True, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)

@@ -850,6 +850,8 @@ class Planner:
             cp_comm_type=strategy.cp_comm_type, expert_a2a_overlap=strategy.expert_a2a_overlap,
             expert_load_balanced=strategy.expert_load_balanced,
             precision_aware_optimizer=strategy.precision_aware_optimizer,
+            attention_softmax_in_fp32=strategy.attention_softmax_in_fp32 or not (
+                strategy.engine == "megatron" and self.train.dtype != "fp32" and not self.train.flash_attention),
             # bf16 gradients as they take effect (the cost model prices them so too): Megatron-core under bf16.
             grad_reduce_in_fp32=strategy.grad_reduce_in_fp32 or not (
                 strategy.engine == "megatron" and self.train.dtype == "bf16"),

@@ -19,6 +19,7 @@ from dsauto.engines.rules import (
     force_load_balancing_refusal,
     grad_reduce_refusal,
     precision_aware_refusal,
+    softmax_16_bit_refusal,
     expert_parallel_refusal,
     dist_opt_instances_refusal,
     hpz_refusal,
@@ -147,6 +148,15 @@ class Constraints:
                 "bf16 Megatron-core plans only) (default: fp32, Megatron-core's default)"})
     """False: gradients kept and reduced in bf16 (Megatron-core's ``--grad-reduce-in-bf16``); None:
     fp32, the engine's default (never chosen by the search: it trades precision for memory)."""
+    attention_softmax_in_fp32: bool | None = field(default=None, metadata={
+        "flag": "--no-attention-softmax-in-fp32", "const": False,
+        "help": "with --no-flash-attention, price Megatron-core's unfused attention with its softmax in 16 bits, "
+                "keeping no fp32 copy of the scores: Megatron-LM's default launch (--attention-softmax-in-fp32 "
+                "is opt-in, and its fused masked-softmax kernel keeps 16 bits) (16-bit Megatron-core plans; "
+                "default: fp32, as dsauto's plugin runs it)"})
+    """False: the unfused attention's softmax in 16 bits
+    (:attr:`dsauto.cost.strategy.Strategy.attention_softmax_in_fp32`); None: fp32, as dsauto's plugin
+    configures Megatron-core (never chosen by the search: it changes the numerics)."""
     precision_aware_optimizer: MomentsDtype | None = field(default=None, metadata={
         "flag": "--precision-aware-optimizer",
         "help": "keep Adam's moments in this dtype and the fp32 main weights as the 16 bits bf16 lacks "
@@ -302,6 +312,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                expert_load_balanced=bool(pins.expert_load_balanced),
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
                                precision_aware_optimizer=pins.precision_aware_optimizer,
+                               attention_softmax_in_fp32=pins.attention_softmax_in_fp32 is not False,
                                fp8=bool(pins.fp8), fp8_recipe=pins.fp8_recipe or "delayed",
                                fp8_param_gather=bool(pins.fp8 and pins.fp8_param_gather), cp_comm_type=exchange,
                                expert_a2a_overlap=bool(pins.expert_a2a_overlap))
@@ -344,7 +355,7 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
                            model: ModelSpec) -> dict[str, tuple[str, str]]:
     """Flag -> (why ``engine`` cannot run it, what to do) of each pinned engine option it refuses: the
     attention kernel (:func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``,
-    ``--grad-reduce-in-bf16``, ``--precision-aware-optimizer``, ``--moe-dispatcher deepep``, ``--moe-router-force-load-balancing``, ``--fp8``
+    ``--grad-reduce-in-bf16``, ``--no-attention-softmax-in-fp32``, ``--precision-aware-optimizer``, ``--moe-dispatcher deepep``, ``--moe-router-force-load-balancing``, ``--fp8``
     and ``--cp-comm-type``
     (Megatron-core's). The search drops the
     engine's strategies when any is refused."""
@@ -356,6 +367,9 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--tp-comm-overlap"] = why, "otherwise leave it out"
     if pins.grad_reduce_in_fp32 is False and (why := grad_reduce_refusal(engine, train.dtype)):
         out["--grad-reduce-in-bf16"] = why, "leave it out"
+    if pins.attention_softmax_in_fp32 is False and (why := softmax_16_bit_refusal(
+            engine, train.dtype, train.flash_attention)):
+        out["--no-attention-softmax-in-fp32"] = why, "leave it out"
     if pins.precision_aware_optimizer is not None and (why := precision_aware_refusal(
             engine, train.dtype, pins.zero_stage, pins.offload)):
         out[f"--precision-aware-optimizer {pins.precision_aware_optimizer}"] = why, "leave it out"

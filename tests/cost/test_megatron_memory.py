@@ -305,3 +305,45 @@ def test_unfused_attention_keeps_per_score_and_per_token_what_the_listing_shows(
     assert megatron_eager_qkv_bytes_per_token(block, 1) == 3 * 8192 - (8192 + 4096)
     assert megatron_eager_qkv_bytes_per_token(block, 1, core_recomputed=True) == 8192 + 2048
     assert megatron_eager_qkv_bytes_per_token(block, 2) == (3 * 8192 - (8192 + 4096)) / 2
+
+
+def _layer_peak(model: ModelSpec, seq: int, **config) -> int:
+    """Peak live bytes of one of Megatron-core's local-spec layers, forward and backward of one
+    sequence in bf16 on this CPU, from before the forward (each weight's gradient freed once
+    accumulated, as DDP's hook does)."""
+    import torch
+
+    from dsauto.profile.megatron_layers import megatron_layer, megatron_layer_state
+    from dsauto.profile.memory import MemoryTracker
+
+    with megatron_layer_state(torch.device("cpu")):
+        layer = megatron_layer(model, 1, torch.bfloat16, **config)
+        for parameter in layer.parameters():
+            parameter.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        x = torch.randn(seq, 1, model.hidden_size, dtype=torch.bfloat16)
+        with MemoryTracker() as tracker:
+            layer(x).float().sum().backward()
+        return tracker.peak_bytes()
+
+
+def test_a_16_bit_softmax_keeps_one_fp32_score_tensor_less_than_priced_for_the_fp32_one():
+    """--no-attention-softmax-in-fp32 (Megatron-LM's default launch): measured on real Megatron-core
+    layers, the layer's peak falls by what the cost model takes off, the fp32 copy of the scores that
+    the fp32 softmax keeps and the fp32 tensors of its backward turned 16-bit."""
+    seq = 1024
+    model = ModelSpec(name="one-layer", architecture="decoder", num_layers=1, hidden_size=256, num_attention_heads=4,
+                      ffn_hidden_size=1024, vocab_size=4096, max_position_embeddings=seq, dropout=False)
+    measured = (_layer_peak(model, seq, attention_softmax_in_fp32=True)
+                - _layer_peak(model, seq, attention_softmax_in_fp32=False))
+    train = TrainSpec(global_batch=1, seq_len=seq, dtype="bf16", flash_attention=False)
+    group = next(g for g in layer_groups(model, seq, train.dtype_bytes) if g.kind == "transformer")
+
+    def priced(fp32: bool) -> float:
+        case = Strategy(dims=ParallelDims(), zero_stage=0, micro_batch=1, grad_accum=1, sequence_parallel=False,
+                        engine="megatron", attention_softmax_in_fp32=fp32)
+        cost = CostModel(load_cluster("cpu", nodes=1, gpus_per_node=1), train, case, model.hidden_size)
+        layer = cost.layer(group, KEEP)
+        return layer.activation_bytes + layer.transient_bytes
+
+    assert measured == 4 * 1024 * 1024 * 4  # one fp32 score tensor: 4 heads x 1024 x 1024 x 4 bytes
+    assert priced(True) - priced(False) == pytest.approx(measured, rel=0.001)

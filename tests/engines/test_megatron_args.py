@@ -29,6 +29,8 @@ ROUND_TRIPS = [
     ("llama3-8b", "h100-80gb", 2, 64, 8192, dict(cp=2, fp8=True, fp8_recipe="tensorwise", checkpoint=False)),
     ("llama2-7b", "a100-40gb", 1, 64, 4096, dict(offload="optimizer", zero_stage=1, checkpoint=True)),
     ("llama3-8b", "h100-80gb", 1, 64, 4096, dict(precision_aware_optimizer="bf16")),  # bf16 moments, ZeRO 1
+    ("gpt2-xl", "a100-80gb", 1, 64, 1024, dict(flash_attention=False)),  # unfused, fp32 softmax copy
+    ("gpt2-xl", "a100-80gb", 1, 64, 1024, dict(flash_attention=False, attention_softmax_in_fp32=False)),
 ]
 
 
@@ -206,8 +208,19 @@ def test_megatron_lms_own_defaults_for_what_a_launch_leaves_out():
     assert (moe.pins["ep"], moe.pins["etp"], moe.pins["expert_dispatcher"]) == (1, 2, "deepep")  # etp = tp
     with pytest.raises(DsautoError, match="--global-batch-size"):
         parse_megatron_args([word for word in MINIMAL.split() if word not in ("--global-batch-size", "8")])
-    eager = parse_megatron_args((MINIMAL + " --transformer-impl local").split())
-    assert any("runs unfused attention" in note for note in eager.notes)
+    # Unfused attention in 16 bits: Megatron-LM's softmax keeps 16 bits unless it runs in fp32 through
+    # torch (--attention-softmax-in-fp32 with the fused kernel off, or keys beyond the kernel's 4096).
+    def softmax_fp32(extra: str, seq: int = 256) -> bool | None:
+        words = (MINIMAL.replace("--seq-length 256", f"--seq-length {seq} --max-position-embeddings {seq}")
+                 + " --bf16 --transformer-impl local " + extra).split()
+        return parse_megatron_args(words).pins.get("attention_softmax_in_fp32")
+    assert softmax_fp32("") is False
+    assert softmax_fp32("--attention-softmax-in-fp32") is False  # the fused kernel takes 256 keys
+    assert softmax_fp32("--attention-softmax-in-fp32 --no-masked-softmax-fusion") is True
+    assert softmax_fp32("--apply-query-key-layer-scaling --no-masked-softmax-fusion") is True
+    assert softmax_fp32("--attention-softmax-in-fp32", seq=8192) is True
+    eager = parse_megatron_args((MINIMAL + " --transformer-impl local").split())  # fp32: nothing to choose
+    assert "attention_softmax_in_fp32" not in eager.pins
 
 
 def test_a_named_mixture_of_experts_takes_the_launchs_expert_degrees():
