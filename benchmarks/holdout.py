@@ -12,7 +12,9 @@ problem the command would (:func:`dsauto.cli.problem_from_args`), so the numbers
 gets. A configuration the memory model refuses is priced again under a generous limit, since it
 ran, and says so; its published memory, where the source gives one, is set beside the predicted peak.
 
-The headline covers the runs dsauto prices as they ran, on a GPU a preset describes. A record with
+The headline covers the runs dsauto prices as they ran, on a GPU a preset describes; runs of other
+stacks (PyTorch DDP, ZeroRedundancyOptimizer, FSDP) are priced on the Megatron-core sharding they
+match, as benchmarks/fidelity.py maps them. A record with
 ``apart`` (a GPU no preset describes, such as the 96 GB H100 at 500 W, or a setting priced with a
 stand-in, such as PyTorch's per-operator selective checkpointing) is priced and reported apart with
 that reason; a configuration dsauto refuses is reported with its refusal.
@@ -136,7 +138,10 @@ def report(priced: Sequence[Priced], seconds: float) -> str:
         "were gathered afterwards, picked for how completely their configuration is published. Each is priced with "
         "the `dsauto plan` options in its record, parsed by the command line's own parser, as a user would type them. "
         "The headline covers the runs priced as they ran on a GPU a preset describes; the others are reported apart "
-        "with the reason. Error = predicted / published step time - 1.",
+        "with the reason. Runs of other stacks are priced on the engine whose sharding they match, as "
+        "benchmarks/fidelity.py maps them: PyTorch DDP as Megatron-core with ZeRO 0, DDP with "
+        "ZeroRedundancyOptimizer as ZeRO 1, FSDP as ZeRO 3 (Megatron-FSDP). Error = predicted / published step "
+        "time - 1.",
         "",
         "## Per source",
         "",

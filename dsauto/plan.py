@@ -481,13 +481,16 @@ class Plan:
                                                    or self.flash_attention):
             raise ValueError(f"attention_softmax_in_fp32 False needs a 16-bit Megatron-core plan (not {self.engine}, "
                              f"{self.dtype}) with unfused attention (flash_attention {self.flash_attention})")
-        if self.precision_aware_optimizer is not None and (
-                self.precision_aware_optimizer not in MOMENT_BYTES or self.engine != "megatron" or self.dtype != "bf16"
-                or self.zero_stage != 1 or self.offload != "none"):
-            raise ValueError(f"precision_aware_optimizer {self.precision_aware_optimizer!r} must be one of "
-                             f"{', '.join(MOMENT_BYTES)} and needs a bf16 Megatron-core plan (not {self.engine}, "
-                             f"{self.dtype}) with ZeRO stage 1 (not {self.zero_stage}) and no offload (not "
-                             f"{self.offload})")
+        if self.precision_aware_optimizer is not None:
+            if self.precision_aware_optimizer not in MOMENT_BYTES:
+                raise ValueError(f"precision_aware_optimizer must be one of {', '.join(MOMENT_BYTES)} or None, got "
+                                 f"{self.precision_aware_optimizer!r}")
+            if self.engine != "megatron" or self.dtype != "bf16":
+                raise ValueError(f"precision_aware_optimizer needs a bf16 Megatron-core plan, not {self.engine} in "
+                                 f"{self.dtype}")
+            if self.zero_stage != 1 or self.offload != "none":
+                raise ValueError(f"precision_aware_optimizer needs ZeRO stage 1 (not {self.zero_stage}) and the "
+                                 f"optimizer on the device (offload {self.offload!r})")
         if not self.grad_reduce_in_fp32 and (self.engine != "megatron" or self.dtype != "bf16"):
             raise ValueError(f"grad_reduce_in_fp32 False (bf16 gradients) needs a Megatron-core plan (not "
                              f"{self.engine}) in bf16 (not {self.dtype})")

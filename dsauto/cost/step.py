@@ -412,7 +412,7 @@ def mlp_backward_bytes(model: ModelSpec, tokens: int, tp: int, dtype_bytes: int)
 
 def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim: float, bucket: int,
                          single_tensor: bool, largest_main_param_bytes: float = 0.0,
-                         grads_in_16_bits: bool = False) -> float:
+                         grads_in_16_bits: bool = False, optimizer_bytes_per_param: int = 12) -> float:
     """Memory of a rank during the optimizer update of ZeRO 1-3 (0 otherwise), when the activations
     are gone. The ZeRO optimizers hand torch's AdamW (the emitted ``torch_adam`` with ``fused``) one
     flat fp32 partition (``optim`` holds it and the two moments, 12 bytes per parameter) and, as its
@@ -446,10 +446,22 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
     same method, which Megatron-FSDP skips, as the precision-aware optimizer of an offloaded plan
     does with its ``decoupled_grad``): 4 bytes per main parameter of the rank, a third of ``optim``.
     Measured (benchmarks/megatron_memory.py, bf16 gradients, DP 2): the update peaked 16.3 MiB (ZeRO 0)
-    and 8.2 MiB (ZeRO 1) above the model state, the fp32 copies of 4.3M and 2.1M gradients."""
+    and 8.2 MiB (ZeRO 1) above the model state, the fp32 copies of 4.3M and 2.1M gradients.
+
+    The precision-aware optimizer (``optimizer_bytes_per_param`` then its state's bytes) hands
+    Transformer Engine's FusedAdam the gradient shard itself (``decoupled_grad``: no fp32 copy), except
+    under FP8 current scaling, where Megatron-core keeps the fp32 main weights and copies as above
+    (optimizer_config.py, ``use_precision_aware_optimizer_no_fp8_or_ds_fp8``). FusedAdam makes fp32
+    copies of fp16 and fp8 moments for a whole parameter group before its kernel runs (transformer_engine/
+    pytorch/optimizers/fused_adam.py, ``step`` and ``get_unscaled_state``; bf16 and fp32 ones are used
+    as they are): 2 x 4 bytes per main parameter of the rank."""
     if strategy.engine == "megatron":
-        copies = (optim / 3 if grads_in_16_bits and strategy.zero_stage <= 1 and strategy.offload == "none"
-                  else 0.0)
+        main = optim / optimizer_bytes_per_param  # the main parameters (or shards) the rank updates
+        moments = strategy.precision_aware_optimizer
+        decoupled = moments is not None and not (strategy.fp8 and strategy.fp8_recipe == "tensorwise")
+        copies = (4 * main if grads_in_16_bits and strategy.zero_stage <= 1 and strategy.offload == "none"
+                  and not decoupled else 0.0)
+        copies += 2 * 4 * main if moments in ("fp16", "fp8") else 0.0
         if single_tensor:
             return params + grads + optim + copies + 2 * largest_main_param_bytes
         return params + grads + optim + copies if copies else 0.0
@@ -520,7 +532,7 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
         largest = min(largest, params / b / (strategy.dims.replicas // strategy.dist_opt_instances))
     grads_in_16_bits = train.dtype != "fp32" and ctx.grad_bytes_per_param == 2
     stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor, 4 * largest,
-                                    grads_in_16_bits) + buffer
+                                    grads_in_16_bits, ctx.optimizer_bytes_per_param) + buffer
     if stepping > peak:
         peak = stepping
         transient = peak - (params + grads + optim + activation)

@@ -24,6 +24,7 @@ from dsauto.engines.megatron import (
     megatron_grad_bytes,
     pipeline_layout,
     selective_recompute_modules,
+    softmax_fusion_setting,
 )
 from dsauto.plan import Plan
 from dsauto.plan_io import PLAN_ID_COMMENT, plan_id
@@ -77,6 +78,9 @@ def _header(plan: Plan) -> list[str]:
     ]
     if need := max_connections(plan):
         lines.append(f"{COMMENT}Launch environment: {need.setting()}, for {need.why}.")
+    if setting := softmax_fusion_setting(plan):
+        lines.append(f"{COMMENT}Launch environment: {setting}, for the unfused attention's fp32 softmax the plan "
+                     f"prices (Transformer Engine's layers fuse it otherwise, keeping 16 bits).")
     if plan.model.architecture == "encoder":
         lines.append(f"{COMMENT}Encoder (masked language) model: use these with Megatron-LM's "
                      f"pretrain_bert.py.")

@@ -98,6 +98,33 @@ def max_connections(plan: Plan) -> MaxConnections | None:
     return None
 
 
+TE_FUSED_SOFTMAX_KEYS = (16, 16384, 8)
+"""Transformer Engine's fused masked softmax takes s keys with 16 < s < 16384 and s a multiple of 8
+(transformer_engine/pytorch/attention/dot_product_attention/softmax.py, ``is_kernel_available``; it also
+needs the attention batches, micro-batch x heads per rank, a multiple of 4)."""
+
+
+def te_softmax_fuses(seq_len: int, micro_batch: int, heads_per_rank: int) -> bool:
+    """Whether Transformer Engine's unfused attention (Megatron-LM's default layers with
+    ``--attention-backend unfused``) runs its fused masked softmax, which keeps 16 bits, when
+    ``NVTE_MASKED_SOFTMAX_FUSION`` is not 0 (its default); otherwise its torch softmax runs in fp32
+    (``softmax_in_fp32`` True) and keeps the fp32 output."""
+    low, high, multiple = TE_FUSED_SOFTMAX_KEYS
+    return low < seq_len < high and seq_len % multiple == 0 and (micro_batch * heads_per_rank) % 4 == 0
+
+
+def softmax_fusion_setting(plan: Plan) -> str | None:
+    """The launch environment a plan with unfused attention needs for the softmax it is priced with: its
+    fp32 softmax (dsauto's plugin, the default) where Transformer Engine would fuse it, which
+    ``NVTE_MASKED_SOFTMAX_FUSION=0`` turns off; None otherwise (fused attention, fp32 training, or the
+    16-bit softmax, which the kernel runs)."""
+    if plan.flash_attention or plan.dtype == "fp32" or not plan.attention_softmax_in_fp32:
+        return None
+    if not te_softmax_fuses(plan.seq_len, plan.micro_batch, plan.model.num_attention_heads // plan.tp):
+        return None
+    return "NVTE_MASKED_SOFTMAX_FUSION=0"
+
+
 def megatron_grad_bytes(plan: Plan) -> int:
     """Bytes of one gradient in Megatron-core's gradient buffer, which its ``bucket_size`` (Megatron-LM's
     ``--ddp-bucket-size``, in parameters) fills: fp32 under bf16 (Megatron-LM's validate_args sets

@@ -15,13 +15,14 @@ gradient buckets, overlap flags the launch leaves out).
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsauto.engines.megatron import ATTENTION_BACKEND, FSDP_STRATEGY
+from dsauto.engines.megatron import ATTENTION_BACKEND, FSDP_STRATEGY, TE_FUSED_SOFTMAX_KEYS
 from dsauto.errors import DsautoError
 from dsauto.plan import MOMENT_BYTES, chunk_layers
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec
@@ -98,6 +99,14 @@ class MegatronLaunch:
     """Flags neither read nor known to change nothing dsauto prices."""
     notes: list[str] = field(default_factory=list)
     """What dsauto prices otherwise than the launch runs, one sentence each."""
+    environment: dict[str, str] = field(default_factory=dict)
+    """The launch environment the file sets that dsauto reads (:data:`ENVIRONMENT`)."""
+
+
+ENVIRONMENT = ("NVTE_MASKED_SOFTMAX_FUSION",)
+"""Variables of the launch environment that change what dsauto prices, read where a file sets them
+(``export NAME=value``, ``NAME=value`` before the launcher, or the ``# Launch environment:`` line of
+dsauto's own megatron_args.txt): Transformer Engine's masked-softmax fusion, 0 to turn it off."""
 
 
 def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> MegatronLaunch:
@@ -115,11 +124,13 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
         words = shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
-    return parse_megatron_args(words, str(path), model)
+    environment = {name: value for name, value in re.findall(r"\b([A-Z_]+)=(\S+?)[,;\s]", text + "\n")
+                   if name in ENVIRONMENT}
+    return parse_megatron_args(words, str(path), model, environment)
 
 
-def parse_megatron_args(words: Iterable[str], where: str = "the arguments",
-                        model: ModelSpec | None = None) -> MegatronLaunch:
+def parse_megatron_args(words: Iterable[str], where: str = "the arguments", model: ModelSpec | None = None,
+                        environment: dict[str, str] | None = None) -> MegatronLaunch:
     """The launch of a list of Megatron-LM arguments (see :func:`read_megatron_args`). With
     ``model``, the launch plans that model, after checking that the flags describe it (its
     vocabulary stands in for a missing ``--vocab-size``: Megatron-LM reads it from the tokenizer)."""
@@ -134,9 +145,10 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments",
     described = _model(flags, where, model.vocab_size if model is not None else None)
     if model is not None and described is not None:
         _check_model(described, model, where)
-    launch = MegatronLaunch(model=model or described)
+    launch = MegatronLaunch(model=model or described, environment=dict(environment or {}))
     _batch(flags, launch, where)
     _parallelism(flags, launch, where)
+    _softmax(flags, launch)
     _recompute(flags, launch, where)
     known = VALUED | SWITCHES | set(REFUSED_NAMES)
     launch.unknown = sorted(launch.unknown + [name for name in flags
@@ -296,8 +308,6 @@ def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     impl = _choice(flags, "--transformer-impl", where, "transformer_engine", ("transformer_engine", "local"))
     if backend in ("local", "unfused") or impl == "local":
         train["flash_attention"] = False  # Megatron-core's own attention keeps the s x s scores
-        if train["dtype"] != "fp32":
-            pins["attention_softmax_in_fp32"] = _softmax_in_fp32(flags, train.get("seq_len"))
     elif kernels[backend]:
         pins["attention_kernel"] = kernels[backend]
     if "--fp8-format" in flags:
@@ -388,16 +398,39 @@ FUSED_SOFTMAX_MAX_KEYS = 4096
 (megatron/core/fusions/fused_softmax.py, ``FusedScaleMaskSoftmax.is_kernel_available``, 0.16)."""
 
 
-def _softmax_in_fp32(flags: dict[str, str], seq_len: int | None) -> bool:
-    """Whether a 16-bit launch's unfused attention keeps an fp32 copy of its softmax: only when the
-    softmax runs in fp32 (``--attention-softmax-in-fp32``, which ``--apply-query-key-layer-scaling``
-    implies: validate_args) through torch rather than the fused kernel, which Megatron-LM runs by
-    default (``--no-masked-softmax-fusion`` turns it off) where the keys fit it (16 < s <= 4096, s a
-    multiple of 4; the heads x batch condition is taken to hold). Either kernel keeps 16 bits
-    otherwise."""
+def _softmax(flags: dict[str, str], launch: MegatronLaunch) -> None:
+    """The softmax pin of a 16-bit launch with unfused attention (:func:`_softmax_in_fp32`)."""
+    train, pins = launch.train, launch.pins
+    if train.get("flash_attention") is not False or train["dtype"] == "fp32":
+        return
+    heads = launch.model.num_attention_heads // pins["tp"] if launch.model is not None else None
+    pins["attention_softmax_in_fp32"] = _softmax_in_fp32(
+        flags, train.get("seq_len"), flags.get("--transformer-impl") == "local",
+        launch.environment.get("NVTE_MASKED_SOFTMAX_FUSION", "1") != "0",
+        None if heads is None or "micro_batch" not in pins else pins["micro_batch"] * heads)
+
+
+def _softmax_in_fp32(flags: dict[str, str], seq_len: int | None, local: bool, te_fusion: bool,
+                     attention_batches: int | None) -> bool:
+    """Whether a 16-bit launch's unfused attention keeps an fp32 copy of its softmax.
+
+    Transformer Engine's layers (Megatron-LM's default ``--transformer-impl``) run their own unfused
+    attention, whose softmax is fp32 unless their fused masked softmax takes the keys
+    (:data:`dsauto.engines.megatron.TE_FUSED_SOFTMAX_KEYS`), the attention batches (micro-batch x heads
+    per rank, taken to fit when the launch leaves them to the command line) are a multiple of 4 and
+    ``te_fusion`` (``NVTE_MASKED_SOFTMAX_FUSION`` not 0); Megatron's flags do not reach it.
+    Megatron-core's own (``--transformer-impl local``) keeps the fp32 copy only when the softmax runs in fp32 (``--attention-softmax-in-fp32``, which ``--apply-query-key-layer-scaling``
+    implies: validate_args) through torch rather than its fused kernel, on by default
+    (``--no-masked-softmax-fusion`` turns it off) where the keys fit it (16 < s <= 4096, s a multiple
+    of 4)."""
+    if seq_len is None:
+        return True  # the command line's sequence: priced as dsauto's plugin runs it
+    if not local:
+        low, high, multiple = TE_FUSED_SOFTMAX_KEYS
+        batches_fit = attention_batches is None or attention_batches % 4 == 0
+        return not (te_fusion and batches_fit and low < seq_len < high and seq_len % multiple == 0)
     fp32 = "--attention-softmax-in-fp32" in flags or "--apply-query-key-layer-scaling" in flags
-    fused = "--no-masked-softmax-fusion" not in flags and seq_len is not None and (
-        16 < seq_len <= FUSED_SOFTMAX_MAX_KEYS and seq_len % 4 == 0)
+    fused = "--no-masked-softmax-fusion" not in flags and 16 < seq_len <= FUSED_SOFTMAX_MAX_KEYS and seq_len % 4 == 0
     return fp32 and not fused
 
 
@@ -408,9 +441,13 @@ def _optimizer_precision(flags: dict[str, str], launch: MegatronLaunch, where: s
     the plan keeps both moments in one dtype, the fp32 main weights as remainders, and
     ``--main-grads-dtype bf16`` is a bf16 gradient buffer (validate_args then leaves
     accumulate_allreduce_grads_in_fp32 off)."""
+    if flags.get("--main-params-dtype", "fp32") != "fp32":
+        raise DsautoError(f"{where} keeps the main weights in {flags['--main-params-dtype']} "
+                          f"(--main-params-dtype); dsauto prices them in fp32 (as remainders beside bf16 weights), so "
+                          f"leave the flag out.")
     dtypes = {name: _choice(flags, name, where, "fp32", choices) for name, choices in (
-        ("--main-grads-dtype", ("fp32", "bf16")), ("--main-params-dtype", ("fp32",)),
-        ("--exp-avg-dtype", MOMENT_BYTES), ("--exp-avg-sq-dtype", MOMENT_BYTES))}
+        ("--main-grads-dtype", ("fp32", "bf16")), ("--exp-avg-dtype", MOMENT_BYTES),
+        ("--exp-avg-sq-dtype", MOMENT_BYTES))}
     changed = [f"{name} {value}" for name, value in dtypes.items() if value != "fp32"]
     if "--use-precision-aware-optimizer" not in flags:
         if changed:
@@ -422,6 +459,13 @@ def _optimizer_precision(flags: dict[str, str], launch: MegatronLaunch, where: s
             raise DsautoError(f"{where} sets {', '.join(changed)} with the optimizer offloaded; dsauto prices the "
                               f"host's optimizer in fp32, so leave them out or keep the optimizer on the device.")
         return
+    if launch.pins["zero_stage"] != 1:
+        raise DsautoError(f"{where} sets --use-precision-aware-optimizer without the distributed optimizer "
+                          f"(--use-distributed-optimizer, no Megatron-FSDP), which Megatron-core refuses or runs "
+                          f"otherwise; dsauto prices it with the distributed optimizer alone.")
+    if launch.train["dtype"] != "bf16":
+        raise DsautoError(f"{where} sets --use-precision-aware-optimizer in {launch.train['dtype']}; dsauto prices it "
+                          f"under --bf16 only.")
     if dtypes["--exp-avg-dtype"] != dtypes["--exp-avg-sq-dtype"]:
         raise DsautoError(f"{where} keeps Adam's moments in {dtypes['--exp-avg-dtype']} and "
                           f"{dtypes['--exp-avg-sq-dtype']}; dsauto prices both in one dtype, so give "

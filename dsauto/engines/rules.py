@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from dsauto.engines.megatron import TE_FUSED_SOFTMAX_KEYS
 from dsauto.parallel import ParallelDims
 from dsauto.plan import RECOMPUTE_MODULES, AttentionKernel, CpCommType, Engine, Offload
 from dsauto.spec.model import ModelSpec
@@ -441,16 +442,23 @@ def precision_aware_refusal(engine: Engine, dtype: Dtype, zero_stage: int | None
     return None
 
 
-def softmax_16_bit_refusal(engine: Engine, dtype: Dtype, flash_attention: bool) -> str | None:
+def softmax_16_bit_refusal(engine: Engine, dtype: Dtype, flash_attention: bool, seq_len: int) -> str | None:
     """Why a 16-bit softmax in unfused attention (TransformerConfig's ``attention_softmax_in_fp32``
-    False) is no choice, or None: Megatron-core's own attention only, in 16-bit training, and only
-    without fused attention (which keeps no score matrix)."""
+    False) is no choice, or None: Megatron-core's own attention only, in 16-bit training, only without
+    fused attention (which keeps no score matrix), and only where Transformer Engine's layers, which
+    Megatron-LM launches by default, run it: their fused masked softmax, for the keys it takes
+    (:data:`dsauto.engines.megatron.TE_FUSED_SOFTMAX_KEYS`; else they run torch's in fp32). The
+    attention batches' condition is the search's (:func:`dsauto.search.space.strategies`)."""
     if engine != "megatron":
         return "the softmax of unfused attention is Megatron-core's setting; plan with --engine megatron"
     if dtype == "fp32":
         return "in fp32 the softmax is fp32 anyway"
     if flash_attention:
         return "fused attention keeps no score matrix; it applies with --no-flash-attention"
+    low, high, multiple = TE_FUSED_SOFTMAX_KEYS
+    if not (low < seq_len < high and seq_len % multiple == 0):
+        return (f"Transformer Engine's layers run it through their fused masked softmax, which takes {low} < s < "
+                f"{high} keys, a multiple of {multiple}, not {seq_len} (they run torch's in fp32 otherwise)")
     return None
 
 

@@ -43,6 +43,9 @@ GRACE_SECONDS = 5.0
 SHARED_MEMORY = Path("/dev/shm")
 """Where DeepSpeed's CPU all-reduce keeps its per-rank buffers."""
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PR_SET_CHILD_SUBREAPER = 36
+
 
 def free_port() -> int:
     """A TCP port free on every interface of this machine, for a launch's rendezvous: node 0's store
@@ -50,9 +53,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_PR_SET_CHILD_SUBREAPER = 36
 
 
 def registry() -> Path:

@@ -41,9 +41,9 @@ class MegatronLayer(nn.Module):
         return out
 
 
-def megatron_layer(model: ModelSpec, tp: int, dtype: torch.dtype, **config: Any) -> MegatronLayer:
+def megatron_layer(model: ModelSpec, tp: int, dtype: torch.dtype, **fields: Any) -> MegatronLayer:
     """The per-rank shard of one of Megatron-core's transformer layers of ``model`` at TP ``tp`` (build
-    it inside :func:`megatron_layer_state`); ``config``: TransformerConfig fields to set besides the
+    it inside :func:`megatron_layer_state`); ``fields``: TransformerConfig fields to set besides the
     model's (``attention_softmax_in_fp32=False``, ...)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -55,7 +55,7 @@ def megatron_layer(model: ModelSpec, tp: int, dtype: torch.dtype, **config: Any)
     from dsauto.runtime.megatron import transformer_config_kwargs
 
     kwargs = transformer_config_kwargs(model)
-    kwargs.update(config)
+    kwargs.update(fields)
     kwargs.update(num_layers=1, num_attention_heads=model.num_attention_heads // tp,
                   num_query_groups=model.kv_heads // tp, ffn_hidden_size=model.ffn_hidden_size // tp)
     config = TransformerConfig(**kwargs, use_cpu_initialization=True, attention_backend=AttnBackend.local,

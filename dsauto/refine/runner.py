@@ -101,7 +101,6 @@ class TrialOutcome:
     then slower than the plan runs alone, and it counts little in the calibration)."""
 
 
-
 def launch_env(ranks: int, extra: dict[str, str]) -> dict[str, str]:
     """The environment of a launch of ``ranks`` local processes, with ``extra`` added."""
     env = dict(os.environ)

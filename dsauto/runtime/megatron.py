@@ -268,6 +268,11 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
     if not plan.flash_attention and plan.dtype != "fp32":
         # The unfused softmax in the precision the plan's memory was priced with.
         fields["attention_softmax_in_fp32"] = plan.attention_softmax_in_fp32
+        if not plan.attention_softmax_in_fp32 and config.apply_query_key_layer_scaling:
+            _report("The config scales the query-key product by layer (apply_query_key_layer_scaling), which makes "
+                    "Megatron-core run the softmax in fp32, and the plan was priced with a 16-bit softmax; the "
+                    "memory may be higher than predicted (turn the scaling off, or re-plan without "
+                    "--no-attention-softmax-in-fp32).")
         if plan.attention_softmax_in_fp32 and config.masked_softmax_fusion:
             _report("The config fuses the masked softmax (masked_softmax_fusion), whose kernel keeps 16 bits where "
                     "the shapes allow it, and the plan was priced with the fp32 softmax's copy of the scores; dsauto "
@@ -437,33 +442,37 @@ def optimizer_config(plan: Plan, **overrides: Any) -> OptimizerConfig:
         bf16=plan.dtype == "bf16",
         fp16=plan.dtype == "fp16",
         params_dtype=_torch_dtype(plan),
+        # Under FP8 current scaling Megatron-core keeps the precision-aware optimizer's fp32 main weights
+        # itself, as the plan's state is priced (OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8).
+        fp8_recipe=plan.fp8_recipe if plan.fp8 else None,
     )
     if plan.precision_aware_optimizer is not None:
-        # Transformer Engine's FusedAdam with the plan's moments (emit.megatron writes the same flags);
-        # OptimizerConfig imports it to check its arguments (megatron/core/optimizer/optimizer_config.py).
-        import importlib.util
-
-        if importlib.util.find_spec("transformer_engine") is None:
-            raise DsautoError(f"The plan keeps Adam's moments in {plan.precision_aware_optimizer} through "
-                              f"Megatron-core's precision-aware optimizer, which needs Transformer Engine; install "
-                              f"transformer-engine or re-plan without --precision-aware-optimizer.")
+        # Transformer Engine's FusedAdam with the plan's moments (emit.megatron writes the same flags).
+        _require_transformer_engine(f"keeps Adam's moments in {plan.precision_aware_optimizer} through Megatron-core's "
+                                    f"precision-aware optimizer", "without --precision-aware-optimizer")
         moments = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                    "fp8": torch.uint8}[plan.precision_aware_optimizer]
         fields.update(use_precision_aware_optimizer=True, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
     if plan.offload != "none":
         # The plan's optimizer lives on the host (the same settings as emit.megatron's flags). The
-        # precision-aware optimizer keeps no fp32 main parameters on the device, and OptimizerConfig
-        # checks Transformer Engine's version for it (megatron/core/optimizer/optimizer_config.py).
-        import importlib.util
-
-        if importlib.util.find_spec("transformer_engine") is None:
-            raise DsautoError("The plan offloads the optimizer, which Megatron-core runs through its "
-                              "precision-aware optimizer, and that needs Transformer Engine; install "
-                              "transformer-engine or re-plan with --offload none.")
+        # precision-aware optimizer keeps no fp32 main parameters on the device.
+        _require_transformer_engine("offloads the optimizer, which Megatron-core runs through its precision-aware "
+                                    "optimizer", "with --offload none")
         fields.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
                       overlap_cpu_optimizer_d2h_h2d=True, use_precision_aware_optimizer=True)
     fields.update(overrides)
     return OptimizerConfig(**fields)
+
+
+def _require_transformer_engine(what: str, instead: str) -> None:
+    """Refuses, in one sentence, a plan that ``what`` (the precision-aware optimizer, which
+    OptimizerConfig checks Transformer Engine's FusedAdam for: megatron/core/optimizer/optimizer_config.py)
+    where Transformer Engine is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise DsautoError(f"The plan {what}, which needs Transformer Engine; install transformer-engine or re-plan "
+                          f"{instead}.")
 
 
 def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:

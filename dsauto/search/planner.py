@@ -765,7 +765,7 @@ class Planner:
         (:meth:`_Priced.least_memory`) is quoted only where it exceeds the budget: a bound at or below it
         says nothing of what a plan needs (the plans went over at a moment the bound leaves out, such as
         the optimizer update, or the host's memory held no offload). Raising --memory-limit is offered
-        only while the limit is below the device's memory."""
+        only where the user set it below the device's memory less its reserve."""
         budget = self.cluster.memory_budget_bytes
         least = min((p.least_memory(self.model.num_layers, self.pins.recompute_num_layers) for p in priced),
                     default=math.inf)
@@ -773,7 +773,8 @@ class Planner:
                  f"{format_bytes(budget)} per device under any allowed setting")
         why = (f"the smallest plan needs about {format_bytes(least)} per device" if budget < least < math.inf else
                "no plan priced stays within it at every moment of the step")
-        raise_limit = budget < self.cluster.device.memory_bytes
+        limit = self.cluster.memory_limit_bytes  # 0: the device's memory less its reserve
+        raise_limit = 0 < limit < self.cluster.device.memory_bytes - self.cluster.device.memory_reserve_bytes
         return f"{where}: {why}; add devices{', raise --memory-limit' if raise_limit else ''} or unpin choices."
 
     def _offloaded(self, spilled: list[int], priced: Sequence[_Priced], bounds: Sequence[float],

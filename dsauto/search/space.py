@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.engines.megatron import te_softmax_fuses
 from dsauto.engines.rules import (
     MIN_CONTEXT_PARALLEL_TOKENS,
     VIRTUAL_STAGES,
@@ -318,6 +319,10 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                expert_a2a_overlap=bool(pins.expert_a2a_overlap))
            for s in out if runnable[s.engine] and not (pins.fp8_param_gather and s.zero_stage == 0)
            and not (pins.precision_aware_optimizer and (s.zero_stage != 1 or s.offload != "none"))
+           # Transformer Engine's fused masked softmax, which keeps 16 bits, needs micro-batch x heads per rank
+           # a multiple of 4 (te_softmax_fuses)
+           and not (pins.attention_softmax_in_fp32 is False and not te_softmax_fuses(
+               train.seq_len, s.micro_batch, model.num_attention_heads // s.tp))
            and not (pins.expert_a2a_overlap and not a2a_overlap_runs(s))
            for exchange in cp_comm_types(s, model, pins)
            for modules in recompute_sets[s.engine]]
@@ -355,10 +360,9 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
                            model: ModelSpec) -> dict[str, tuple[str, str]]:
     """Flag -> (why ``engine`` cannot run it, what to do) of each pinned engine option it refuses: the
     attention kernel (:func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``,
-    ``--grad-reduce-in-bf16``, ``--no-attention-softmax-in-fp32``, ``--precision-aware-optimizer``, ``--moe-dispatcher deepep``, ``--moe-router-force-load-balancing``, ``--fp8``
-    and ``--cp-comm-type``
-    (Megatron-core's). The search drops the
-    engine's strategies when any is refused."""
+    ``--grad-reduce-in-bf16``, ``--no-attention-softmax-in-fp32``, ``--precision-aware-optimizer``,
+    ``--moe-dispatcher deepep``, ``--moe-router-force-load-balancing``, ``--fp8`` and ``--cp-comm-type``
+    (Megatron-core's). The search drops the engine's strategies when any is refused."""
     out = {}
     if pins.attention_kernel is not None and (why := attention_kernel_refusal(
             engine, pins.attention_kernel, train.dtype, train.flash_attention, model)):
@@ -368,7 +372,7 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
     if pins.grad_reduce_in_fp32 is False and (why := grad_reduce_refusal(engine, train.dtype)):
         out["--grad-reduce-in-bf16"] = why, "leave it out"
     if pins.attention_softmax_in_fp32 is False and (why := softmax_16_bit_refusal(
-            engine, train.dtype, train.flash_attention)):
+            engine, train.dtype, train.flash_attention, train.seq_len)):
         out["--no-attention-softmax-in-fp32"] = why, "leave it out"
     if pins.precision_aware_optimizer is not None and (why := precision_aware_refusal(
             engine, train.dtype, pins.zero_stage, pins.offload)):

@@ -347,3 +347,12 @@ def test_a_16_bit_softmax_keeps_one_fp32_score_tensor_less_than_priced_for_the_f
 
     assert measured == 4 * 1024 * 1024 * 4  # one fp32 score tensor: 4 heads x 1024 x 1024 x 4 bytes
     assert priced(True) - priced(False) == pytest.approx(measured, rel=0.001)
+
+
+def test_the_16_bit_softmax_needs_keys_transformer_engines_kernel_takes(capsys):
+    from dsauto.cli import main
+
+    code = main(["plan", "--model", "llama2-7b", "--hardware", "a100-80gb", "--engine", "megatron",
+                 "--no-flash-attention", "--no-attention-softmax-in-fp32", "--seq-len", "4092", "--global-batch", "16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "a multiple of 8, not 4092" in err and err.count("\n") == 1

@@ -86,3 +86,27 @@ def test_the_command_line_refuses_it_where_megatron_core_does_not_run_it(capsys,
 def test_the_search_never_picks_it_unpinned():
     plan = make_plan("llama3-8b", "h100-80gb", nodes=1, global_batch=64, seq_len=4096, engine="megatron")
     assert plan.precision_aware_optimizer is None
+
+
+@pytest.mark.parametrize("moments, fp8_recipe, extra_per_param", [
+    (None, None, 4),  # Megatron-core's optimizer: an fp32 copy of each 16-bit gradient
+    ("bf16", None, 0),  # FusedAdam takes the gradient shard as it is (decoupled_grad)
+    ("fp32", None, 0),
+    ("fp16", None, 8),  # fp32 copies of both moments for the parameter group
+    ("fp8", None, 8),
+    ("bf16", "tensorwise", 4),  # FP8 current scaling: Megatron-core's own fp32 main weights and copies
+])
+def test_the_update_copies_what_the_optimizer_makes(moments, fp8_recipe, extra_per_param):
+    from dsauto.cost.step import optimizer_step_bytes
+    from dsauto.cost.strategy import Strategy
+    from dsauto.cost.terms import state_bytes_per_param
+    from dsauto.parallel import ParallelDims
+
+    strategy = Strategy(dims=ParallelDims(dp=2), zero_stage=1, micro_batch=1, grad_accum=1, sequence_parallel=False,
+                        engine="megatron", precision_aware_optimizer=moments, fp8=fp8_recipe is not None,
+                        fp8_recipe=fp8_recipe or "delayed")
+    per_param = state_bytes_per_param("megatron", 2, True, 1, moments, fp8_recipe == "tensorwise")[1]
+    main = 1000.0
+    optim = per_param * main
+    step = optimizer_step_bytes(strategy, 10.0, 20.0, optim, 0, False, 0.0, True, per_param)
+    assert step == (10 + 20 + optim + extra_per_param * main if extra_per_param else 0.0)

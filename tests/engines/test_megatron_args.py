@@ -111,9 +111,9 @@ def test_what_a_launch_leaves_out_reads_as_megatron_lms_defaults():
     ("--sequence-parallel --tp-comm-overlap --grad-reduce-in-bf16",
      {"sequence_parallel": True, "tp_comm_overlap": True, "grad_reduce_in_fp32": False}),
     ("--attention-backend flash", {"attention_kernel": "flash"}),
-    ("--use-distributed-optimizer --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16",
-     {"precision_aware_optimizer": "bf16", "grad_reduce_in_fp32": True}),
-    ("--use-distributed-optimizer --use-precision-aware-optimizer --main-grads-dtype bf16",
+    ("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer --exp-avg-dtype bf16 "
+     "--exp-avg-sq-dtype bf16", {"precision_aware_optimizer": "bf16", "grad_reduce_in_fp32": True}),
+    ("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer --main-grads-dtype bf16",
      {"precision_aware_optimizer": "fp32", "grad_reduce_in_fp32": False}),
     ("--use-distributed-optimizer --optimizer-cpu-offload --use-precision-aware-optimizer",
      {"offload": "optimizer", "precision_aware_optimizer": None}),  # the offload's companion
@@ -147,8 +147,11 @@ def test_each_choice_a_launch_fixes_becomes_a_pin(extra, pins):
     ("--context-parallel-size 2 --cp-comm-type a2a+p2p", "dsauto prices p2p, all_gather and a2a"),
     ("--no-bias-swiglu-fusion", "an unfused SwiGLU"),
     ("--exp-avg-dtype bf16", "without --use-precision-aware-optimizer"),
-    ("--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype fp32", "both in one dtype"),
-    ("--use-precision-aware-optimizer --main-params-dtype fp16", "dsauto prices fp32"),
+    ("--bf16 --use-distributed-optimizer --use-precision-aware-optimizer --exp-avg-dtype bf16 "
+     "--exp-avg-sq-dtype fp32", "both in one dtype"),
+    ("--use-precision-aware-optimizer --main-params-dtype fp16", "keeps the main weights in fp16"),
+    ("--bf16 --use-precision-aware-optimizer", "without the distributed optimizer"),
+    ("--fp16 --use-distributed-optimizer --use-precision-aware-optimizer", "under --bf16 only"),
     ("--optimizer-cpu-offload --use-precision-aware-optimizer --exp-avg-dtype bf16", "the optimizer offloaded"),
     ("--expert-model-parallel-size 2", "expert parallelism for a model without experts"),
 ])
@@ -221,6 +224,31 @@ def test_megatron_lms_own_defaults_for_what_a_launch_leaves_out():
     assert softmax_fp32("--attention-softmax-in-fp32", seq=8192) is True
     eager = parse_megatron_args((MINIMAL + " --transformer-impl local").split())  # fp32: nothing to choose
     assert "attention_softmax_in_fp32" not in eager.pins
+    # Transformer Engine's layers (the default impl) run their own unfused attention: its fused masked
+    # softmax (16 bits) for 16 < s < 16384 keys, a multiple of 8, and micro-batch x heads per rank a
+    # multiple of 4, unless NVTE_MASKED_SOFTMAX_FUSION=0; else torch's in fp32. Megatron's flags do not reach it.
+    te = (MINIMAL + " --bf16 --attention-backend unfused --attention-softmax-in-fp32 --no-masked-softmax-fusion").split()
+    assert parse_megatron_args(te).pins["attention_softmax_in_fp32"] is False  # 2 x 4 / 2 heads: 4
+    unfusable = [w if w != "2" or i != te.index("--micro-batch-size") + 1 else "1" for i, w in enumerate(te)]
+    assert parse_megatron_args(unfusable).pins["attention_softmax_in_fp32"] is True  # 1 x 2 batches
+    off = parse_megatron_args(te, environment={"NVTE_MASKED_SOFTMAX_FUSION": "0"})
+    assert off.pins["attention_softmax_in_fp32"] is True
+
+
+def test_the_launch_environment_of_dsautos_own_file_reads_back(tmp_path):
+    """A plan with unfused attention priced with the fp32 softmax, where Transformer Engine would fuse it,
+    states NVTE_MASKED_SOFTMAX_FUSION=0 in its launch environment, and the reader takes it."""
+    plan = make_plan("llama2-7b", "a100-80gb", nodes=1, global_batch=64, seq_len=1024, engine="megatron",
+                     flash_attention=False, tp=1, pp=1, micro_batch=1, zero_stage=1, checkpoint=True)
+    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    assert "# Launch environment: NVTE_MASKED_SOFTMAX_FUSION=0" in path.read_text()
+    launch = read_megatron_args(path, plan.model)
+    assert launch.environment == {"NVTE_MASKED_SOFTMAX_FUSION": "0"}
+    assert launch.pins["attention_softmax_in_fp32"] is True
+    script = tmp_path / "launch.sh"
+    script.write_text("export NVTE_MASKED_SOFTMAX_FUSION=1\ntorchrun pretrain_gpt.py " + " ".join(
+        line for line in path.read_text().splitlines() if not line.startswith("#")) + "\n")
+    assert read_megatron_args(script, plan.model).pins["attention_softmax_in_fp32"] is False
 
 
 def test_a_named_mixture_of_experts_takes_the_launchs_expert_degrees():

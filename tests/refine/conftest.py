@@ -51,7 +51,6 @@ def _server_user() -> pwd.struct_passwd | None:
     pytest.skip("PostgreSQL refuses to run as root and this machine has neither a 'postgres' nor a 'nobody' user")
 
 
-
 def _shut_down_with_the_tests() -> None:
     """In the server's process before it starts: a fast shutdown when the test process dies, even by
     SIGKILL, when no ``finally`` runs (``prctl(PR_SET_PDEATHSIG)``, linux/prctl.h)."""

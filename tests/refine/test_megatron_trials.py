@@ -4,7 +4,6 @@ plans on two CPU ranks (the built-in harness, a user's Megatron-core script, a c
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from optuna.distributions import CategoricalDistribution
 
 from dsauto.engines.megatron import block_recompute_layers
 from dsauto.errors import DsautoError
+from dsauto.profile.launch import free_port
 from dsauto.refine.runner import TrialSettings, run_trial
 from dsauto.refine.sampler import PEAK, STATUS, STEP, CostModelSampler, layout_of
 from dsauto.refine.space import base_plans, candidates
@@ -124,9 +124,7 @@ def test_megatron_trials_measure_tp_and_pp_plans_and_the_example_trains_the_winn
     assert len(measured) == 2 and any("tp2pp1" in row or "tp1pp2" in row for row in measured), rows
     plan = yaml.safe_load((out / "plan.yaml").read_text())
     assert plan["engine"] == "megatron" and plan["measured"]["step_seconds"] > 0
-    with socket.socket() as probe:  # a free port: with port 0 the ranks would not find each other
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # with port 0 the ranks would not find each other
     train = subprocess.run(["torchrun", "--nproc_per_node", "2", "--master_port", str(port), str(EXAMPLE), "--plan",
                             str(out / "plan.yaml"), "--steps", "2"], capture_output=True, text=True, env=ENV,
                            timeout=600)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from dsauto.emit.ds_config import ds_config
 from dsauto.errors import DsautoError
 from dsauto.parallel import ParallelDims
 from dsauto.plan import Plan
+from dsauto.profile.launch import free_port
 from dsauto.profile.memory import MemoryTracker
 from dsauto.profile.steps import StepMeasurement
 from dsauto.refine.trial_hook import (
@@ -120,11 +120,8 @@ def trial_plan() -> Plan:
 def deepspeed_launch(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     """Runs ``args`` on 2 CPU ranks with DeepSpeed's launcher, from the repository root."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1", **env}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:0,1",
-                           "--master_port", str(port), *args],
+                           "--master_port", str(free_port()), *args],
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT, check=False)
 
 

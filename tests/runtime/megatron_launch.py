@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -19,6 +18,7 @@ from dsauto.emit.ds_config import write_ds_config
 from dsauto.parallel import ParallelDims
 from dsauto.plan import Plan
 from dsauto.plan_io import write_plan_yaml
+from dsauto.profile.launch import free_port
 from dsauto.search.planner import Planner
 from dsauto.spec.loaders import load_cluster
 from dsauto.spec.model import ModelSpec
@@ -87,9 +87,7 @@ def launch(nproc: int, runs: Mapping[str, dict], folder: Path, *, steps: int = 4
         specs.append({**spec, "name": name, "plan": str(path)})
     job, out = folder / "job.json", folder / "results.json"
     job.write_text(json.dumps({"seed": seed, "steps": steps, "lr": lr, "runs": specs}))
-    with socket.socket() as probe:  # a free port for the rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     logs = [folder / f"rank{rank}.log" for rank in range(nproc)]
     procs = []
     for rank in range(nproc):

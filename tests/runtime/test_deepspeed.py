@@ -130,7 +130,6 @@ def launch(cases_: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, Any]:
     found = launch(cases(), tmp_path_factory.mktemp("ds"))

@@ -59,7 +59,6 @@ def make_plan():
     return planner.build_plan(strategy, [model.num_layers], OPTIONS)
 
 
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict[str, Any]:
     plan = make_plan()

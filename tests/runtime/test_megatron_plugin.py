@@ -513,3 +513,22 @@ def test_the_launch_environment_the_plan_needs_is_written_and_checked(caplog, mo
             assert said == ["dsauto: The plan needs CUDA_DEVICE_MAX_CONNECTIONS unset (or above 1) for Megatron-FSDP "
                             "(validate_args asserts it is not 1), and this process has 1; set it in the launch "
                             "environment."]
+
+
+def test_apply_sets_the_softmax_precision_the_plan_was_priced_with(caplog):
+    from dsauto.api import make_plan as plan_for
+
+    def plan(**pins):
+        return plan_for("gpt-tiny", "cpu", dtype="bf16", flash_attention=False, engine="megatron", tp=1, pp=1,
+                        global_batch=8, seq_len=64, micro_batch=4, **pins)
+
+    fp32, half = plan(), plan(attention_softmax_in_fp32=False)
+    assert dm.apply(fp32, config_for(fp32.model)).attention_softmax_in_fp32
+    assert not dm.apply(half, config_for(fp32.model)).attention_softmax_in_fp32
+    assert warnings_of(caplog) == []
+    dm.apply(fp32, config_for(fp32.model, masked_softmax_fusion=True))
+    assert any("fuses the masked softmax" in w for w in warnings_of(caplog))
+    caplog.clear()
+    # Megatron-core forces the fp32 softmax under query-key layer scaling; the hook says so.
+    dm.apply(half, config_for(fp32.model, apply_query_key_layer_scaling=True, fp16=True))
+    assert any("apply_query_key_layer_scaling" in w for w in warnings_of(caplog))
