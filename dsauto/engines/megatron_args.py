@@ -419,8 +419,9 @@ def _softmax_in_fp32(flags: dict[str, str], seq_len: int | None, local: bool, te
     (:data:`dsauto.engines.megatron.TE_FUSED_SOFTMAX_KEYS`), the attention batches (micro-batch x heads
     per rank, taken to fit when the launch leaves them to the command line) are a multiple of 4 and
     ``te_fusion`` (``NVTE_MASKED_SOFTMAX_FUSION`` not 0); Megatron's flags do not reach it.
-    Megatron-core's own (``--transformer-impl local``) keeps the fp32 copy only when the softmax runs in fp32 (``--attention-softmax-in-fp32``, which ``--apply-query-key-layer-scaling``
-    implies: validate_args) through torch rather than its fused kernel, on by default
+    Megatron-core's own (``--transformer-impl local``) keeps the fp32 copy only when the softmax runs
+    in fp32 (``--attention-softmax-in-fp32``, which ``--apply-query-key-layer-scaling`` implies:
+    validate_args) through torch rather than its fused kernel, on by default
     (``--no-masked-softmax-fusion`` turns it off) where the keys fit it (16 < s <= 4096, s a multiple
     of 4)."""
     if seq_len is None:
