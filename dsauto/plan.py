@@ -477,10 +477,12 @@ class Plan:
             raise ValueError(f"fp8 needs a Megatron-core plan (not {self.engine}) in bf16 or fp16 (not {self.dtype})")
         if self.fp8_param_gather and (not self.fp8 or self.zero_stage == 0):
             raise ValueError(f"fp8_param_gather needs fp8 (not {self.fp8}) and ZeRO stage 1-3 (not {self.zero_stage})")
-        if not self.attention_softmax_in_fp32 and (self.engine != "megatron" or self.dtype == "fp32"
-                                                   or self.flash_attention):
-            raise ValueError(f"attention_softmax_in_fp32 False needs a 16-bit Megatron-core plan (not {self.engine}, "
-                             f"{self.dtype}) with unfused attention (flash_attention {self.flash_attention})")
+        if not self.attention_softmax_in_fp32 and (self.engine != "megatron" or self.dtype == "fp32"):
+            raise ValueError(f"attention_softmax_in_fp32 False needs a 16-bit Megatron-core plan, not {self.engine} "
+                             f"in {self.dtype}")
+        if not self.attention_softmax_in_fp32 and self.flash_attention:
+            raise ValueError("attention_softmax_in_fp32 False applies to unfused attention only (flash_attention "
+                             "False)")
         if self.precision_aware_optimizer is not None:
             if self.precision_aware_optimizer not in MOMENT_BYTES:
                 raise ValueError(f"precision_aware_optimizer must be one of {', '.join(MOMENT_BYTES)} or None, got "

@@ -137,8 +137,11 @@ class CostModel:
             grad_bytes = dtype_bytes
         # Adam's memory traffic a parameter: its states read and written, its gradient read, its
         # weight written (and, with the main weights kept as remainders, the weight read to rebuild them).
+        # FusedAdam unscales fp16 and fp8 moments into fp32 copies, updates those and scales them back
+        # (fused_adam.py, step): 16 bytes more a moment than updating them in place.
         self.adam_bytes = ADAM_BYTES_PER_PARAM if strategy.precision_aware_optimizer is None else (
-            2 * optimizer_bytes + grad_bytes + dtype_bytes * (1 if current_scaling else 2))
+            2 * optimizer_bytes + grad_bytes + dtype_bytes * (1 if current_scaling else 2)
+            + (2 * 16 if strategy.precision_aware_optimizer in ("fp16", "fp8") else 0))
         self.context = LayerContext(
             device=self.device, tp=strategy.tp, dp=replicas.dp, zero_stage=strategy.zero_stage,
             tokens=self.tokens,

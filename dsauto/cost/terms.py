@@ -1275,9 +1275,11 @@ def megatron_attention_backward_bytes_per_token(group: LayerGroup, tp: int, dtyp
     Without ``softmax_fp32`` the 16-bit softmax runs on the scores themselves, and its backward
     holds the fp32 path's 4 tensors in 16 bits: measured on one CPU rank in bf16 (the layer above),
     the peak is one fp32 score tensor (16 MiB) below the fp32 softmax's, which this count gives
-    (tests/cost/test_megatron_memory.py measures both). Megatron's fused kernel, CUDA-only, is not
-    measured here; its backward writes the input's gradient into the output's (fused_softmax.py),
-    so this count bounds it from above."""
+    (tests/cost/test_megatron_memory.py measures both). The fused kernels, CUDA-only, are not
+    measured here: Megatron's writes the input's gradient into the output's (fused_softmax.py) and
+    Transformer Engine's makes a new one, 2 or 3 16-bit score tensors, which this count bounds from
+    above. On a GPU the fp32 path holds ``fp32_scores`` (4 on an H100) where the CPU holds 3, so the
+    16-bit path saves more there; that saving is not measured on a GPU."""
     scores = attention_scores_per_token(group) / tp
     alive = (4 * 4 if dtype_bytes >= 4 else fp32_scores * 4 if softmax_fp32 else 4 * dtype_bytes) * scores
     kept = group.attention_score_bytes_per_token / tp + megatron_softmax_fp32_bytes_per_token(

@@ -18,6 +18,7 @@ from dsauto.engines.architecture import megatron_gaps, no_rope_freq
 from dsauto.engines.megatron import (
     ATTENTION_BACKEND,
     FSDP_STRATEGY,
+    LAUNCH_ENVIRONMENT,
     block_recompute_layers,
     degree_flags,
     max_connections,
@@ -77,9 +78,9 @@ def _header(plan: Plan) -> list[str]:
         PLAN_ID_COMMENT + plan_id(plan),  # ties the file to the other artifacts of its set
     ]
     if need := max_connections(plan):
-        lines.append(f"{COMMENT}Launch environment: {need.setting()}, for {need.why}.")
+        lines.append(f"{COMMENT}{LAUNCH_ENVIRONMENT} {need.setting()}, for {need.why}.")
     if setting := softmax_fusion_setting(plan):
-        lines.append(f"{COMMENT}Launch environment: {setting}, for the unfused attention's fp32 softmax the plan "
+        lines.append(f"{COMMENT}{LAUNCH_ENVIRONMENT} {setting}, for the unfused attention's fp32 softmax the plan "
                      f"prices (Transformer Engine's layers fuse it otherwise, keeping 16 bits).")
     if plan.model.architecture == "encoder":
         lines.append(f"{COMMENT}Encoder (masked language) model: use these with Megatron-LM's "

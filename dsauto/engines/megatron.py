@@ -98,6 +98,10 @@ def max_connections(plan: Plan) -> MaxConnections | None:
     return None
 
 
+LAUNCH_ENVIRONMENT = "Launch environment:"
+"""How megatron_args.txt begins the comment that states a variable the launch needs; the reader of
+launches (:mod:`dsauto.engines.megatron_args`) takes what it sets."""
+
 TE_FUSED_SOFTMAX_KEYS = (16, 16384, 8)
 """Transformer Engine's fused masked softmax takes s keys with 16 < s < 16384 and s a multiple of 8
 (transformer_engine/pytorch/attention/dot_product_attention/softmax.py, ``is_kernel_available``; it also

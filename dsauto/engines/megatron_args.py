@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsauto.engines.megatron import ATTENTION_BACKEND, FSDP_STRATEGY, TE_FUSED_SOFTMAX_KEYS
+from dsauto.engines.megatron import (
+    ATTENTION_BACKEND,
+    FSDP_STRATEGY,
+    LAUNCH_ENVIRONMENT,
+    TE_FUSED_SOFTMAX_KEYS,
+    te_softmax_fuses,
+)
 from dsauto.errors import DsautoError
 from dsauto.plan import MOMENT_BYTES, chunk_layers
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec
@@ -124,9 +130,23 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
         words = shlex.split(text.replace("\\\n", " "), comments=True)
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
-    environment = {name: value for name, value in re.findall(r"\b([A-Z_]+)=(\S+?)[,;\s]", text + "\n")
-                   if name in ENVIRONMENT}
-    return parse_megatron_args(words, str(path), model, environment)
+    return parse_megatron_args(words, str(path), model, launch_environment(text))
+
+
+def launch_environment(text: str) -> dict[str, str]:
+    """The :data:`ENVIRONMENT` variables a launch file sets, the last setting of each: ``export
+    NAME=value``, ``NAME=value`` before a command, quoted or not, or dsauto's own ``# Launch
+    environment: NAME=value, ...`` line; other comments are skipped (a commented-out export sets
+    nothing)."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("#") and not line.lstrip("# ").startswith(LAUNCH_ENVIRONMENT):
+            continue
+        for name, _, value in re.findall(r"\b([A-Z_][A-Z0-9_]*)=(['\"]?)([^\s'\",;]*)\2", line):
+            if name in ENVIRONMENT:
+                found[name] = value
+    return found
 
 
 def parse_megatron_args(words: Iterable[str], where: str = "the arguments", model: ModelSpec | None = None,
@@ -148,7 +168,7 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     launch = MegatronLaunch(model=model or described, environment=dict(environment or {}))
     _batch(flags, launch, where)
     _parallelism(flags, launch, where)
-    _softmax(flags, launch)
+    _softmax(flags, launch, where)
     _recompute(flags, launch, where)
     known = VALUED | SWITCHES | set(REFUSED_NAMES)
     launch.unknown = sorted(launch.unknown + [name for name in flags
@@ -398,19 +418,34 @@ FUSED_SOFTMAX_MAX_KEYS = 4096
 (megatron/core/fusions/fused_softmax.py, ``FusedScaleMaskSoftmax.is_kernel_available``, 0.16)."""
 
 
-def _softmax(flags: dict[str, str], launch: MegatronLaunch) -> None:
-    """The softmax pin of a 16-bit launch with unfused attention (:func:`_softmax_in_fp32`)."""
+def _softmax(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
+    """The softmax pin of a 16-bit launch with unfused attention: 16 bits where the launch keeps no fp32
+    copy of the scores and dsauto's plans can run it so (Transformer Engine's fused masked softmax,
+    :func:`dsauto.engines.megatron.te_softmax_fuses`); else fp32 (dsauto's default), with a note where
+    the launch keeps 16 bits all the same (its memory is then priced high)."""
     train, pins = launch.train, launch.pins
     if train.get("flash_attention") is not False or train["dtype"] == "fp32":
         return
+    seq_len = train.get("seq_len")
+    if seq_len is None:
+        launch.notes.append(f"{where} runs unfused attention without --seq-length, so dsauto prices its softmax with "
+                            f"the fp32 copy of the scores (its default); add --seq-length to price what it runs.")
+        return
     heads = launch.model.num_attention_heads // pins["tp"] if launch.model is not None else None
-    pins["attention_softmax_in_fp32"] = _softmax_in_fp32(
-        flags, train.get("seq_len"), flags.get("--transformer-impl") == "local",
-        launch.environment.get("NVTE_MASKED_SOFTMAX_FUSION", "1") != "0",
-        None if heads is None or "micro_batch" not in pins else pins["micro_batch"] * heads)
+    batches = None if heads is None or "micro_batch" not in pins else pins["micro_batch"] * heads
+    local = flags.get("--transformer-impl") == "local" or flags.get("--attention-backend") == "local"
+    fusion = launch.environment.get("NVTE_MASKED_SOFTMAX_FUSION", "1")
+    keeps_16_bits = not _softmax_in_fp32(flags, seq_len, local, not fusion.isdigit() or int(fusion) != 0, batches)
+    priced_16_bits = keeps_16_bits and (batches is None or te_softmax_fuses(seq_len, 1, batches))
+    pins["attention_softmax_in_fp32"] = not priced_16_bits
+    if keeps_16_bits and not priced_16_bits:
+        launch.notes.append(f"{where} keeps its unfused softmax in 16 bits, which dsauto's plans run through "
+                            f"Transformer Engine's fused kernel, and that kernel does not take {seq_len} keys in "
+                            f"{batches} attention batches; dsauto prices the fp32 copy of the scores, so the memory "
+                            f"is priced high.")
 
 
-def _softmax_in_fp32(flags: dict[str, str], seq_len: int | None, local: bool, te_fusion: bool,
+def _softmax_in_fp32(flags: dict[str, str], seq_len: int, local: bool, te_fusion: bool,
                      attention_batches: int | None) -> bool:
     """Whether a 16-bit launch's unfused attention keeps an fp32 copy of its softmax.
 
@@ -419,19 +454,19 @@ def _softmax_in_fp32(flags: dict[str, str], seq_len: int | None, local: bool, te
     (:data:`dsauto.engines.megatron.TE_FUSED_SOFTMAX_KEYS`), the attention batches (micro-batch x heads
     per rank, taken to fit when the launch leaves them to the command line) are a multiple of 4 and
     ``te_fusion`` (``NVTE_MASKED_SOFTMAX_FUSION`` not 0); Megatron's flags do not reach it.
-    Megatron-core's own (``--transformer-impl local``) keeps the fp32 copy only when the softmax runs
-    in fp32 (``--attention-softmax-in-fp32``, which ``--apply-query-key-layer-scaling`` implies:
-    validate_args) through torch rather than its fused kernel, on by default
-    (``--no-masked-softmax-fusion`` turns it off) where the keys fit it (16 < s <= 4096, s a multiple
-    of 4)."""
-    if seq_len is None:
-        return True  # the command line's sequence: priced as dsauto's plugin runs it
+    Megatron-core's own attention (``--transformer-impl local``, or ``--attention-backend local``)
+    keeps the fp32 copy only when the softmax runs in fp32 (``--attention-softmax-in-fp32``, which
+    ``--apply-query-key-layer-scaling`` implies: validate_args) through torch rather than its fused
+    kernel, on by default (``--no-masked-softmax-fusion`` turns it off) where the shapes fit it
+    (megatron/core/fusions/fused_softmax.py, ``is_kernel_available``: 16 < s <= 4096, s and the
+    attention batches multiples of 4)."""
+    batches_fit = attention_batches is None or attention_batches % 4 == 0
     if not local:
         low, high, multiple = TE_FUSED_SOFTMAX_KEYS
-        batches_fit = attention_batches is None or attention_batches % 4 == 0
         return not (te_fusion and batches_fit and low < seq_len < high and seq_len % multiple == 0)
     fp32 = "--attention-softmax-in-fp32" in flags or "--apply-query-key-layer-scaling" in flags
-    fused = "--no-masked-softmax-fusion" not in flags and 16 < seq_len <= FUSED_SOFTMAX_MAX_KEYS and seq_len % 4 == 0
+    fused = ("--no-masked-softmax-fusion" not in flags and batches_fit
+             and 16 < seq_len <= FUSED_SOFTMAX_MAX_KEYS and seq_len % 4 == 0)
     return fp32 and not fused
 
 

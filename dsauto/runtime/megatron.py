@@ -59,6 +59,7 @@ from dsauto.engines.megatron import (
     megatron_grad_bytes,
     pipeline_layout,
     selective_recompute_modules,
+    te_softmax_fuses,
 )
 from dsauto.errors import DsautoError
 from dsauto.plan import Plan, chunk_layers
@@ -268,6 +269,7 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
     if not plan.flash_attention and plan.dtype != "fp32":
         # The unfused softmax in the precision the plan's memory was priced with.
         fields["attention_softmax_in_fp32"] = plan.attention_softmax_in_fp32
+        _report_te_softmax(plan, config)
         if not plan.attention_softmax_in_fp32 and config.apply_query_key_layer_scaling:
             _report("The config scales the query-key product by layer (apply_query_key_layer_scaling), which makes "
                     "Megatron-core run the softmax in fp32, and the plan was priced with a 16-bit softmax; the "
@@ -651,6 +653,29 @@ def _report_unfused_swiglu(plan: Plan, config: TransformerConfig) -> None:
         _report(f"The config computes the SwiGLU unfused (bias_activation_fusion=False), which keeps 2 x {width} "
                 f"more values per token in every layer than the plan's memory prices; set "
                 f"bias_activation_fusion=True (Megatron-LM's default, off only with --no-bias-swiglu-fusion).")
+
+
+def _report_te_softmax(plan: Plan, config: TransformerConfig) -> None:
+    """Transformer Engine's unfused attention (``attention_backend`` unfused) reads none of
+    TransformerConfig's softmax fields: its fused masked softmax runs, keeping 16 bits, where it takes
+    the shapes and ``NVTE_MASKED_SOFTMAX_FUSION`` is not 0, and torch's in fp32 otherwise
+    (:func:`dsauto.engines.megatron.te_softmax_fuses`). Reports a process whose environment runs
+    another softmax than the plan was priced with."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    if config.attention_backend != AttnBackend.unfused:
+        return
+    setting = os.environ.get("NVTE_MASKED_SOFTMAX_FUSION", "1")
+    fuses = (not setting.isdigit() or int(setting) != 0) and te_softmax_fuses(
+        plan.seq_len, plan.micro_batch, plan.model.num_attention_heads // plan.tp)
+    if plan.attention_softmax_in_fp32 and fuses:
+        _report("Transformer Engine's unfused attention fuses its masked softmax here, keeping 16 bits, and the plan "
+                "was priced with the fp32 softmax; set NVTE_MASKED_SOFTMAX_FUSION=0 in the launch environment to run "
+                "as priced (or re-plan with --no-attention-softmax-in-fp32).")
+    elif not plan.attention_softmax_in_fp32 and not fuses:
+        _report(f"The plan was priced with a 16-bit softmax, and Transformer Engine's unfused attention runs torch's "
+                f"in fp32 here (NVTE_MASKED_SOFTMAX_FUSION={setting}), so the memory may be higher than predicted; "
+                f"unset it or re-plan without --no-attention-softmax-in-fp32.")
 
 
 def _report_kernel(plan: Plan, config: TransformerConfig) -> None:

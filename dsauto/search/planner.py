@@ -774,7 +774,8 @@ class Planner:
         why = (f"the smallest plan needs about {format_bytes(least)} per device" if budget < least < math.inf else
                "no plan priced stays within it at every moment of the step")
         limit = self.cluster.memory_limit_bytes  # 0: the device's memory less its reserve
-        raise_limit = 0 < limit < self.cluster.device.memory_bytes - self.cluster.device.memory_reserve_bytes
+        ceiling = self.cluster.device.memory_bytes - self.cluster.device.memory_reserve_bytes
+        raise_limit = 0 < limit < ceiling and not least > ceiling  # a higher limit could then fit a plan
         return f"{where}: {why}; add devices{', raise --memory-limit' if raise_limit else ''} or unpin choices."
 
     def _offloaded(self, spilled: list[int], priced: Sequence[_Priced], bounds: Sequence[float],

@@ -374,6 +374,13 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
     if pins.attention_softmax_in_fp32 is False and (why := softmax_16_bit_refusal(
             engine, train.dtype, train.flash_attention, train.seq_len)):
         out["--no-attention-softmax-in-fp32"] = why, "leave it out"
+    elif pins.attention_softmax_in_fp32 is False and pins.micro_batch is not None and not any(
+            te_softmax_fuses(train.seq_len, pins.micro_batch, model.num_attention_heads // tp)
+            for tp in ([pins.tp] if pins.tp else divisors(model.num_attention_heads))):
+        out["--no-attention-softmax-in-fp32"] = (
+            f"Transformer Engine's fused masked softmax needs micro-batch x attention heads per rank a multiple of "
+            f"4, and micro-batch {pins.micro_batch} x {model.num_attention_heads} heads / tp "
+            f"{pins.tp or 'any'} is none", "pin another --micro-batch or leave it out")
     if pins.precision_aware_optimizer is not None and (why := precision_aware_refusal(
             engine, train.dtype, pins.zero_stage, pins.offload)):
         out[f"--precision-aware-optimizer {pins.precision_aware_optimizer}"] = why, "leave it out"

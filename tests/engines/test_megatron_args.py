@@ -233,6 +233,28 @@ def test_megatron_lms_own_defaults_for_what_a_launch_leaves_out():
     assert parse_megatron_args(unfusable).pins["attention_softmax_in_fp32"] is True  # 1 x 2 batches
     off = parse_megatron_args(te, environment={"NVTE_MASKED_SOFTMAX_FUSION": "0"})
     assert off.pins["attention_softmax_in_fp32"] is True
+    # --attention-backend local swaps in Megatron-core's own attention, which the Megatron flags reach.
+    local = (MINIMAL + " --bf16 --attention-backend local --attention-softmax-in-fp32 --no-masked-softmax-fusion")
+    assert parse_megatron_args(local.split()).pins["attention_softmax_in_fp32"] is True
+    # Without --seq-length the launch's softmax is not known: dsauto's default, and a note.
+    words = [w for w in te if w not in ("--seq-length", "256")]
+    unknown = parse_megatron_args(words)
+    assert "attention_softmax_in_fp32" not in unknown.pins and any("--seq-length" in n for n in unknown.notes)
+
+
+@pytest.mark.parametrize("text, setting", [
+    ("export NVTE_MASKED_SOFTMAX_FUSION=0\n", "0"),
+    ('export NVTE_MASKED_SOFTMAX_FUSION="0"\n', "0"),
+    ("NVTE_MASKED_SOFTMAX_FUSION=0 torchrun pretrain_gpt.py\n", "0"),
+    ("# Launch environment: NVTE_MASKED_SOFTMAX_FUSION=0, for the unfused attention's fp32 softmax.\n", "0"),
+    ("# export NVTE_MASKED_SOFTMAX_FUSION=0\n", None),  # commented out: sets nothing
+    ("export NVTE_MASKED_SOFTMAX_FUSION=0\nexport NVTE_MASKED_SOFTMAX_FUSION='1'\r\n", "1"),  # the last one
+    ("export CUDA_DEVICE_MAX_CONNECTIONS=1\n", None),  # not one dsauto reads
+])
+def test_a_launch_files_environment_is_read_where_it_is_set(text, setting):
+    from dsauto.engines.megatron_args import launch_environment
+
+    assert launch_environment(text).get("NVTE_MASKED_SOFTMAX_FUSION") == setting
 
 
 def test_the_launch_environment_of_dsautos_own_file_reads_back(tmp_path):

@@ -532,3 +532,25 @@ def test_apply_sets_the_softmax_precision_the_plan_was_priced_with(caplog):
     # Megatron-core forces the fp32 softmax under query-key layer scaling; the hook says so.
     dm.apply(half, config_for(fp32.model, apply_query_key_layer_scaling=True, fp16=True))
     assert any("apply_query_key_layer_scaling" in w for w in warnings_of(caplog))
+
+
+def test_transformer_engines_unfused_softmax_is_checked_against_the_launch_environment(caplog, monkeypatch):
+    from dsauto.api import make_plan as plan_for
+
+    def plan(**pins):
+        return plan_for("gpt-tiny", "cpu", dtype="bf16", flash_attention=False, engine="megatron", tp=1, pp=1,
+                        global_batch=8, seq_len=64, micro_batch=4, **pins)
+
+    fp32, half = plan(), plan(attention_softmax_in_fp32=False)
+    te = config_for(fp32.model, attention_backend=AttnBackend.unfused)
+    monkeypatch.delenv("NVTE_MASKED_SOFTMAX_FUSION", raising=False)
+    dm.apply(fp32, te)  # Transformer Engine fuses it (64 keys, 4 x heads batches): 16 bits, not as priced
+    assert any("NVTE_MASKED_SOFTMAX_FUSION=0" in w for w in warnings_of(caplog))
+    caplog.clear()
+    dm.apply(half, te)
+    assert warnings_of(caplog) == []
+    monkeypatch.setenv("NVTE_MASKED_SOFTMAX_FUSION", "0")
+    dm.apply(fp32, te)
+    assert warnings_of(caplog) == []
+    dm.apply(half, te)
+    assert any("memory may be higher than predicted" in w for w in warnings_of(caplog))

@@ -69,7 +69,11 @@ def test_impossible_budget_names_the_smallest_need():
                                   memory_limit=4 * 2**30)
     with pytest.raises(DsautoError, match=r"does not fit .* needs about [0-9.]+ GiB per device") as caught:
         Planner(model, cluster, train).search()
-    assert "raise --memory-limit" in str(caught.value)  # 4 GiB of the device's 80
+    assert "--memory-limit" not in str(caught.value)  # more than the device holds: no limit would fit it
+    model, cluster, train = setup(model="llama2-7b", nodes=1, per_node=8, batch=8, memory_limit=2 * 2**30)
+    with pytest.raises(DsautoError, match=r"needs about [0-9.]+ GiB per device") as caught:
+        Planner(model, cluster, train).search()
+    assert "raise --memory-limit" in str(caught.value)  # 2 GiB set, the device holds more
 
 
 def test_a_lower_bound_within_the_budget_is_not_quoted_as_what_a_plan_needs():
