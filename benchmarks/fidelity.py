@@ -770,7 +770,8 @@ class Row:
         return self.cv_seconds / self.run.published_seconds - 1
 
 
-def _config(plan: Plan) -> str:
+def configuration_label(plan: Plan) -> str:
+    """A plan's parallel layout, micro-batch, recomputation, engine and ZeRO stage in one short line."""
     parts = [f"tp{plan.tp} pp{plan.pp} dp{plan.dp}"]
     if plan.cp > 1:
         parts.append(f"cp{plan.cp}")
@@ -864,12 +865,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if only or args.in_sample:
         for row in rows:
             cv = "" if args.in_sample else f" CV {row.cv_error:+.1%}"
-            say(f"{row.run.id:50s} {_config(row.plan):48s} {row.error:+.1%}{cv}")
+            say(f"{row.run.id:50s} {configuration_label(row.plan):48s} {row.error:+.1%}{cv}")
         for row in fp8_rows:
             cv = "" if args.in_sample else f" CV {row.cv_error:+.1%}"
-            say(f"{row.run.id:50s} {_config(row.plan):48s} {row.error:+.1%}{cv} (FP8)")
+            say(f"{row.run.id:50s} {configuration_label(row.plan):48s} {row.error:+.1%}{cv} (FP8)")
         for row in moe_rows:
-            say(f"{row.run.id:50s} {_config(row.plan):48s} {row.error:+.1%} (not fitted on)")
+            say(f"{row.run.id:50s} {configuration_label(row.plan):48s} {row.error:+.1%} (not fitted on)")
         for fitted_generation, constants in fitted.items():
             say(f"{fitted_generation}: {constants.describe()}")
         lines = lines[1:] if args.in_sample else lines
@@ -1245,7 +1246,7 @@ def _run_cells(row: Row, cv: str = "") -> str:
     """One run's row of a results table; ``cv``: its cross-validated cells, where the table has them."""
     r = row.run
     notes = list(r.notes) + ([] if row.fits else ["over the memory budget"])
-    return (f"| {r.id} | {r.hardware} | {r.model_name} | {_config(row.plan)} | {r.figure} | "
+    return (f"| {r.id} | {r.hardware} | {r.model_name} | {configuration_label(row.plan)} | {r.figure} | "
             f"{r.published_seconds:.3g} | {row.plan.prediction.step_seconds:.3g} | {row.error:+.1%} | {cv}"
             f"{'; '.join(notes)} |")
 
@@ -1322,7 +1323,8 @@ def report(rows: Sequence[Row], excluded: Sequence[tuple[str, str]], fitted: dic
     out += ["", f"## Memory: {len(not_fitting)} of {len(rows)} published configurations do not fit the memory "
             "model's budget", "",
             "They ran, so they are priced under a generous limit: "
-            + ", ".join(f"{r.run.id} ({_config(r.plan)}, {r.plan.prediction.peak_memory_bytes / GiB:.0f} GiB)"
+            + ", ".join(f"{r.run.id} ({configuration_label(r.plan)}, "
+                        f"{r.plan.prediction.peak_memory_bytes / GiB:.0f} GiB)"
                         for r in not_fitting) + ".", ""]
     off = defaultdict(list)
     for row in rows:

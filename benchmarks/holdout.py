@@ -44,12 +44,11 @@ from dsauto.cli import build_parser, problem_from_args  # noqa: E402
 from dsauto.errors import DsautoError  # noqa: E402
 from dsauto.plan import Plan  # noqa: E402
 from dsauto.units import GiB  # noqa: E402
+from fidelity import GENEROUS_BYTES, configuration_label  # noqa: E402
 
 RUNS = ROOT / "holdout_runs.yaml"
 MODELS = ROOT / "holdout_models"
 RESULTS = ROOT / "results" / "holdout.md"
-GENEROUS_BYTES = 1 << 50
-"""The memory limit a published configuration that the memory model refuses is priced under."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +169,7 @@ def report(priced: Sequence[Priced], seconds: float) -> str:
         notes += [f"refused: {p.refusal}"] if p.refusal else []
         notes += [f"apart: {r['apart']}"] if r.get("apart") else []
         notes += list(p.warned)
-        configuration = "-" if p.plan is None else _configuration(p.plan)
+        configuration = "-" if p.plan is None else configuration_label(p.plan)
         predicted = "-" if p.plan is None else f"{p.plan.prediction.step_seconds:.3g}"
         lines.append(f"| {r['id']} | {r['hardware']} | {configuration} | {r['published']} | "
                      f"{r['published_step_seconds']:.3g} | {predicted} | {_percent(p.error)} | {_memory(p)} | "
@@ -181,17 +180,6 @@ def report(priced: Sequence[Priced], seconds: float) -> str:
     lines += ["", "## Commands", "", "Each run's command (run from the repository root):", ""]
     lines += [f"- {p.record['id']}: `dsauto {shlex.join(command(p.record))}`" for p in priced]
     return "\n".join(lines) + "\n"
-
-
-def _configuration(plan: Plan) -> str:
-    parts = [f"tp{plan.tp} pp{plan.pp} dp{plan.dp}"]
-    parts += [f"cp{plan.cp}"] if plan.cp > 1 else []
-    parts += [f"vpp{plan.virtual_stages}"] if plan.virtual_stages > 1 else []
-    parts += [f"mb{plan.micro_batch}", f"z{plan.zero_stage}", plan.dtype]
-    parts += ["fp8"] if plan.fp8 else []
-    checkpointed = sum(c.checkpoint for c in plan.layers)
-    parts += [f"ckpt {checkpointed}"] if checkpointed else []
-    return " ".join(parts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -212,7 +212,7 @@ class CostModel:
                                              measured_cpu)
             return seconds * self.calibration.optimizer
         if self.profile is not None and self.profile.optimizer_seconds_per_param > 0:
-            # Measured with the standard Adam's states; the precision-aware optimizer moves fewer bytes.
+            # Measured with the standard Adam's states; the precision-aware optimizer moves other bytes.
             seconds = params * self.profile.optimizer_seconds_per_param * self.adam_bytes / ADAM_BYTES_PER_PARAM
         else:
             seconds = self.memory_seconds(params * self.adam_bytes)

@@ -444,7 +444,8 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
     that lives from the update to the next step's ``zero_grad`` (megatron/core/optimizer/optimizer.py,
     ``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads``; distrib_optimizer.py, the
     same method, which Megatron-FSDP skips, as the precision-aware optimizer of an offloaded plan
-    does with its ``decoupled_grad``): 4 bytes per main parameter of the rank, a third of ``optim``.
+    does with its ``decoupled_grad``): 4 bytes per main parameter of the rank (``optim`` over
+    ``optimizer_bytes_per_param``).
     Measured (benchmarks/megatron_memory.py, bf16 gradients, DP 2): the update peaked 16.3 MiB (ZeRO 0)
     and 8.2 MiB (ZeRO 1) above the model state, the fp32 copies of 4.3M and 2.1M gradients.
 

@@ -108,13 +108,16 @@ TE_FUSED_SOFTMAX_KEYS = (16, 16384, 8)
 needs the attention batches, micro-batch x heads per rank, a multiple of 4)."""
 
 
-def te_softmax_fuses(seq_len: int, micro_batch: int, heads_per_rank: int) -> bool:
+def te_softmax_fuses(seq_len: int, micro_batch: int, heads_per_rank: int, fusion: str = "1") -> bool:
     """Whether Transformer Engine's unfused attention (Megatron-LM's default layers with
-    ``--attention-backend unfused``) runs its fused masked softmax, which keeps 16 bits, when
-    ``NVTE_MASKED_SOFTMAX_FUSION`` is not 0 (its default); otherwise its torch softmax runs in fp32
-    (``softmax_in_fp32`` True) and keeps the fp32 output."""
+    ``--attention-backend unfused``) runs its fused masked softmax, which keeps 16 bits: for the keys
+    and attention batches it takes, unless ``fusion``, the launch's ``NVTE_MASKED_SOFTMAX_FUSION``
+    (default 1), is 0; otherwise its torch softmax runs in fp32 (``softmax_in_fp32`` True) and keeps
+    the fp32 output."""
     low, high, multiple = TE_FUSED_SOFTMAX_KEYS
-    return low < seq_len < high and seq_len % multiple == 0 and (micro_batch * heads_per_rank) % 4 == 0
+    switched_off = fusion.strip().isdigit() and int(fusion) == 0
+    return (not switched_off and low < seq_len < high and seq_len % multiple == 0
+            and (micro_batch * heads_per_rank) % 4 == 0)
 
 
 def softmax_fusion_setting(plan: Plan) -> str | None:

@@ -26,7 +26,6 @@ from dsauto.engines.megatron import (
     ATTENTION_BACKEND,
     FSDP_STRATEGY,
     LAUNCH_ENVIRONMENT,
-    TE_FUSED_SOFTMAX_KEYS,
     te_softmax_fuses,
 )
 from dsauto.errors import DsautoError
@@ -434,9 +433,10 @@ def _softmax(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     heads = launch.model.num_attention_heads // pins["tp"] if launch.model is not None else None
     batches = None if heads is None or "micro_batch" not in pins else pins["micro_batch"] * heads
     local = flags.get("--transformer-impl") == "local" or flags.get("--attention-backend") == "local"
-    fusion = launch.environment.get("NVTE_MASKED_SOFTMAX_FUSION", "1")
-    keeps_16_bits = not _softmax_in_fp32(flags, seq_len, local, not fusion.isdigit() or int(fusion) != 0, batches)
-    priced_16_bits = keeps_16_bits and (batches is None or te_softmax_fuses(seq_len, 1, batches))
+    batches_or_fitting = 4 if batches is None else batches  # left to the command line: taken to fit
+    keeps_16_bits = not _softmax_in_fp32(flags, seq_len, local, launch.environment.get(
+        "NVTE_MASKED_SOFTMAX_FUSION", "1"), batches_or_fitting)
+    priced_16_bits = keeps_16_bits and te_softmax_fuses(seq_len, 1, batches_or_fitting)
     pins["attention_softmax_in_fp32"] = not priced_16_bits
     if keeps_16_bits and not priced_16_bits:
         launch.notes.append(f"{where} keeps its unfused softmax in 16 bits, which dsauto's plans run through "
@@ -445,27 +445,25 @@ def _softmax(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
                             f"is priced high.")
 
 
-def _softmax_in_fp32(flags: dict[str, str], seq_len: int, local: bool, te_fusion: bool,
-                     attention_batches: int | None) -> bool:
+def _softmax_in_fp32(flags: dict[str, str], seq_len: int, local: bool, te_fusion: str,
+                     attention_batches: int) -> bool:
     """Whether a 16-bit launch's unfused attention keeps an fp32 copy of its softmax.
 
     Transformer Engine's layers (Megatron-LM's default ``--transformer-impl``) run their own unfused
     attention, whose softmax is fp32 unless their fused masked softmax takes the keys
-    (:data:`dsauto.engines.megatron.TE_FUSED_SOFTMAX_KEYS`), the attention batches (micro-batch x heads
-    per rank, taken to fit when the launch leaves them to the command line) are a multiple of 4 and
-    ``te_fusion`` (``NVTE_MASKED_SOFTMAX_FUSION`` not 0); Megatron's flags do not reach it.
+    and the attention batches (micro-batch x heads per rank), with ``te_fusion``, the launch's
+    ``NVTE_MASKED_SOFTMAX_FUSION``, not 0 (:func:`dsauto.engines.megatron.te_softmax_fuses`);
+    Megatron's flags do not reach it.
     Megatron-core's own attention (``--transformer-impl local``, or ``--attention-backend local``)
     keeps the fp32 copy only when the softmax runs in fp32 (``--attention-softmax-in-fp32``, which
     ``--apply-query-key-layer-scaling`` implies: validate_args) through torch rather than its fused
     kernel, on by default (``--no-masked-softmax-fusion`` turns it off) where the shapes fit it
     (megatron/core/fusions/fused_softmax.py, ``is_kernel_available``: 16 < s <= 4096, s and the
     attention batches multiples of 4)."""
-    batches_fit = attention_batches is None or attention_batches % 4 == 0
     if not local:
-        low, high, multiple = TE_FUSED_SOFTMAX_KEYS
-        return not (te_fusion and batches_fit and low < seq_len < high and seq_len % multiple == 0)
+        return not te_softmax_fuses(seq_len, 1, attention_batches, te_fusion)
     fp32 = "--attention-softmax-in-fp32" in flags or "--apply-query-key-layer-scaling" in flags
-    fused = ("--no-masked-softmax-fusion" not in flags and batches_fit
+    fused = ("--no-masked-softmax-fusion" not in flags and attention_batches % 4 == 0
              and 16 < seq_len <= FUSED_SOFTMAX_MAX_KEYS and seq_len % 4 == 0)
     return fp32 and not fused
 

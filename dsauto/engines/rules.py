@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from dsauto.engines.megatron import TE_FUSED_SOFTMAX_KEYS
+from dsauto.engines.megatron import TE_FUSED_SOFTMAX_KEYS, te_softmax_fuses
 from dsauto.parallel import ParallelDims
 from dsauto.plan import RECOMPUTE_MODULES, AttentionKernel, CpCommType, Engine, Offload
 from dsauto.spec.model import ModelSpec
@@ -455,8 +455,8 @@ def softmax_16_bit_refusal(engine: Engine, dtype: Dtype, flash_attention: bool, 
         return "in fp32 the softmax is fp32 anyway"
     if flash_attention:
         return "fused attention keeps no score matrix; it applies with --no-flash-attention"
-    low, high, multiple = TE_FUSED_SOFTMAX_KEYS
-    if not (low < seq_len < high and seq_len % multiple == 0):
+    if not te_softmax_fuses(seq_len, 1, 4):  # the keys alone; the batches are the search's
+        low, high, multiple = TE_FUSED_SOFTMAX_KEYS
         return (f"Transformer Engine's layers run it through their fused masked softmax, which takes {low} < s < "
                 f"{high} keys, a multiple of {multiple}, not {seq_len} (they run torch's in fp32 otherwise)")
     return None

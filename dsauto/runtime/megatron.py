@@ -666,8 +666,7 @@ def _report_te_softmax(plan: Plan, config: TransformerConfig) -> None:
     if config.attention_backend != AttnBackend.unfused:
         return
     setting = os.environ.get("NVTE_MASKED_SOFTMAX_FUSION", "1")
-    fuses = (not setting.isdigit() or int(setting) != 0) and te_softmax_fuses(
-        plan.seq_len, plan.micro_batch, plan.model.num_attention_heads // plan.tp)
+    fuses = te_softmax_fuses(plan.seq_len, plan.micro_batch, plan.model.num_attention_heads // plan.tp, setting)
     if plan.attention_softmax_in_fp32 and fuses:
         _report("Transformer Engine's unfused attention fuses its masked softmax here, keeping 16 bits, and the plan "
                 "was priced with the fp32 softmax; set NVTE_MASKED_SOFTMAX_FUSION=0 in the launch environment to run "
