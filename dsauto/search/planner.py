@@ -27,6 +27,7 @@ from dsauto.cost.layer import CostModel, LayerCost, gathered_unit_params
 from dsauto.cost.measured import MeasuredCosts
 from dsauto.cost.step import (
     bucket_bytes,
+    deepspeed_pipeline_applies,
     gradient_transient_bytes,
     in_flight,
     layer_group_of,
@@ -133,18 +134,36 @@ def _least_peak(priced: _Priced, num_layers: int) -> float:
     return total / s.pp + transient + priced.constant_bytes
 
 
-def _beside_activations(strategy: Strategy, stage_constant: float, grads_bytes: float) -> float:
-    """Of a rank's constant bytes (:func:`dsauto.cost.step.stage_constant_bytes`; ``grads_bytes``: the
-    gradients it was given), those alive at the moments the layer DP prices: the kept state, the
-    activations in flight and a layer's transient. DeepSpeed without ZeRO flattens its gradients into
-    a copy for the all-reduce only after backward, when the activations are gone (``predict_step``
-    takes the largest of the moments), so that copy is not counted with them; and in a step's only
-    micro-batch the loss comes before any gradient exists, so the gradients the layers' state counts
-    are not all there yet: a lower bound then, whose plans the prediction checks
-    (:meth:`Planner._fit_tighter`), as after backward, which depends on no per-layer option."""
-    if strategy.engine == "deepspeed" and strategy.zero_stage == 0 and strategy.dims.replicas > 1:
-        return min(stage_constant, 0.0 if strategy.grad_accum > 1 else -grads_bytes)
-    return stage_constant
+def _gradient_free_moment(strategy: Strategy) -> bool:
+    """Whether a moment of the strategy's step holds a stage's activations in flight before any
+    gradient exists, so that the layer DP bounds its peak without the layers' gradients (a lower
+    bound, whose plans the prediction checks: :meth:`Planner._fit_tighter`): the loss of the first
+    micro-batch under DeepSpeed's pipeline engine over one replica (:func:`deepspeed_pipeline_moment_peak`
+    in dsauto.cost.step), and of a step's only micro-batch under DeepSpeed without ZeRO."""
+    return deepspeed_pipeline_applies(strategy) or (
+        strategy.engine == "deepspeed" and strategy.zero_stage == 0 and strategy.dims.replicas > 1
+        and strategy.grad_accum == 1)
+
+
+def _counted_state(strategy: Strategy, cost: LayerCost) -> float:
+    """The model state the layer DP counts for a layer priced ``cost``: its static bytes, less its
+    gradients where the bound is a moment before any gradient exists (:func:`_gradient_free_moment`),
+    so that each pipeline stage leaves out its own gradients, not the whole model's."""
+    return cost.static_bytes - (cost.grads_bytes if _gradient_free_moment(strategy) else 0.0)
+
+
+def _beside_activations(strategy: Strategy, grads_bytes: float, bucket: int) -> float:
+    """Of a rank's constant bytes (:func:`dsauto.cost.step.stage_constant_bytes` of its gradients,
+    ``grads_bytes``), those alive at the moments the layer DP prices: the kept state, the
+    activations in flight and a layer's transient. DeepSpeed without ZeRO flattens its gradients
+    into a copy for the all-reduce only after backward, when the activations are gone
+    (``predict_step`` takes the largest of the moments), so that copy is not counted with them; and
+    the pipeline engine's constant is its gradients', which the layers' columns already leave out
+    (:func:`_counted_state`)."""
+    if deepspeed_pipeline_applies(strategy) or (
+            strategy.engine == "deepspeed" and strategy.zero_stage == 0 and strategy.dims.replicas > 1):
+        return 0.0
+    return stage_constant_bytes(strategy, bucket, grads_bytes)
 
 
 def _without_dominated_exchanges(space: list[Strategy], priced: list[_Priced | None]
@@ -309,7 +328,7 @@ class Planner:
                     first = c
                 compute[gi, oi] = c.forward_seconds + c.backward_seconds
                 time[gi, oi] = compute[gi, oi] + c.step_seconds / strategy.grad_accum
-                static[gi, oi] = c.static_bytes
+                static[gi, oi] = _counted_state(strategy, c)
                 act[gi, oi] = c.activation_bytes
                 trans[gi, oi] = c.transient_bytes
             if first is None:  # options[0] is not one this group may take
@@ -326,7 +345,7 @@ class Planner:
             zero3 = _zero3_moment_rows(self.model, groups, options, cost, time, act, trans,
                                        min(largest_grad * cost.calibration.static_memory,
                                            grads * strategy.dims.replicas))
-        constant = (_beside_activations(strategy, stage_constant_bytes(strategy, bucket, grads), grads)
+        constant = (_beside_activations(strategy, grads, bucket)
                     + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory,
                                                grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1)))
         return _Priced(strategy, options, time, compute, static, act, trans,
@@ -353,7 +372,7 @@ class Planner:
                 c = cost.layer(block, option)
                 arrays["compute"][BLOCK, oi] = c.forward_seconds + c.backward_seconds
                 arrays["time"][BLOCK, oi] = arrays["compute"][BLOCK, oi] + c.step_seconds / strategy.grad_accum
-                arrays["static"][BLOCK, oi] = c.static_bytes
+                arrays["static"][BLOCK, oi] = _counted_state(strategy, c)
                 arrays["activation"][BLOCK, oi] = c.activation_bytes
                 arrays["transient"][BLOCK, oi] = c.transient_bytes
         return dataclasses.replace(plain, strategy=strategy, options=options, **arrays)

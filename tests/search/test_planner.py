@@ -9,7 +9,7 @@ from dsauto.cost.step import predict_step
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.errors import DsautoError
 from dsauto.parallel import ParallelDims
-from dsauto.search.planner import Planner
+from dsauto.search.planner import Planner, _least_peak
 from dsauto.search.space import Constraints, allowed, layer_options, strategies
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.loaders import load_hardware, load_model
@@ -77,16 +77,49 @@ def test_impossible_budget_names_the_smallest_need():
 
 
 def test_a_lower_bound_within_the_budget_is_not_quoted_as_what_a_plan_needs():
-    """llama3-405b on 32 A100s under DeepSpeed without offload: the layers' lower bound says nothing of
-    the plans (it came out negative), so the error quotes no figure; at the device's whole memory it
-    does not offer to raise the limit."""
-    from dsauto.api import make_plan
+    """A two-layer model on two CPU ranks, its budget 95% of the smallest peak any plan of the space
+    reaches (tests/search/test_memory_oracle.py enumerates them): the plans go over at moments the
+    layers' bound leaves out, the bound stays within the budget, and the error quotes no figure."""
+    from dsauto.spec.model import ModelSpec
 
+    model = ModelSpec(name="wide-vocab", architecture="decoder", num_layers=2, hidden_size=128,
+                      num_attention_heads=4, ffn_hidden_size=256, vocab_size=8192,
+                      max_position_embeddings=64, dropout=False)
+    budget = int(0.95 * 14_850_048)  # the smallest predicted peak of the space, 14.16 MiB
+    cluster = ClusterSpec(load_hardware("cpu"), nodes=1, gpus_per_node=2, memory_limit_bytes=budget)
+    planner = Planner(model, cluster, TrainSpec(global_batch=4, seq_len=64, dtype="fp32"))
     with pytest.raises(DsautoError) as caught:
-        make_plan("llama3-405b", "a100-80gb", nodes=4, engine="deepspeed", offload="none", memory_limit="80GiB")
+        planner.search()
     message = str(caught.value)
     assert "no plan priced stays within it" in message and "needs about" not in message
-    assert "--memory-limit" not in message and "add devices" in message
+
+
+def test_a_pipeline_stage_bound_counts_its_own_gradients_not_the_models():
+    """DeepSpeed's pipeline engine: the layers' bound leaves out each stage's gradients (its first
+    micro-batch's loss comes before any exists), not the whole model's, so llama3-405b on 32 A100s
+    without offload is quoted the memory its smallest plan needs (176 GiB: 14 bytes a parameter over
+    32 stages, and the activations), and every pipeline strategy's bound on any layout is positive
+    and below the peak of the plan its search finds."""
+    from dsauto.api import make_plan, make_problem
+
+    with pytest.raises(DsautoError, match=r"the smallest plan needs about 17[0-9]\.[0-9] GiB per device") as caught:
+        make_plan("llama3-405b", "a100-80gb", nodes=4, engine="deepspeed", offload="none", memory_limit="80GiB")
+    assert "--memory-limit" not in str(caught.value)  # more than the device holds
+    problem = make_problem("llama2-13b", "a100-80gb", nodes=1, engine="deepspeed", global_batch=64, seq_len=4096)
+    planner = Planner(problem.model, problem.cluster, problem.train, problem.pins)
+    checked = 0
+    for strategy in strategies(problem.model, problem.cluster, problem.train, problem.pins):
+        if strategy.pp == 1 or strategy.offload != "none":
+            continue
+        priced = planner._price(strategy)
+        solved = planner._solve(priced)
+        if solved is None:
+            continue
+        peak = planner.build_plan(solved.strategy, solved.stage_layers, solved.options).prediction.peak_memory_bytes
+        least = _least_peak(priced, problem.model.num_layers)  # any layout's
+        assert 0 < least <= peak, (strategy, least, peak)
+        checked += 1
+    assert checked >= 4
 
 
 def test_no_strategy_explains_the_rule():
