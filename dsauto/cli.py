@@ -694,8 +694,7 @@ def _check_engine_runs(path: Path, plan: Any) -> None:
     from dsauto.engines.rules import context_parallel_refusal, refusal, virtual_stage_refusal
 
     reason = (refusal(plan.engine, plan.dims, plan.zero_stage)
-              or virtual_stage_refusal(plan.engine, plan.pp, plan.virtual_stages, plan.grad_accum,
-                                       min(plan.stage_layers))
+              or virtual_stage_refusal(plan.engine, plan.pp, plan.virtual_stages, plan.grad_accum)
               or context_parallel_refusal(plan.engine, plan.cp, plan.seq_len, plan.flash_attention,
                                           heads=plan.model.num_attention_heads, kv_heads=plan.model.kv_heads,
                                           pp=plan.pp))

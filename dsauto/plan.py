@@ -503,10 +503,8 @@ class Plan:
             raise ValueError(f"dist_opt_instances {self.dist_opt_instances} needs a Megatron-core plan with ZeRO "
                              f"stage 1 (not {self.engine}, {self.zero_stage}) and must divide dp x cp ({replicas}) "
                              f"into instances of at least 2 ranks")
-        if self.virtual_stages < 1 or (self.virtual_stages > 1 and (
-                self.pp == 1 or min(self.stage_layers) < self.virtual_stages)):
-            raise ValueError(f"virtual_stages {self.virtual_stages} needs pp > 1 and at least that many "
-                             f"transformer layers on every stage, got pp={self.pp} and {list(self.stage_layers)}")
+        if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.pp == 1):
+            raise ValueError(f"virtual_stages {self.virtual_stages} needs pp > 1, got pp={self.pp}")
         stage_of = [0] * (self.model.num_layers + 2)
         for rank, layers in enumerate(rank_layers(self.stage_layers, self.virtual_stages)):
             for layer in layers:

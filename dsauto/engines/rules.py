@@ -111,14 +111,16 @@ VIRTUAL_STAGES = (2, 4)
 """Model chunks per pipeline rank the search tries beyond 1 (a pin may ask for any)."""
 
 
-def virtual_stage_refusal(engine: Engine, pp: int, virtual_stages: int, micro_batches: int,
-                          layers_per_stage: int) -> str | None:
+def virtual_stage_refusal(engine: Engine, pp: int, virtual_stages: int, micro_batches: int) -> str | None:
     """Why the interleaved schedule with ``virtual_stages`` chunks per rank cannot run, or None.
 
     Megatron-core's interleaved 1F1B (megatron/core/pipeline_parallel/schedules.py,
     ``forward_backward_pipelining_with_interleaving``) runs micro-batches in groups of pp, so their
-    count must be a multiple of pp, and every chunk needs a transformer layer; DeepSpeed's pipeline
-    engine has no interleaving."""
+    count must be a multiple of pp; DeepSpeed's pipeline engine has no interleaving. A chunk may
+    hold no transformer layer: dsauto places chunks with ``--pipeline-model-parallel-layout``, whose
+    stages may be empty (PipelineParallelLayerLayout counts only the layers of the whole model), and
+    an empty TransformerBlock passes its input on (megatron/core/transformer/transformer_block.py);
+    the search's own layouts give every chunk a layer (:func:`dsauto.search.space.strategies`)."""
     if virtual_stages == 1:
         return None
     if engine != "megatron":
@@ -128,8 +130,6 @@ def virtual_stage_refusal(engine: Engine, pp: int, virtual_stages: int, micro_ba
     if micro_batches % pp:
         return (f"the interleaved schedule needs the micro-batches per step ({micro_batches}) to be a "
                 f"multiple of pp ({pp})")
-    if layers_per_stage < virtual_stages:
-        return f"{virtual_stages} chunks per rank need at least {virtual_stages} layers per stage"
     return None
 
 

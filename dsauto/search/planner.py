@@ -458,7 +458,7 @@ class Planner:
         # and last stages take any split of the rest. Equal middle stages (r = 0) are Megatron's
         # first/last-stage flags; the rest need its pipeline layout string.
         # With v chunks per rank (interleaved 1F1B) every stage holds at least v layers, one a chunk.
-        # A pinned layout (--stage-layers) is the one layout tried.
+        # A pinned layout (--stage-layers) is the one layout tried, and may leave chunks empty.
         mids = p - 2
         pinned = pinned_stage_layers(self.pins, L, p)
         if pinned is None:
@@ -489,7 +489,7 @@ class Planner:
         best, best_layout = math.inf, None
         for counts in middles:
             rest = L - sum(counts)
-            if rest < 2 * v:
+            if rest < 2 * v and pinned is None:
                 continue
             mid_times = np.array([middle[in_flight(i + 1, p, m, v)].best_time[c] + p2p
                                   for i, c in enumerate(counts)])

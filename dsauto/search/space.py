@@ -295,9 +295,11 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                 # planned when asked for (--ep), never sprung on a model
                                 continue
                             for v in chunks:
-                                if virtual_stage_refusal(engine, pp, v, accum, model.num_layers // pp) is None and (
-                                        pins.stage_layers is None
-                                        or stage_layout_refusal(pinned_layout, model.num_layers, pp, v) is None):
+                                # The search's own layouts give each chunk a layer; a pinned one may leave
+                                # some empty (a padded end stage).
+                                if virtual_stage_refusal(engine, pp, v, accum) is None and (
+                                        model.num_layers // pp >= v if pins.stage_layers is None
+                                        else stage_layout_refusal(pinned_layout, model.num_layers, pp, v) is None):
                                     out.extend(_host_and_hpz(Strategy(
                                         dims=expert_dims, zero_stage=zero, micro_batch=micro, grad_accum=accum,
                                         sequence_parallel=sp, engine=engine, virtual_stages=v), cluster, pins))
@@ -616,12 +618,17 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         if reason:
             return DsautoError(f"--dist-opt-instances {pins.dist_opt_instances} cannot run: {reason}.")
     if pins.vpp is not None and pins.vpp > 1:
-        reason = virtual_stage_refusal(pins.engine or "megatron", pp, pins.vpp, pp, model.num_layers // pp)
+        reason = virtual_stage_refusal(pins.engine or "megatron", pp, pins.vpp, pp)
         if reason:
             return DsautoError(f"--vpp {pins.vpp} cannot run: {reason}.")
+        if pins.stage_layers is None and model.num_layers // pp < pins.vpp:
+            return DsautoError(f"--vpp {pins.vpp} cannot run on the layouts the search tries: they give each model "
+                               f"chunk a layer, and {model.num_layers} layers over pp {pp} leave a stage "
+                               f"{model.num_layers // pp}; pin --stage-layers (a chunk may then hold none: "
+                               f"Megatron-core's --pipeline-model-parallel-layout runs it) or lower --vpp.")
         return DsautoError(f"--vpp {pins.vpp} cannot run: the interleaved schedule needs Megatron-core, "
-                           f"pp > 1, micro-batches per step a multiple of pp and at least {pins.vpp} layers "
-                           f"per stage; change --pp, --micro-batch or --global-batch.")
+                           f"pp > 1 and micro-batches per step a multiple of pp; change --pp, --micro-batch "
+                           f"or --global-batch.")
     if pins.recompute_modules is not None and parse_recompute_modules(pins.recompute_modules, model, pins.engine,
                                                                       pins.fp8_delayed):
         if pins.checkpoint is True:
@@ -708,7 +715,8 @@ def stage_layout_refusal(layout: tuple[int, ...] | None, num_layers: int, pp: in
                          virtual_stages: int) -> str | None:
     """Why a pinned layout (:func:`parse_stage_layers`: the counts, or None for the even split) cannot
     place ``num_layers`` transformer layers on pp ranks of ``virtual_stages`` model chunks each; None
-    when it can. Each rank holds at least one layer per chunk, as the search's own layouts do."""
+    when it can. A rank may hold fewer layers than chunks: its last chunks are then empty
+    (:func:`dsauto.plan.chunk_layers`), which Megatron-core's layout string runs."""
     if layout is None:
         if num_layers % (pp * virtual_stages):
             chunks = f"pp {pp} x vpp {virtual_stages} = {pp * virtual_stages}" if virtual_stages > 1 else f"pp {pp}"
@@ -716,8 +724,6 @@ def stage_layout_refusal(layout: tuple[int, ...] | None, num_layers: int, pp: in
         return None
     if len(layout) != pp:
         return f"it names {len(layout)} stage{'s' if len(layout) > 1 else ''} and the plan has pp {pp}"
-    if min(layout) < virtual_stages:
-        return f"a stage of {min(layout)} layers cannot hold vpp {virtual_stages} model chunks"
     return None
 
 

@@ -112,7 +112,7 @@ def test_first_and_last_stage_counts_when_they_suffice_else_the_layout_string():
     assert pipeline_layout_fields((2, 0, 1, 1))["pipeline_model_parallel_layout"] == "Et*2||t|tL"
 
 
-@pytest.mark.parametrize(("stages", "virtual"), [((4, 4), 2), ((3, 5), 2), ((4, 4), 4)])
+@pytest.mark.parametrize(("stages", "virtual"), [((4, 4), 2), ((3, 5), 2), ((4, 4), 4), ((5, 3), 4)])
 def test_an_interleaved_plan_gives_the_layout_megatron_reads_back(monkeypatch, stages, virtual):
     plan = make_plan(pp=2, stage_layers=stages, virtual_stages=virtual, model=TINY8)
     config = dm.apply(plan, config_for(TINY8))
@@ -377,6 +377,8 @@ def interleaved(tmp_path_factory) -> dict[str, dict]:
                            "measure": True},
         "vpp2_uneven": {"plan": make_plan(pp=2, stage_layers=(3, 5), virtual_stages=2, model=TINY8)},
         "vpp4": {"plan": make_plan(pp=2, virtual_stages=4, model=TINY8)},
+        # Fewer layers than chunks on the last rank: its last chunk holds the head alone ("...|L").
+        "vpp4_padded": {"plan": make_plan(pp=2, stage_layers=(5, 3), virtual_stages=4, model=TINY8)},
     }, folder / "two")
     return {**reference, **runs}
 
@@ -387,6 +389,7 @@ def interleaved(tmp_path_factory) -> dict[str, dict]:
     ("vpp2_recompute", [[1, 2], [3, 4], [5, 6], [7, 8]]),
     ("vpp2_uneven", [[1, 2], [3, 4, 5], [6], [7, 8]]),
     ("vpp4", [[layer] for layer in range(1, 9)]),
+    ("vpp4_padded", [[1, 2], [3], [4], [5], [6], [7], [8], []]),
 ])
 def test_interleaved_pipeline_trains_like_one_rank(interleaved, run, chunks):
     reference = interleaved["reference"]["losses"]

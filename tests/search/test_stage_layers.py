@@ -43,6 +43,25 @@ def test_even_under_interleaving_splits_every_model_chunk_alike():
     assert layout_flags(plan) == ["--pipeline-model-parallel-layout Et*5|" + "t*5|" * 14 + "t*5L"]
 
 
+def test_a_pinned_layout_may_leave_model_chunks_empty():
+    """Interleaving with fewer layers than chunks on the end stages (Zero Bubble's 1F1B-I baselines:
+    one layer a chunk, the first and last stages one layer short): the layout string gives those
+    chunks no layer, and the fill and drain still shrink against one chunk a rank."""
+    pins = dict(nodes=1, global_batch=64, seq_len=2048, tp=1, pp=8, engine="megatron", micro_batch=1)
+    layout = "3,4,4,4,4,4,4,5"  # llama3-8b's 32 layers, 4 chunks a rank: the first rank's last chunk empty
+    padded = make_plan("llama3-8b", "a100-80gb", **pins, vpp=4, stage_layers=layout)
+    plain = make_plan("llama3-8b", "a100-80gb", **pins, vpp=1, stage_layers=layout)
+    assert padded.virtual_stages == 4 and padded.stage_layers == (3, 4, 4, 4, 4, 4, 4, 5)
+    # chunk s * pp + r is rank r's s-th; a rank's earlier chunks take its remainder
+    chunks = ["Et"] + ["t"] * 6 + ["t*2"] + ["t"] * 16 + [""] + ["t"] * 6 + ["tL"]
+    assert layout_flags(padded) == ["--pipeline-model-parallel-layout " + "|".join(chunks)]
+    assert padded.prediction.bubble_seconds < plain.prediction.bubble_seconds / 2
+    with pytest.raises(DsautoError, match="--vpp 5 cannot run on the layouts the search tries: they give each "
+                                          "model chunk a layer, and 32 layers over pp 8 leave a stage 4; pin "
+                                          "--stage-layers"):
+        make_plan("llama3-8b", "a100-80gb", **pins, vpp=5)
+
+
 def test_a_pinned_layout_is_priced_as_the_planner_prices_that_layout():
     """Pinning the layout the search chose reproduces its plan; pinning another prices that one with
     the same per-layer search, and build_plan of the result agrees with its prediction."""
