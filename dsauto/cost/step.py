@@ -84,13 +84,30 @@ def executed_flops_per_token(group: LayerGroup, flash_attention: bool) -> float:
     return group.matmul_flops_per_token + attention
 
 
-def interleaved_makespan(stage_seconds: Sequence[float], micro_batches: int, virtual_stages: int) -> float:
+def first_chunk_share(layers: int, virtual_stages: int) -> float:
+    """The share of a pipeline rank's pass in its first model chunk: ceil(n / v) of its n transformer
+    layers, the earlier chunks taking the remainder (:func:`dsauto.plan.chunk_layers`); 1/v when the
+    layers divide, 1 for one chunk or a rank without transformer layers (its embedding or head is
+    all it runs)."""
+    if virtual_stages == 1 or layers <= 0:
+        return 1.0
+    return math.ceil(layers / virtual_stages) / layers
+
+
+def interleaved_makespan(stage_seconds: Sequence[float], micro_batches: int, virtual_stages: int,
+                         stage_layers: Sequence[int] | None = None) -> float:
     """Closed form of a pipeline step: m times the slowest stage plus the fill and drain of the
-    others, which the interleaved schedule cuts by the number of chunks per rank (Narayanan et al.
-    2021, Sec. 2.2.2: bubble (p - 1) / v of a micro-batch's pass). With one chunk this is 1F1B's
-    sum_i t_i + (m - 1) max_i t_i."""
+    others. The interleaved schedule cuts them to one chunk's pass per rank (Narayanan et al. 2021,
+    Sec. 2.2.2: bubble (p - 1) / v of a micro-batch's pass): the first micro-batch's forward and the
+    last one's backward cross every rank in its first chunk, which holds the most layers when they
+    do not divide (:func:`first_chunk_share` of ``stage_layers``; None: they divide). With one chunk
+    this is 1F1B's sum_i t_i + (m - 1) max_i t_i."""
     slowest = max(stage_seconds)
-    return micro_batches * slowest + (sum(stage_seconds) - slowest) / virtual_stages
+    index = list(stage_seconds).index(slowest)
+    shares = ([1 / virtual_stages] * len(stage_seconds) if stage_layers is None
+              else [first_chunk_share(n, virtual_stages) for n in stage_layers])
+    fill = sum(t * share for i, (t, share) in enumerate(zip(stage_seconds, shares, strict=True)) if i != index)
+    return micro_batches * slowest + fill
 
 
 def bucket_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int) -> int:
@@ -723,7 +740,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         makespan = pipeline_seconds([st.forward_seconds for st in stages],
                                     [st.backward_seconds for st in stages], m)
     else:
-        makespan = interleaved_makespan(times, m, v)
+        makespan = interleaved_makespan(times, m, v, stage_layers)
         # The same stages as one chunk each: v - 1 fewer boundaries to cross per micro-batch.
         saved_p2p = 2 * (v - 1) * p2p
         plain = [t - saved_p2p for t in times]

@@ -28,6 +28,7 @@ from dsauto.cost.measured import MeasuredCosts
 from dsauto.cost.step import (
     bucket_bytes,
     deepspeed_pipeline_applies,
+    first_chunk_share,
     gradient_transient_bytes,
     in_flight,
     layer_group_of,
@@ -504,9 +505,16 @@ class Planner:
             slowest = np.maximum(np.maximum(t_first, t_last), mid_max)
             if v == 1:
                 makespan = t_first + t_last + mid_sum + ((m - 1) * slowest if m > 1 else 0.0)
-            else:  # interleaved: the fill and drain shrink v-fold (cost.step.interleaved_makespan)
+            else:  # interleaved: each rank's fill and drain is its first chunk (cost.step.interleaved_makespan)
+                w_first = t_first * np.array([first_chunk_share(int(n), v) for n in n_first])
+                w_last = t_last * np.array([first_chunk_share(int(rest - n), v) for n in n_first])
+                w_mid = mid_times * np.array([first_chunk_share(c, v) for c in counts]) if mids else np.zeros(1)
+                w_mid_max = w_mid[int(np.argmax(mid_times))] if mids else 0.0
                 with np.errstate(invalid="ignore"):  # inf - inf where a stage cannot fit
-                    makespan = m * slowest + (t_first + t_last + mid_sum - slowest) / v
+                    # the slowest stage's own fill is not added (ties: first, middle, last, as predicted)
+                    w_slowest = np.where(t_first >= np.maximum(mid_max, t_last), w_first,
+                                         np.where(mid_max >= t_last, w_mid_max, w_last))
+                    makespan = m * slowest + w_first + w_last + w_mid.sum() - w_slowest
                 makespan = np.where(np.isfinite(slowest), makespan, np.inf)
             k = int(np.argmin(makespan))
             if np.isfinite(makespan[k]) and makespan[k] < best:

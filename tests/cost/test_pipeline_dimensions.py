@@ -9,7 +9,7 @@ from dsauto.api import find_plans, make_problem
 from dsauto.cost.collectives import Group
 from dsauto.cost.layer import CostModel
 from dsauto.cost.pipeline import pipeline_seconds
-from dsauto.cost.step import in_flight, interleaved_makespan
+from dsauto.cost.step import first_chunk_share, in_flight, interleaved_makespan
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.cost.terms import context_parallel_seconds
 from dsauto.engines.megatron import pipeline_layout
@@ -36,6 +36,17 @@ def test_interleaving_divides_the_bubble_by_the_chunks_per_rank():
     assert interleaved_makespan([1.0] * 4, 8, 1) == pytest.approx(pipeline_seconds([1 / 3] * 4, [2 / 3] * 4, 8))
     assert interleaved_makespan([1.0] * 4, 8, 2) == pytest.approx(9.5)
     assert interleaved_makespan([1.0] * 4, 8, 4) == pytest.approx(8.75)
+
+
+def test_the_fill_crosses_each_rank_in_its_first_chunk():
+    # Layers that do not divide over the chunks leave the first chunk the largest (the earlier
+    # chunks take the remainder), and more chunks than layers leave one layer a chunk: the fill and
+    # drain then shrink by the layers, not the chunks.
+    assert first_chunk_share(8, 4) == 1 / 4 and first_chunk_share(5, 4) == 2 / 5
+    assert first_chunk_share(4, 32) == 1 / 4 and first_chunk_share(0, 3) == 1.0 and first_chunk_share(7, 1) == 1.0
+    assert interleaved_makespan([1.0] * 4, 8, 4, stage_layers=[8] * 4) == pytest.approx(8.75)
+    assert interleaved_makespan([1.0] * 4, 8, 32, stage_layers=[4] * 4) == pytest.approx(8 + 3 / 4)
+    assert interleaved_makespan([1.0, 2.0, 1.0], 8, 4, stage_layers=[5, 8, 2]) == pytest.approx(16 + 2 / 5 + 1 / 2)
 
 
 def test_chunks_in_megatrons_order():

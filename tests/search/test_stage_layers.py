@@ -56,6 +56,11 @@ def test_a_pinned_layout_may_leave_model_chunks_empty():
     chunks = ["Et"] + ["t"] * 6 + ["t*2"] + ["t"] * 16 + [""] + ["t"] * 6 + ["tL"]
     assert layout_flags(padded) == ["--pipeline-model-parallel-layout " + "|".join(chunks)]
     assert padded.prediction.bubble_seconds < plain.prediction.bubble_seconds / 2
+    # Past one layer a chunk, more chunks no longer shorten the fill and drain (each rank's first
+    # chunk holds a layer), while the boundaries to cross multiply.
+    more = make_plan("llama3-8b", "a100-80gb", **pins, vpp=8, stage_layers=layout)
+    assert more.prediction.bubble_seconds >= padded.prediction.bubble_seconds
+    assert more.prediction.step_seconds > padded.prediction.step_seconds
     with pytest.raises(DsautoError, match="--vpp 5 cannot run on the layouts the search tries: they give each "
                                           "model chunk a layer, and 32 layers over pp 8 leave a stage 4; pin "
                                           "--stage-layers"):
