@@ -99,7 +99,7 @@ BAD = [
     (lambda tmp: ["--model", str(tmp / "missing.yaml")], r"missing\.yaml"),
     (lambda tmp: ["--model", bad_model_yaml(tmp)], r"bad\.yaml"),
     (lambda tmp: ["--model", "llama2-70b", "--nodes", "1", "--gpus-per-node", "2", "--hardware",
-                  "a100-40gb", "--global-batch", "2"], r"smallest plan needs about [0-9.]+ [GT]iB"),
+                  "a100-40gb", "--global-batch", "2"], r"smallest plan needs at least [0-9.]+ [GT]iB"),
     (lambda tmp: ["--model", odd_heads_yaml(tmp), "--tp", "4", "--gpus-per-node", "4"],
      r"6 attention heads are not divisible by TP 4"),
     (lambda tmp: ["--tp", "2", "--pp", "2", "--gpus-per-node", "6", "--hardware", "a100-80gb"],

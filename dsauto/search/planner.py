@@ -88,6 +88,7 @@ class _Priced:
     budget_bytes: float  # for layers: the device budget less constant_bytes
     reserves: tuple[float, ...] = ()  # per pipeline rank: bytes of budget_bytes kept back (_fit_tighter)
     zero3: _Zero3Rows | None = None  # ZeRO-3's moments, exact but for the gathered parameters (_fit_zero3)
+    left_out: np.ndarray | None = None  # the gradients ``static`` leaves out (_counted_state), or None
 
     def reserve(self, rank: int) -> float:
         return self.reserves[rank] if self.reserves else 0.0
@@ -119,7 +120,13 @@ class _Priced:
             blocks = most * min(with_, without) + (num_layers - most) * without
         least_transient = np.where(np.isfinite(self.time), self.transient, np.inf).min(axis=1).max()
         per_stage = (blocks + smallest[EMBEDDING] + smallest[HEAD]) / s.pp
-        return per_stage + least_transient + self.constant_bytes
+        least = per_stage + least_transient + self.constant_bytes
+        if self.left_out is not None:
+            # Where the layers' columns bound a moment before any gradient exists, the end of
+            # backward holds the whole model state besides: at least that too.
+            state = np.where(np.isfinite(self.time), self.static + self.left_out, np.inf).min(axis=1)
+            least = max(least, (state[BLOCK] * num_layers + state[EMBEDDING] + state[HEAD]) / s.pp)
+        return least
 
 
 def _least_peak(priced: _Priced, num_layers: int) -> float:
@@ -318,6 +325,7 @@ class Planner:
         shape = (3, len(options))
         time, compute, static, act, trans = (np.full(shape, np.inf), np.full(shape, np.inf),
                                              np.zeros(shape), np.zeros(shape), np.zeros(shape))
+        left_out = np.zeros(shape) if _gradient_free_moment(strategy) else None
         optimizer, grads = 0.0, 0.0
         for gi, group in enumerate(groups):
             first: LayerCost | None = None  # the group's cost under options[0]
@@ -330,6 +338,8 @@ class Planner:
                 compute[gi, oi] = c.forward_seconds + c.backward_seconds
                 time[gi, oi] = compute[gi, oi] + c.step_seconds / strategy.grad_accum
                 static[gi, oi] = _counted_state(strategy, c)
+                if left_out is not None:
+                    left_out[gi, oi] = c.static_bytes - static[gi, oi]
                 act[gi, oi] = c.activation_bytes
                 trans[gi, oi] = c.transient_bytes
             if first is None:  # options[0] is not one this group may take
@@ -351,7 +361,7 @@ class Planner:
                                                grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1)))
         return _Priced(strategy, options, time, compute, static, act, trans,
                        cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer, constant,
-                       self.cluster.memory_budget_bytes - constant, zero3=zero3)
+                       self.cluster.memory_budget_bytes - constant, zero3=zero3, left_out=left_out)
 
     def _price_selective(self, strategy: Strategy, plain: _Priced) -> _Priced:
         """``strategy``, which recomputes modules selectively, priced from ``plain``: the same
@@ -798,7 +808,7 @@ class Planner:
                     default=math.inf)
         where = (f"{self.model.name} does not fit on {self.cluster.world_size} x {self.cluster.device.name} with "
                  f"{format_bytes(budget)} per device under any allowed setting")
-        why = (f"the smallest plan needs about {format_bytes(least)} per device" if budget < least < math.inf else
+        why = (f"the smallest plan needs at least {format_bytes(least)} per device" if budget < least < math.inf else
                "no plan priced stays within it at every moment of the step")
         limit = self.cluster.memory_limit_bytes  # 0: the device's memory less its reserve
         ceiling = self.cluster.device.memory_bytes - self.cluster.device.memory_reserve_bytes
