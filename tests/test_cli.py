@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -93,6 +94,8 @@ def odd_heads_yaml(tmp_path):
     return str(path)
 
 
+MIXTRAL = Path(__file__).parent / "spec" / "configs" / "mixtral-8x7b.json"
+
 BAD = [
     (lambda tmp: ["--model", "gpt-5"], r"Unknown model preset 'gpt-5'"),
     (lambda tmp: ["--hardware", "tpu-v9"], r"tpu-v9"),
@@ -108,6 +111,10 @@ BAD = [
     (lambda tmp: ["--nodes", "0"], r"positive"),
     (lambda tmp: ["--zero-stage", "3", "--pp", "2", "--gpus-per-node", "4", "--hardware", "a100-80gb"],
      r"ZeRO stage 3 cannot run with pipeline"),
+    (lambda tmp: ["--model", str(MIXTRAL), "--hardware", "h100-80gb", "--etp", "2", "--engine", "deepspeed",
+                  "--global-batch", "64"], r"--etp 2 cannot run: DeepSpeed-MoE has no expert tensor parallelism"),
+    (lambda tmp: ["--model", "llama3-8b", "--hardware", "a100-80gb", "--cp", "2", "--engine", "deepspeed", "--pp",
+                  "2"], r"pipeline engine \(pp 2\); pin --pp 1 or --engine megatron, or leave --cp out\.$"),
 ]
 
 

@@ -533,6 +533,9 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         if pins.ep is not None and model.num_experts % pins.ep:
             return DsautoError(f"--ep {pins.ep} does not divide the {model.num_experts} experts of {model.name}; "
                                f"pin a divisor of {model.num_experts}.")
+        if pins.engine == "deepspeed" and (pins.etp or 1) > 1:
+            return DsautoError(f"--etp {pins.etp} cannot run: DeepSpeed-MoE has no expert tensor parallelism; plan "
+                               f"with --engine megatron, or leave --etp out.")
     if pins.tp is not None:
         problem = model.tp_problem(pins.tp)
         if problem:
@@ -594,8 +597,10 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                                             heads=model.num_attention_heads, kv_heads=model.kv_heads, pp=pp)
                    for e in engines]
         if all(reasons):
-            return DsautoError(f"--cp {pins.cp} cannot run: {'; and '.join(dict.fromkeys(reasons))}; pin a cp that "
-                               f"divides them, or leave --cp out.")
+            # Ulysses under a pipeline is refused whatever the cp; the other reasons name what cp must divide
+            advice = ("pin --pp 1 or --engine megatron, or leave --cp out" if engines == ("deepspeed",) and pp > 1
+                      else "pin a cp that divides them, or leave --cp out")
+            return DsautoError(f"--cp {pins.cp} cannot run: {'; and '.join(dict.fromkeys(reasons))}; {advice}.")
         if world % (tp * pp * pins.cp):
             return DsautoError(f"tp({tp}) * pp({pp}) * cp({pins.cp}) does not divide the world size {world}; "
                                f"change --cp, --tp or --pp.")
