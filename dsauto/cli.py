@@ -280,18 +280,22 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
 
     pins, train = field_values(args, Constraints), field_values(args, TrainSpec)
     model: Any = args.model or DEFAULT_MODEL
+    nodes, gpus_per_node = args.nodes, args.gpus_per_node
     if args.megatron_args is not None:
-        model, launch_train, launch_pins = _launch_from_args(args)
+        model, launch_train, launch_pins, world = _launch_from_args(args)
         train, pins = _merged(train, launch_train, "--megatron-args"), _merged(pins, launch_pins, "--megatron-args")
+        given = {key: value for key, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)) if value is not None}
+        sized = _merged(given, world, f"{args.megatron_args}'s launcher")
+        nodes, gpus_per_node = sized.get("nodes"), sized.get("gpus_per_node")
     if getattr(args, "target", None) == "hf":
         pins.setdefault("engine", "deepspeed")  # Hugging Face's Trainer and accelerate run DeepSpeed
-    return make_problem(model, args.hardware, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+    return make_problem(model, args.hardware, nodes=nodes, gpus_per_node=gpus_per_node,
                         memory_limit=args.memory_limit, **train, **pins)
 
 
-def _launch_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """The model, batch and pins of ``--megatron-args``, warning of what it sets that dsauto does
-    not read or prices otherwise."""
+def _launch_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int]]:
+    """The model, batch, pins and launcher's world (nodes, gpus_per_node) of ``--megatron-args``,
+    warning of what it sets that dsauto does not read or prices otherwise."""
     from dsauto.engines.megatron_args import read_megatron_args
     from dsauto.errors import DsautoWarning
     from dsauto.spec.loaders import as_model
@@ -303,10 +307,10 @@ def _launch_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
                           f"--model.")
     if launch.unknown:
         warnings.warn(f"{args.megatron_args} sets {', '.join(launch.unknown)}, which dsauto does not read; the plan "
-                      f"is priced without them.", DsautoWarning, stacklevel=2)
+                      f"is priced without {'them' if len(launch.unknown) > 1 else 'it'}.", DsautoWarning, stacklevel=2)
     for note in launch.notes:
         warnings.warn(note, DsautoWarning, stacklevel=2)
-    return launch.model, launch.train, launch.pins
+    return launch.model, launch.train, launch.pins, launch.world
 
 
 def _merged(given: dict[str, Any], launch: dict[str, Any], source: str) -> dict[str, Any]:

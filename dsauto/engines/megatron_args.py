@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,9 @@ class MegatronLaunch:
     """What dsauto prices otherwise than the launch runs, one sentence each."""
     environment: dict[str, str] = field(default_factory=dict)
     """The launch environment the file sets that dsauto reads (:data:`ENVIRONMENT`)."""
+    world: dict[str, int] = field(default_factory=dict)
+    """``nodes`` and ``gpus_per_node`` as the launcher before the script starts them, where it says
+    (:func:`launcher_world`)."""
 
 
 ENVIRONMENT = ("NVTE_MASKED_SOFTMAX_FUSION",)
@@ -153,7 +156,8 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     """The launch of a list of Megatron-LM arguments (see :func:`read_megatron_args`). With
     ``model``, the launch plans that model, after checking that the flags describe it (its
     vocabulary stands in for a missing ``--vocab-size``: Megatron-LM reads it from the tokenizer)."""
-    flags = _flag_values(list(words), where)
+    words = list(words)
+    flags = _flag_values(words, where)
     for spelling, what in REFUSED.items():
         name, _, value = spelling.partition(" ")
         if name in flags and (not value or flags[name] == value):
@@ -164,7 +168,8 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     described = _model(flags, where, model.vocab_size if model is not None else None)
     if model is not None and described is not None:
         _check_model(described, model, where)
-    launch = MegatronLaunch(model=model or described, environment=dict(environment or {}))
+    launch = MegatronLaunch(model=model or described, environment=dict(environment or {}),
+                            world=launcher_world(_launcher_words(words)))
     _batch(flags, launch, where)
     _parallelism(flags, launch, where)
     _softmax(flags, launch, where)
@@ -176,6 +181,36 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
 
 
 REFUSED_NAMES = {spelling.split(" ")[0] for spelling in REFUSED}
+
+
+LAUNCHER_WORLD = {"--nnodes": "nodes", "--num_nodes": "nodes", "--num-nodes": "nodes",
+                  "--nproc_per_node": "gpus_per_node", "--nproc-per-node": "gpus_per_node",
+                  "--num_gpus": "gpus_per_node", "--num-gpus": "gpus_per_node"}
+"""The launcher options that size the run: torchrun's (``--nnodes``, ``--nproc-per-node``) and the
+deepspeed launcher's (``--num_nodes``, ``--num_gpus``)."""
+
+
+def _launcher_words(words: list[str]) -> list[str]:
+    """The words before the training script (the first ending in ``.py``): the launcher's."""
+    scripts = [i for i, word in enumerate(words) if word.endswith(".py")]
+    return words[:scripts[0]] if scripts else []
+
+
+def launcher_world(words: Sequence[str]) -> dict[str, int]:
+    """``nodes`` and ``gpus_per_node`` as the launcher ``words`` set them (:data:`LAUNCHER_WORLD`);
+    a shell variable (``$NNODES``), an elastic range (``--nnodes 1:4``) or ``--nproc-per-node gpu``
+    fixes nothing: the command line's --nodes and --gpus-per-node size the plan then."""
+    world: dict[str, int] = {}
+    for i, word in enumerate(words):
+        name, equals, value = word.partition("=")
+        if name not in LAUNCHER_WORLD:
+            continue
+        if not equals:
+            value = words[i + 1] if i + 1 < len(words) else ""
+        low, _, high = value.partition(":")
+        if low.isdigit() and int(low) >= 1 and (not high or high == low):
+            world[LAUNCHER_WORLD[name]] = int(low)
+    return world
 
 
 def _flag_values(words: list[str], where: str) -> dict[str, str]:

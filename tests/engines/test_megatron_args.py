@@ -292,3 +292,21 @@ def test_a_launch_script_reads_as_its_flags(tmp_path):
                       "    --data-path 0.5 /data/a 0.5 /data/b --wandb-exp-name 'run#3'  # two datasets\n")
     launch = read_megatron_args(script)
     assert launch.pins["tp"] == 2 and launch.train["global_batch"] == 8 and launch.unknown == []
+
+
+def test_the_launcher_sizes_the_plan_where_it_says_how_many_ranks_it_starts(tmp_path, capsys):
+    """torchrun's --nnodes and --nproc-per-node (and the deepspeed launcher's --num_nodes and
+    --num_gpus) give the world the command line leaves out; one that contradicts them is refused; a
+    shell variable or an elastic range fixes nothing."""
+    body = " pretrain_gpt.py " + MINIMAL.replace(" --data-path /data/x", "") + "\n"
+    script = tmp_path / "train.sh"
+    script.write_text("torchrun --nproc_per_node 8 --nnodes=2 --node_rank $NODE_RANK" + body)
+    assert read_megatron_args(script).world == {"nodes": 2, "gpus_per_node": 8}
+    assert main(["plan", "--megatron-args", str(script), "--hardware", "h100-80gb"]) == 0
+    assert "on 2 x 8 h100-80gb (16 devices)" in capsys.readouterr().out
+    assert main(["plan", "--megatron-args", str(script), "--hardware", "h100-80gb", "--nodes", "4"]) == 2
+    assert "train.sh's launcher fixes nodes = 2 and the command line gives 4; drop one of them." in capsys.readouterr().err
+    script.write_text("deepspeed --num_nodes 1 --num_gpus 4" + body)
+    assert read_megatron_args(script).world == {"nodes": 1, "gpus_per_node": 4}
+    script.write_text("torchrun --nproc-per-node $GPUS --nnodes 1:4" + body)
+    assert read_megatron_args(script).world == {}
