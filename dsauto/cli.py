@@ -11,13 +11,14 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import signal
 import sys
 import threading
 import time
 import warnings
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -283,6 +284,7 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
     nodes, gpus_per_node = args.nodes, args.gpus_per_node
     if args.megatron_args is not None:
         model, launch_train, launch_pins, world = _launch_from_args(args)
+        args.launch_only = frozenset(set(launch_train) - set(train)) | frozenset(set(launch_pins) - set(pins))
         train, pins = _merged(train, launch_train, "--megatron-args"), _merged(pins, launch_pins, "--megatron-args")
         given = {key: value for key, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)) if value is not None}
         sized = _merged(given, world, f"{args.megatron_args}'s launcher")
@@ -311,6 +313,25 @@ def _launch_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
     for note in launch.notes:
         warnings.warn(note, DsautoWarning, stacklevel=2)
     return launch.model, launch.train, launch.pins, launch.world
+
+
+LAUNCH_SPELLING = {"tp": ("--tp", "--tensor-model-parallel-size"), "pp": ("--pp", "--pipeline-model-parallel-size"),
+                   "vpp": ("--vpp", "--num-virtual-stages-per-pipeline-rank"),
+                   "cp": ("--cp", "--context-parallel-size"), "ep": ("--ep", "--expert-model-parallel-size"),
+                   "etp": ("--etp", "--expert-tensor-parallel-size"),
+                   "micro_batch": ("--micro-batch", "--micro-batch-size"),
+                   "global_batch": ("--global-batch", "--global-batch-size"), "seq_len": ("--seq-len", "--seq-length")}
+"""dsauto's option and Megatron-LM's flag for each choice a launch file may fix."""
+
+
+def in_launch_spelling(message: str, launch_only: Iterable[str]) -> str:
+    """``message`` with the options of the choices that only the ``--megatron-args`` file fixed
+    (``launch_only``) spelled as the file spells them: the user changes them there."""
+    for key in launch_only:
+        if key in LAUNCH_SPELLING:
+            option, flag = LAUNCH_SPELLING[key]
+            message = re.sub(re.escape(option) + r"(?![\w-])", flag, message)
+    return message
 
 
 def _merged(given: dict[str, Any], launch: dict[str, Any], source: str) -> dict[str, Any]:
@@ -731,6 +752,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _terminate)
     stdout = sys.stdout
     sys.stdout = _ReaderMayLeave(stdout)  # `dsauto plan | head`: the rest of the run goes on quietly
+    args = None
     try:
         args = build_parser().parse_args(argv)
         if args.command == "profile":
@@ -741,7 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_explain(args)
         return _cmd_validate(args)
     except DsautoError as exc:
-        print(f"dsauto: error: {exc}", file=sys.stderr)
+        print(f"dsauto: error: {in_launch_spelling(str(exc), getattr(args, 'launch_only', ()))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("dsauto: interrupted", file=sys.stderr)

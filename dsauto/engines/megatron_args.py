@@ -604,6 +604,9 @@ def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:
     if len(chunks) % pp:
         raise DsautoError(f"{where} lays out {len(chunks)} model chunks, not a multiple of pp {pp}; give one chunk "
                           f"per pipeline rank and virtual stage.")
+    if launch.model is not None and sum(chunks) != launch.model.num_layers:
+        raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which places {sum(chunks)} "
+                          f"transformer layers, and the model has {launch.model.num_layers}; make them agree.")
     virtual = len(chunks) // pp
     stages = tuple(sum(chunks[s * pp + rank] for s in range(virtual)) for rank in range(pp))
     if chunk_layers(stages, virtual) != chunks:

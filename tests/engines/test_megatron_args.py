@@ -310,3 +310,18 @@ def test_the_launcher_sizes_the_plan_where_it_says_how_many_ranks_it_starts(tmp_
     assert read_megatron_args(script).world == {"nodes": 1, "gpus_per_node": 4}
     script.write_text("torchrun --nproc-per-node $GPUS --nnodes 1:4" + body)
     assert read_megatron_args(script).world == {}
+
+
+def test_errors_name_the_flags_the_launch_file_set(tmp_path, capsys):
+    """A choice only the file fixed is named as the file spells it: the user changes it there."""
+    script = tmp_path / "train.sh"
+    base = MINIMAL.replace(" --data-path /data/x", "")
+    script.write_text("torchrun --nproc_per_node 4 pretrain_gpt.py " + base.replace("--micro-batch-size 2", "--micro-batch-size 3")
+                      + "\n")
+    assert main(["plan", "--megatron-args", str(script), "--hardware", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert "change --micro-batch-size or --global-batch-size." in error and "--micro-batch " not in error
+    script.write_text("torchrun --nproc_per_node 4 pretrain_gpt.py " + base + " --pipeline-model-parallel-layout 'Et|t*2L'\n")
+    assert main(["plan", "--megatron-args", str(script), "--hardware", "cpu"]) == 2
+    assert ("sets --pipeline-model-parallel-layout Et|t*2L, which places 3 transformer layers, and the model has 4; "
+            "make them agree.") in capsys.readouterr().err
