@@ -312,6 +312,7 @@ def _launch_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
                       f"is priced without {'them' if len(launch.unknown) > 1 else 'it'}.", DsautoWarning, stacklevel=2)
     for note in launch.notes:
         warnings.warn(note, DsautoWarning, stacklevel=2)
+    args.launch_bucket = launch.ddp_bucket_size
     return launch.model, launch.train, launch.pins, launch.world
 
 
@@ -366,7 +367,16 @@ def _search(args: argparse.Namespace):
     started = time.perf_counter()
     with SearchProgress() as progress:
         plans = find_plans(problem, top_k=1 + args.top, profile=profile, progress=progress.update)
-    return plans, time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    if getattr(args, "launch_bucket", None) is not None and plans[0].engine == "megatron":
+        from dsauto.emit.megatron import ddp_bucket_size
+        from dsauto.errors import DsautoWarning
+
+        if (own := ddp_bucket_size(plans[0])) != args.launch_bucket:
+            warnings.warn(f"{args.megatron_args} sets --ddp-bucket-size {args.launch_bucket}, and dsauto prices the "
+                          f"gradient buckets of its own plan, {own} parameters (megatron_args.txt writes it).",
+                          DsautoWarning, stacklevel=2)
+    return plans, seconds
 
 
 def _config_options(args: argparse.Namespace) -> dict[str, Any]:

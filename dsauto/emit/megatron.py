@@ -366,11 +366,15 @@ def _data_parallel(plan: Plan) -> list[str]:
     if plan.zero_stage >= 1:
         lines.append("--overlap-param-gather")  # needs the distributed optimizer or Megatron-FSDP
     lines += optimizer_offload_flags(plan)
-    # --ddp-bucket-size counts parameters. Megatron-LM reduces gradients in fp32 under bf16
-    # (validate_args sets accumulate_allreduce_grads_in_fp32) unless --grad-reduce-in-bf16, and in
-    # the parameter dtype otherwise.
-    lines.append(f"--ddp-bucket-size {max(1, plan.reduce_bucket_bytes // megatron_grad_bytes(plan))}")
+    lines.append(f"--ddp-bucket-size {ddp_bucket_size(plan)}")
     return lines
+
+
+def ddp_bucket_size(plan: Plan) -> int:
+    """``--ddp-bucket-size`` of the plan's gradient buckets, which counts parameters: Megatron-LM
+    reduces gradients in fp32 under bf16 (validate_args sets accumulate_allreduce_grads_in_fp32)
+    unless --grad-reduce-in-bf16, and in the parameter dtype otherwise."""
+    return max(1, plan.reduce_bucket_bytes // megatron_grad_bytes(plan))
 
 
 def optimizer_offload_flags(plan: Plan) -> list[str]:

@@ -106,6 +106,9 @@ class MegatronLaunch:
     """What dsauto prices otherwise than the launch runs, one sentence each."""
     environment: dict[str, str] = field(default_factory=dict)
     """The launch environment the file sets that dsauto reads (:data:`ENVIRONMENT`)."""
+    ddp_bucket_size: int | None = None
+    """``--ddp-bucket-size`` where the launch sets it: dsauto prices the buckets of its own plan, and
+    says so where they differ (the command line compares it with the plan's)."""
     world: dict[str, int] = field(default_factory=dict)
     """``nodes`` and ``gpus_per_node`` as the launcher before the script starts them, where it says
     (:func:`launcher_world`)."""
@@ -431,9 +434,7 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     if experts and "--moe-grouped-gemm" not in flags:
         launch.notes.append(f"{where} does not set --moe-grouped-gemm, and dsauto prices the experts' GEMMs "
                             f"grouped; add it to run as priced.")
-    if "--ddp-bucket-size" in flags:
-        launch.notes.append(f"{where} sets --ddp-bucket-size {flags['--ddp-bucket-size']}, and dsauto prices the "
-                            f"gradient buckets of its own plan (megatron_args.txt writes their size).")
+    launch.ddp_bucket_size = _int(flags, "--ddp-bucket-size", where)
     divisor = _int(flags, "--make-vocab-size-divisible-by", where, VOCAB_PAD_MULTIPLE)
     if divisor != VOCAB_PAD_MULTIPLE:
         launch.notes.append(f"{where} pads the vocabulary to a multiple of {divisor} x tp, and dsauto prices it "

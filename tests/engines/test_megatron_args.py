@@ -8,6 +8,7 @@ others check Megatron-LM's defaults for flags a launch leaves out, and each refu
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 
@@ -42,8 +43,7 @@ def test_dsautos_own_arguments_read_back_into_the_same_plan(tmp_path, name, hard
     assert "# Not expressed" not in path.read_text()  # the flags say everything the plan chose
     launch = read_megatron_args(path, plan.model)
     assert launch.unknown == []
-    assert [note.split(",")[0] for note in launch.notes] == [f"{path} sets --ddp-bucket-size "
-                                                            f"{megatron_bucket_params(plan)}"]
+    assert launch.notes == [] and launch.ddp_bucket_size == megatron_bucket_params(plan)
     [again] = find_plans(make_problem(launch.model, hardware, nodes=nodes, **launch.train, **launch.pins))
     # The same plan; only the ranking's record of the ties differs, the launch having pinned them away.
     assert dataclasses.replace(again, ranking=None) == dataclasses.replace(plan, ranking=None)
@@ -181,9 +181,16 @@ def test_the_command_line_plans_a_launch_and_refuses_contradictions(tmp_path, ca
     plan = make_plan("llama3-8b", "h100-80gb", nodes=1, global_batch=64, seq_len=8192, engine="megatron", tp=2)
     path = write_megatron_args(plan, tmp_path / "launch.txt")
     common = ["--megatron-args", str(path), "--model", "llama3-8b", "--hardware", "h100-80gb"]
-    with pytest.warns(DsautoWarning, match="--ddp-bucket-size"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DsautoWarning)  # dsauto's own file reads back without a word
         assert main(["tune", *common, "--out", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "megatron_args.txt").read_text().split("\n")[4:] == path.read_text().split("\n")[4:]
+    other = tmp_path / "other.txt"
+    other.write_text(path.read_text().replace(f"--ddp-bucket-size {megatron_bucket_params(plan)}",
+                                              "--ddp-bucket-size 40000000"))
+    with pytest.warns(DsautoWarning, match=r"sets --ddp-bucket-size 40000000, and dsauto prices the gradient buckets "
+                                           rf"of its own plan, {megatron_bucket_params(plan)} parameters"):
+        assert main(["plan", "--megatron-args", str(other), "--model", "llama3-8b", "--hardware", "h100-80gb"]) == 0
     capsys.readouterr()
     assert main(["plan", *common, "--tp", "4"]) == 2
     assert "--megatron-args fixes tp = 2 and the command line gives 4; drop one of them." in capsys.readouterr().err
