@@ -106,7 +106,10 @@ def read_plan(path: Path | str) -> Plan:
 def plan_from_data(data: Any, where: str) -> Plan:
     """The plan in ``data`` (``Plan.to_dict()`` as read back), refusing other plan format versions;
     ``where`` names the source in error messages."""
-    if isinstance(data, dict) and data.get("version", PLAN_VERSION) != PLAN_VERSION:
+    if not isinstance(data, dict):
+        raise DsautoError(f"{where} is not a plan (it holds no mapping of a plan's keys); give the plan.yaml "
+                          f"dsauto tune wrote.")
+    if data.get("version", PLAN_VERSION) != PLAN_VERSION:
         raise DsautoError(f"{where} is a version {data['version']!r} plan, but this dsauto reads version "
                           f"{PLAN_VERSION}; re-plan with this dsauto.")
     return Plan.from_dict(data, where)

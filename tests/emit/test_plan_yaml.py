@@ -56,7 +56,8 @@ def one_sentence(message: str) -> bool:
 
 @pytest.mark.parametrize("name, content, expected", [
     ("plan.yaml", "model: [unclosed\n", r"is not valid YAML: .* at line 2"),
-    ("plan.yaml", "- just\n- a list\n", r"must be a mapping"),
+    ("plan.yaml", "- just\n- a list\n", r"is not a plan \(it holds no mapping of a plan.s keys\)"),
+    ("megatron_args.txt", "--tp 2 --pp 2\n", r"is not a plan .*give the plan.yaml dsauto tune wrote\."),
     ("ds_config.json", '{"train_batch_size": 8}', r"has no 'dsauto' block"),
     ("ds_config.json", '{"train_batch_size": ', r"is not valid JSON: .* line 1"),
 ])
