@@ -497,6 +497,7 @@ class Planner:
                 reserve = max(priced.reserve(k) for k in range(1, p - 1) if in_flight(k, p, m, v) == flight)
                 middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight, reserve)
         p2p = 2 * v * priced.p2p_seconds
+        shares = np.array([first_chunk_share(n, v) for n in range(L + 1)])  # of a stage of n layers
         best, best_layout = math.inf, None
         for counts in middles:
             rest = L - sum(counts)
@@ -516,9 +517,8 @@ class Planner:
             if v == 1:
                 makespan = t_first + t_last + mid_sum + ((m - 1) * slowest if m > 1 else 0.0)
             else:  # interleaved: each rank's fill and drain is its first chunk (cost.step.interleaved_makespan)
-                w_first = t_first * np.array([first_chunk_share(int(n), v) for n in n_first])
-                w_last = t_last * np.array([first_chunk_share(int(rest - n), v) for n in n_first])
-                w_mid = mid_times * np.array([first_chunk_share(c, v) for c in counts]) if mids else np.zeros(1)
+                w_first, w_last = t_first * shares[n_first], t_last * shares[rest - n_first]
+                w_mid = mid_times * shares[counts] if mids else np.zeros(1)
                 w_mid_max = w_mid[int(np.argmax(mid_times))] if mids else 0.0
                 with np.errstate(invalid="ignore"):  # inf - inf where a stage cannot fit
                     # the slowest stage's own fill is not added (ties: first, middle, last, as predicted)
