@@ -130,6 +130,18 @@ def rank_layers(stage_layers: Sequence[int], virtual_stages: int = 1) -> list[li
     return [sorted(layers) for layers in ranks]
 
 
+def rank_chunks(stage_layers: Sequence[int], virtual_stages: int, rank: int) -> list[int]:
+    """The model chunk (0..v-1) of each flat layer pipeline rank ``rank`` holds, in the order of
+    :func:`rank_layers`: the embedding in the first rank's first chunk, the head in the last rank's
+    last chunk, the transformer layers as :func:`chunk_layers` places them."""
+    pp = len(stage_layers)
+    counts = chunk_layers(stage_layers, virtual_stages)
+    out = [0] if rank == 0 else []
+    for s in range(virtual_stages):
+        out += [s] * counts[s * pp + rank]
+    return out + ([virtual_stages - 1] if rank == pp - 1 else [])
+
+
 @dataclass(frozen=True)
 class LayerChoice:
     """The per-layer choices of a run of consecutive layers that share them."""

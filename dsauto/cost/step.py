@@ -42,7 +42,7 @@ from dsauto.cost.zero3 import (
     zero3_moment_peak,
     zero3_moments_apply,
 )
-from dsauto.plan import Basis, Prediction, StagePrediction, rank_layers
+from dsauto.plan import Basis, Prediction, StagePrediction, rank_chunks, rank_layers
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import LayerGroup, ModelSpec, layer_groups
 from dsauto.spec.training import TrainSpec
@@ -69,8 +69,30 @@ def in_flight(stage: int, pp: int, micro_batches: int, virtual_stages: int = 1) 
     the stage on the first rank: more than 1F1B's pp (Narayanan et al. 2021, Sec. 2.2.2)."""
     if virtual_stages == 1:
         return min(pp - stage, micro_batches)
-    chunk_passes = (pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1
-    return min(chunk_passes, micro_batches * virtual_stages) / virtual_stages
+    return sum(chunk_passes(stage, pp, micro_batches, virtual_stages)) / virtual_stages
+
+
+def chunk_passes(stage: int, pp: int, micro_batches: int, virtual_stages: int) -> list[int]:
+    """Forward passes of each of rank ``stage``'s model chunks held at once under the interleaved
+    schedule (:func:`in_flight` counts them): its warm-up forwards and the first of the steady state
+    run micro-batches in groups of pp per chunk, chunk after chunk (megatron/core/pipeline_parallel/
+    schedules.py, ``get_model_chunk_id``: chunk (k mod pp * v) // pp for the k-th, with
+    ``microbatch_group_size_per_vp_stage`` pp, Megatron-LM's default), so the first chunks hold the
+    most when the count is not a multiple of pp * v."""
+    held = min((pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1, micro_batches * virtual_stages)
+    rounds, rest = divmod(held, pp * virtual_stages)
+    return [rounds * pp + min(max(rest - k * pp, 0), pp) for k in range(virtual_stages)]
+
+
+def chunk_kept_flight(stage: int, pp: int, micro_batches: int, virtual_stages: int, chunk_of: Sequence[int],
+                      activations: Sequence[float]) -> float:
+    """The passes rank ``stage`` keeps its layers' activations for, weighted by them: each layer's
+    chunk's own count (:func:`chunk_passes`; ``chunk_of``: each layer's chunk, ``activations``: what
+    it keeps per pass). :func:`in_flight` when every chunk keeps alike."""
+    passes, kept = chunk_passes(stage, pp, micro_batches, virtual_stages), sum(activations)
+    if kept <= 0:
+        return in_flight(stage, pp, micro_batches, virtual_stages)
+    return sum(passes[k] * a for k, a in zip(chunk_of, activations, strict=True)) / kept
 
 
 def executed_flops_per_token(group: LayerGroup, flash_attention: bool) -> float:
@@ -85,29 +107,27 @@ def executed_flops_per_token(group: LayerGroup, flash_attention: bool) -> float:
 
 
 def first_chunk_share(layers: int, virtual_stages: int) -> float:
-    """The share of a pipeline rank's pass in its first model chunk: ceil(n / v) of its n transformer
-    layers, the earlier chunks taking the remainder (:func:`dsauto.plan.chunk_layers`); 1/v when the
-    layers divide, 1 for one chunk or a rank without transformer layers (its embedding or head is
-    all it runs)."""
-    if virtual_stages == 1 or layers <= 0:
+    """The share of a pipeline rank's transformer layers in its first model chunk: ceil(n / v) of its
+    n layers, the earlier chunks taking the remainder (:func:`dsauto.plan.chunk_layers`); 1/v when
+    they divide, 1 for one chunk, 0 for a rank without transformer layers."""
+    if virtual_stages == 1:
         return 1.0
-    return math.ceil(layers / virtual_stages) / layers
+    return math.ceil(layers / virtual_stages) / layers if layers > 0 else 0.0
 
 
 def interleaved_makespan(stage_seconds: Sequence[float], micro_batches: int, virtual_stages: int,
-                         stage_layers: Sequence[int] | None = None) -> float:
+                         first_chunk_seconds: Sequence[float] | None = None) -> float:
     """Closed form of a pipeline step: m times the slowest stage plus the fill and drain of the
     others. The interleaved schedule cuts them to one chunk's pass per rank (Narayanan et al. 2021,
     Sec. 2.2.2: bubble (p - 1) / v of a micro-batch's pass): the first micro-batch's forward and the
-    last one's backward cross every rank in its first chunk, which holds the most layers when they
-    do not divide (:func:`first_chunk_share` of ``stage_layers``; None: they divide). With one chunk
-    this is 1F1B's sum_i t_i + (m - 1) max_i t_i."""
+    last one's backward cross every rank in its first chunk (``first_chunk_seconds``, which holds the
+    most layers when they do not divide, :func:`first_chunk_share`; None: 1/v of each stage). With
+    one chunk this is 1F1B's sum_i t_i + (m - 1) max_i t_i."""
     slowest = max(stage_seconds)
     index = list(stage_seconds).index(slowest)
-    shares = ([1 / virtual_stages] * len(stage_seconds) if stage_layers is None
-              else [first_chunk_share(n, virtual_stages) for n in stage_layers])
-    fill = sum(t * share for i, (t, share) in enumerate(zip(stage_seconds, shares, strict=True)) if i != index)
-    return micro_batches * slowest + fill
+    chunks = ([t / virtual_stages for t in stage_seconds] if first_chunk_seconds is None
+              else list(first_chunk_seconds))
+    return micro_batches * slowest + sum(t for i, t in enumerate(chunks) if i != index)
 
 
 def bucket_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int) -> int:
@@ -494,10 +514,12 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
 def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy, cost: CostModel,
                          groups: Sequence[LayerGroup], held: Sequence[int], options: Sequence[LayerOption],
                          costs: Sequence[LayerCost], flight: float, bucket: int,
-                         single_tensor: bool) -> tuple[float, float, float, float, float, float]:
+                         single_tensor: bool, kept_flight: float | None = None
+                         ) -> tuple[float, float, float, float, float, float]:
     """(params, grads, optimizer, activation, transient, peak) bytes of a Megatron-core pipeline rank
     that holds the flat layers ``held`` (``costs``: their layer costs), ``flight`` micro-batches in
-    flight.
+    flight (each chunk's output kept per pass), its layers' activations kept for ``kept_flight``
+    (default ``flight``; the interleaved schedule's first chunks hold more passes: predict_step).
 
     The layer costs are Megatron's already (:func:`dsauto.cost.terms.state_bytes_per_param`, and in
     :func:`dsauto.cost.terms.activation_memory` the unfused softmax, the loss and each weight's
@@ -526,7 +548,7 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
     boundary = megatron_boundary_bytes_per_token(model.hidden_size, b, ctx.replicated_div) * tokens * dynamic
     chunks = strategy.virtual_stages
     outputs = (chunks - 1 if holds_head else chunks) * flight if strategy.pp > 1 else 0.0
-    activation = sum(c.activation_bytes for c in costs) * flight + outputs * boundary
+    activation = sum(c.activation_bytes for c in costs) * (flight if kept_flight is None else kept_flight) + outputs * boundary
     blocks = [layer_group_of(groups, j, num_layers) for j in held]
     blocks = [g for g in blocks if g.kind == "transformer"]
     buffer = (max(megatron_score_buffer_bytes(g, tokens, tp, b) for g in blocks) * dynamic
@@ -580,6 +602,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     default_prefetch = prefetch_bytes(groups, strategy.tp, train.dtype_bytes, options, num_layers)
 
     stages, tails, times = [], [], []
+    first_chunks: list[float] = []  # interleaved: each rank's first chunk's forward and backward
     dispatch: list[float] = []  # each stage's expert all-to-alls per micro-batch
     tp_comm: list[float] = []  # each stage's tensor-parallel collectives per micro-batch
     offloaded: list[float] = []  # each stage's host bytes per rank (offload)
@@ -604,7 +627,13 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         forward = sum(c.forward_seconds for c in costs) + v * p2p
         backward = sum(c.backward_seconds for c in costs) + v * p2p
         flight = in_flight(i, pp, m, v)
-        activation = sum(c.activation_bytes for c in costs) * flight
+        kept_flight = flight
+        if v > 1:
+            chunk_of = rank_chunks(stage_layers, v, i)
+            first_chunks.append(sum(c.forward_seconds + c.backward_seconds for k, c in zip(chunk_of, costs) if k == 0)
+                                + 2 * p2p)
+            kept_flight = chunk_kept_flight(i, pp, m, v, chunk_of, [c.activation_bytes for c in costs])
+        activation = sum(c.activation_bytes for c in costs) * kept_flight
         params = sum(c.params_bytes for c in costs)
         grads = sum(c.grads_bytes for c in costs)
         optim = sum(c.optimizer_bytes for c in costs)
@@ -628,7 +657,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         if strategy.engine == "megatron":
             params, grads, optim, activation, transient, peak = megatron_stage_bytes(
                 model, train, strategy, cost, groups, held, options, costs, flight, bucket,
-                cluster.device.name == "cpu")
+                cluster.device.name == "cpu", kept_flight)
         elif deepspeed_moments_apply(strategy):
             # DeepSpeed without ZeRO or with ZeRO-1/2: the peak of the moments of the step, each
             # with what the engine holds then (deepspeed_moment_peak).
@@ -740,7 +769,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         makespan = pipeline_seconds([st.forward_seconds for st in stages],
                                     [st.backward_seconds for st in stages], m)
     else:
-        makespan = interleaved_makespan(times, m, v, stage_layers)
+        makespan = interleaved_makespan(times, m, v, first_chunks)
         # The same stages as one chunk each: v - 1 fewer boundaries to cross per micro-batch.
         saved_p2p = 2 * (v - 1) * p2p
         plain = [t - saved_p2p for t in times]

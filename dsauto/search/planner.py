@@ -498,6 +498,7 @@ class Planner:
                 middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight, reserve)
         p2p = 2 * v * priced.p2p_seconds
         shares = np.array([first_chunk_share(n, v) for n in range(L + 1)])  # of a stage of n layers
+        emb, head = (float(np.where(np.isfinite(priced.time[g]), priced.time[g], np.inf).min()) for g in (EMBEDDING, HEAD))
         best, best_layout = math.inf, None
         for counts in middles:
             rest = L - sum(counts)
@@ -517,8 +518,12 @@ class Planner:
             if v == 1:
                 makespan = t_first + t_last + mid_sum + ((m - 1) * slowest if m > 1 else 0.0)
             else:  # interleaved: each rank's fill and drain is its first chunk (cost.step.interleaved_makespan)
-                w_first, w_last = t_first * shares[n_first], t_last * shares[rest - n_first]
-                w_mid = mid_times * shares[counts] if mids else np.zeros(1)
+                # A rank's first chunk: its share of the transformer layers, the embedding on the
+                # first rank (the head sits in the last rank's last chunk), and its two boundaries.
+                ends = 2 * priced.p2p_seconds
+                w_first = (t_first - p2p - emb) * shares[n_first] + emb + ends
+                w_last = (t_last - p2p - head) * shares[rest - n_first] + ends
+                w_mid = (mid_times - p2p) * shares[counts] + ends if mids else np.zeros(1)
                 w_mid_max = w_mid[int(np.argmax(mid_times))] if mids else 0.0
                 with np.errstate(invalid="ignore"):  # inf - inf where a stage cannot fit
                     # the slowest stage's own fill is not added (ties: first, middle, last, as predicted)

@@ -9,7 +9,7 @@ from dsauto.api import find_plans, make_problem
 from dsauto.cost.collectives import Group
 from dsauto.cost.layer import CostModel
 from dsauto.cost.pipeline import pipeline_seconds
-from dsauto.cost.step import first_chunk_share, in_flight, interleaved_makespan
+from dsauto.cost.step import chunk_kept_flight, chunk_passes, first_chunk_share, in_flight, interleaved_makespan
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.cost.terms import context_parallel_seconds
 from dsauto.engines.megatron import pipeline_layout
@@ -43,10 +43,24 @@ def test_the_fill_crosses_each_rank_in_its_first_chunk():
     # chunks take the remainder), and more chunks than layers leave one layer a chunk: the fill and
     # drain then shrink by the layers, not the chunks.
     assert first_chunk_share(8, 4) == 1 / 4 and first_chunk_share(5, 4) == 2 / 5
-    assert first_chunk_share(4, 32) == 1 / 4 and first_chunk_share(0, 3) == 1.0 and first_chunk_share(7, 1) == 1.0
-    assert interleaved_makespan([1.0] * 4, 8, 4, stage_layers=[8] * 4) == pytest.approx(8.75)
-    assert interleaved_makespan([1.0] * 4, 8, 32, stage_layers=[4] * 4) == pytest.approx(8 + 3 / 4)
-    assert interleaved_makespan([1.0, 2.0, 1.0], 8, 4, stage_layers=[5, 8, 2]) == pytest.approx(16 + 2 / 5 + 1 / 2)
+    assert first_chunk_share(4, 32) == 1 / 4 and first_chunk_share(0, 3) == 0.0 and first_chunk_share(7, 1) == 1.0
+    assert interleaved_makespan([1.0] * 4, 8, 4) == pytest.approx(8.75)
+    assert interleaved_makespan([1.0] * 4, 8, 32, first_chunk_seconds=[1 / 4] * 4) == pytest.approx(8 + 3 / 4)
+    assert interleaved_makespan([1.0, 2.0, 1.0], 8, 4, first_chunk_seconds=[2 / 5, 1, 1 / 2]) == pytest.approx(16.9)
+
+
+def test_the_first_chunks_hold_more_passes_when_the_warm_up_does_not_fill_a_round():
+    """Megatron's interleaved warm-up runs micro-batches in groups of pp a chunk: pp 2, v 2, rank 0
+    runs 2 + 2 + 1 = 5 forwards before its first backward, 3 in chunk 0 and 2 in chunk 1; with
+    (3, 5) layers its chunks hold 2 and 1, so it keeps 3 x 2 + 2 x 1 = 8 layer passes, not 5/2 x 3."""
+    assert chunk_passes(0, 2, 4, 2) == [3, 2] and chunk_passes(1, 2, 4, 2) == [2, 1]
+    assert chunk_passes(0, 2, 2, 2) == [2, 2]  # never more than all m x v chunk passes
+    assert sum(chunk_passes(0, 8, 64, 4)) == 4 * in_flight(0, 8, 64, 4)
+    # rank 0 of (3, 5): the embedding and two layers in chunk 0, one layer in chunk 1
+    assert chunk_kept_flight(0, 2, 4, 2, [0, 0, 0, 1], [1.0, 1.0, 1.0, 1.0]) == pytest.approx((3 * 3 + 2) / 4)
+    assert chunk_kept_flight(0, 2, 4, 2, [0, 0, 1, 1], [1.0, 1.0, 1.0, 1.0]) == in_flight(0, 2, 4, 2)
+    # a padded rank: one layer in 4 chunks keeps it for chunk 0's passes alone
+    assert chunk_kept_flight(0, 8, 16, 4, [0, 0], [1.0, 2.0]) == chunk_passes(0, 8, 16, 4)[0] > in_flight(0, 8, 16, 4)
 
 
 def test_chunks_in_megatrons_order():
