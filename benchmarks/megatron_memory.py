@@ -77,9 +77,12 @@ class Case:
     dtype: str = DTYPE
     grad_reduce_in_fp32: bool = True
     """False: gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (Megatron-core's interleaved 1F1B)."""
 
     def label(self) -> str:
         degrees = f"tp{self.tp}" if self.tp > 1 else f"pp{self.pp}" if self.pp > 1 else f"dp{self.dp}"
+        degrees += f" vpp{self.virtual_stages}" if self.virtual_stages > 1 else ""
         zero = f" zero{self.zero_stage}" if self.dp > 1 else ""
         recompute = ("recompute-all" if self.recompute else
                      f"recompute-first{self.recompute_first}" if self.recompute_first else "no-recompute")
@@ -113,9 +116,12 @@ CASES = tuple(Case(**dims, recompute=recompute)
               for dims in ({"tp": 2}, {"pp": 2}, {"dp": 2, "zero_stage": 1}, {"dp": 2, "zero_stage": 0})
               for recompute in (False, True)) + tuple(
     Case(dp=2, zero_stage=zero, recompute=recompute, grad_reduce_in_fp32=False)
-    for zero in (1, 0) for recompute in (False, True))
+    for zero in (1, 0) for recompute in (False, True)) + (
+    Case(pp=2, virtual_stages=2, layout=(1, 3)),)
 """TP 2, PP 2, DP 2 with and without the distributed optimizer, each with and without recomputation;
-and the DP plans again with bf16 gradients (recomputed, their optimizer update is the peak)."""
+the DP plans again with bf16 gradients (recomputed, their optimizer update is the peak); and PP 2
+interleaved over 2 chunks a rank with 1 and 3 layers, whose first rank's second chunk holds none
+(the warm-up's passes fall unevenly on the chunks: dsauto.cost.step.chunk_passes)."""
 
 
 def bench_model():
@@ -152,7 +158,8 @@ def build_plan(case: Case, profile=None):
     model = bench_model()
     strategy = Strategy(dims=ParallelDims(dp=case.dp, tp=case.tp, pp=case.pp), zero_stage=case.zero_stage,
                         micro_batch=case.micro_batch, grad_accum=case.micro_batches // case.dp,
-                        sequence_parallel=False, engine="megatron", grad_reduce_in_fp32=case.grad_reduce_in_fp32)
+                        sequence_parallel=False, engine="megatron", grad_reduce_in_fp32=case.grad_reduce_in_fp32,
+                        virtual_stages=case.virtual_stages)
     options = [LayerOption(checkpoint=case.checkpointed(layer, model.num_layers), shard_params=False, split=1)
                for layer in range(model.num_layers + 2)]
     return planner_of(case, profile).build_plan(strategy, case.stage_layers(model.num_layers), options)
@@ -184,8 +191,9 @@ def forward_step(data_iterator, model):
 
 
 def build(plan, cuda: bool = False):
-    """The rank's model and optimizer, as a Megatron-LM training script builds them with the plugin;
-    ``cuda``: on this process's GPU (else on the CPU, through dsauto's Megatron CPU shim)."""
+    """The rank's model (one module, or a list of its chunks under the interleaved schedule) and
+    optimizer, as a Megatron-LM training script builds them with the plugin; ``cuda``: on this
+    process's GPU (else on the CPU, through dsauto's Megatron CPU shim)."""
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -200,20 +208,22 @@ def build(plan, cuda: bool = False):
     config = dm.apply(plan, TransformerConfig(**dm.transformer_config_kwargs(plan.model),
                                               use_cpu_initialization=not cuda,
                                               attention_backend=AttnBackend.local))
-    [model] = dm.model_chunks(plan, lambda **where: GPTModel(
+    chunks = dm.model_chunks(plan, lambda **where: GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
         **dm.gpt_model_kwargs(plan), **where))
     if config.bf16 or config.fp16:
         # As Megatron-LM's get_model: every parameter (the norms and the position table too) in 16
         # bits, inputs cast on the first stage, the loss returned in fp32 (transformer/module.py).
-        model = Float16Module(config, model)
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = dm.ddp_config(plan, megatron_fsdp=cuda)
-    model = DistributedDataParallel(config, ddp_config, model)
-    optimizer = get_megatron_optimizer(dm.optimizer_config(plan, lr=1e-4), [model])
-    if ddp_config.overlap_grad_reduce:
-        config.no_sync_func = model.no_sync  # reduce gradients once, after the last micro-batch
+    # As Megatron-LM: one gradient bucket for every chunk after the first.
+    model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+             for i, chunk in enumerate(chunks)]
+    optimizer = get_megatron_optimizer(dm.optimizer_config(plan, lr=1e-4), model)
+    if ddp_config.overlap_grad_reduce:  # reduce gradients once, after each chunk's last micro-batch
+        config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    return model, optimizer
+    return (model if len(model) > 1 else model[0]), optimizer
 
 
 @contextlib.contextmanager
@@ -245,7 +255,8 @@ def train_step(plan, data: Iterator[dict], model, optimizer, tracker=None) -> fl
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model.zero_grad_buffer()
+    for chunk in model if isinstance(model, list) else [model]:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
     out = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data, model=model,
@@ -300,7 +311,8 @@ def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: 
     dm.initialize_model_parallel(plan)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
-    data = batches(plan, 1234)
+    # one iterator per model chunk, each yielding the same micro-batches
+    data = [batches(plan, 1234) for _ in range(plan.virtual_stages)] if plan.virtual_stages > 1 else batches(plan, 1234)
     tracker = MemoryTracker("cpu")
     model, optimizer, losses = tracked_training(plan, data, tracker, STEPS)
     # Timed steps: the tracker is off (its hooks cost time), the schedules are Megatron's own; each

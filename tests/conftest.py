@@ -26,22 +26,26 @@ def _remove_deepspeed_buffers(_buffers_before_the_tests):
 
     yield
     made = set(all_reduce_buffers()) - _buffers_before_the_tests
-    for path in made - (_mapped_by_live_processes() if made else set()):
+    for path in made - (_mapped_by_live_processes(made) if made else set()):
         path.unlink(missing_ok=True)
 
 
-def _mapped_by_live_processes() -> set:
-    """The /dev/shm files some running process maps: the buffers of a job still running, which may
-    be another session's (two runs of the suite at once must not pull each other's buffers away
-    while their ranks are still opening them)."""
+def _mapped_by_live_processes(made: set) -> set:
+    """Those of the buffers ``made`` that some running process maps: the buffers of a job still
+    running, which may be another session's (two runs of the suite at once must not pull each
+    other's buffers away while their ranks are still opening them). Matched by name, wherever the
+    shared-memory folder's path resolves."""
     from pathlib import Path
 
+    names = {path.name: path for path in made}
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             text = maps.read_text()
         except OSError:  # the process has gone, or is not ours to read
             continue
-        mapped.update(Path(line.split(None, 5)[5]) for line in text.splitlines()
-                      if "/dev/shm/" in line and len(line.split(None, 5)) == 6)
+        for line in text.splitlines():
+            name = line.rsplit("/", 1)[-1].removesuffix(" (deleted)")
+            if name in names:
+                mapped.add(names[name])
     return mapped

@@ -69,30 +69,60 @@ def in_flight(stage: int, pp: int, micro_batches: int, virtual_stages: int = 1) 
     the stage on the first rank: more than 1F1B's pp (Narayanan et al. 2021, Sec. 2.2.2)."""
     if virtual_stages == 1:
         return min(pp - stage, micro_batches)
-    return sum(chunk_passes(stage, pp, micro_batches, virtual_stages)) / virtual_stages
+    chunk_passes = (pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1
+    return min(chunk_passes, micro_batches * virtual_stages) / virtual_stages
 
 
-def chunk_passes(stage: int, pp: int, micro_batches: int, virtual_stages: int) -> list[int]:
-    """Forward passes of each of rank ``stage``'s model chunks held at once under the interleaved
-    schedule (:func:`in_flight` counts them): its warm-up forwards and the first of the steady state
-    run micro-batches in groups of pp per chunk, chunk after chunk (megatron/core/pipeline_parallel/
-    schedules.py, ``get_model_chunk_id``: chunk (k mod pp * v) // pp for the k-th, with
-    ``microbatch_group_size_per_vp_stage`` pp, Megatron-LM's default), so the first chunks hold the
-    most when the count is not a multiple of pp * v."""
-    held = min((pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1, micro_batches * virtual_stages)
-    rounds, rest = divmod(held, pp * virtual_stages)
-    return [rounds * pp + min(max(rest - k * pp, 0), pp) for k in range(virtual_stages)]
+def interleaved_peak(stage: int, pp: int, micro_batches: int, virtual_stages: int,
+                     chunks: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(kept activations, the moment's transient) of rank ``stage`` at the peak of its interleaved
+    schedule; ``chunks``: for each of its model chunks, what one pass keeps, the transient at the
+    end of its forward (the loss, in the chunk holding the head) and the largest in its backward.
 
+    Megatron-core runs forwards chunk after chunk in groups of pp micro-batches and backwards in the
+    reverse chunk order, a forward then a backward in each step of the steady state
+    (megatron/core/pipeline_parallel/schedules.py: ``get_schedule_table``, ``get_model_chunk_id``,
+    ``microbatch_group_size_per_vp_stage`` pp, Megatron-LM's default), so a rank's first chunks gain
+    passes while its last ones drain: where its chunks keep alike, the kept bytes peak at
+    :func:`in_flight` passes of each; where its first chunks keep more (more layers, the embedding),
+    higher. The steady state repeats every pp x v steps, so one round of it, and the cool-down from
+    the state it ends in, are simulated."""
+    v = virtual_stages
+    keeps = [keep for keep, _, _ in chunks]
+    passes = micro_batches * v
+    warm_up = min((pp - stage - 1) * 2 + (v - 1) * pp, passes)
+    period = pp * v
 
-def chunk_kept_flight(stage: int, pp: int, micro_batches: int, virtual_stages: int, chunk_of: Sequence[int],
-                      activations: Sequence[float]) -> float:
-    """The passes rank ``stage`` keeps its layers' activations for, weighted by them: each layer's
-    chunk's own count (:func:`chunk_passes`; ``chunk_of``: each layer's chunk, ``activations``: what
-    it keeps per pass). :func:`in_flight` when every chunk keeps alike."""
-    passes, kept = chunk_passes(stage, pp, micro_batches, virtual_stages), sum(activations)
-    if kept <= 0:
-        return in_flight(stage, pp, micro_batches, virtual_stages)
-    return sum(passes[k] * a for k, a in zip(chunk_of, activations, strict=True)) / kept
+    def chunk(k: int, forward: bool) -> int:
+        c = (k % period) // pp
+        return c if forward else v - 1 - c
+
+    held = [0] * v
+    best = (-1.0, 0.0, 0.0)  # (kept + transient, kept, transient)
+
+    def moment(c: int, transient: float) -> None:
+        nonlocal best
+        kept = sum(h * keep for h, keep in zip(held, keeps))
+        if kept + transient > best[0]:
+            best = (kept + transient, kept, transient)
+
+    for k in range(warm_up):
+        held[chunk(k, True)] += 1
+        moment(chunk(k, True), chunks[chunk(k, True)][1])
+    steady = passes - warm_up
+    states = []
+    for i in range(min(steady, period)):
+        held[chunk(warm_up + i, True)] += 1
+        moment(chunk(warm_up + i, True), chunks[chunk(warm_up + i, True)][1])
+        moment(chunk(i, False), chunks[chunk(i, False)][2])
+        held[chunk(i, False)] -= 1
+        states.append(list(held))
+    if steady > period:  # a whole round changes nothing: the steady state ends as after steady mod period steps
+        held = states[steady % period - 1] if steady % period else list(states[-1])
+    for k in range(steady, passes):  # the cool-down's backwards
+        moment(chunk(k, False), chunks[chunk(k, False)][2])
+        held[chunk(k, False)] -= 1
+    return best[1], best[2]
 
 
 def executed_flops_per_token(group: LayerGroup, flash_attention: bool) -> float:
@@ -514,12 +544,13 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
 def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy, cost: CostModel,
                          groups: Sequence[LayerGroup], held: Sequence[int], options: Sequence[LayerOption],
                          costs: Sequence[LayerCost], flight: float, bucket: int,
-                         single_tensor: bool, kept_flight: float | None = None
+                         single_tensor: bool, interleaved: tuple[float, float] | None = None
                          ) -> tuple[float, float, float, float, float, float]:
     """(params, grads, optimizer, activation, transient, peak) bytes of a Megatron-core pipeline rank
     that holds the flat layers ``held`` (``costs``: their layer costs), ``flight`` micro-batches in
-    flight (each chunk's output kept per pass), its layers' activations kept for ``kept_flight``
-    (default ``flight``; the interleaved schedule's first chunks hold more passes: predict_step).
+    flight (each chunk's output kept per pass); ``interleaved``: the layers' kept activations and
+    the moment's transient at the rank's peak under the interleaved schedule (:func:`interleaved_peak`),
+    in place of ``flight`` passes of every layer and the largest layer moment.
 
     The layer costs are Megatron's already (:func:`dsauto.cost.terms.state_bytes_per_param`, and in
     :func:`dsauto.cost.terms.activation_memory` the unfused softmax, the loss and each weight's
@@ -548,7 +579,8 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
     boundary = megatron_boundary_bytes_per_token(model.hidden_size, b, ctx.replicated_div) * tokens * dynamic
     chunks = strategy.virtual_stages
     outputs = (chunks - 1 if holds_head else chunks) * flight if strategy.pp > 1 else 0.0
-    activation = sum(c.activation_bytes for c in costs) * (flight if kept_flight is None else kept_flight) + outputs * boundary
+    kept = sum(c.activation_bytes for c in costs) * flight if interleaved is None else interleaved[0]
+    activation = kept + outputs * boundary
     blocks = [layer_group_of(groups, j, num_layers) for j in held]
     blocks = [g for g in blocks if g.kind == "transformer"]
     buffer = (max(megatron_score_buffer_bytes(g, tokens, tp, b) for g in blocks) * dynamic
@@ -561,7 +593,7 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
                  if model.tied_embeddings and holds_head and 0 in held else 0.0)
     moments = [c.transient_bytes + (tied_grad if layer_group_of(groups, j, num_layers).kind == "transformer" else 0.0)
                for j, c in zip(held, costs)]
-    transient = buffer + received + max(moments, default=0.0)
+    transient = buffer + received + (max(moments, default=0.0) if interleaved is None else interleaved[1])
     peak = params + grads + optim + activation + transient
 
     # The update's temporaries follow the largest fp32 main parameter, or its shard under the
@@ -627,13 +659,19 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         forward = sum(c.forward_seconds for c in costs) + v * p2p
         backward = sum(c.backward_seconds for c in costs) + v * p2p
         flight = in_flight(i, pp, m, v)
-        kept_flight = flight
+        activation = sum(c.activation_bytes for c in costs) * flight
+        interleaved = None
         if v > 1:
             chunk_of = rank_chunks(stage_layers, v, i)
             first_chunks.append(sum(c.forward_seconds + c.backward_seconds for k, c in zip(chunk_of, costs) if k == 0)
                                 + 2 * p2p)
-            kept_flight = chunk_kept_flight(i, pp, m, v, chunk_of, [c.activation_bytes for c in costs])
-        activation = sum(c.activation_bytes for c in costs) * kept_flight
+            per_chunk = [[0.0, 0.0, 0.0] for _ in range(v)]  # kept, at the end of forward, in backward
+            for k, j, c in zip(chunk_of, held, costs):
+                per_chunk[k][0] += c.activation_bytes
+                per_chunk[k][1] = max(per_chunk[k][1], c.transient_bytes if j == num_layers + 1 else 0.0)
+                per_chunk[k][2] = max(per_chunk[k][2], c.transient_bytes)
+            interleaved = interleaved_peak(i, pp, m, v, [tuple(row) for row in per_chunk])
+            activation = interleaved[0]
         params = sum(c.params_bytes for c in costs)
         grads = sum(c.grads_bytes for c in costs)
         optim = sum(c.optimizer_bytes for c in costs)
@@ -657,7 +695,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         if strategy.engine == "megatron":
             params, grads, optim, activation, transient, peak = megatron_stage_bytes(
                 model, train, strategy, cost, groups, held, options, costs, flight, bucket,
-                cluster.device.name == "cpu", kept_flight)
+                cluster.device.name == "cpu", interleaved)
         elif deepspeed_moments_apply(strategy):
             # DeepSpeed without ZeRO or with ZeRO-1/2: the peak of the moments of the step, each
             # with what the engine holds then (deepspeed_moment_peak).

@@ -9,7 +9,7 @@ from dsauto.api import find_plans, make_problem
 from dsauto.cost.collectives import Group
 from dsauto.cost.layer import CostModel
 from dsauto.cost.pipeline import pipeline_seconds
-from dsauto.cost.step import chunk_kept_flight, chunk_passes, first_chunk_share, in_flight, interleaved_makespan
+from dsauto.cost.step import first_chunk_share, in_flight, interleaved_makespan, interleaved_peak
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.cost.terms import context_parallel_seconds
 from dsauto.engines.megatron import pipeline_layout
@@ -49,18 +49,23 @@ def test_the_fill_crosses_each_rank_in_its_first_chunk():
     assert interleaved_makespan([1.0, 2.0, 1.0], 8, 4, first_chunk_seconds=[2 / 5, 1, 1 / 2]) == pytest.approx(16.9)
 
 
-def test_the_first_chunks_hold_more_passes_when_the_warm_up_does_not_fill_a_round():
-    """Megatron's interleaved warm-up runs micro-batches in groups of pp a chunk: pp 2, v 2, rank 0
-    runs 2 + 2 + 1 = 5 forwards before its first backward, 3 in chunk 0 and 2 in chunk 1; with
-    (3, 5) layers its chunks hold 2 and 1, so it keeps 3 x 2 + 2 x 1 = 8 layer passes, not 5/2 x 3."""
-    assert chunk_passes(0, 2, 4, 2) == [3, 2] and chunk_passes(1, 2, 4, 2) == [2, 1]
-    assert chunk_passes(0, 2, 2, 2) == [2, 2]  # never more than all m x v chunk passes
-    assert sum(chunk_passes(0, 8, 64, 4)) == 4 * in_flight(0, 8, 64, 4)
-    # rank 0 of (3, 5): the embedding and two layers in chunk 0, one layer in chunk 1
-    assert chunk_kept_flight(0, 2, 4, 2, [0, 0, 0, 1], [1.0, 1.0, 1.0, 1.0]) == pytest.approx((3 * 3 + 2) / 4)
-    assert chunk_kept_flight(0, 2, 4, 2, [0, 0, 1, 1], [1.0, 1.0, 1.0, 1.0]) == in_flight(0, 2, 4, 2)
-    # a padded rank: one layer in 4 chunks keeps it for chunk 0's passes alone
-    assert chunk_kept_flight(0, 8, 16, 4, [0, 0], [1.0, 2.0]) == chunk_passes(0, 8, 16, 4)[0] > in_flight(0, 8, 16, 4)
+def test_the_first_chunks_gain_passes_while_the_last_ones_drain():
+    """Megatron's interleaved schedule runs forwards chunk after chunk in groups of pp micro-batches
+    and backwards from the last chunk: pp 2, v 2, 4 micro-batches. Rank 0 runs 4 warm-up forwards
+    (chunk 0 twice, chunk 1 twice), then a forward of chunk 0 and a backward of chunk 1 in each
+    step, so chunk 0 comes to hold all 4 micro-batches; the last rank keeps its loss only while its
+    head's chunk holds a pass (measured: benchmarks/megatron_memory.py, pp2 vpp2 layers-1+3)."""
+    # alike chunks: in_flight passes of each, and the largest backward transient
+    assert interleaved_peak(0, 2, 4, 2, [(1.0, 0.0, 0.5), (1.0, 0.0, 0.5)]) == (5.0, 0.5) and in_flight(0, 2, 4, 2) == 2.5
+    # rank 0 of (1, 3) layers: the embedding and a layer in chunk 0, chunk 1 empty
+    assert interleaved_peak(0, 2, 4, 2, [(3.0, 0.0, 0.5), (0.0, 0.0, 0.0)]) == (12.0, 0.5)
+    # the last rank: chunk 0 two layers, chunk 1 a layer and the head whose loss outweighs a pass
+    kept, transient = interleaved_peak(1, 2, 4, 2, [(2.0, 0.0, 0.5), (1.0, 4.0, 4.0)])
+    assert (kept, transient) == (5.0, 4.0)  # two passes of chunk 0 and the head's, at its loss
+    assert interleaved_peak(1, 2, 4, 2, [(2.0, 0.0, 0.5), (1.0, 0.0, 0.5)]) == (6.0, 0.5)  # three of chunk 0
+    # a long step repeats its rounds: 64 micro-batches peak as 8 do
+    assert interleaved_peak(0, 4, 64, 2, [(3.0, 0.0, 1.0), (1.0, 0.0, 1.0)]) == interleaved_peak(
+        0, 4, 8, 2, [(3.0, 0.0, 1.0), (1.0, 0.0, 1.0)])
 
 
 def test_chunks_in_megatrons_order():
@@ -129,3 +134,47 @@ def test_a_128k_workload_is_split_over_context_parallel_ranks():
     plan = find_plans(problem)[0]
     assert plan.cp > 1 and plan.prediction.peak_memory_bytes <= plan.memory_budget_bytes
     assert plan.dp * plan.tp * plan.pp * plan.cp == 64
+
+
+def _every_step_of_the_interleaved_schedule(stage, pp, micro_batches, v, chunks):
+    """interleaved_peak's reference: every forward and backward of the step, in Megatron's order."""
+    keeps, passes = [keep for keep, _, _ in chunks], micro_batches * v
+    warm_up = min((pp - stage - 1) * 2 + (v - 1) * pp, passes)
+
+    def chunk(k, forward):
+        c = (k % (pp * v)) // pp
+        return c if forward else v - 1 - c
+
+    held, best = [0] * v, (-1.0, 0.0, 0.0)
+
+    def moment(transient):
+        nonlocal best
+        kept = sum(h * keep for h, keep in zip(held, keeps))
+        best = max(best, (kept + transient, kept, transient), key=lambda b: b[0])
+
+    order = ([(k, True) for k in range(warm_up)]
+             + [step for i in range(passes - warm_up) for step in ((warm_up + i, True), (i, False))]
+             + [(k, False) for k in range(passes - warm_up, passes)])
+    for k, forward in order:
+        c = chunk(k, forward)
+        if forward:
+            held[c] += 1
+            moment(chunks[c][1])
+        else:
+            moment(chunks[c][2])
+            held[c] -= 1
+    assert held == [0] * v
+    return best[1], best[2]
+
+
+def test_the_simulated_round_peaks_as_every_step_does():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        pp, v = rng.choice([2, 3, 4, 8]), rng.choice([2, 3, 4])
+        micro_batches, stage = pp * rng.randint(1, 12), rng.randrange(pp)
+        chunks = [(float(rng.choice([0, 1, 2, 3, 5])), float(rng.choice([0, 0, 4])), rng.random()) for _ in range(v)]
+        got, want = (interleaved_peak(stage, pp, micro_batches, v, chunks),
+                     _every_step_of_the_interleaved_schedule(stage, pp, micro_batches, v, chunks))
+        assert sum(got) == pytest.approx(sum(want))
