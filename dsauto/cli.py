@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -283,21 +283,22 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
     model: Any = args.model or DEFAULT_MODEL
     nodes, gpus_per_node = args.nodes, args.gpus_per_node
     if args.megatron_args is not None:
-        model, launch_train, launch_pins, world = _launch_from_args(args)
-        args.launch_only = frozenset(set(launch_train) - set(train)) | frozenset(set(launch_pins) - set(pins))
+        model, launch_train, launch_pins, world, spelled = _launch_from_args(args)
+        args.launch_spelled = {key: flag for key, flag in spelled.items() if key not in train and key not in pins}
         train, pins = _merged(train, launch_train, "--megatron-args"), _merged(pins, launch_pins, "--megatron-args")
-        given = {key: value for key, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)) if value is not None}
-        sized = _merged(given, world, f"{args.megatron_args}'s launcher")
-        nodes, gpus_per_node = sized.get("nodes"), sized.get("gpus_per_node")
+        nodes = _launched(nodes, world.get("nodes"), "nodes", "--nodes", args.megatron_args)
+        gpus_per_node = _launched(gpus_per_node, world.get("gpus_per_node"), "ranks a node", "--gpus-per-node",
+                                  args.megatron_args)
     if getattr(args, "target", None) == "hf":
         pins.setdefault("engine", "deepspeed")  # Hugging Face's Trainer and accelerate run DeepSpeed
     return make_problem(model, args.hardware, nodes=nodes, gpus_per_node=gpus_per_node,
                         memory_limit=args.memory_limit, **train, **pins)
 
 
-def _launch_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int]]:
-    """The model, batch, pins and launcher's world (nodes, gpus_per_node) of ``--megatron-args``,
-    warning of what it sets that dsauto does not read or prices otherwise."""
+def _launch_from_args(args: argparse.Namespace
+                      ) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int], dict[str, str]]:
+    """The model, batch, pins, launcher's world (nodes, gpus_per_node) and flag spellings of
+    ``--megatron-args``, warning of what it sets that dsauto does not read or prices otherwise."""
     from dsauto.engines.megatron_args import read_megatron_args
     from dsauto.errors import DsautoWarning
     from dsauto.spec.loaders import as_model
@@ -313,26 +314,31 @@ def _launch_from_args(args: argparse.Namespace) -> tuple[Any, dict[str, Any], di
     for note in launch.notes:
         warnings.warn(note, DsautoWarning, stacklevel=2)
     args.launch_bucket = launch.ddp_bucket_size
-    return launch.model, launch.train, launch.pins, launch.world
+    return launch.model, launch.train, launch.pins, launch.world, launch.spelled
 
 
-LAUNCH_SPELLING = {"tp": ("--tp", "--tensor-model-parallel-size"), "pp": ("--pp", "--pipeline-model-parallel-size"),
-                   "vpp": ("--vpp", "--num-virtual-stages-per-pipeline-rank"),
-                   "cp": ("--cp", "--context-parallel-size"), "ep": ("--ep", "--expert-model-parallel-size"),
-                   "etp": ("--etp", "--expert-tensor-parallel-size"),
-                   "micro_batch": ("--micro-batch", "--micro-batch-size"),
-                   "global_batch": ("--global-batch", "--global-batch-size"), "seq_len": ("--seq-len", "--seq-length")}
-"""dsauto's option and Megatron-LM's flag for each choice a launch file may fix."""
-
-
-def in_launch_spelling(message: str, launch_only: Iterable[str]) -> str:
+def in_launch_spelling(message: str, spelled: Mapping[str, str]) -> str:
     """``message`` with the options of the choices that only the ``--megatron-args`` file fixed
-    (``launch_only``) spelled as the file spells them: the user changes them there."""
-    for key in launch_only:
-        if key in LAUNCH_SPELLING:
-            option, flag = LAUNCH_SPELLING[key]
-            message = re.sub(re.escape(option) + r"(?![\w-])", flag, message)
+    spelled as the file spells them (``spelled``: flag by pin or train key,
+    MegatronLaunch.spelled): the user changes them there."""
+    from dsauto.search.space import Constraints
+    from dsauto.spec.training import TrainSpec
+
+    options = {f.name: f.metadata["flag"] for cls in (Constraints, TrainSpec) for f in dataclasses.fields(cls)
+               if "flag" in f.metadata}
+    for key, flag in spelled.items():
+        if key in options:
+            message = re.sub(re.escape(options[key]) + r"(?![\w-])", flag, message)
     return message
+
+
+def _launched(given: int | None, launched: int | None, what: str, option: str, path: Any) -> int | None:
+    """The size the command line gives, else the one the launch script's launcher starts; refused
+    where they differ."""
+    if given is not None and launched is not None and given != launched:
+        raise DsautoError(f"{path}'s launcher starts {launched} {what} and the command line gives {option} {given}; "
+                          f"drop one of them.")
+    return given if given is not None else launched
 
 
 def _merged(given: dict[str, Any], launch: dict[str, Any], source: str) -> dict[str, Any]:
@@ -367,16 +373,21 @@ def _search(args: argparse.Namespace):
     started = time.perf_counter()
     with SearchProgress() as progress:
         plans = find_plans(problem, top_k=1 + args.top, profile=profile, progress=progress.update)
-    seconds = time.perf_counter() - started
-    if getattr(args, "launch_bucket", None) is not None and plans[0].engine == "megatron":
-        from dsauto.emit.megatron import ddp_bucket_size
-        from dsauto.errors import DsautoWarning
+    _warn_of_the_launchs_buckets(args, plans[0])
+    return plans, time.perf_counter() - started
 
-        if (own := ddp_bucket_size(plans[0])) != args.launch_bucket:
-            warnings.warn(f"{args.megatron_args} sets --ddp-bucket-size {args.launch_bucket}, and dsauto prices the "
-                          f"gradient buckets of its own plan, {own} parameters (megatron_args.txt writes it).",
-                          DsautoWarning, stacklevel=2)
-    return plans, seconds
+
+def _warn_of_the_launchs_buckets(args: argparse.Namespace, plan: Any) -> None:
+    """Where a --megatron-args launch sets --ddp-bucket-size other than the plan's buckets, says
+    that dsauto prices its own (dsauto's own megatron_args.txt reads back without a word)."""
+    from dsauto.engines.megatron import ddp_bucket_size
+    from dsauto.errors import DsautoWarning
+
+    launched = getattr(args, "launch_bucket", None)
+    if launched is not None and plan.engine == "megatron" and (own := ddp_bucket_size(plan)) != launched:
+        warnings.warn(f"{args.megatron_args} sets --ddp-bucket-size {launched}, and dsauto prices the gradient "
+                      f"buckets of its own plan, {own} parameters (megatron_args.txt writes it).", DsautoWarning,
+                      stacklevel=2)
 
 
 def _config_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -535,6 +546,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
             _say(f"the profile's calibration applies: {profile.calibration.describe()}")
         planner = Planner(model, cluster, train, pins, profile)
         result = refine(planner, out, settings, _say)
+        _warn_of_the_launchs_buckets(args, result.plan)
         print(describe_plan(result.plan))
         print(describe_trials(result.records, winner=result.plan.measured.trial))
         print(f"study {result.study_name} in {result.storage}: {len(result.records)} trials "
@@ -773,7 +785,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_explain(args)
         return _cmd_validate(args)
     except DsautoError as exc:
-        print(f"dsauto: error: {in_launch_spelling(str(exc), getattr(args, 'launch_only', ()))}", file=sys.stderr)
+        print(f"dsauto: error: {in_launch_spelling(str(exc), getattr(args, 'launch_spelled', {}))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("dsauto: interrupted", file=sys.stderr)

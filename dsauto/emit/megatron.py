@@ -20,9 +20,9 @@ from dsauto.engines.megatron import (
     FSDP_STRATEGY,
     LAUNCH_ENVIRONMENT,
     block_recompute_layers,
+    ddp_bucket_size,
     degree_flags,
     max_connections,
-    megatron_grad_bytes,
     pipeline_layout,
     selective_recompute_modules,
     softmax_fusion_setting,
@@ -368,13 +368,6 @@ def _data_parallel(plan: Plan) -> list[str]:
     lines += optimizer_offload_flags(plan)
     lines.append(f"--ddp-bucket-size {ddp_bucket_size(plan)}")
     return lines
-
-
-def ddp_bucket_size(plan: Plan) -> int:
-    """``--ddp-bucket-size`` of the plan's gradient buckets, which counts parameters: Megatron-LM
-    reduces gradients in fp32 under bf16 (validate_args sets accumulate_allreduce_grads_in_fp32)
-    unless --grad-reduce-in-bf16, and in the parameter dtype otherwise."""
-    return max(1, plan.reduce_bucket_bytes // megatron_grad_bytes(plan))
 
 
 def optimizer_offload_flags(plan: Plan) -> list[str]:

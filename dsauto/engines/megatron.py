@@ -143,6 +143,12 @@ def megatron_grad_bytes(plan: Plan) -> int:
     return 2 if plan.dtype == "fp16" else 4
 
 
+def ddp_bucket_size(plan: Plan) -> int:
+    """Megatron-core's ``bucket_size`` (``--ddp-bucket-size``, in parameters) of the plan's gradient
+    buckets: their bytes over :func:`megatron_grad_bytes`."""
+    return max(1, plan.reduce_bucket_bytes // megatron_grad_bytes(plan))
+
+
 def pipeline_layout(stage_layers: Sequence[int], virtual_stages: int = 1) -> PipelineLayout:
     """The Megatron setting that places ``stage_layers`` transformer layers on each stage.
 

@@ -106,6 +106,9 @@ class MegatronLaunch:
     """What dsauto prices otherwise than the launch runs, one sentence each."""
     environment: dict[str, str] = field(default_factory=dict)
     """The launch environment the file sets that dsauto reads (:data:`ENVIRONMENT`)."""
+    spelled: dict[str, str] = field(default_factory=dict)
+    """The flag the launch set for each choice it fixes by name (``tp``: --tensor-model-parallel-size
+    ...), so that a message about it names what the file says."""
     ddp_bucket_size: int | None = None
     """``--ddp-bucket-size`` where the launch sets it: dsauto prices the buckets of its own plan, and
     says so where they differ (the command line compares it with the plan's)."""
@@ -173,6 +176,7 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
         _check_model(described, model, where)
     launch = MegatronLaunch(model=model or described, environment=dict(environment or {}),
                             world=launcher_world(_launcher_words(words)))
+    launch.spelled = {key: flag for key, flag in SPELLED.items() if flag in flags}
     _batch(flags, launch, where)
     _parallelism(flags, launch, where)
     _softmax(flags, launch, where)
@@ -185,6 +189,12 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
 
 REFUSED_NAMES = {spelling.split(" ")[0] for spelling in REFUSED}
 
+SPELLED = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+           "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
+           "etp": "--expert-tensor-parallel-size", "vpp": "--num-virtual-stages-per-pipeline-rank",
+           "micro_batch": "--micro-batch-size", "global_batch": "--global-batch-size", "seq_len": "--seq-length"}
+"""The flag of each choice a launch names outright (MegatronLaunch.spelled), by pin or train key."""
+
 
 LAUNCHER_WORLD = {"--nnodes": "nodes", "--num_nodes": "nodes", "--num-nodes": "nodes",
                   "--nproc_per_node": "gpus_per_node", "--nproc-per-node": "gpus_per_node",
@@ -193,10 +203,15 @@ LAUNCHER_WORLD = {"--nnodes": "nodes", "--num_nodes": "nodes", "--num-nodes": "n
 deepspeed launcher's (``--num_nodes``, ``--num_gpus``)."""
 
 
+def _script_index(words: list[str]) -> int | None:
+    """Where the training script (the first word ending in ``.py``) stands, or None."""
+    return next((i for i, word in enumerate(words) if word.endswith(".py")), None)
+
+
 def _launcher_words(words: list[str]) -> list[str]:
-    """The words before the training script (the first ending in ``.py``): the launcher's."""
-    scripts = [i for i, word in enumerate(words) if word.endswith(".py")]
-    return words[:scripts[0]] if scripts else []
+    """The words before the training script: the launcher's."""
+    script = _script_index(words)
+    return words[:script] if script is not None else []
 
 
 def launcher_world(words: Sequence[str]) -> dict[str, int]:
@@ -221,8 +236,9 @@ def _flag_values(words: list[str], where: str) -> dict[str, str]:
     training script (the first ending in ``.py``), or to the first flag without one, are the
     launcher's and are skipped. A flag read here takes the values it takes; any other takes every
     word up to the next flag (Megatron-LM's lists, such as ``--data-path``)."""
-    scripts = [i for i, word in enumerate(words) if word.endswith(".py")]
-    i = scripts[0] + 1 if scripts else next((i for i, word in enumerate(words) if word.startswith("--")), len(words))
+    script = _script_index(words)
+    i = script + 1 if script is not None else next((i for i, word in enumerate(words) if word.startswith("--")),
+                                                   len(words))
     flags: dict[str, str] = {}
     while i < len(words):
         word = words[i]
@@ -377,10 +393,8 @@ def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
 
 def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     pins = launch.pins
-    degrees = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
-               "cp": "--context-parallel-size"}
-    for key, name in degrees.items():
-        pins[key] = _int(flags, name, where, 1)
+    for key in ("tp", "pp", "cp"):
+        pins[key] = _int(flags, SPELLED[key], where, 1)
     experts = "--num-experts" in flags or (launch.model is not None and launch.model.moe)
     if experts:
         # Megatron-LM's defaults: ep 1, and etp = tp (validate_args sets expert_tensor_parallel_size).

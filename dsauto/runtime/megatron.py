@@ -54,9 +54,9 @@ from dsauto.engines.architecture import megatron_gaps, no_rope_freq
 from dsauto.engines.megatron import (
     FSDP_STRATEGY,
     block_recompute_layers,
+    ddp_bucket_size,
     degree_fields,
     max_connections,
-    megatron_grad_bytes,
     pipeline_layout,
     selective_recompute_modules,
     te_softmax_fuses,
@@ -403,7 +403,7 @@ def ddp_config(plan: Plan, *, megatron_fsdp: bool = True, **overrides: Any) -> D
         use_distributed_optimizer=zero >= 1,
         overlap_grad_reduce=True,
         overlap_param_gather=zero >= 1,  # needs the distributed optimizer or Megatron-FSDP
-        bucket_size=max(1, plan.reduce_bucket_bytes // megatron_grad_bytes(plan)),  # counts parameters
+        bucket_size=ddp_bucket_size(plan),  # counts parameters
         # Megatron-LM reduces in fp32 under bf16 (validate_args) unless --grad-reduce-in-bf16.
         grad_reduce_in_fp32=plan.dtype == "bf16" and plan.grad_reduce_in_fp32,
         # Partial distributed optimizer: needs the groups initialize_model_parallel(plan) creates.

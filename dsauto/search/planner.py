@@ -101,14 +101,18 @@ class _Priced:
         total = fastest[EMBEDDING] + fastest[HEAD] + num_layers * fastest[BLOCK]
         v = s.virtual_stages
         p2p = 2 * v * self.p2p_seconds if s.pp > 1 else 0.0
-        # The step is m * slowest + (sum - slowest) / v >= (m + (p - 1) / v) * mean stage time.
+        # The step is m * slowest plus each other rank's first chunk, at least 1/v of its stage
+        # (cost.step.interleaved_makespan), >= (m + (p - 1) / v) * mean stage time.
         return (s.grad_accum + (s.pp - 1) / v) * (total / s.pp + p2p) + self.optimizer_seconds / s.pp
 
     def least_memory(self, num_layers: int, recompute_num_layers: int | None = None) -> float:
-        """A lower bound on the peak memory of the busiest rank, with an even layout. Under
-        ``--recompute-num-layers N`` at most N layers of each model chunk are checkpointed."""
+        """A lower bound on the peak memory of the busiest rank, whatever the layout: the mean over
+        the stages of their smallest model state and kept activations (each stage holds at least the
+        last stage's micro-batches in flight), the smallest transient of any layer, and what every
+        rank holds besides its layers. Under ``--recompute-num-layers N`` at most N layers of each
+        model chunk are checkpointed."""
         s = self.strategy
-        flight = in_flight(0, s.pp, s.grad_accum, s.virtual_stages)
+        flight = in_flight(s.pp - 1, s.pp, s.grad_accum, s.virtual_stages)
         kept = np.where(np.isfinite(self.time), self.static + flight * self.activation, np.inf)
         smallest = kept.min(axis=1)
         blocks = smallest[BLOCK] * num_layers
@@ -118,7 +122,7 @@ class _Priced:
             without = kept[BLOCK][~checkpointed].min(initial=np.inf)
             most = min(num_layers, recompute_num_layers * s.virtual_stages * s.pp)
             blocks = most * min(with_, without) + (num_layers - most) * without
-        least_transient = np.where(np.isfinite(self.time), self.transient, np.inf).min(axis=1).max()
+        least_transient = np.where(np.isfinite(self.time), self.transient, np.inf).min()
         per_stage = (blocks + smallest[EMBEDDING] + smallest[HEAD]) / s.pp
         least = per_stage + least_transient + self.constant_bytes
         if self.left_out is not None:
@@ -127,19 +131,6 @@ class _Priced:
             state = np.where(np.isfinite(self.time), self.static + self.left_out, np.inf).min(axis=1)
             least = max(least, (state[BLOCK] * num_layers + state[EMBEDDING] + state[HEAD]) / s.pp)
         return least
-
-
-def _least_peak(priced: _Priced, num_layers: int) -> float:
-    """A lower bound on the busiest rank's peak whatever the layout: the mean over the stages of their
-    smallest model state and kept activations (each stage holds at least the last stage's micro-batches
-    in flight), the smallest transient of any layer, and what every rank holds besides its layers."""
-    s = priced.strategy
-    flight = in_flight(s.pp - 1, s.pp, s.grad_accum, s.virtual_stages)
-    finite = np.isfinite(priced.time)
-    smallest = np.where(finite, priced.static + flight * priced.activation, np.inf).min(axis=1)
-    total = smallest[BLOCK] * num_layers + smallest[EMBEDDING] + smallest[HEAD]
-    transient = np.where(finite, priced.transient, np.inf).min()
-    return total / s.pp + transient + priced.constant_bytes
 
 
 def _gradient_free_moment(strategy: Strategy) -> bool:
@@ -376,8 +367,12 @@ class Planner:
         block = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)[BLOCK]
         arrays = {name: getattr(plain, name).copy() for name in ("time", "compute", "static", "activation",
                                                                  "transient")}
+        if plain.left_out is not None:
+            arrays["left_out"] = plain.left_out.copy()
         arrays["time"][BLOCK] = arrays["compute"][BLOCK] = np.inf
-        arrays["static"][BLOCK] = arrays["activation"][BLOCK] = arrays["transient"][BLOCK] = 0.0
+        for name in ("static", "activation", "transient", "left_out"):
+            if name in arrays:
+                arrays[name][BLOCK] = 0.0
         for oi, option in enumerate(options):
             if allowed(block.kind, option, self.pins, strategy.recompute_modules):
                 c = cost.layer(block, option)
@@ -386,6 +381,8 @@ class Planner:
                 arrays["static"][BLOCK, oi] = _counted_state(strategy, c)
                 arrays["activation"][BLOCK, oi] = c.activation_bytes
                 arrays["transient"][BLOCK, oi] = c.transient_bytes
+                if "left_out" in arrays:
+                    arrays["left_out"][BLOCK, oi] = c.static_bytes - arrays["static"][BLOCK, oi]
         return dataclasses.replace(plain, strategy=strategy, options=options, **arrays)
 
     def _stage_dp(self, priced: _Priced, sequence: Sequence[int], flight: int, reserve: float = 0.0,
@@ -838,7 +835,8 @@ class Planner:
                     by_base[unchunked] = self._price(unchunked)
                 candidate = dataclasses.replace(by_base[unchunked], strategy=strategy)
                 bound = candidate.lower_bound(self.model.num_layers)
-                if _least_peak(candidate, self.model.num_layers) > self.cluster.memory_budget_bytes:
+                if candidate.least_memory(self.model.num_layers, self.pins.recompute_num_layers) > \
+                        self.cluster.memory_budget_bytes:
                     continue  # does not fit even so
                 if not bounded_out(bound):
                     yield i, candidate, bound

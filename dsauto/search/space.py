@@ -628,9 +628,9 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
             return DsautoError(f"--vpp {pins.vpp} cannot run: {reason}.")
         if pins.stage_layers is None and model.num_layers // pp < pins.vpp:
             return DsautoError(f"--vpp {pins.vpp} cannot run on the layouts the search tries: they give each model "
-                               f"chunk a layer, and {model.num_layers} layers over pp {pp} leave a stage "
-                               f"{model.num_layers // pp}; pin --stage-layers (a chunk may then hold none: "
-                               f"Megatron-core's --pipeline-model-parallel-layout runs it) or lower --vpp.")
+                               f"chunk a layer, and {model.num_layers} layers over pp {pp} leave {model.num_layers // pp} "
+                               f"a stage; pin --stage-layers (a chunk may then hold none: Megatron-core's "
+                               f"--pipeline-model-parallel-layout runs it) or lower --vpp.")
         return DsautoError(f"--vpp {pins.vpp} cannot run: the interleaved schedule needs Megatron-core, "
                            f"pp > 1 and micro-batches per step a multiple of pp; change --pp, --micro-batch "
                            f"or --global-batch.")

@@ -312,7 +312,7 @@ def test_the_launcher_sizes_the_plan_where_it_says_how_many_ranks_it_starts(tmp_
     assert main(["plan", "--megatron-args", str(script), "--hardware", "h100-80gb"]) == 0
     assert "on 2 x 8 h100-80gb (16 devices)" in capsys.readouterr().out
     assert main(["plan", "--megatron-args", str(script), "--hardware", "h100-80gb", "--nodes", "4"]) == 2
-    assert "train.sh's launcher fixes nodes = 2 and the command line gives 4; drop one of them." in capsys.readouterr().err
+    assert "train.sh's launcher starts 2 nodes and the command line gives --nodes 4; drop one of them." in capsys.readouterr().err
     script.write_text("deepspeed --num_nodes 1 --num_gpus 4" + body)
     assert read_megatron_args(script).world == {"nodes": 1, "gpus_per_node": 4}
     script.write_text("torchrun --nproc-per-node $GPUS --nnodes 1:4" + body)

@@ -9,7 +9,7 @@ from dsauto.cost.step import predict_step
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.errors import DsautoError
 from dsauto.parallel import ParallelDims
-from dsauto.search.planner import Planner, _least_peak
+from dsauto.search.planner import Planner
 from dsauto.search.space import Constraints, allowed, layer_options, strategies
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.loaders import load_hardware, load_model
@@ -116,7 +116,7 @@ def test_a_pipeline_stage_bound_counts_its_own_gradients_not_the_models():
         if solved is None:
             continue
         peak = planner.build_plan(solved.strategy, solved.stage_layers, solved.options).prediction.peak_memory_bytes
-        least = _least_peak(priced, problem.model.num_layers)  # any layout's
+        least = priced.least_memory(problem.model.num_layers)  # any layout's
         assert 0 < least <= peak, (strategy, least, peak)
         checked += 1
     assert checked >= 4

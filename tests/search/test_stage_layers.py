@@ -62,7 +62,7 @@ def test_a_pinned_layout_may_leave_model_chunks_empty():
     assert more.prediction.bubble_seconds >= padded.prediction.bubble_seconds
     assert more.prediction.step_seconds > padded.prediction.step_seconds
     with pytest.raises(DsautoError, match="--vpp 5 cannot run on the layouts the search tries: they give each "
-                                          "model chunk a layer, and 32 layers over pp 8 leave a stage 4; pin "
+                                          "model chunk a layer, and 32 layers over pp 8 leave 4 a stage; pin "
                                           "--stage-layers"):
         make_plan("llama3-8b", "a100-80gb", **pins, vpp=5)
 
