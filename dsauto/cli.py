@@ -35,7 +35,17 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line as one sentence with exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise DsautoError(f"{message[0].upper()}{message[1:]}; see 'dsauto {self.prog.split()[-1]} --help'.")
+        command = self.prog.split()[1:]  # "dsauto plan": the subcommand's own help
+        raise DsautoError(f"{message[0].upper()}{message[1:]}; see '{' '.join(['dsauto', *command])} --help'.")
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # named with the subcommand they were given to, whose help lists what it takes
+            command = getattr(parsed, "command", None)
+            raise DsautoError(f"Unrecognized arguments: {' '.join(extras)}; see "
+                              f"'dsauto{' ' + command if command else ''} --help'.")
+        return parsed
 
 
 def _positive_int(text: str) -> int:
@@ -290,7 +300,11 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
         gpus_per_node = _launched(gpus_per_node, world.get("gpus_per_node"), "ranks a node", "--gpus-per-node",
                                   args.megatron_args)
     if getattr(args, "target", None) == "hf":
-        pins.setdefault("engine", "deepspeed")  # Hugging Face's Trainer and accelerate run DeepSpeed
+        # Hugging Face's Trainer and accelerate run DeepSpeed's engine, not its pipeline engine
+        pins.setdefault("engine", "deepspeed")
+        if pins.setdefault("pp", 1) != 1:
+            raise DsautoError(f"--for hf cannot run --pp {pins['pp']}: Hugging Face's Trainer and accelerate build no "
+                              f"DeepSpeed pipeline; drop --pp, or plan --for deepspeed.")
     return make_problem(model, args.hardware, nodes=nodes, gpus_per_node=gpus_per_node,
                         memory_limit=args.memory_limit, **train, **pins)
 
@@ -686,6 +700,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
     path = Path(args.path)
     plan = read_plan(path)
+    _check_engine_runs(path, plan)
     if path.suffix == ".json":  # a plan inside a DeepSpeed config: its keys must say the same
         _check_config_keys(path, plan)
     print(describe_plan(plan))
@@ -738,13 +753,22 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _check_engine_runs(path: Path, plan: Any) -> None:
     """Refuses a plan whose degrees its engine cannot run (a hand-edited tp=2 DeepSpeed plan)."""
-    from dsauto.engines.rules import context_parallel_refusal, refusal, virtual_stage_refusal
+    from dsauto.engines.rules import (
+        context_parallel_refusal,
+        expert_parallel_refusal,
+        offload_refusal,
+        refusal,
+        virtual_stage_refusal,
+    )
 
     reason = (refusal(plan.engine, plan.dims, plan.zero_stage)
               or virtual_stage_refusal(plan.engine, plan.pp, plan.virtual_stages, plan.grad_accum)
               or context_parallel_refusal(plan.engine, plan.cp, plan.seq_len, plan.flash_attention,
                                           heads=plan.model.num_attention_heads, kv_heads=plan.model.kv_heads,
-                                          pp=plan.pp))
+                                          pp=plan.pp)
+              or offload_refusal(plan.engine, plan.dims, plan.zero_stage, plan.offload)
+              or expert_parallel_refusal(plan.engine, plan.dims, plan.zero_stage, plan.sequence_parallel,
+                                         plan.model.num_experts, plan.model.expert_ffn_hidden_size))
     if reason:
         raise DsautoError(f"{path}: its {plan.engine} plan cannot run: {reason}; re-plan with dsauto.")
 

@@ -449,10 +449,12 @@ class Plan:
         least_zero = {"none": 0, "optimizer": 1, "optimizer+params": 3}[self.offload]
         if self.zero_stage < least_zero:
             raise ValueError(f"offload {self.offload!r} needs ZeRO stage {least_zero} or above, not {self.zero_stage}")
-        if self.hpz < 1 or self.hpz > 1 and (self.zero_stage != 3 or self.dp % self.hpz
-                                             or self.gpus_per_node % self.hpz):
-            raise ValueError(f"hpz {self.hpz} needs ZeRO stage 3 (not {self.zero_stage}) and must divide dp "
-                             f"({self.dp}) and the {self.gpus_per_node} devices of a node")
+        if self.hpz < 1:
+            raise ValueError(f"hpz must be at least 1, got {self.hpz}")
+        if self.hpz > 1 and self.zero_stage != 3:
+            raise ValueError(f"hpz {self.hpz} needs ZeRO stage 3, not {self.zero_stage}")
+        if self.hpz > 1 and (self.dp % self.hpz or self.gpus_per_node % self.hpz):
+            raise ValueError(f"hpz {self.hpz} must divide dp ({self.dp}) and the {self.gpus_per_node} devices of a node")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
                              f"got {self.attention_kernel!r}")

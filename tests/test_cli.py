@@ -194,3 +194,30 @@ def test_a_new_field_becomes_an_option_without_touching_the_cli():
     assert field_values(parser.parse_args(["--cp", "4", "--tp", "2", "--checkpoint", "none"]), MorePins) == {
         "cp": 4, "tp": 2, "checkpoint": False}
     assert "pin context parallelism" in parser.format_help()
+
+
+def test_plans_its_own_runtime_would_refuse_are_not_written(tmp_path, capsys):
+    """DeepSpeed plans of a mixture of experts keep one pipeline stage (dsauto builds no
+    PipelineModule of MoE layers), --for hf keeps one (Hugging Face's Trainer builds no DeepSpeed
+    pipeline), and a hand-edited plan whose engine cannot run it is refused by explain as by validate."""
+    code, out, err = run(capsys, "plan", "--model", str(MIXTRAL), "--hardware", "h100-80gb", "--nodes", "2",
+                         "--engine", "deepspeed", "--global-batch", "256", "--seq-len", "4096")
+    assert code == 0 and "pp=1" in out
+    code, out, err = run(capsys, "plan", "--model", str(MIXTRAL), "--hardware", "h100-80gb", "--nodes", "2",
+                         "--engine", "deepspeed", "--pp", "2", "--global-batch", "256", "--seq-len", "4096")
+    assert code == 2 and "dsauto places no MoE layer in DeepSpeed's pipeline engine; pin --pp 1" in err
+    code, out, err = run(capsys, "tune", "--model", "llama2-13b", "--hardware", "a100-80gb", "--for", "hf",
+                         "--global-batch", "64", "--out", str(tmp_path / "hf"))
+    assert code == 0 and '"pipeline"' not in (tmp_path / "hf" / "ds_config.json").read_text()
+    code, out, err = run(capsys, "tune", "--model", "llama2-13b", "--hardware", "a100-80gb", "--for", "hf", "--pp", "2",
+                         "--out", str(tmp_path / "hf2"))
+    assert code == 2 and "--for hf cannot run --pp 2" in err and not (tmp_path / "hf2").exists()
+    plan = tmp_path / "hf" / "plan.yaml"
+    import re
+
+    text = plan.read_text().replace("\ntp: 1\n", "\ntp: 2\n").replace("\ndp: 8\n", "\ndp: 4\n")
+    plan.write_text(re.sub(r"\ngrad_accum: (\d+)\n", lambda m: f"\ngrad_accum: {2 * int(m[1])}\n", text))
+    code, out, err = run(capsys, "explain", str(plan))
+    assert code == 2 and "its deepspeed plan cannot run: DeepSpeed plans have no tensor parallelism" in err, err
+    code, out, err = run(capsys, "plan", "--for", "hf")
+    assert code == 2 and "see 'dsauto plan --help'" in err

@@ -88,9 +88,14 @@ def expert_parallel_refusal(engine: Engine, dims: ParallelDims, zero_stage: int,
     checks): no expert tensor parallelism, and not under ZeRO-3, which DeepSpeed refuses with its MoE
     layers (``_validate_zero3_moe_compatibility`` in deepspeed/runtime/engine.py); ZeRO 1-2 shard the
     expert states over the expert data-parallel group. With ep = 1 a DeepSpeed plan keeps every
-    expert on every rank and ZeRO shards them like any parameter."""
+    expert on every rank and ZeRO shards them like any parameter. dsauto builds DeepSpeed's pipeline
+    engine (a PipelineModule) of dense layers only, so a DeepSpeed plan of experts has one stage."""
     if num_experts and dims.tp > 1 and not sequence_parallel and engine == "megatron":
         return "Megatron-core trains MoE layers under tensor parallelism only with sequence parallelism"
+    if num_experts and dims.pp > 1 and engine == "deepspeed":
+        # dsauto.runtime.pipeline builds no PipelineModule of MoE layers
+        return (f"dsauto places no MoE layer in DeepSpeed's pipeline engine (pp {dims.pp}); pin --pp 1, or plan "
+                f"with --engine megatron")
     if dims.ep == 1 and dims.etp == 1:
         return None
     if not num_experts:

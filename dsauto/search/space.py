@@ -536,6 +536,12 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         if pins.engine == "deepspeed" and (pins.etp or 1) > 1:
             return DsautoError(f"--etp {pins.etp} cannot run: DeepSpeed-MoE has no expert tensor parallelism; plan "
                                f"with --engine megatron, or leave --etp out.")
+        if pins.engine == "deepspeed" and (pins.ep or 1) > 1 and pins.zero_stage == 3:
+            return DsautoError(f"--ep {pins.ep} cannot run with --zero-stage 3: DeepSpeed-MoE layers do not run under "
+                               f"ZeRO-3; pin ZeRO 0, 1 or 2, or plan with --engine megatron.")
+    if model.moe and pins.engine == "deepspeed" and (pins.pp or 1) > 1:
+        return DsautoError(f"--pp {pins.pp} cannot run: dsauto places no MoE layer in DeepSpeed's pipeline engine; "
+                           f"pin --pp 1, or plan with --engine megatron.")
     if pins.tp is not None:
         problem = model.tp_problem(pins.tp)
         if problem:
