@@ -242,7 +242,8 @@ class CostModel:
         memory = activation_memory(group, option, ctx, sample, uncheckpointed)
         offload, fetch, partition = self.strategy.offload, 0.0, 0.0
         if offloads_optimizer(offload):
-            # The optimizer state lives on the host; the device keeps parameters and gradients.
+            # The optimizer state lives on the host; the device keeps parameters and gradients (but
+            # ZeRO-3's gradient partitions, below).
             if offloads_params(offload) and ctx.shards(option):
                 # offload_param: the partition of a sharded layer lives on the host too, and crosses
                 # the host link before each of its gathers (forward, backward, recomputation).
@@ -251,6 +252,12 @@ class CostModel:
             state = dataclasses.replace(
                 state, optimizer_bytes=0.0,
                 params_bytes=state.params_bytes - partition * ctx.dtype_bytes * ctx.calibration.static_memory)
+            if self.strategy.engine == "deepspeed" and self.strategy.zero_stage == 3:
+                # ZeRO-3 keeps its gradient partitions in one flat buffer on the optimizer's device,
+                # the host's when it is offloaded (deepspeed/runtime/zero/stage3.py,
+                # ``grad_partitions_flat_buffer`` on ``self.device``, OffloadDeviceEnum.cpu under
+                # offload_optimizer): the host's fp32 gradient (host_bytes) is that buffer.
+                state = dataclasses.replace(state, grads_bytes=0.0)
         return LayerCost(
             forward_seconds=traffic.forward_seconds + fetch,
             backward_seconds=traffic.backward_seconds + fetch * (2 if option.checkpoint else 1),

@@ -749,6 +749,8 @@ class Planner:
         def bounded_out(bound: float) -> bool:
             return len(kept) >= top_k and bound >= max(-kept[0][0], best * (1 + within))
 
+        host_short: list[Plan] = []
+
         def consider(i: int, candidate: _Priced, bound: float) -> bool:
             """Solves one strategy and keeps its plan; False when no plan of it fits."""
             nonlocal best
@@ -763,7 +765,10 @@ class Planner:
                                                        else self._fit_tighter(candidate, plan, solved))
             elif plan is not None and solved is not None and not bounded_out(bound):
                 plan = self._fit_looser(candidate, solved, plan)
-            if plan is None or not self._host_fits(plan):
+            if plan is not None and not self._host_fits(plan):
+                host_short.append(plan)  # fits the device, not the node's host memory
+                return False
+            if plan is None:
                 return False
             fitted[candidate.strategy] = (plan, candidate)  # (see _needless_selective)
             item = (-plan.prediction.step_seconds, -i, plan)
@@ -794,6 +799,14 @@ class Planner:
                 progress(done + 1, len(order))
         for i, offloaded, bound in self._offloaded(spilled, priced, bounds, bounded_out):
             consider(i, offloaded, bound)
+        if not kept and host_short:
+            least = min(host_short, key=lambda p: p.prediction.offloaded_bytes)
+            need = least.prediction.offloaded_bytes * self.cluster.devices_per_node
+            raise DsautoError(
+                f"{self.model.name} does not fit on {self.cluster.world_size} x {self.cluster.device.name}: its plans "
+                f"that fit the devices offload {format_bytes(need)} a node, more than the "
+                f"{format_bytes(self.cluster.hardware.host_memory_bytes)} of host memory the hardware gives; add "
+                f"nodes, or give a hardware file with more host_memory_bytes.")
         if not kept:
             raise DsautoError(self._does_not_fit([p for p in priced if p is not None]))
         near = [e for e in near if -e[0] <= best * (1 + within)] if within > 0 else []

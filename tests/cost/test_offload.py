@@ -88,6 +88,10 @@ def test_offload_param_moves_the_sharded_partition_and_fetches_it_per_use():
     assert after.forward_seconds - before.forward_seconds == pytest.approx(fetch)
     assert after.backward_seconds - before.backward_seconds == pytest.approx(fetch)
     assert after.offloaded_bytes - before.offloaded_bytes == pytest.approx(partition * 2)
+    # ZeRO-3's gradient partitions live on the optimizer's device, the host (stage3.py,
+    # grad_partitions_flat_buffer), where ZeRO-2's stay on the device (the test above)
+    _, _, on_device = _block_cost(zero3, cluster, SHARD)
+    assert on_device.grads_bytes > 0 and before.grads_bytes == after.grads_bytes == 0
     # a resident layer keeps its parameters on the device
     _, _, resident = _block_cost(dataclasses.replace(zero3, offload="optimizer+params"), cluster, KEEP)
     assert resident.params_bytes > after.params_bytes

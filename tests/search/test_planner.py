@@ -210,3 +210,14 @@ def test_branch_and_bound_finds_the_same_best_as_solving_everything():
                           for st in strategies(model, cluster, train, Constraints())) if s),
                default=None)
     assert planner.search()[0].prediction.step_seconds == pytest.approx(best, rel=1e-12)
+
+
+def test_plans_that_fit_the_devices_but_not_the_hosts_say_so():
+    """Offloaded plans need the node's host memory; where none fits it, the error names host memory
+    with its numbers, not the devices'."""
+    hardware = dataclasses.replace(load_hardware("a100-80gb"), host_memory_bytes=256 * 2**30)
+    cluster = ClusterSpec(hardware, nodes=4, gpus_per_node=8)
+    train = TrainSpec(global_batch=512, seq_len=4096)
+    with pytest.raises(DsautoError, match=r"does not fit on 32 x A100-SXM4-80GB: its plans that fit the devices "
+                                          r"offload [0-9.]+ GiB a node, more than the 256.0 GiB of host memory"):
+        Planner(load_model("llama2-70b"), cluster, train, Constraints(engine="deepspeed", offload="optimizer")).search()
