@@ -696,11 +696,16 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     from dsauto.describe import describe_plan
-    from dsauto.plan_io import read_plan
+    from dsauto.errors import DsautoWarning
+    from dsauto.plan_io import edited_since_written, plan_id, read_plan
 
     path = Path(args.path)
     plan = read_plan(path)
     _check_engine_runs(path, plan)
+    if (written := edited_since_written(path, plan)) is not None:
+        warnings.warn(f"{path} was edited after dsauto wrote it (it carries plan id {written}, its content is plan "
+                      f"{plan_id(plan)}): the predicted time and memory below are those of the plan before the "
+                      f"edit; plan it again with dsauto, pinning the edited choices.", DsautoWarning, stacklevel=2)
     if path.suffix == ".json":  # a plan inside a DeepSpeed config: its keys must say the same
         _check_config_keys(path, plan)
     print(describe_plan(plan))

@@ -119,28 +119,39 @@ def artifact_ids(folder: Path | str) -> dict[str, str]:
     """The plan id each artifact in ``folder`` carries, by file name; files that are missing, carry
     no id (written by an older dsauto, or not by dsauto) or cannot be read are left out."""
     folder = Path(folder)
-    ids: dict[str, str] = {}
-    for name in ARTIFACT_NAMES:
+    ids = {name: _carried_id(folder / name, name) for name in ARTIFACT_NAMES}
+    return {name: found for name, found in ids.items() if found}
+
+
+def _carried_id(path: Path, kind: str) -> str | None:
+    """The plan id the file at ``path`` carries, read as the artifact ``kind`` (its file name)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    found: Any = None
+    if kind == DS_CONFIG_NAME:
         try:
-            text = (folder / name).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        found: Any = None
-        if name == DS_CONFIG_NAME:
-            try:
-                config = json.loads(text)
-            except ValueError:
-                continue
-            found = config.get(PLAN_ID_KEY) if isinstance(config, dict) else None
-        elif name == TRIALS_CSV_NAME:
-            rows = list(itertools.islice(csv.DictReader(io.StringIO(text)), 1))
-            found = rows[0].get("plan_id") if rows else None
-        else:
-            match = re.search(f"^{re.escape(PLAN_ID_COMMENT)}(\\S+)$", text, re.MULTILINE)
-            found = match.group(1) if match else None
-        if isinstance(found, str) and found:
-            ids[name] = found
-    return ids
+            config = json.loads(text)
+        except ValueError:
+            return None
+        found = config.get(PLAN_ID_KEY) if isinstance(config, dict) else None
+    elif kind == TRIALS_CSV_NAME:
+        rows = list(itertools.islice(csv.DictReader(io.StringIO(text)), 1))
+        found = rows[0].get("plan_id") if rows else None
+    else:
+        match = re.search(f"^{re.escape(PLAN_ID_COMMENT)}(\\S+)$", text, re.MULTILINE)
+        found = match.group(1) if match else None
+    return found if isinstance(found, str) and found else None
+
+
+def edited_since_written(path: Path | str, plan: Plan) -> str | None:
+    """The id ``path`` (a plan.yaml, or a ds_config.json with its plan) carries where it is not the
+    id of the plan it now holds: the file was edited after dsauto wrote it, so its predicted time
+    and memory are those of the plan before the edit. None when they agree or it carries none."""
+    path = Path(path)
+    found = _carried_id(path, DS_CONFIG_NAME if path.suffix == ".json" else PLAN_YAML_NAME)
+    return found if found is not None and found != plan_id(plan) else None
 
 
 def check_artifact_set(path: Path | str) -> None:

@@ -41,7 +41,7 @@ def parse_bytes(text: str | int | float, what: str = "size") -> int:
             raise DsautoError(f"The {what} must be a positive number of bytes up to {MAX_BYTES} (1 EiB), "
                               f"got {text}.")
         return int(text)
-    example = "write a number with a unit such as 60GiB, 80GB or 80G"
+    example = "write a number with a unit such as 60GiB, 80GB (10^9 bytes each) or 80G (binary, as GiB)"
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match:
         raise DsautoError(f"Cannot read the {what} {text!r}: {example}.")

@@ -223,3 +223,26 @@ def test_plans_its_own_runtime_would_refuse_are_not_written(tmp_path, capsys):
     assert code == 2 and "its deepspeed plan cannot run: DeepSpeed plans have no tensor parallelism" in err, err
     code, out, err = run(capsys, "plan", "--for", "hf")
     assert code == 2 and "see 'dsauto plan --help'" in err
+
+
+def test_explain_says_when_a_plan_was_edited_after_it_was_written(tmp_path, capsys):
+    """The plan id a plan.yaml carries is its content's hash: an edit that leaves it makes the
+    predicted figures those of the plan before the edit, and explain says so; an unedited plan reads
+    back without a word."""
+    import re
+    import warnings as warns
+
+    assert run(capsys, "tune", "--out", str(tmp_path / "out"))[0] == 0
+    plan = tmp_path / "out" / "plan.yaml"
+    with warns.catch_warnings():
+        warns.simplefilter("error", DsautoWarning)
+        assert run(capsys, "explain", str(plan))[0] == 0
+    text = plan.read_text()
+    micro, accum = (int(re.search(rf"^{key}: (\d+)$", text, re.M)[1]) for key in ("micro_batch", "grad_accum"))
+    if accum % 2:
+        pytest.skip("the default plan accumulates an odd number of micro-batches")
+    plan.write_text(text.replace(f"\nmicro_batch: {micro}\n", f"\nmicro_batch: {2 * micro}\n")
+                    .replace(f"\ngrad_accum: {accum}\n", f"\ngrad_accum: {accum // 2}\n"))
+    with pytest.warns(DsautoWarning, match=r"plan.yaml was edited after dsauto wrote it \(it carries plan id \w+, its "
+                                           r"content is plan \w+\): the predicted time and memory below are those"):
+        assert run(capsys, "explain", str(plan))[0] == 0
