@@ -13,7 +13,8 @@ from typing import Any
 
 from dsauto.errors import DsautoWarning
 from dsauto.plan import Plan
-from dsauto.units import format_seconds
+from dsauto.spec.training import DTYPE_BYTES
+from dsauto.units import format_bytes, format_seconds
 
 AUTO = "auto"
 """Hugging Face's placeholder for a value its TrainingArguments fill in."""
@@ -127,6 +128,29 @@ def unpriced_config_settings(config: Mapping[str, Any], plan: Plan) -> list[str]
     if str(config.get("communication_data_type", "")).lower() in ("fp32", "float32") and plan.dtype != "fp32":
         found.append(f"communication_data_type is fp32, so the gradients are reduced in 4 bytes an element "
                      f"where the plan's {plan.dtype} reduces them in 2")
+    found += _bucket_differences(zero, plan)
+    return found
+
+
+def _bucket_differences(zero: Mapping[str, Any], plan: Plan) -> list[str]:
+    """Where ``zero_optimization``'s bucket sizes (elements of the training dtype) are not the plan's
+    (``reduce_bucket_bytes``, ``prefetch_bucket_bytes``), whose memory and time the prediction prices
+    (dsauto.cost.step: the gradient buckets, and ZeRO-3's gathered parameters, which
+    stage3_max_live_parameters bounds at twice the prefetch bucket)."""
+    element = DTYPE_BYTES[plan.dtype]
+    planned = {"reduce_bucket_size": plan.reduce_bucket_bytes}
+    if plan.zero_stage in (1, 2):
+        planned["allgather_bucket_size"] = plan.reduce_bucket_bytes
+    if plan.zero_stage == 3:
+        planned.update(stage3_prefetch_bucket_size=plan.prefetch_bucket_bytes,
+                       stage3_max_live_parameters=2 * plan.prefetch_bucket_bytes)
+    found = []
+    for key, planned_bytes in planned.items():
+        value = zero.get(key)
+        if plan.zero_stage >= 1 and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and abs(value * element - planned_bytes) >= element:
+            found.append(f"zero_optimization.{key} is {value:g}, where the plan is priced with "
+                         f"{planned_bytes // element} ({format_bytes(planned_bytes)})")
     return found
 
 

@@ -76,6 +76,9 @@ def test_a_written_config_has_no_unpriced_settings(zero1_plan):
     (lambda z, c: z.update(zero_quantized_gradients=True), "ZeRO++'s qgZ"),
     (lambda z, c: z.update(reduce_scatter=False), "all-reduced, twice the bytes"),
     (lambda z, c: c.update(communication_data_type="fp32"), "reduced in 4 bytes an element where the plan's bf16"),
+    (lambda z, c: z.update(reduce_bucket_size=1000), "zero_optimization.reduce_bucket_size is 1000, where the plan "
+                                                     "is priced with"),
+    (lambda z, c: z.update(allgather_bucket_size=z["allgather_bucket_size"] * 2), "allgather_bucket_size is"),
 ])
 def test_each_unpriced_setting_is_named_and_the_hook_warns(zero1_plan, change, phrase):
     config = copy.deepcopy(ds_config(zero1_plan))
