@@ -62,11 +62,14 @@ def layer_group_of(groups: Sequence[LayerGroup], layer: int, num_layers: int) ->
 def in_flight(stage: int, pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Micro-batches whose activations stage ``stage`` holds at once, counted in whole passes through
     the stage: min(pp - stage, m) under 1F1B. Under the interleaved schedule a rank runs
-    ``(pp - stage - 1) * 2 + (v - 1) * pp`` warm-up forwards of one chunk (1/v of its layers)
-    before its first backward (megatron/core/pipeline_parallel/schedules.py,
+    ``(pp - stage - 1) * 2 + (v - 1) * pp`` warm-up forwards of one chunk (1/v of its layers where
+    they divide) before its first backward (megatron/core/pipeline_parallel/schedules.py,
     ``forward_backward_pipelining_with_interleaving``: num_warmup_microbatches), so it holds that
     many plus one chunk passes, at most all m * v of them, which is pp + (pp - 1) / v passes through
-    the stage on the first rank: more than 1F1B's pp (Narayanan et al. 2021, Sec. 2.2.2)."""
+    the stage on the first rank: more than 1F1B's pp (Narayanan et al. 2021, Sec. 2.2.2). That is
+    the count where every chunk keeps alike; where a rank's first chunks keep more, its peak is
+    :func:`interleaved_peak`'s, which the prediction takes (the layer DP takes this count, and the
+    prediction checks its plans: dsauto.search.planner, _fit_tighter)."""
     if virtual_stages == 1:
         return min(pp - stage, micro_batches)
     chunk_passes = (pp - stage - 1) * 2 + (virtual_stages - 1) * pp + 1
