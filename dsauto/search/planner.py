@@ -817,7 +817,8 @@ class Planner:
         (:meth:`_Priced.least_memory`) is quoted only where it exceeds the budget: a bound at or below it
         says nothing of what a plan needs (the plans went over at a moment the bound leaves out, such as
         the optimizer update, or the host's memory held no offload). Raising --memory-limit is offered
-        only where the user set it below the device's memory less its reserve."""
+        only where the user set it below the device's memory less its reserve, and unpinning only the
+        choices the user pinned, by their options."""
         budget = self.cluster.memory_budget_bytes
         least = min((p.least_memory(self.model.num_layers, self.pins.recompute_num_layers) for p in priced),
                     default=math.inf)
@@ -828,7 +829,12 @@ class Planner:
         limit = self.cluster.memory_limit_bytes  # 0: the device's memory less its reserve
         ceiling = self.cluster.device.memory_bytes - self.cluster.device.memory_reserve_bytes
         raise_limit = 0 < limit < ceiling and not least > ceiling  # a higher limit could then fit a plan
-        return f"{where}: {why}; add devices{', raise --memory-limit' if raise_limit else ''} or unpin choices."
+        pinned = [f.metadata["flag"] for f in dataclasses.fields(self.pins)
+                  if "flag" in f.metadata and getattr(self.pins, f.name) != f.default]
+        remedies = ["add devices", *(["raise --memory-limit"] if raise_limit else []),
+                    *([f"unpin {', '.join(pinned)}"] if pinned else [])]
+        remedy = remedies[0] if len(remedies) == 1 else f"{', '.join(remedies[:-1])} or {remedies[-1]}"
+        return f"{where}: {why}; {remedy}."
 
     def _offloaded(self, spilled: list[int], priced: Sequence[_Priced], bounds: Sequence[float],
                    bounded_out: Callable[[float], bool]) -> Iterator[tuple[int, _Priced, float]]:

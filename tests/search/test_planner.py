@@ -221,3 +221,15 @@ def test_plans_that_fit_the_devices_but_not_the_hosts_say_so():
     with pytest.raises(DsautoError, match=r"does not fit on 32 x A100-SXM4-80GB: its plans that fit the devices "
                                           r"offload [0-9.]+ GiB a node, more than the 256.0 GiB of host memory"):
         Planner(load_model("llama2-70b"), cluster, train, Constraints(engine="deepspeed", offload="optimizer")).search()
+
+
+def test_a_plan_that_does_not_fit_names_the_pins_to_undo():
+    """The error offers to unpin only what was pinned, by its options; with nothing pinned it does not."""
+    from dsauto.api import make_plan
+
+    with pytest.raises(DsautoError) as caught:
+        make_plan("llama2-70b", "h100-80gb", nodes=8, seq_len=4096, global_batch=64, tp=1, pp=1, checkpoint=False)
+    assert str(caught.value).endswith("; add devices or unpin --tp, --pp, --checkpoint.")
+    with pytest.raises(DsautoError) as caught:
+        make_plan("gpt-tiny", "cpu", memory_limit="1MiB")
+    assert str(caught.value).endswith("; add devices or raise --memory-limit.")
