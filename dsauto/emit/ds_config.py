@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from unittest import mock
 
 from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR, MOE_KEY
-from dsauto.errors import DsautoError
+from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.plan import Plan
 from dsauto.plan_io import PLAN_ID_KEY, PLAN_KEY, plan_id
 from dsauto.spec.training import DTYPE_BYTES
@@ -288,6 +289,27 @@ class _DataParallelView:
         return self.dp
 
 
+class _ReadKeys(dict):
+    """A config that notes the top-level keys DeepSpeed's parser reads (``get``, ``[]``, ``in``), so
+    that a misspelt key, which it would leave unused without a word, can be named."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        super().__init__(data)
+        self.read: set[str] = set()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+
 def validate_ds_config(config: dict[str, Any], dp: int) -> None:
     """Runs DeepSpeed's own config parser on ``config`` as if on ``dp`` data-parallel ranks.
 
@@ -300,7 +322,7 @@ def validate_ds_config(config: dict[str, Any], dp: int) -> None:
     # Imported here: importing DeepSpeed takes seconds, and only validation needs it.
     import deepspeed.runtime.config as ds_runtime_config
 
-    config = resolve_auto(config)  # Hugging Face's convention: checked with the plan's values
+    config = _ReadKeys(resolve_auto(config))  # Hugging Face's convention: checked with the plan's values
 
     view = _DataParallelView(dp)
     try:
@@ -317,6 +339,11 @@ def validate_ds_config(config: dict[str, Any], dp: int) -> None:
         # stops asking the names replaced above, its batch check would run against 1, silently.
         raise RuntimeError(f"DeepSpeed parsed the config with world size {parsed.world_size}, "
                            f"expected the data-parallel size {dp}")
+    unread = sorted(set(config) - config.read - {PLAN_KEY, PLAN_ID_KEY, MOE_KEY})
+    if unread:
+        warnings.warn(f"DeepSpeed's config parser reads no top-level key {', '.join(map(repr, unread))}, which "
+                      f"it leaves unused: check {'their' if len(unread) > 1 else 'its'} spelling.", DsautoWarning,
+                      stacklevel=2)
     plan_block = config.get(PLAN_KEY)
     pp = plan_block.get("pp", 1) if isinstance(plan_block, dict) else 1
     if pp > 1 and parsed.zero_optimization_stage >= 2:

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from dsauto.emit.ds_config import ds_config, validate_ds_config, write_ds_config
-from dsauto.errors import DsautoError
+from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.plan import Plan
 from dsauto.plan_io import read_plan
 
@@ -43,6 +43,21 @@ def test_deepspeed_rejects_unknown_section_keys(zero3_plan):
     message = str(info.value)
     assert "stage3_prefetch_bucket_bytes" in message and "\n" not in message
     assert message.startswith("DeepSpeed rejects the config") and message.endswith(".")
+
+
+def test_a_top_level_key_deepspeed_never_reads_is_named(zero3_plan):
+    """DeepSpeed's parser leaves unknown top-level keys unused without a word (a misspelt
+    gradient_clipping turns clipping off); the validation names them, and only them."""
+    import warnings
+
+    config = copy.deepcopy(ds_config(zero3_plan))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DsautoWarning)
+        validate_ds_config(config, zero3_plan.dp)  # dsauto's own keys and every emitted one are read
+    config["gradient_clip"] = config.pop("gradient_clipping", 1.0)
+    with pytest.warns(DsautoWarning, match=r"reads no top-level key 'gradient_clip', which it leaves unused: check "
+                                           r"its spelling\."):
+        validate_ds_config(config, zero3_plan.dp)
 
 
 def test_validation_leaves_deepspeed_unpatched(zero3_plan):
