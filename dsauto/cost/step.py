@@ -94,37 +94,45 @@ def interleaved_peak(stage: int, pp: int, micro_batches: int, virtual_stages: in
     keeps = [keep for keep, _, _ in chunks]
     passes = micro_batches * v
     warm_up = min((pp - stage - 1) * 2 + (v - 1) * pp, passes)
+    if len(set(chunks)) == 1:  # alike chunks: the most passes held at once, at a forward's end or a backward
+        keep, forward, backward = chunks[0]
+        return min(warm_up + 1, passes) * keep, max(forward, backward)
     period = pp * v
 
     def chunk(k: int, forward: bool) -> int:
         c = (k % period) // pp
         return c if forward else v - 1 - c
 
-    held = [0] * v
+    held, kept = [0] * v, 0.0  # passes each chunk holds, and the bytes they keep
     best = (-1.0, 0.0, 0.0)  # (kept + transient, kept, transient)
 
-    def moment(c: int, transient: float) -> None:
+    def hold(c: int, passes: int) -> None:
+        nonlocal kept
+        held[c] += passes
+        kept += passes * keeps[c]
+
+    def moment(transient: float) -> None:
         nonlocal best
-        kept = sum(h * keep for h, keep in zip(held, keeps))
         if kept + transient > best[0]:
             best = (kept + transient, kept, transient)
 
     for k in range(warm_up):
-        held[chunk(k, True)] += 1
-        moment(chunk(k, True), chunks[chunk(k, True)][1])
+        hold(chunk(k, True), 1)
+        moment(chunks[chunk(k, True)][1])
     steady = passes - warm_up
     states = []
     for i in range(min(steady, period)):
-        held[chunk(warm_up + i, True)] += 1
-        moment(chunk(warm_up + i, True), chunks[chunk(warm_up + i, True)][1])
-        moment(chunk(i, False), chunks[chunk(i, False)][2])
-        held[chunk(i, False)] -= 1
-        states.append(list(held))
+        hold(chunk(warm_up + i, True), 1)
+        moment(chunks[chunk(warm_up + i, True)][1])
+        moment(chunks[chunk(i, False)][2])
+        hold(chunk(i, False), -1)
+        states.append((list(held), kept))
     if steady > period:  # a whole round changes nothing: the steady state ends as after steady mod period steps
-        held = states[steady % period - 1] if steady % period else list(states[-1])
+        held, kept = states[steady % period - 1] if steady % period else states[-1]
+        held = list(held)
     for k in range(steady, passes):  # the cool-down's backwards
-        moment(chunk(k, False), chunks[chunk(k, False)][2])
-        held[chunk(k, False)] -= 1
+        moment(chunks[chunk(k, False)][2])
+        hold(chunk(k, False), -1)
     return best[1], best[2]
 
 

@@ -94,8 +94,7 @@ def expert_parallel_refusal(engine: Engine, dims: ParallelDims, zero_stage: int,
         return "Megatron-core trains MoE layers under tensor parallelism only with sequence parallelism"
     if num_experts and dims.pp > 1 and engine == "deepspeed":
         # dsauto.runtime.pipeline builds no PipelineModule of MoE layers
-        return (f"dsauto places no MoE layer in DeepSpeed's pipeline engine (pp {dims.pp}); pin --pp 1, or plan "
-                f"with --engine megatron")
+        return "dsauto places no MoE layer in DeepSpeed's pipeline engine; pin --pp 1, or plan with --engine megatron"
     if dims.ep == 1 and dims.etp == 1:
         return None
     if not num_experts:

@@ -494,8 +494,10 @@ class Planner:
                 reserve = max(priced.reserve(k) for k in range(1, p - 1) if in_flight(k, p, m, v) == flight)
                 middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight, reserve)
         p2p = 2 * v * priced.p2p_seconds
-        shares = np.array([first_chunk_share(n, v) for n in range(L + 1)])  # of a stage of n layers
-        emb, head = (float(np.where(np.isfinite(priced.time[g]), priced.time[g], np.inf).min()) for g in (EMBEDDING, HEAD))
+        if v > 1:  # the interleaved objective's first chunks: the share of a stage of n layers, the ends' times
+            shares = np.array([first_chunk_share(n, v) for n in range(L + 1)])
+            emb, head = (float(np.where(np.isfinite(priced.time[g]), priced.time[g], np.inf).min())
+                         for g in (EMBEDDING, HEAD))
         best, best_layout = math.inf, None
         for counts in middles:
             rest = L - sum(counts)
@@ -799,31 +801,29 @@ class Planner:
                 progress(done + 1, len(order))
         for i, offloaded, bound in self._offloaded(spilled, priced, bounds, bounded_out):
             consider(i, offloaded, bound)
-        if not kept and host_short:
-            least = min(host_short, key=lambda p: p.prediction.offloaded_bytes)
-            need = least.prediction.offloaded_bytes * self.cluster.devices_per_node
-            raise DsautoError(
-                f"{self.model.name} does not fit on {self.cluster.world_size} x {self.cluster.device.name}: its plans "
-                f"that fit the devices offload {format_bytes(need)} a node, more than the "
-                f"{format_bytes(self.cluster.hardware.host_memory_bytes)} of host memory the hardware gives; add "
-                f"nodes, or give a hardware file with more host_memory_bytes.")
         if not kept:
-            raise DsautoError(self._does_not_fit([p for p in priced if p is not None]))
+            raise DsautoError(self._does_not_fit([p for p in priced if p is not None], host_short))
         near = [e for e in near if -e[0] <= best * (1 + within)] if within > 0 else []
         return [plan for _, _, plan in sorted(kept + near, key=lambda e: (-e[0], -e[1]))]
 
-    def _does_not_fit(self, priced: Sequence[_Priced]) -> str:
+    def _does_not_fit(self, priced: Sequence[_Priced], host_short: Sequence[Plan] = ()) -> str:
         """The sentence for a search that found no plan within the budget. The layers' lower bound
         (:meth:`_Priced.least_memory`) is quoted only where it exceeds the budget: a bound at or below it
         says nothing of what a plan needs (the plans went over at a moment the bound leaves out, such as
         the optimizer update, or the host's memory held no offload). Raising --memory-limit is offered
         only where the user set it below the device's memory less its reserve, and unpinning only the
-        choices the user pinned, by their options."""
+        choices the user pinned, by their options. Where plans fit the devices but not the node's host
+        memory (``host_short``), that is what it says."""
+        fits_on = f"{self.model.name} does not fit on {self.cluster.world_size} x {self.cluster.device.name}"
+        if host_short:
+            need = min(self._node_host_bytes(plan) for plan in host_short)
+            return (f"{fits_on}: its plans that fit the devices offload {format_bytes(need)} a node, more than the "
+                    f"{format_bytes(self.cluster.hardware.host_memory_bytes)} of host memory the hardware gives; add "
+                    f"nodes, or give a hardware file with more host_memory_bytes.")
         budget = self.cluster.memory_budget_bytes
         least = min((p.least_memory(self.model.num_layers, self.pins.recompute_num_layers) for p in priced),
                     default=math.inf)
-        where = (f"{self.model.name} does not fit on {self.cluster.world_size} x {self.cluster.device.name} with "
-                 f"{format_bytes(budget)} per device under any allowed setting")
+        where = f"{fits_on} with {format_bytes(budget)} per device under any allowed setting"
         why = (f"the smallest plan needs at least {format_bytes(least)} per device" if budget < least < math.inf else
                "no plan priced stays within it at every moment of the step")
         limit = self.cluster.memory_limit_bytes  # 0: the device's memory less its reserve
@@ -860,10 +860,13 @@ class Planner:
                 if not bounded_out(bound):
                     yield i, candidate, bound
 
+    def _node_host_bytes(self, plan: Plan) -> float:
+        """The state a node's ranks offload to its host memory under ``plan``."""
+        return plan.prediction.offloaded_bytes * self.cluster.devices_per_node
+
     def _host_fits(self, plan: Plan) -> bool:
         """Whether the state a node's ranks offload fits in the node's host memory."""
-        host = plan.prediction.offloaded_bytes * self.cluster.devices_per_node
-        return plan.offload == "none" or host <= self.cluster.hardware.host_memory_bytes
+        return plan.offload == "none" or self._node_host_bytes(plan) <= self.cluster.hardware.host_memory_bytes
 
     def build_plan(self, strategy: Strategy, stage_layers: Sequence[int],
                    options: Sequence[LayerOption], reduce_bucket: int | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -533,15 +534,19 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         if pins.ep is not None and model.num_experts % pins.ep:
             return DsautoError(f"--ep {pins.ep} does not divide the {model.num_experts} experts of {model.name}; "
                                f"pin a divisor of {model.num_experts}.")
-        if pins.engine == "deepspeed" and (pins.etp or 1) > 1:
-            return DsautoError(f"--etp {pins.etp} cannot run: DeepSpeed-MoE has no expert tensor parallelism; plan "
-                               f"with --engine megatron, or leave --etp out.")
-        if pins.engine == "deepspeed" and (pins.ep or 1) > 1 and pins.zero_stage == 3:
-            return DsautoError(f"--ep {pins.ep} cannot run with --zero-stage 3: DeepSpeed-MoE layers do not run under "
-                               f"ZeRO-3; pin ZeRO 0, 1 or 2, or plan with --engine megatron.")
-    if model.moe and pins.engine == "deepspeed" and (pins.pp or 1) > 1:
-        return DsautoError(f"--pp {pins.pp} cannot run: dsauto places no MoE layer in DeepSpeed's pipeline engine; "
-                           f"pin --pp 1, or plan with --engine megatron.")
+    if model.moe and pins.engine == "deepspeed":
+        # DeepSpeed-MoE's own rules, on the degrees pinned (the rest at the values they leave open)
+        pp = pins.pp or 1
+        with contextlib.suppress(ValueError):  # degrees that do not fold are explained below
+            reason = expert_parallel_refusal(
+                "deepspeed", ParallelDims(dp=max(1, world // pp), pp=pp, ep=pins.ep or 1, etp=pins.etp or 1),
+                pins.zero_stage if pins.zero_stage is not None else 1, False, model.num_experts,
+                model.expert_ffn_hidden_size)
+            pinned = " ".join(f"{option} {value}" for option, value in (
+                ("--pp", pins.pp), ("--ep", pins.ep), ("--etp", pins.etp), ("--zero-stage", pins.zero_stage))
+                if value is not None)
+            if reason:
+                return DsautoError(f"{pinned} cannot run: {reason}.")
     if pins.tp is not None:
         problem = model.tp_problem(pins.tp)
         if problem:
