@@ -83,7 +83,7 @@ def default_seq_len(model: ModelSpec, seq_len: int | None = None) -> int:
 
 def default_global_batch(cluster: ClusterSpec, global_batch: int | None = None) -> int:
     """``global_batch``, or max(8, world size) when it is None: one sequence per rank at least."""
-    return global_batch or max(DEFAULT_MIN_GLOBAL_BATCH, cluster.world_size)
+    return max(DEFAULT_MIN_GLOBAL_BATCH, cluster.world_size) if global_batch is None else global_batch
 
 
 def make_problem(
@@ -224,7 +224,7 @@ def make_problem(
                           dtype=dtype or cluster.hardware.dtype,  # type: ignore[arg-type]
                           flash_attention=flash_attention)
     except ValueError as exc:  # out of the bounds of dsauto/spec/limits.py
-        raise DsautoError(f"The workload is out of range: {exc}; change --global-batch or --seq-len.") from None
+        raise DsautoError(f"The workload is out of range: {exc}; change --global-batch, --seq-len or --dtype.") from None
     pins = Constraints(tp=tp, pp=pp, zero_stage=zero_stage, micro_batch=micro_batch, checkpoint=checkpoint,
                        sequence_parallel=sequence_parallel, cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp,
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,

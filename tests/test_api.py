@@ -95,6 +95,17 @@ def test_model_and_hardware_as_objects_or_paths():
     (lambda: find_plans(make_problem(), top_k=0), r"top_k must be at least 1"),
     (lambda: make_plan(tp=3), r"4 attention heads are not divisible by TP 3"),
     (lambda: make_plan(profile="no-such-profiles"), r"The profile no-such-profiles does not exist"),
+    # pins and workloads of the wrong kind, which the command line's option types refuse
+    (lambda: make_problem(engine="megatorn"), r"engine='megatorn' is not a pin .*--engine.*'deepspeed', 'megatron'"),
+    (lambda: make_problem(checkpoint="none"), r"checkpoint='none' is not a pin .* one of True, False"),
+    (lambda: make_problem(tp=0), r"tp=0 is not a pin .* a whole number from 1"),
+    (lambda: make_problem(micro_batch=2.0), r"micro_batch=2\.0 is not a pin"),
+    (lambda: make_problem(zero_stage=True), r"zero_stage=True is not a pin .* one of 0, 1, 2, 3"),
+    (lambda: make_problem(fp8="yes"), r"fp8='yes' is not a pin .* True or False"),
+    (lambda: make_problem(global_batch=0), r"global_batch must be from 1"),
+    (lambda: make_problem(global_batch=8.0), r"global_batch must be a whole number, got 8\.0"),
+    (lambda: make_problem(dtype="bf17"), r"dtype must be one of bf16, fp16, fp32, got 'bf17'"),
+    (lambda: make_problem(gpus_per_node=2.5), r"devices per node must be a whole number, got 2\.5"),
 ])
 def test_user_errors_are_one_sentence(call, message):
     with pytest.raises(DsautoError, match=message):

@@ -31,6 +31,7 @@ from dsauto.engines.megatron import (
 from dsauto.errors import DsautoError
 from dsauto.plan import MOMENT_BYTES, chunk_layers
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec
+from dsauto.units import format_bytes
 
 VALUED = {
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
@@ -453,6 +454,8 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     if divisor != VOCAB_PAD_MULTIPLE:
         launch.notes.append(f"{where} pads the vocabulary to a multiple of {divisor} x tp, and dsauto prices it "
                             f"padded to a multiple of {VOCAB_PAD_MULTIPLE} x tp.")
+    if "--cross-entropy-loss-fusion" in flags and flags.get("--cross-entropy-fusion-impl") == "te":
+        launch.notes.append(_te_cross_entropy_note(launch, where))
     if "--optimizer-cpu-offload" not in flags and "--overlap-cpu-optimizer-d2h-h2d" in flags:
         launch.unknown.append("--overlap-cpu-optimizer-d2h-h2d")  # read only beside the offload it serves
     overlaps = (("--overlap-grad-reduce", True), ("--overlap-param-gather", pins["zero_stage"] >= 1))
@@ -460,6 +463,25 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     if missing:
         launch.notes.append(f"{where} does not set {' or '.join(missing)}, and dsauto prices the data-parallel "
                             f"communication overlapped as its plans run it; add them to run as priced.")
+
+
+def _te_cross_entropy_note(launch: MegatronLaunch, where: str) -> str:
+    """The note on a launch whose loss is Transformer Engine's fused cross entropy, which keeps the
+    logits in their 16 bits and computes their gradient into them (transformer_engine/pytorch/
+    cross_entropy.py, ``CrossEntropyFunction.forward`` saves ``_input``), where dsauto prices
+    Megatron-core's native loss with its fp32 softmax beside them (:func:`dsauto.cost.terms.
+    megatron_loss_bytes_per_token`, which the native fusion keeps too: megatron/core/fusions/
+    fused_cross_entropy.py): 4 bytes a vocabulary entry and token more, on the last pipeline stage."""
+    pins, train, model = launch.pins, launch.train, launch.model
+    size = ""
+    if model is not None and "micro_batch" in pins and "seq_len" in train:
+        vocab = model.padded_vocab_size(pins["tp"]) // pins["tp"]
+        tokens = pins["micro_batch"] * train["seq_len"] // pins["cp"]
+        size = f" ({format_bytes(4 * vocab * tokens)} at its micro-batch)"
+    return (f"{where} computes the loss with Transformer Engine's fused cross entropy (--cross-entropy-fusion-impl "
+            f"te), which keeps no fp32 softmax beside the logits, and dsauto prices Megatron-core's native loss, "
+            f"4 bytes a vocabulary entry and token more{size}, so the last pipeline stage's peak is priced up to "
+            f"that much above what it runs.")
 
 
 FUSED_SOFTMAX_MAX_KEYS = 4096

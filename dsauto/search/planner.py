@@ -132,6 +132,15 @@ class _Priced:
             least = max(least, (state[BLOCK] * num_layers + state[EMBEDDING] + state[HEAD]) / s.pp)
         return least
 
+    def least_state(self, num_layers: int) -> float:
+        """A lower bound on the model state (weights, gradients and optimizer state the device holds)
+        of the busiest rank, whatever the layout and the per-layer choices: the mean over the stages
+        of each layer's smallest state. Beside :meth:`least_memory` it tells a plan that cannot fit
+        its state from one whose activations are what overflows."""
+        static = self.static if self.left_out is None else self.static + self.left_out
+        state = np.where(np.isfinite(self.time), static, np.inf).min(axis=1)
+        return (state[BLOCK] * num_layers + state[EMBEDDING] + state[HEAD]) / self.strategy.pp
+
 
 def _gradient_free_moment(strategy: Strategy) -> bool:
     """Whether a moment of the strategy's step holds a stage's activations in flight before any
@@ -826,6 +835,12 @@ class Planner:
         where = f"{fits_on} with {format_bytes(budget)} per device under any allowed setting"
         why = (f"the smallest plan needs at least {format_bytes(least)} per device" if budget < least < math.inf else
                "no plan priced stays within it at every moment of the step")
+        state = min((p.least_state(self.model.num_layers) for p in priced), default=math.inf)
+        if budget < least < math.inf and state < math.inf:
+            # Which remedy can work: a state over the budget needs more sharding or devices, one
+            # within it leaves the activations and buffers to cut (checkpointing, micro-batch).
+            why += (f", its model state alone at least {format_bytes(state)}" if state > budget else
+                    f", of which its model state at least {format_bytes(state)}, the rest activations and buffers")
         limit = self.cluster.memory_limit_bytes  # 0: the device's memory less its reserve
         ceiling = self.cluster.device.memory_bytes - self.cluster.device.memory_reserve_bytes
         raise_limit = 0 < limit < ceiling and not least > ceiling  # a higher limit could then fit a plan

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import typing
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -52,6 +53,26 @@ from dsauto.search.limits import check_search_size, check_strategies
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import TrainSpec
+
+def _pin_expectation(f: dataclasses.Field, value: object) -> str:
+    """What a pinned field of :class:`Constraints` must hold where ``value`` is not that, else "":
+    the checks the command line's option types make (dsauto.cli, add_field_options), for pins given
+    through the Python API."""
+    choices = f.metadata.get("choices") or ()
+    hint = typing.get_type_hints(Constraints)[f.name]
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)]
+    allowed = [v for v in (choices.values() if isinstance(choices, dict) else choices) if v is not None]
+    allowed += [a for kind in kinds if typing.get_origin(kind) is typing.Literal
+                for a in typing.get_args(kind) if a not in allowed]
+    if allowed:
+        ok = any(value == a and type(value) is type(a) for a in allowed)
+        return "" if ok else f"one of {', '.join(repr(a) for a in allowed)}"
+    if "const" in f.metadata or kinds == [bool]:
+        return "" if isinstance(value, bool) else "True or False"
+    if kinds == [int]:
+        return "" if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "a whole number from 1"
+    return "" if isinstance(value, str) else "a string"
+
 
 SPLITS = (1, 2, 4, 8, 16)
 """Operator-splitting factors considered: the head's loss chunks; ZeRO-3 sharded layers use up to 4."""
@@ -233,6 +254,15 @@ class Constraints:
                 "(default: chosen per layer)"})
     """Megatron's block recomputation: the first N transformer layers of each model chunk checkpointed
     whole, the rest not (:func:`dsauto.plan.block_recompute_set`); None lets the search choose per layer."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and "flag" in f.metadata:
+                expected = _pin_expectation(f, value)
+                if expected:
+                    raise DsautoError(f"{f.name}={value!r} is not a pin dsauto reads (option {f.metadata['flag']}): "
+                                      f"give {expected}, or None to leave it to the search.")
 
     @property
     def fp8_delayed(self) -> bool:
@@ -782,8 +812,6 @@ def recompute_num_layers_refusal(pins: Constraints) -> str | None:
     n = pins.recompute_num_layers
     if n is None:
         return None
-    if n < 1:
-        return "needs N >= 1; for no checkpointing use --checkpoint none"
     if pins.checkpoint is not None:
         which = "all" if pins.checkpoint else "none"
         return (f"and --checkpoint {which} both say which transformer layers to checkpoint; keep one of the two "

@@ -185,6 +185,11 @@ class ClusterSpec:
     """Per-device memory budget overriding ``device.memory_bytes - memory_reserve_bytes``; 0: none."""
 
     def __post_init__(self) -> None:
+        for name, what, option in (("nodes", "number of nodes", "--nodes"),
+                                   ("gpus_per_node", "devices per node", "--gpus-per-node")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise DsautoError(f"The {what} must be a whole number, got {value!r}; give {option} as one.")
         if self.nodes <= 0:
             raise DsautoError(f"The number of nodes must be at least 1, got {self.nodes}.")
         if self.gpus_per_node < 0:

@@ -33,6 +33,14 @@ class TrainSpec:
     """Fused attention that keeps no s×s score matrix (Dao et al. 2022); otherwise eager attention."""
 
     def __post_init__(self) -> None:
+        for name in ("global_batch", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a whole number, got {value!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if not isinstance(self.flash_attention, bool):
+            raise ValueError(f"flash_attention must be True or False, got {self.flash_attention!r}")
         if not 0 < self.global_batch <= MAX_GLOBAL_BATCH:
             raise ValueError(f"global_batch must be from 1 to {MAX_GLOBAL_BATCH}, got {self.global_batch}")
         if not 0 < self.seq_len <= MAX_POSITIONS:

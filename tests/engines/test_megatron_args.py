@@ -18,6 +18,7 @@ from dsauto.emit.megatron import megatron_args, write_megatron_args
 from dsauto.engines.megatron_args import parse_megatron_args, read_megatron_args
 from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.spec.loaders import load_model
+from dsauto.units import format_bytes
 
 ROUND_TRIPS = [
     # (model, hardware, nodes, global batch, sequence, pins of the original search)
@@ -94,6 +95,23 @@ def test_what_a_launch_leaves_out_reads_as_megatron_lms_defaults():
     assert launch.unknown == []  # the learning rate, iterations and data change nothing priced
     assert launch.notes == ["the arguments does not set --overlap-grad-reduce, and dsauto prices the data-parallel "
                             "communication overlapped as its plans run it; add them to run as priced."]
+
+
+def test_transformer_engines_fused_loss_is_named_as_priced_high():
+    """Transformer Engine's fused cross entropy keeps the 16-bit logits alone, where dsauto prices
+    Megatron-core's native loss with its fp32 softmax: 4 bytes a padded vocabulary entry (on its tp
+    rank) and token more, named with its size; the native fusion keeps that softmax too."""
+    fused = "--bf16 --overlap-grad-reduce --cross-entropy-loss-fusion --cross-entropy-fusion-impl"
+    te = parse_megatron_args(f"{MINIMAL} {fused} te".split())
+    vocab = te.model.padded_vocab_size(2) // 2  # tp 2
+    size = format_bytes(4 * vocab * 2 * 256)  # micro-batch 2 of 256 tokens
+    assert te.notes == [f"the arguments computes the loss with Transformer Engine's fused cross entropy "
+                        f"(--cross-entropy-fusion-impl te), which keeps no fp32 softmax beside the logits, and dsauto "
+                        f"prices Megatron-core's native loss, 4 bytes a vocabulary entry and token more ({size} at "
+                        f"its micro-batch), so the last pipeline stage's peak is priced up to that much above what "
+                        f"it runs."]
+    assert parse_megatron_args(f"{MINIMAL} {fused} native".split()).notes == []
+    assert parse_megatron_args(f"{MINIMAL} --bf16 --overlap-grad-reduce --cross-entropy-loss-fusion".split()).notes == []
 
 
 @pytest.mark.parametrize("extra, pins", [

@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import re
 
 import pytest
 
@@ -74,6 +75,33 @@ def test_impossible_budget_names_the_smallest_need():
     with pytest.raises(DsautoError, match=r"needs at least [0-9.]+ GiB per device") as caught:
         Planner(model, cluster, train).search()
     assert "raise --memory-limit" in str(caught.value)  # 2 GiB set, the device holds more
+
+
+def test_an_impossible_budget_says_whether_the_state_or_the_activations_overflow():
+    """The no-fit sentence bounds the model state apart: llama3-70b on 8 A100s at tp 2 without
+    more sharding holds about 296 GiB of state a device, over the 77 GiB budget alone; on 16 A100s
+    at tp 8, pp 2 with micro-batches of 8 x 8192 tokens and no checkpointing the state (about
+    74 GiB) fits and the activations are what overflows. The state bound is never above the state
+    of a plan the same strategy's search finds under a roomy limit."""
+    from dsauto.api import make_plan, make_problem
+
+    with pytest.raises(DsautoError, match=r"needs at least ([0-9.]+) GiB per device, its model state alone at "
+                                          r"least ([0-9.]+) GiB;") as caught:
+        make_plan("llama3-70b", "a100-80gb", nodes=1, tp=2, pp=1, zero_stage=1, engine="megatron")
+    least, state = map(float, re.search(r"at least ([0-9.]+) GiB per device, its model state alone at least "
+                                        r"([0-9.]+) GiB", str(caught.value)).groups())
+    assert 77 < state <= least
+    pins = dict(tp=8, pp=2, micro_batch=8, checkpoint=False, engine="megatron", seq_len=8192, global_batch=16)
+    with pytest.raises(DsautoError, match=r"of which its model state at least ([0-9.]+) GiB, the rest activations "
+                                          r"and buffers;") as caught:
+        make_plan("llama3-70b", "a100-80gb", nodes=2, **pins)
+    state = float(re.search(r"model state at least ([0-9.]+) GiB", str(caught.value)).group(1)) * 2**30
+    a100 = load_hardware("a100-80gb")
+    roomy = dataclasses.replace(a100, device=dataclasses.replace(a100.device, memory_bytes=2**42))
+    problem = make_problem("llama3-70b", roomy, nodes=2, **pins)
+    plan = Planner(problem.model, problem.cluster, problem.train, problem.pins).search()[0]
+    held = max(st.params_bytes + st.grads_bytes + st.optimizer_bytes for st in plan.stages)
+    assert state <= held * (1 + 1e-3) < plan.prediction.peak_memory_bytes
 
 
 def test_a_lower_bound_within_the_budget_is_not_quoted_as_what_a_plan_needs():
