@@ -117,6 +117,10 @@ BAD = [
                   "--global-batch", "64"], r"--etp 2 cannot run: DeepSpeed-MoE has no expert tensor parallelism"),
     (lambda tmp: ["--model", "llama3-8b", "--hardware", "a100-80gb", "--cp", "2", "--engine", "deepspeed", "--pp",
                   "2"], r"pipeline engine \(pp 2\); pin --pp 1 or --engine megatron, or leave --cp out\.$"),
+    # gpt-tiny's learned position table would be indexed within each rank's shard, which the hook refuses
+    (lambda tmp: ["--model", "gpt-tiny", "--cp", "2", "--engine", "deepspeed"],
+     r"--cp 2 cannot run: DeepSpeed-Ulysses \(cp 2\) gives each rank a shard of the sequence, and the model's "
+     r"learned position embeddings .*; pin --engine megatron, or leave --cp out\.$"),
 ]
 
 

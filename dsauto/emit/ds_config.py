@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 from unittest import mock
 
-from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR, MOE_KEY
+from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR, MOE_KEY, stage3_max_live_parameters
 from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.plan import Plan
 from dsauto.plan_io import PLAN_ID_KEY, PLAN_KEY, plan_id
@@ -235,7 +235,7 @@ def _zero_section(plan: Plan, element_bytes: int) -> dict[str, Any]:
             # module without parameters, prefetches another bucket: PartitionedParameterCoordinator.
             # fetch_sub_module), so it is what bounds the gathered parameters, as priced
             # (dsauto.cost.zero3.gathered_params_bytes; measured in benchmarks/results/accuracy.md).
-            "stage3_max_live_parameters": max(1, 2 * plan.prefetch_bucket_bytes // element_bytes),
+            "stage3_max_live_parameters": stage3_max_live_parameters(plan),
             "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
         })
         if plan.hpz > 1:
@@ -289,6 +289,12 @@ class _DataParallelView:
         return self.dp
 
 
+READ_WITHOUT_MPU = {"sequence_parallel_size"}
+"""Top-level keys DeepSpeed's parser reads only where no ``mpu`` is given (deepspeed/runtime/config.py,
+``DeepSpeedConfig.__init__``: Hugging Face's ``zero.Init``, whose data-parallel world is the world
+over ``sequence_parallel_size``); the check runs with one, so they are not reported unread."""
+
+
 class _ReadKeys(dict):
     """A config that notes the top-level keys DeepSpeed's parser reads (``get``, ``[]``, ``in``), so
     that a misspelt key, which it would leave unused without a word, can be named."""
@@ -339,7 +345,7 @@ def validate_ds_config(config: dict[str, Any], dp: int) -> None:
         # stops asking the names replaced above, its batch check would run against 1, silently.
         raise RuntimeError(f"DeepSpeed parsed the config with world size {parsed.world_size}, "
                            f"expected the data-parallel size {dp}")
-    unread = sorted(set(config) - config.read - {PLAN_KEY, PLAN_ID_KEY, MOE_KEY})
+    unread = sorted(set(config) - config.read - {PLAN_KEY, PLAN_ID_KEY, MOE_KEY} - READ_WITHOUT_MPU)
     if unread:
         warnings.warn(f"DeepSpeed's config parser reads no top-level key {', '.join(map(repr, unread))}, which "
                       f"it leaves unused: check {'their' if len(unread) > 1 else 'its'} spelling.", DsautoWarning,

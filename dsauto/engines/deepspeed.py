@@ -132,25 +132,33 @@ def unpriced_config_settings(config: Mapping[str, Any], plan: Plan) -> list[str]
     return found
 
 
+def stage3_max_live_parameters(plan: Plan) -> int:
+    """``zero_optimization.stage3_max_live_parameters`` of a ZeRO-3 plan (elements): twice its prefetch
+    bucket, which bounds the gathered parameters as priced (dsauto.cost.zero3.gathered_params_bytes),
+    and at least 1, DeepSpeed's smallest bound (a plan whose layers all stay resident prefetches
+    nothing)."""
+    return max(1, 2 * plan.prefetch_bucket_bytes // DTYPE_BYTES[plan.dtype])
+
+
 def _bucket_differences(zero: Mapping[str, Any], plan: Plan) -> list[str]:
     """Where ``zero_optimization``'s bucket sizes (elements of the training dtype) are not the plan's
     (``reduce_bucket_bytes``, ``prefetch_bucket_bytes``), whose memory and time the prediction prices
     (dsauto.cost.step: the gradient buckets, and ZeRO-3's gathered parameters, which
     stage3_max_live_parameters bounds at twice the prefetch bucket)."""
     element = DTYPE_BYTES[plan.dtype]
-    planned = {"reduce_bucket_size": plan.reduce_bucket_bytes}
+    planned = {"reduce_bucket_size": plan.reduce_bucket_bytes // element}
     if plan.zero_stage in (1, 2):
-        planned["allgather_bucket_size"] = plan.reduce_bucket_bytes
+        planned["allgather_bucket_size"] = plan.reduce_bucket_bytes // element
     if plan.zero_stage == 3:
-        planned.update(stage3_prefetch_bucket_size=plan.prefetch_bucket_bytes,
-                       stage3_max_live_parameters=2 * plan.prefetch_bucket_bytes)
+        planned.update(stage3_prefetch_bucket_size=plan.prefetch_bucket_bytes // element,
+                       stage3_max_live_parameters=stage3_max_live_parameters(plan))
     found = []
-    for key, planned_bytes in planned.items():
+    for key, elements in planned.items():
         value = zero.get(key)
         if plan.zero_stage >= 1 and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and abs(value * element - planned_bytes) >= element:
+                and abs(value - elements) >= 1:
             found.append(f"zero_optimization.{key} is {value:g}, where the plan is priced with "
-                         f"{planned_bytes // element} ({format_bytes(planned_bytes)})")
+                         f"{elements} ({format_bytes(elements * element)})")
     return found
 
 

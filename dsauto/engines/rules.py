@@ -33,7 +33,8 @@ def refusal(engine: Engine, dims: ParallelDims, zero_stage: int) -> str | None:
 
 
 def context_parallel_refusal(engine: Engine, cp: int, seq_len: int, flash_attention: bool, *,
-                             heads: int = 0, kv_heads: int = 0, pp: int = 1) -> str | None:
+                             heads: int = 0, kv_heads: int = 0, pp: int = 1, learned_positions: bool = False
+                             ) -> str | None:
     """Why context parallelism of degree ``cp`` cannot run, or None.
 
     Megatron-core's context parallelism runs Transformer Engine's fused attention over 2 x cp
@@ -47,12 +48,18 @@ def context_parallel_refusal(engine: Engine, cp: int, seq_len: int, flash_attent
     heads (``heads``, ``kv_heads``) must split evenly over cp (DeepSpeed 0.19 can split uneven
     heads, one rank then attending over more of them: not planned). DeepSpeed's pipeline engine
     takes no sequence-parallel groups (``deepspeed.initialize`` asserts ``mpu is None`` for a
-    ``PipelineModule``), so Ulysses runs with pp = 1."""
+    ``PipelineModule``), so Ulysses runs with pp = 1. A model that adds learned position embeddings
+    (``learned_positions``) indexes them by the position within its input, which under Ulysses is
+    a shard of the sequence, so dsauto's hook refuses it (dsauto.runtime.ulysses); Megatron-core
+    hands each rank its chunks' own position ids."""
     if cp == 1:
         return None
     if engine == "deepspeed":
         if pp > 1:
             return f"DeepSpeed-Ulysses (cp {cp}) does not run under DeepSpeed's pipeline engine (pp {pp})"
+        if learned_positions:
+            return (f"DeepSpeed-Ulysses (cp {cp}) gives each rank a shard of the sequence, and the model's learned "
+                    f"position embeddings would be indexed by the position within the shard")
         for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
             if count % cp:
                 return f"DeepSpeed-Ulysses splits the {count} {name} over cp {cp}, which does not divide them"

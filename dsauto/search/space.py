@@ -288,6 +288,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     engines = ENGINES if pins.engine is None else (pins.engine,)
     recompute_sets = {engine: recompute_module_sets(engine, model, train, pins) for engine in engines}
     pinned_layout = None if pins.stage_layers is None else parse_stage_layers(pins.stage_layers, model.num_layers)
+    learned = model.position_embedding == "learned"  # no DeepSpeed-Ulysses (context_parallel_refusal)
     for dims in _with_context_parallel(layouts(cluster.world_size, cluster.devices_per_node), train, pins):
         tp, pp, dp = dims.tp, dims.pp, dims.dp
         if (pins.tp is not None and tp != pins.tp) or (pins.pp is not None and pp != pins.pp):
@@ -314,7 +315,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                     for engine in engines:
                         if refusal(engine, dims, zero) is not None or context_parallel_refusal(
                                 engine, dims.cp, train.seq_len, train.flash_attention, heads=model.num_attention_heads,
-                                kv_heads=model.kv_heads, pp=pp) is not None:
+                                kv_heads=model.kv_heads, pp=pp, learned_positions=learned) is not None:
                             continue
                         chunks = (pins.vpp,) if pins.vpp is not None else (1, *VIRTUAL_STAGES)
                         for expert_dims in experts:
@@ -634,12 +635,16 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                            f"it out.")
     if pins.cp is not None and pins.cp > 1:
         engines = ENGINES if pins.engine is None else (pins.engine,)
+        learned = model.position_embedding == "learned"
         reasons = [context_parallel_refusal(e, pins.cp, train.seq_len, train.flash_attention,
-                                            heads=model.num_attention_heads, kv_heads=model.kv_heads, pp=pp)
+                                            heads=model.num_attention_heads, kv_heads=model.kv_heads, pp=pp,
+                                            learned_positions=learned)
                    for e in engines]
         if all(reasons):
-            # Ulysses under a pipeline is refused whatever the cp; the other reasons name what cp must divide
+            # Ulysses under a pipeline or with learned positions is refused whatever the cp; the other
+            # reasons name what cp must divide
             advice = ("pin --pp 1 or --engine megatron, or leave --cp out" if engines == ("deepspeed",) and pp > 1
+                      else "pin --engine megatron, or leave --cp out" if engines == ("deepspeed",) and learned
                       else "pin a cp that divides them, or leave --cp out")
             return DsautoError(f"--cp {pins.cp} cannot run: {'; and '.join(dict.fromkeys(reasons))}; {advice}.")
         if world % (tp * pp * pins.cp):

@@ -60,6 +60,28 @@ def test_a_top_level_key_deepspeed_never_reads_is_named(zero3_plan):
         validate_ds_config(config, zero3_plan.dp)
 
 
+def test_what_dsauto_writes_raises_no_warning_of_its_own(zero3_plan):
+    """DeepSpeed reads sequence_parallel_size where no mpu is given (Hugging Face's zero.Init), so a
+    Ulysses config is not told to check its spelling; and a ZeRO-3 plan whose layers all stay
+    resident prefetches nothing, its stage3_max_live_parameters the 1 DeepSpeed takes at least, which
+    the unpriced-settings check reads as the plan's own."""
+    import warnings
+
+    from dsauto.engines.deepspeed import unpriced_config_settings
+
+    ulysses = replace(zero3_plan, dp=1, cp=2, global_batch=zero3_plan.global_batch // 2)
+    resident = replace(zero3_plan, prefetch_bucket_bytes=0,
+                       layers=tuple(replace(run, shard_params=False) for run in zero3_plan.layers))
+    for plan in (ulysses, resident):
+        config = ds_config(plan)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DsautoWarning)
+            validate_ds_config(config, plan.dp)
+        assert unpriced_config_settings(config, plan) == []
+    assert ds_config(ulysses)["sequence_parallel_size"] == 2
+    assert ds_config(resident)["zero_optimization"]["stage3_max_live_parameters"] == 1
+
+
 def test_validation_leaves_deepspeed_unpatched(zero3_plan):
     validate_ds_config(ds_config(zero3_plan), zero3_plan.dp)
     import deepspeed.comm
