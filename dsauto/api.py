@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsauto.errors import DsautoError
+from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.search.space import Constraints
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec
 from dsauto.spec.loaders import ModelSource, as_model, load_cluster, override_cluster
@@ -126,6 +126,7 @@ def make_problem(
     expert_a2a_overlap: bool | None = None,
     stage_layers: str | Sequence[int] | None = None,
     recompute_num_layers: int | None = None,
+    hf_trainer: bool | None = None,
 ) -> Problem:
     """The model, cluster, workload and pins of one search, with dsauto's defaults filled in.
 
@@ -206,6 +207,10 @@ def make_problem(
         recompute_num_layers: N checkpoints the first N transformer layers of every pipeline stage (of
             every model chunk with virtual stages) and no others, Megatron-core's ``--recompute-method
             block --recompute-num-layers N``; None: chosen per layer by the search.
+        hf_trainer: True plans for Hugging Face's Trainer or accelerate, what dsauto's hook applies to a
+            ``transformers`` model they hand to DeepSpeed (``dsauto tune --for hf``): DeepSpeed's
+            engine, one pipeline stage, no DeepSpeed-Ulysses, no attention-core recomputation, no
+            operator splitting; None: any plan.
 
     Raises:
         DsautoError: an unknown preset, a bad file, a memory limit over the device's memory, or a
@@ -237,7 +242,7 @@ def make_problem(
                        expert_a2a_overlap=expert_a2a_overlap,
                        stage_layers=stage_layers if stage_layers is None or isinstance(stage_layers, str)
                        else ",".join(str(count) for count in stage_layers),
-                       recompute_num_layers=recompute_num_layers)
+                       recompute_num_layers=recompute_num_layers, hf_trainer=hf_trainer)
     if fp8_recipe is not None and not fp8:
         raise DsautoError(f"--fp8-recipe {fp8_recipe} sets how FP8 training scales its tensors, and FP8 is off; "
                           f"add --fp8 or leave out --fp8-recipe.")
@@ -296,11 +301,24 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
     if measured_engine is not None and plans[0].engine != measured_engine:
         warnings.warn(f"The {plans[0].engine} plan is priced from a profile of {measured_engine}'s layers, whose "
                       f"time may differ from {plans[0].engine}'s own; run `dsauto profile --engine "
-                      f"{plans[0].engine}` to price it from them.", stacklevel=2)
+                      f"{plans[0].engine}` to price it from them.", DsautoWarning, stacklevel=2)
     if problem.pins.tp_comm_overlap and not plans[0].tp_comm_overlap:
         warnings.warn(f"--tp-comm-overlap takes effect with tp > 1 and sequence parallelism, and the plan has tp "
                       f"{plans[0].tp}{'' if plans[0].tp == 1 else ' without sequence parallelism'}, so it is off; "
-                      f"pin --tp 2 or more (with sequence parallelism) to use it.", stacklevel=2)
+                      f"pin --tp 2 or more (with sequence parallelism) to use it.", DsautoWarning, stacklevel=2)
+    best = plans[0]
+    if best.zero_stage == 3 and not any(run.shard_params for run in best.layers):
+        # Every layer resident (ds_persist): no partition is gathered, so these pins move nothing.
+        idle = []  # (what does nothing, what gives the same plan)
+        if best.offload == "optimizer+params":
+            idle.append((f"--offload {best.offload} offloads no parameter", "--offload optimizer"))
+        if best.hpz > 1:
+            idle.append((f"--hpz {best.hpz} partitions no gather", "no --hpz"))
+        if idle:
+            warnings.warn(f"{' and '.join(what for what, _ in idle)}: the plan keeps every layer's parameters "
+                          f"resident on the device, where it fits and runs fastest; {' and '.join(s for _, s in idle)} "
+                          f"give{'s' if len(idle) == 1 else ''} the same plan, and a lower --memory-limit shards "
+                          f"layers.", DsautoWarning, stacklevel=2)
     return plans
 
 
@@ -344,6 +362,7 @@ def make_plan(
     expert_a2a_overlap: bool | None = None,
     stage_layers: str | Sequence[int] | None = None,
     recompute_num_layers: int | None = None,
+    hf_trainer: bool | None = None,
     profile: Profile | str | os.PathLike[str] | None = None,
 ) -> Plan:
     """The fastest plan that fits: :func:`find_plans` of :func:`make_problem` with these arguments
@@ -364,5 +383,5 @@ def make_plan(
                            expert_load_balanced=expert_load_balanced, fp8=fp8, fp8_recipe=fp8_recipe,
                            fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
                            expert_a2a_overlap=expert_a2a_overlap, stage_layers=stage_layers,
-                           recompute_num_layers=recompute_num_layers)
+                           recompute_num_layers=recompute_num_layers, hf_trainer=hf_trainer)
     return find_plans(problem, profile=profile)[0]

@@ -264,9 +264,6 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="search the best plan and write ds_config.json, megatron_args.txt, plan.yaml, plan.png")
     _add_search_args(tune)
     tune.add_argument("--out", default="out", help="folder for the artifacts (default: out)")
-    from dsauto.emit.ds_config import ConfigOptions
-
-    add_field_options(tune, ConfigOptions)
     _add_trial_args(tune)
     _add_node_args(tune)
     plan = sub.add_parser("plan", help="search and print plans without writing anything")
@@ -299,12 +296,6 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
         nodes = _launched(nodes, world.get("nodes"), "nodes", "--nodes", args.megatron_args)
         gpus_per_node = _launched(gpus_per_node, world.get("gpus_per_node"), "ranks a node", "--gpus-per-node",
                                   args.megatron_args)
-    if getattr(args, "target", None) == "hf":
-        # Hugging Face's Trainer and accelerate run DeepSpeed's engine, not its pipeline engine
-        pins.setdefault("engine", "deepspeed")
-        if pins.setdefault("pp", 1) != 1:
-            raise DsautoError(f"--for hf cannot run --pp {pins['pp']}: Hugging Face's Trainer and accelerate build no "
-                              f"DeepSpeed pipeline; drop --pp, or plan --for deepspeed.")
     return make_problem(model, args.hardware, nodes=nodes, gpus_per_node=gpus_per_node,
                         memory_limit=args.memory_limit, **train, **pins)
 
@@ -405,9 +396,8 @@ def _warn_of_the_launchs_buckets(args: argparse.Namespace, plan: Any) -> None:
 
 
 def _config_options(args: argparse.Namespace) -> dict[str, Any]:
-    from dsauto.emit.ds_config import ConfigOptions
-
-    return field_values(args, ConfigOptions)
+    """How ds_config.json is written: in Hugging Face's convention for a plan ``--for hf``."""
+    return {"target": "hf" if args.hf_trainer == "hf" else "deepspeed"}
 
 
 def _say(line: str) -> None:

@@ -49,7 +49,7 @@ SAMPLES = {"global_batch": 16, "seq_len": 64, "dtype": "fp16", "flash_attention"
            "grad_reduce_in_fp32": False, "expert_dispatcher": "deepep", "fp8": True, "fp8_recipe": "tensorwise",
            "fp8_param_gather": True, "cp_comm_type": "all_gather", "expert_a2a_overlap": True,
            "stage_layers": "even", "recompute_num_layers": 2, "expert_load_balanced": True,
-           "precision_aware_optimizer": "bf16", "attention_softmax_in_fp32": False}
+           "precision_aware_optimizer": "bf16", "attention_softmax_in_fp32": False, "hf_trainer": True}
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))

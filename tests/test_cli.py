@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import typing
@@ -217,7 +218,7 @@ def test_plans_its_own_runtime_would_refuse_are_not_written(tmp_path, capsys):
     assert code == 0 and '"pipeline"' not in (tmp_path / "hf" / "ds_config.json").read_text()
     code, out, err = run(capsys, "tune", "--model", "llama2-13b", "--hardware", "a100-80gb", "--for", "hf", "--pp", "2",
                          "--out", str(tmp_path / "hf2"))
-    assert code == 2 and "--for hf cannot run --pp 2" in err and not (tmp_path / "hf2").exists()
+    assert code == 2 and "(--for hf) cannot run --pp 2" in err and not (tmp_path / "hf2").exists()
     plan = tmp_path / "hf" / "plan.yaml"
     import re
 
@@ -225,8 +226,45 @@ def test_plans_its_own_runtime_would_refuse_are_not_written(tmp_path, capsys):
     plan.write_text(re.sub(r"\ngrad_accum: (\d+)\n", lambda m: f"\ngrad_accum: {2 * int(m[1])}\n", text))
     code, out, err = run(capsys, "explain", str(plan))
     assert code == 2 and "its deepspeed plan cannot run: DeepSpeed plans have no tensor parallelism" in err, err
-    code, out, err = run(capsys, "plan", "--for", "hf")
+    code, out, err = run(capsys, "plan", "--out", "o")
     assert code == 2 and "see 'dsauto plan --help'" in err
+
+
+LLAMA31 = Path(__file__).parent / "spec" / "configs" / "llama-3.1-8b.json"
+
+
+def test_for_hf_plans_only_what_a_transformers_model_runs(tmp_path, capsys):
+    """--for hf: a transformers decoder layer has no DistributedAttention and no attention core apart
+    from its projections, and dsauto's hook splits no operator of a model Hugging Face's Trainer
+    builds (its loss is inside the model; under ZeRO-3 it is built in zero.Init). At 32K tokens on 8
+    H100s the search reaches for DeepSpeed-Ulysses without it; eager attention under 40 GiB reaches
+    for the attention core's recomputation; neither with it, nor any split; a pin asking for one of
+    them, or for Megatron-core, is refused before any search, and a plan that does not fit offers to
+    unpin only what the user pinned."""
+    shape = ["--model", str(LLAMA31), "--hardware", "h100-80gb", "--global-batch", "16"]
+    long = [*shape, "--seq-len", "32768"]
+    eager = [*shape, "--seq-len", "4096", "--no-flash-attention", "--memory-limit", "40GiB"]
+    code, out, _ = run(capsys, "plan", *long)
+    assert code == 0 and re.search(r"cp=[2-8]", out)
+    code, out, _ = run(capsys, "plan", *eager)
+    assert code == 0 and "core_attn" in out
+    for argv in (long, eager):
+        code, out, err = run(capsys, "tune", *argv, "--for", "hf", "--out", str(tmp_path / "hf"))
+        plan = read_plan(tmp_path / "hf" / "plan.yaml")
+        assert code == 0, err
+        assert (plan.engine, plan.pp, plan.cp) == ("deepspeed", 1, 1)
+        assert all(run.split == 1 and "core_attn" not in run.recompute_modules for run in plan.layers)
+    for pin, said in ((["--engine", "megatron"], "--engine megatron: Hugging Face's Trainer and accelerate run "
+                                                 "DeepSpeed"),
+                      (["--cp", "2"], "--cp 2: a transformers decoder layer has no DistributedAttention"),
+                      (["--recompute-modules", "core_attn"], "--recompute-modules core_attn: a transformers decoder "
+                                                             "layer has no attention core")):
+        code, out, err = run(capsys, "tune", *shape, "--for", "hf", *pin, "--out", str(tmp_path / "no"))
+        assert code == 2 and out == "" and not (tmp_path / "no").exists()
+        assert f"A plan for Hugging Face's Trainer (--for hf) cannot run {said}" in err, err
+    code, out, err = run(capsys, "tune", *shape, "--seq-len", "4096", "--memory-limit", "8GiB", "--for", "hf",
+                         "--out", str(tmp_path / "no"))
+    assert code == 2 and "does not fit" in err and "unpin" not in err, err
 
 
 def test_explain_says_when_a_plan_was_edited_after_it_was_written(tmp_path, capsys):

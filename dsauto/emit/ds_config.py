@@ -20,12 +20,11 @@ from __future__ import annotations
 import copy
 import json
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from unittest import mock
 
-from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR, MOE_KEY, stage3_max_live_parameters
+from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR, MOE_KEY, hf_trainer_plan_refusal, stage3_max_live_parameters
 from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.plan import Plan
 from dsauto.plan_io import PLAN_ID_KEY, PLAN_KEY, plan_id
@@ -78,17 +77,6 @@ HF_AUTO_OPTIMIZER = ("lr", "betas", "eps", "weight_decay")
 weight_decay)."""
 
 
-@dataclass(frozen=True)
-class ConfigOptions:
-    """How ``ds_config.json`` is written (the CLI's ``--for``)."""
-
-    target: Target = field(default="deepspeed", metadata={
-        "flag": "--for",
-        "help": "who reads ds_config.json: deepspeed (plain deepspeed.initialize; default) or hf "
-                "(Hugging Face Trainer / accelerate: \"auto\" where TrainingArguments owns the value)"})
-    """``deepspeed``: every value set, for ``deepspeed.initialize``; ``hf``: Hugging Face's convention."""
-
-
 def dtype_bytes(plan: Plan) -> int:
     """Bytes per element of the plan's training dtype."""
     if plan.dtype not in DTYPE_BYTES:
@@ -104,9 +92,9 @@ def ds_config(plan: Plan, target: Target = "deepspeed") -> dict[str, Any]:
     ``target="hf"`` in Hugging Face's convention (see the module doc)."""
     if target not in ("deepspeed", "hf"):
         raise DsautoError(f"The config target {target!r} is not deepspeed or hf; write it for one of those.")
-    if target == "hf" and plan.engine != "deepspeed":
-        raise DsautoError(f"Hugging Face's Trainer and accelerate run DeepSpeed, but this plan was made for "
-                          f"{plan.engine}; re-plan with --engine deepspeed (or engine=\"deepspeed\").")
+    if target == "hf" and (why := hf_trainer_plan_refusal(plan)):
+        raise DsautoError(f"Hugging Face's Trainer and accelerate cannot run this plan: {why}; re-plan with --for "
+                          f"hf (hf_trainer=True).")
     config = _deepspeed_config(plan)
     return hf_convention(config) if target == "hf" else config
 
@@ -316,6 +304,59 @@ class _ReadKeys(dict):
         return super().__contains__(key)
 
 
+def _check_optimizer_and_scheduler(config: dict[str, Any], cpu_optimizer: bool) -> None:
+    """Refuses what DeepSpeed's parser passes and ``deepspeed.initialize`` then fails on: an optimizer
+    or scheduler type it has no class for, and a parameter that class does not take (a misspelt
+    ``weight_decay`` is a TypeError at the first line of training). The class is the one
+    ``DeepSpeedEngine._configure_basic_optimizer`` and ``_scheduler_from_config`` build
+    (deepspeed/runtime/engine.py): for Adam and AdamW torch's with ``torch_adam``, DeepSpeedCPUAdam
+    with the optimizer offloaded to the CPU (``cpu_optimizer``), else FusedAdam, each after DeepSpeed
+    takes out its own keys; another name of DeepSpeed's list or of torch.optim, its class. Where the
+    class is not importable here (an optional package), nothing is checked."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime import lr_schedules
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    for key in ("optimizer", "scheduler"):
+        section = config.get(key)
+        if not isinstance(section, dict) or not isinstance(section.get("type"), str):
+            continue
+        name, params = section["type"], dict(section.get("params") or {})
+        if key == "optimizer":
+            lowered = name.lower()
+            if lowered in ("adam", "adamw"):
+                params.pop("adam_w_mode", None)
+                params.pop("fp32_optimizer_states", None)
+                if params.pop("torch_adam", False):
+                    cls: Any = torch.optim.AdamW
+                else:
+                    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+                    cls = DeepSpeedCPUAdam if cpu_optimizer else FusedAdam
+            elif lowered in DEEPSPEED_OPTIMIZERS:
+                continue  # DeepSpeed's own (Lamb, Lion, ...) or mup's: built from optional ops
+            else:
+                cls = getattr(torch.optim, name, None)
+            known = "DeepSpeed's optimizers or torch.optim"
+        else:
+            cls = getattr(lr_schedules, name, None) or getattr(torch.optim.lr_scheduler, name, None)
+            known = "deepspeed.runtime.lr_schedules or torch.optim.lr_scheduler"
+        if not inspect.isclass(cls):
+            raise DsautoError(f"{key}.type {name!r} is none of {known}, so deepspeed.initialize would fail; "
+                              f"check its spelling.")
+        accepted = inspect.signature(cls.__init__).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+            continue
+        unknown = sorted(set(params) - set(accepted) - {"self"})
+        if unknown:
+            raise DsautoError(f"{key}.params {', '.join(map(repr, unknown))} {'are' if len(unknown) > 1 else 'is'} no "
+                              f"parameter of {cls.__name__}, which DeepSpeed builds for {key} {name!r}, so "
+                              f"deepspeed.initialize would fail; check the spelling (it takes "
+                              f"{', '.join(n for n in accepted if n not in ('self', 'params', 'model_params', 'optimizer'))}).")
+
+
 def validate_ds_config(config: dict[str, Any], dp: int) -> None:
     """Runs DeepSpeed's own config parser on ``config`` as if on ``dp`` data-parallel ranks.
 
@@ -350,6 +391,9 @@ def validate_ds_config(config: dict[str, Any], dp: int) -> None:
         warnings.warn(f"DeepSpeed's config parser reads no top-level key {', '.join(map(repr, unread))}, which "
                       f"it leaves unused: check {'their' if len(unread) > 1 else 'its'} spelling.", DsautoWarning,
                       stacklevel=2)
+    offload = parsed.zero_config.offload_optimizer  # DeepSpeed's CPU Adam on cpu and nvme (zero_use_cpu_optimizer)
+    _check_optimizer_and_scheduler(dict(config), offload is not None and str(offload.device).split(".")[-1] in (
+        "cpu", "nvme"))
     plan_block = config.get(PLAN_KEY)
     pp = plan_block.get("pp", 1) if isinstance(plan_block, dict) else 1
     if pp > 1 and parsed.zero_optimization_stage >= 2:

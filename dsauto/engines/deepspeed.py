@@ -132,6 +132,24 @@ def unpriced_config_settings(config: Mapping[str, Any], plan: Plan) -> list[str]
     return found
 
 
+def hf_trainer_plan_refusal(plan: Plan) -> str | None:
+    """What ``plan`` does that a ``transformers`` model under Hugging Face's Trainer or accelerate
+    cannot run (the rest of a sentence), or None: the plans of ``--for hf``
+    (dsauto.search.space.hf_trainer_refusal) never do it, a plan made for ``deepspeed.initialize``
+    may."""
+    if plan.engine != "deepspeed":
+        return f"it was made for {plan.engine}, and they run DeepSpeed"
+    if plan.pp > 1:
+        return f"it runs a pipeline of {plan.pp} stages, and they build no DeepSpeed pipeline"
+    if plan.cp > 1:
+        return f"it runs DeepSpeed-Ulysses (cp {plan.cp}), and a decoder layer has no DistributedAttention"
+    if any(run.split > 1 for run in plan.layers):
+        return "it splits operators, which dsauto's hook cannot do to a model they build"
+    if any("core_attn" in run.recompute_modules for run in plan.layers):
+        return "it recomputes the attention core, which a decoder layer does not hold apart from its projections"
+    return None
+
+
 def stage3_max_live_parameters(plan: Plan) -> int:
     """``zero_optimization.stage3_max_live_parameters`` of a ZeRO-3 plan (elements): twice its prefetch
     bucket, which bounds the gathered parameters as priced (dsauto.cost.zero3.gathered_params_bytes),

@@ -29,7 +29,7 @@ from torch import nn
 from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.plan import Plan
 from dsauto.spec.hf import HfConfigLike, model_from_hf_config
-from dsauto.spec.model import ModelSpec
+from dsauto.spec.model import ModelSpec, block_parameters
 
 # The attribute names of dsauto.models.ReferenceModel.
 EMBEDDING_NAME, BLOCKS_NAME, HEAD_NAME = "embedding", "layers", "head"
@@ -118,6 +118,27 @@ def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:
     return module if isinstance(module, nn.Module) else None
 
 
+BLOCK_PARAMETER_TOLERANCE = 0.05
+"""How far the transformer blocks' parameters of a model without a spec or config may be from the
+plan's (biases or norms the model adds or lacks) before the plan is refused."""
+
+
+def _check_block_parameters(spec: ModelSpec, layers: ModelLayers) -> None:
+    """Refuses a model, described by no spec or config, whose transformer blocks hold another number
+    of parameters than the plan's model: its shape is not the one the plan priced (a hidden size of
+    1024 planned as 128 would run, its memory and time unpredicted). A parameter partitioned by
+    ``deepspeed.zero.Init`` counts whole (``ds_numel``)."""
+    blocks = layers.parameters_by_layer()[1:-1]
+    held = sum(getattr(p, "ds_numel", p.numel()) for block in blocks for p in block)
+    planned = block_parameters(spec).total(len(spec.moe_layers()), spec.num_layers)
+    if abs(held - planned) > BLOCK_PARAMETER_TOLERANCE * planned:
+        raise DsautoError(
+            f"The model's {layers.num_layers} transformer blocks hold {held:,} parameters but the plan was made for "
+            f"{planned:,} ({spec.name}), so its memory and time are not this model's; re-plan for this model or "
+            f"build the model the plan describes."
+        )
+
+
 def check_plan_matches(plan: Plan, layers: ModelLayers) -> None:
     """Refuses a plan that does not describe ``layers``' model, naming what differs."""
     spec, count = plan.model, layers.num_layers
@@ -157,3 +178,5 @@ def check_plan_matches(plan: Plan, layers: ModelLayers) -> None:
             f"'{EMBEDDING_NAME}' module and no nn.Embedding outside its blocks; name the embedding "
             f"module '{EMBEDDING_NAME}'."
         )
+    if model_spec is None:  # nothing describes the model: its blocks' size must be the plan's
+        _check_block_parameters(spec, layers)

@@ -254,15 +254,25 @@ class Constraints:
                 "(default: chosen per layer)"})
     """Megatron's block recomputation: the first N transformer layers of each model chunk checkpointed
     whole, the rest not (:func:`dsauto.plan.block_recompute_set`); None lets the search choose per layer."""
+    hf_trainer: bool | None = field(default=None, metadata={
+        "flag": "--for", "choices": {"deepspeed": None, "hf": True},
+        "help": "who runs the plan: deepspeed (deepspeed.initialize; default) or hf (Hugging Face Trainer / "
+                "accelerate: only what dsauto's hook applies to a transformers model, and ds_config.json with "
+                "\"auto\" where TrainingArguments own the value)"})
+    """True: plan what dsauto's hook applies to a ``transformers`` model that Hugging Face's Trainer or
+    accelerate hands to DeepSpeed (:func:`hf_trainer_refusal`): DeepSpeed's engine, one pipeline stage,
+    no DeepSpeed-Ulysses, no attention-core recomputation, no operator splitting; ``dsauto tune`` then
+    writes ds_config.json in Hugging Face's convention (``--for hf``)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is not None and "flag" in f.metadata:
+            if value is not None:
                 expected = _pin_expectation(f, value)
                 if expected:
-                    raise DsautoError(f"{f.name}={value!r} is not a pin dsauto reads (option {f.metadata['flag']}): "
-                                      f"give {expected}, or None to leave it to the search.")
+                    option = f" (option {f.metadata['flag']})" if "flag" in f.metadata else ""
+                    raise DsautoError(f"{f.name}={value!r} is not a pin dsauto reads{option}: give {expected}, or "
+                                      f"None to leave it to the search.")
 
     @property
     def fp8_delayed(self) -> bool:
@@ -284,13 +294,20 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     check_search_size(model, cluster, train, pins)  # before building any: huge inputs answer at once
     if pins.recompute_num_layers is not None and (why := recompute_num_layers_refusal(pins)):
         raise DsautoError(f"--recompute-num-layers {pins.recompute_num_layers} {why}.")
+    if pins.hf_trainer and (why := hf_trainer_refusal(pins, model)):
+        raise DsautoError(f"A plan for Hugging Face's Trainer (--for hf) cannot run {why}; drop it, or plan "
+                          f"without --for hf.")
     out = []
     engines = ENGINES if pins.engine is None else (pins.engine,)
+    if pins.hf_trainer:
+        engines = ("deepspeed",)
     recompute_sets = {engine: recompute_module_sets(engine, model, train, pins) for engine in engines}
     pinned_layout = None if pins.stage_layers is None else parse_stage_layers(pins.stage_layers, model.num_layers)
     learned = model.position_embedding == "learned"  # no DeepSpeed-Ulysses (context_parallel_refusal)
     for dims in _with_context_parallel(layouts(cluster.world_size, cluster.devices_per_node), train, pins):
         tp, pp, dp = dims.tp, dims.pp, dims.dp
+        if pins.hf_trainer and (pp > 1 or dims.cp > 1):
+            continue  # no pipeline engine, no DistributedAttention (hf_trainer_refusal)
         if (pins.tp is not None and tp != pins.tp) or (pins.pp is not None and pp != pins.pp):
             continue
         if model.tp_problem(tp) or pp > model.num_layers or train.global_batch % dp:
@@ -802,10 +819,41 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
             return ()
         return (modules,)
     searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention] + (("moe_act",) if model.moe else ())
-                     if recompute_module_refusal(m, model.linear_bias, engine, model.moe, pins.fp8_delayed) is None)
+                     if recompute_module_refusal(m, model.linear_bias, engine, model.moe, pins.fp8_delayed) is None
+                     and not (pins.hf_trainer and m in HF_UNRECOMPUTED))
     if pins.checkpoint is True or pins.recompute_num_layers is not None or not searched:
         return ((),)
     return ((), searched)
+
+
+HF_UNRECOMPUTED = ("core_attn",)
+"""Selective recomputations dsauto's hook cannot apply to a ``transformers`` decoder layer, whose
+``self_attn`` holds the projections beside the attention core (dsauto.runtime.recompute)."""
+
+
+def hf_trainer_refusal(pins: Constraints, model: ModelSpec) -> str | None:
+    """Why the pins cannot run in a ``transformers`` model that Hugging Face's Trainer or accelerate
+    hands to DeepSpeed (the rest of a sentence naming the pin), or None. They build DeepSpeed's engine
+    (accelerate's ``Accelerator._prepare_deepspeed``), never its pipeline engine; a decoder layer has
+    no ``DistributedAttention`` for DeepSpeed-Ulysses and no attention core apart from its projections
+    (:data:`HF_UNRECOMPUTED`); and dsauto's hook splits no operator of such a model: the loss is
+    computed inside the model's forward, where no chunking reaches it, and under ZeRO-3 the model is
+    built inside ``deepspeed.zero.Init``, its parameters partitioned before any split
+    (dsauto.runtime.deepspeed, ``prepare_model``). The search leaves all of these out; this names a
+    pin that asks for one."""
+    if pins.engine == "megatron":
+        return "--engine megatron: Hugging Face's Trainer and accelerate run DeepSpeed"
+    if pins.pp is not None and pins.pp > 1:
+        return f"--pp {pins.pp}: Hugging Face's Trainer and accelerate build no DeepSpeed pipeline"
+    if pins.cp is not None and pins.cp > 1:
+        return (f"--cp {pins.cp}: a transformers decoder layer has no DistributedAttention for DeepSpeed-Ulysses "
+                f"to split its sequence")
+    if pins.recompute_modules is not None:
+        modules = parse_recompute_modules(pins.recompute_modules, model, "deepspeed", pins.fp8_delayed)
+        if unrunnable := [m for m in modules if m in HF_UNRECOMPUTED]:
+            return (f"--recompute-modules {pins.recompute_modules}: a transformers decoder layer has no attention "
+                    f"core apart from its projections to recompute ({', '.join(unrunnable)})")
+    return None
 
 
 def recompute_num_layers_refusal(pins: Constraints) -> str | None:
@@ -852,6 +900,8 @@ def allowed(kind: str, option: LayerOption, pins: Constraints, recompute: tuple[
         return False
     if transformer and pins.expert_a2a_overlap and option.checkpoint:
         return False  # Megatron-core refuses full recomputation beside the expert all-to-alls' overlap
+    if pins.hf_trainer and option.split > 1:
+        return False  # see hf_trainer_refusal
     if kind == "head":
         return True
     return option.split == 1 or (option.shard_params and option.split <= 4)

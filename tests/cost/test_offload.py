@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import importlib.util
 import itertools
+import warnings
 
 import pytest
 
@@ -22,7 +23,7 @@ from dsauto.describe import describe_plan
 from dsauto.emit.ds_config import ds_config, validate_ds_config
 from dsauto.emit.megatron import megatron_args
 from dsauto.engines.deepspeed import config_contradictions
-from dsauto.errors import DsautoError
+from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.parallel import ParallelDims
 from dsauto.plan import Offload, Plan
 from dsauto.plan_io import read_plan, write_plan_yaml
@@ -152,6 +153,21 @@ def test_pins_reach_the_plan():
     # On CPU ranks the device memory is the host's: nothing to gain, and said so.
     with pytest.raises(DsautoError, match="--offload optimizer cannot run: on CPU ranks the device memory is the host"):
         find_plans(make_problem("gpt-tiny", "cpu", offload="optimizer"))
+
+
+def test_pins_that_move_nothing_are_named():
+    """A ZeRO-3 plan that keeps every layer resident gathers no partition: a pinned parameter offload
+    and hpZ then do nothing, which a warning says with the pins that give the same plan; where
+    layers are sharded (a 20 GiB limit), neither is named."""
+    shape = dict(model="llama2-7b", hardware="a100-80gb", gpus_per_node=8, zero_stage=3, engine="deepspeed")
+    with pytest.warns(DsautoWarning, match=r"--offload optimizer\+params offloads no parameter and --hpz 2 partitions "
+                                           r"no gather: .* --offload optimizer and no --hpz give the same plan"):
+        plan = find_plans(make_problem(**shape, offload="optimizer+params", hpz=2))[0]
+    assert not any(run.shard_params for run in plan.layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DsautoWarning)
+        plan = find_plans(make_problem(**shape, offload="optimizer+params", memory_limit="20GiB"))[0]
+    assert any(run.shard_params for run in plan.layers)
 
 
 def _plan(engine: str, zero: int, offload: Offload, hpz: int = 1, nodes: int = 1) -> Plan:

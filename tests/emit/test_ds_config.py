@@ -82,6 +82,30 @@ def test_what_dsauto_writes_raises_no_warning_of_its_own(zero3_plan):
     assert ds_config(resident)["zero_optimization"]["stage3_max_live_parameters"] == 1
 
 
+@pytest.mark.parametrize("edit, said", [
+    (lambda c: c["optimizer"]["params"].update(weight_deacy=0.1),
+     r"optimizer\.params 'weight_deacy' is no parameter of AdamW, which DeepSpeed builds for optimizer 'AdamW'"),
+    (lambda c: c["optimizer"].update(type="AdamWW"), r"optimizer\.type 'AdamWW' is none of DeepSpeed's optimizers"),
+    (lambda c: c["optimizer"]["params"].update(torch_adam=False, fused=None),
+     r"'fused' is no parameter of FusedAdam"),  # torch's argument, where DeepSpeed builds its own Adam
+    (lambda c: c.update(scheduler={"type": "WarmupLR", "params": {"warmup_num_step": 10}}),
+     r"scheduler\.params 'warmup_num_step' is no parameter of WarmupLR, .* warmup_num_steps"),
+    (lambda c: c.update(scheduler={"type": "WarmupLinear", "params": {}}), r"scheduler\.type 'WarmupLinear' is none of"),
+])
+def test_what_deepspeed_parses_but_cannot_build_is_refused(zero3_plan, edit, said):
+    """DeepSpeed's parser does not look inside the optimizer and scheduler sections; deepspeed.initialize
+    then fails on a type it has no class for or a parameter the class does not take. validate says so
+    before the run; what dsauto writes, and torch's own optimizers and schedulers, pass."""
+    config = copy.deepcopy(ds_config(zero3_plan))
+    edit(config)
+    with pytest.raises(DsautoError, match=said):
+        validate_ds_config(config, zero3_plan.dp)
+    config = copy.deepcopy(ds_config(zero3_plan))
+    config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+    config["scheduler"] = {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10}}
+    validate_ds_config(config, zero3_plan.dp)
+
+
 def test_validation_leaves_deepspeed_unpatched(zero3_plan):
     validate_ds_config(ds_config(zero3_plan), zero3_plan.dp)
     import deepspeed.comm

@@ -14,7 +14,14 @@ from dsauto.emit.ds_config import AUTO, ds_config, resolve_auto, validate_ds_con
 from dsauto.errors import DsautoError
 
 
-def test_hf_config_keeps_the_plans_values(zero3_plan):
+@pytest.fixture
+def hf_plan(zero3_plan):
+    """The ZeRO-3 plan without its head's loss chunks, which a transformers model cannot take."""
+    return replace(zero3_plan, layers=tuple(replace(run, split=1) for run in zero3_plan.layers))
+
+
+def test_hf_config_keeps_the_plans_values(hf_plan):
+    zero3_plan = hf_plan
     plain, hf = ds_config(zero3_plan), ds_config(zero3_plan, target="hf")
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "gradient_clipping"):
@@ -28,7 +35,8 @@ def test_hf_config_keeps_the_plans_values(zero3_plan):
     assert hf["dsauto"] == plain["dsauto"]
 
 
-def test_auto_values_validate_as_the_plans(zero3_plan):
+def test_auto_values_validate_as_the_plans(hf_plan):
+    zero3_plan = hf_plan
     hf = ds_config(zero3_plan, target="hf")
     resolved = resolve_auto(hf)
     assert resolved["train_micro_batch_size_per_gpu"] == zero3_plan.micro_batch
@@ -37,9 +45,19 @@ def test_auto_values_validate_as_the_plans(zero3_plan):
     validate_ds_config(hf, zero3_plan.dp)
 
 
-def test_megatron_plan_is_not_written_for_hf(zero3_plan):
-    with pytest.raises(DsautoError, match="Trainer and accelerate run DeepSpeed.*--engine deepspeed"):
-        ds_config(replace(zero3_plan, engine="megatron"), target="hf")
+def test_what_hf_cannot_run_is_not_written_for_it(zero3_plan, hf_plan):
+    """A plan made for deepspeed.initialize may do what a transformers model under Hugging Face's
+    Trainer cannot: run on Megatron-core, split operators (the fixture's head loss chunks), run
+    DeepSpeed-Ulysses or recompute the attention core; each is refused in one sentence."""
+    core_attn = replace(hf_plan, layers=tuple(replace(run, recompute_modules=("core_attn",)) if run.group == "decoder"
+                                              and not run.checkpoint else run for run in hf_plan.layers))
+    for plan, said in ((replace(hf_plan, engine="megatron"), "it was made for megatron, and they run DeepSpeed"),
+                       (zero3_plan, "it splits operators"),
+                       (replace(hf_plan, dp=1, cp=2, global_batch=hf_plan.global_batch // 2), "it runs DeepSpeed-Ulysses"),
+                       (core_attn, "it recomputes the attention core")):
+        with pytest.raises(DsautoError, match=rf"Hugging Face's Trainer and accelerate cannot run this plan: {said}.*"
+                                              rf"re-plan with --for hf \(hf_trainer=True\)\.$"):
+            ds_config(plan, target="hf")
 
 
 def test_tune_for_hf_writes_the_hf_convention(tmp_path, capsys):

@@ -87,6 +87,27 @@ def test_wrong_shape_is_refused(spec, plan, no_engine):
         dsauto.deepspeed.initialize(model=model, config=ds_config(plan))
 
 
+class Unspecified(nn.Module):
+    """gpt-tiny's layout without a spec: an embedding, four blocks and a head of width ``hidden``."""
+
+    def __init__(self, hidden: int, spec):
+        super().__init__()
+        self.embedding = nn.Embedding(spec.vocab_size, hidden)
+        self.layers = nn.ModuleList(build_model(dataclasses.replace(spec, hidden_size=hidden,
+                                                                    ffn_hidden_size=4 * hidden)).layers)
+        self.head = nn.Linear(hidden, spec.vocab_size)
+
+
+def test_a_model_nothing_describes_must_hold_the_plans_block_parameters(spec, plan):
+    """A model with no spec and no config is checked by its blocks' parameters: gpt-tiny's blocks
+    built apart match its plan; the same blocks eight times as wide (the plan's memory and time
+    mean nothing for them) are refused with both counts."""
+    check_plan_matches(plan, find_layers(Unspecified(spec.hidden_size, spec)))
+    with pytest.raises(DsautoError, match=r"The model's 4 transformer blocks hold [\d,]+ parameters but the plan was "
+                                          r"made for [\d,]+ \(gpt-tiny\), so its memory and time are not this model's"):
+        check_plan_matches(plan, find_layers(Unspecified(8 * spec.hidden_size, spec)))
+
+
 def test_unknown_layer_names_are_refused(spec, plan, no_engine):
     runs = list(plan.layers)
     runs[1] = dataclasses.replace(runs[1], group="moe")
