@@ -563,6 +563,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
               + (f" ({contended} measured under CPU contention count less)" if contended else ""))
         written = write_artifacts(result.plan, out, **_config_options(args))
         written += write_trials(result.records, result.plan, out)
+        _warn_of_what_the_flags_leave_out(result.plan)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
@@ -611,8 +612,25 @@ def _cmd_tune(args: argparse.Namespace, write: bool) -> int:
         plans, seconds = _search(args)
         _print_plans(plans, seconds)
         written = write_artifacts(plans[0], Path(args.out), **_config_options(args))
+        _warn_of_what_the_flags_leave_out(plans[0])
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _warn_of_what_the_flags_leave_out(plan: Any) -> None:
+    """Warns where a Megatron-core plan's megatron_args.txt cannot state choices the plan's memory
+    and time count on (scattered checkpointing, resident ZeRO-3 layers, split operators): a launch of
+    the flags alone runs without them."""
+    from dsauto.emit.megatron import hook_applied
+    from dsauto.errors import DsautoWarning
+
+    gaps = hook_applied(plan) if plan.engine == "megatron" else []
+    if gaps:
+        warnings.warn(f"megatron_args.txt cannot state what the plan's memory and time count on ({'; '.join(gaps)}): "
+                      f"a Megatron-LM launch of its flags alone runs without it; launch through dsauto's "
+                      f"Megatron-core plugin (dsauto.megatron), which applies it, or re-plan with pins whose flags "
+                      f"state it (--recompute-num-layers N for Megatron's block recomputation).", DsautoWarning,
+                      stacklevel=2)
 
 
 def _print_plans(plans: list, seconds: float) -> None:
