@@ -779,7 +779,8 @@ def _check_engine_runs(path: Path, plan: Any) -> None:
               or context_parallel_refusal(plan.engine, plan.cp, plan.seq_len, plan.flash_attention,
                                           heads=plan.model.num_attention_heads, kv_heads=plan.model.kv_heads,
                                           pp=plan.pp, learned_positions=plan.model.position_embedding == "learned")
-              or offload_refusal(plan.engine, plan.dims, plan.zero_stage, plan.offload)
+              or offload_refusal(plan.engine, plan.dims, plan.zero_stage, plan.offload,
+                                 fp8_param_gather_recipe=plan.fp8_recipe if plan.fp8_param_gather else None)
               or expert_parallel_refusal(plan.engine, plan.dims, plan.zero_stage, plan.sequence_parallel,
                                          plan.model.num_experts, plan.model.expert_ffn_hidden_size))
     if reason:

@@ -118,6 +118,10 @@ BAD = [
                   "--global-batch", "64"], r"--etp 2 cannot run: DeepSpeed-MoE has no expert tensor parallelism"),
     (lambda tmp: ["--model", "llama3-8b", "--hardware", "a100-80gb", "--cp", "2", "--engine", "deepspeed", "--pp",
                   "2"], r"pipeline engine \(pp 2\); pin --pp 1 or --engine megatron, or leave --cp out\.$"),
+    (lambda tmp: ["--model", str(MIXTRAL), "--hardware", "h100-80gb", "--nodes", "2", "--engine", "megatron", "--tp",
+                  "2", "--no-sequence-parallel", "--global-batch", "64"],
+     r"Sequence parallelism off \(--no-sequence-parallel\) cannot run with --tp 2: Megatron-core trains MoE layers "
+     r"under tensor parallelism only with sequence parallelism; turn it on, or pin --tp 1\.$"),
     # gpt-tiny's learned position table would be indexed within each rank's shard, which the hook refuses
     (lambda tmp: ["--model", "gpt-tiny", "--cp", "2", "--engine", "deepspeed"],
      r"--cp 2 cannot run: DeepSpeed-Ulysses \(cp 2\) gives each rank a shard of the sequence, and the model's "

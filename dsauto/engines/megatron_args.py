@@ -178,6 +178,9 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     launch = MegatronLaunch(model=model or described, environment=dict(environment or {}),
                             world=launcher_world(_launcher_words(words)))
     launch.spelled = {key: flag for key, flag in SPELLED.items() if flag in flags}
+    if "--sequence-parallel" not in flags:  # dsauto's --no-sequence-parallel: the flag left out
+        launch.spelled["sequence_parallel"] = "no --sequence-parallel"
+
     _batch(flags, launch, where)
     _parallelism(flags, launch, where)
     _softmax(flags, launch, where)

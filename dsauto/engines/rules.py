@@ -201,7 +201,7 @@ def per_layer_residency(engine: Engine) -> bool:
 
 
 def offload_refusal(engine: Engine, dims: ParallelDims, zero_stage: int, offload: Offload,
-                    host_problem: str | None = None) -> str | None:
+                    host_problem: str | None = None, fp8_param_gather_recipe: str | None = None) -> str | None:
     """Why the engine cannot keep ``offload`` in host memory under this strategy, or None.
 
     DeepSpeed offloads the optimizer of ZeRO 1-3 (``zero_optimization.offload_optimizer``) and, under
@@ -210,7 +210,9 @@ def offload_refusal(engine: Engine, dims: ParallelDims, zero_stage: int, offload
     inside its distributed optimizer (Megatron-LM's validate_args asks for
     ``--use-precision-aware-optimizer``, which ``OptimizerConfig`` allows only with the distributed
     optimizer: megatron/core/optimizer/optimizer_config.py), which is ZeRO-1 here; it has no
-    parameter offload. ``host_problem``: why the cluster's hosts take nothing, if they do not
+    parameter offload; with FP8 weights gathered (``--fp8-param-gather``, its recipe
+    ``fp8_param_gather_recipe``) Megatron-LM's validate_args allows the optimizer's CPU offload under
+    the delayed recipe only. ``host_problem``: why the cluster's hosts take nothing, if they do not
     (:func:`dsauto.search.space.host_problem`)."""
     if offload == "none":
         return None
@@ -225,6 +227,9 @@ def offload_refusal(engine: Engine, dims: ParallelDims, zero_stage: int, offload
                 "Megatron-FSDP")
     if engine == "deepspeed" and dims.pp > 1:
         return "offload with DeepSpeed's pipeline engine is not planned; use pp 1"
+    if engine == "megatron" and fp8_param_gather_recipe not in (None, "delayed"):
+        return (f"Megatron-LM offloads the optimizer beside --fp8-param-gather only under --fp8-recipe delayed, "
+                f"not {fp8_param_gather_recipe}")
     return None
 
 

@@ -844,8 +844,12 @@ class Planner:
         limit = self.cluster.memory_limit_bytes  # 0: the device's memory less its reserve
         ceiling = self.cluster.device.memory_bytes - self.cluster.device.memory_reserve_bytes
         raise_limit = 0 < limit < ceiling and not least > ceiling  # a higher limit could then fit a plan
-        pinned = [f.metadata["flag"] for f in dataclasses.fields(self.pins)  # who runs the plan is no choice
-                  if "flag" in f.metadata and getattr(self.pins, f.name) != f.default and f.name != "hf_trainer"]
+        # An option that sets a constant is pinned where the field holds it (a launch's sequence
+        # parallelism on is the search's own default, not --no-sequence-parallel); who runs the plan
+        # (--for) is no choice to unpin.
+        pinned = [f.metadata["flag"] for f in dataclasses.fields(self.pins)
+                  if "flag" in f.metadata and getattr(self.pins, f.name) != f.default and f.name != "hf_trainer"
+                  and getattr(self.pins, f.name) == f.metadata.get("const", getattr(self.pins, f.name))]
         remedies = ["add devices", *(["raise --memory-limit"] if raise_limit else []),
                     *([f"unpin {', '.join(pinned)}"] if pinned else [])]
         remedy = remedies[0] if len(remedies) == 1 else f"{', '.join(remedies[:-1])} or {remedies[-1]}"

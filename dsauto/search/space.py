@@ -449,6 +449,11 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
     return out
 
 
+def fp8_param_gather_recipe(pins: Constraints) -> str | None:
+    """The FP8 recipe of pinned FP8 weight gathers (--fp8-param-gather), or None without them."""
+    return (pins.fp8_recipe or "delayed") if pins.fp8 and pins.fp8_param_gather else None
+
+
 def _host_and_hpz(strategy: Strategy, cluster: ClusterSpec, pins: Constraints) -> list[Strategy]:
     """``strategy`` with each offload and hpZ setting the search tries up front: the pinned ones, else
     no offload (the planner offloads a strategy that does not fit without it:
@@ -457,7 +462,8 @@ def _host_and_hpz(strategy: Strategy, cluster: ClusterSpec, pins: Constraints) -
     offload = pins.offload or "none"
     if offload != "none":
         strategy = _single_replica_zero(strategy, pins)
-    if offload_refusal(strategy.engine, strategy.dims, strategy.zero_stage, offload, host_problem(cluster)):
+    if offload_refusal(strategy.engine, strategy.dims, strategy.zero_stage, offload, host_problem(cluster),
+                       fp8_param_gather_recipe(pins)):
         return []
     per_node = cluster.devices_per_node
     if pins.hpz is not None:
@@ -503,8 +509,10 @@ def offloaded_variants(strategy: Strategy, cluster: ClusterSpec, pins: Constrain
     if strategy.dist_opt_instances > 1:
         return []
     strategy = _single_replica_zero(strategy, pins)
+    recipe = strategy.fp8_recipe if strategy.fp8_param_gather else None
     return [dataclasses.replace(strategy, offload=offload) for offload in OFFLOADS[1:]
-            if offload_refusal(strategy.engine, strategy.dims, strategy.zero_stage, offload) is None]
+            if offload_refusal(strategy.engine, strategy.dims, strategy.zero_stage, offload,
+                               fp8_param_gather_recipe=recipe) is None]
 
 
 def _single_replica_zero(strategy: Strategy, pins: Constraints) -> Strategy:
@@ -595,6 +603,12 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                 if value is not None)
             if reason:
                 return DsautoError(f"{pinned} cannot run: {reason}.")
+    if model.moe and pins.sequence_parallel is False and (pins.tp or 1) > 1 and pins.engine != "deepspeed":
+        # DeepSpeed plans have no tensor parallelism, so a pinned tp > 1 leaves Megatron-core alone
+        reason = expert_parallel_refusal("megatron", ParallelDims(dp=max(1, world // pins.tp), tp=pins.tp), 1, False,
+                                         model.num_experts, model.expert_ffn_hidden_size)
+        return DsautoError(f"Sequence parallelism off (--no-sequence-parallel) cannot run with --tp {pins.tp}: "
+                           f"{reason}; turn it on, or pin --tp 1.")
     if pins.tp is not None:
         problem = model.tp_problem(pins.tp)
         if problem:
@@ -671,7 +685,8 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         dims = ParallelDims(dp=max(1, world // (tp * pp)), tp=tp, pp=pp)
         engine = pins.engine or "deepspeed"
         zero = pins.zero_stage if pins.zero_stage is not None else 3 if pins.offload == "optimizer+params" else 1
-        reason = offload_refusal(engine, dims, zero, pins.offload or "none", host_problem(cluster))
+        reason = offload_refusal(engine, dims, zero, pins.offload or "none", host_problem(cluster),
+                                 fp8_param_gather_recipe(pins))
         if reason:
             return DsautoError(f"--offload {pins.offload} cannot run: {reason}.")
         reason = hpz_refusal(engine, dims, pins.zero_stage if pins.zero_stage is not None else 3, pins.hpz or 1,

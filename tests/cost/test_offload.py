@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import itertools
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,7 @@ from dsauto.spec.loaders import load_cluster, load_hardware, load_model
 from dsauto.spec.model import ModelSpec, layer_groups
 from dsauto.spec.training import TrainSpec
 
+MIXTRAL = Path(__file__).parents[1] / "spec" / "configs" / "mixtral-8x7b.json"
 KEEP = LayerOption(checkpoint=False, shard_params=False, split=1)
 SHARD = LayerOption(checkpoint=False, shard_params=True, split=1)
 
@@ -284,3 +286,17 @@ def test_hpz_search_against_brute_force_and_its_bound():
         solved = planner._solve(bound)
         plan = planner.build_plan(solved.strategy, solved.stage_layers, solved.options)
         assert bound.lower_bound(model.num_layers) <= plan.prediction.step_seconds * (1 + 1e-12)
+
+
+def test_megatron_offloads_beside_fp8_weight_gathers_only_under_delayed_scaling():
+    """Megatron-LM's validate_args: with --fp8-param-gather the optimizer's CPU offload needs
+    --fp8-recipe delayed. Pinned, tensorwise is refused in one sentence; unpinned, the search never
+    reaches for the offload there (Mixtral on 8 H100s fits only offloaded), and delayed runs it."""
+    shape = dict(model=str(MIXTRAL), hardware="h100-80gb", global_batch=64, seq_len=4096, engine="megatron",
+                 fp8=True, fp8_param_gather=True, micro_batch=1)
+    with pytest.raises(DsautoError, match=r"--offload optimizer cannot run: Megatron-LM offloads the optimizer beside "
+                                          r"--fp8-param-gather only under --fp8-recipe delayed, not tensorwise\."):
+        find_plans(make_problem(**shape, fp8_recipe="tensorwise", offload="optimizer"))
+    with pytest.raises(DsautoError, match="does not fit"):
+        find_plans(make_problem(**shape, fp8_recipe="tensorwise"))
+    assert find_plans(make_problem(**shape, fp8_recipe="delayed"))[0].offload == "optimizer"

@@ -350,3 +350,11 @@ def test_errors_name_the_flags_the_launch_file_set(tmp_path, capsys):
     assert main(["plan", "--megatron-args", str(script), "--hardware", "cpu"]) == 2
     assert ("sets --pipeline-model-parallel-layout Et|t*2L, which places 3 transformer layers, and the model has 4; "
             "make them agree.") in capsys.readouterr().err
+    # A mixture of experts at tp 2 without --sequence-parallel, which Megatron-core's MoE layer refuses:
+    # named as what the file leaves out, not as a batch that does not divide
+    experts = " --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-token-dispatcher-type alltoall"
+    script.write_text("torchrun --nproc_per_node 4 pretrain_gpt.py " + base + experts + "\n")
+    assert main(["plan", "--megatron-args", str(script), "--hardware", "cpu"]) == 2
+    assert ("Sequence parallelism off (no --sequence-parallel) cannot run with --tensor-model-parallel-size 2: "
+            "Megatron-core trains MoE layers under tensor parallelism only with sequence parallelism; turn it on"
+            in capsys.readouterr().err)

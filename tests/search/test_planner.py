@@ -104,6 +104,17 @@ def test_an_impossible_budget_says_whether_the_state_or_the_activations_overflow
     assert state <= held * (1 + 1e-3) < plan.prediction.peak_memory_bytes
 
 
+def test_a_pin_that_holds_the_searchs_own_choice_is_not_offered_to_unpin():
+    """Sequence parallelism pinned on (a launch that sets --sequence-parallel) is what the search does
+    anyway, and --no-sequence-parallel, the option that pins it, would turn it off: the no-fit
+    sentence does not offer it; pinned off, it does."""
+    model, cluster, train = setup(model="llama2-70b", nodes=1, per_node=2, batch=8, memory_limit=4 * 2**30)
+    for pinned, offered in ((True, False), (False, True)):
+        with pytest.raises(DsautoError) as caught:
+            Planner(model, cluster, train, Constraints(tp=2, sequence_parallel=pinned)).search()
+        assert ("--no-sequence-parallel" in str(caught.value)) is offered, caught.value
+
+
 def test_a_lower_bound_within_the_budget_is_not_quoted_as_what_a_plan_needs():
     """A two-layer model on two CPU ranks, its budget 95% of the smallest peak any plan of the space
     reaches (tests/search/test_memory_oracle.py enumerates them): the plans go over at moments the
