@@ -52,7 +52,8 @@ def write_staged(out_dir: Path, write: Callable[[Path], list[Path]]) -> list[Pat
     """Runs ``write`` into a staging folder inside ``out_dir`` (the same file system, even when
     ``out_dir`` is a mount point), then renames each file it wrote into ``out_dir``: an error leaves
     ``out_dir`` as it was (and removes it again if this call created it), and each file there is
-    either the old one or the complete new one. Staging folders left by writers that were killed
+    either the old one or the complete new one; a folder where a file goes is refused before any
+    rename. Staging folders left by writers that were killed
     are removed first. A folder that cannot be written is a DsautoError naming it."""
     out_dir = Path(out_dir)
     created = not out_dir.exists()
@@ -65,6 +66,10 @@ def write_staged(out_dir: Path, write: Callable[[Path], list[Path]]) -> list[Pat
             staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=out_dir))
         staged = write(staging)  # its own errors (a full disk) propagate as they are
         written = []
+        for path in staged:  # a folder in a file's place would stop the renames halfway
+            if (out_dir / path.name).is_dir():
+                raise DsautoError(f"{out_dir / path.name} is a folder where dsauto writes its {path.name}; move it "
+                                  f"or choose another --out (nothing was written).")
         with _folder_errors(out_dir):
             for path in staged:
                 target = out_dir / path.name

@@ -177,6 +177,10 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
         _check_model(described, model, where)
     launch = MegatronLaunch(model=model or described, environment=dict(environment or {}),
                             world=launcher_world(_launcher_words(words)))
+    if unsized := launcher_unsized(_launcher_words(words)):
+        launch.notes.append(f"{where}'s launcher sets {', '.join(unsized)}, which fixes no size (an elastic range, a "
+                            f"shell variable or 'gpu'), so the command line's --nodes and --gpus-per-node size the "
+                            f"plan (1 node and the hardware's devices where not given).")
     launch.spelled = {key: flag for key, flag in SPELLED.items() if flag in flags}
     if "--sequence-parallel" not in flags:  # dsauto's --no-sequence-parallel: the flag left out
         launch.spelled["sequence_parallel"] = "no --sequence-parallel"
@@ -221,18 +225,31 @@ def _launcher_words(words: list[str]) -> list[str]:
 def launcher_world(words: Sequence[str]) -> dict[str, int]:
     """``nodes`` and ``gpus_per_node`` as the launcher ``words`` set them (:data:`LAUNCHER_WORLD`);
     a shell variable (``$NNODES``), an elastic range (``--nnodes 1:4``) or ``--nproc-per-node gpu``
-    fixes nothing: the command line's --nodes and --gpus-per-node size the plan then."""
-    world: dict[str, int] = {}
+    fixes nothing (:func:`launcher_unsized`): the command line's --nodes and --gpus-per-node size the
+    plan then."""
+    return {LAUNCHER_WORLD[name]: int(value.partition(":")[0]) for name, value in _launcher_sizes(words)
+            if _fixed_size(value)}
+
+
+def launcher_unsized(words: Sequence[str]) -> list[str]:
+    """The launcher's size options that fix no size, as written (``--nnodes 2:4``)."""
+    return [f"{name} {value}" for name, value in _launcher_sizes(words) if not _fixed_size(value)]
+
+
+def _launcher_sizes(words: Sequence[str]) -> list[tuple[str, str]]:
+    """The launcher's size options (:data:`LAUNCHER_WORLD`) and their values, as written."""
+    sizes = []
     for i, word in enumerate(words):
         name, equals, value = word.partition("=")
-        if name not in LAUNCHER_WORLD:
-            continue
-        if not equals:
-            value = words[i + 1] if i + 1 < len(words) else ""
-        low, _, high = value.partition(":")
-        if low.isdigit() and int(low) >= 1 and (not high or high == low):
-            world[LAUNCHER_WORLD[name]] = int(low)
-    return world
+        if name in LAUNCHER_WORLD:
+            sizes.append((name, value if equals else words[i + 1] if i + 1 < len(words) else ""))
+    return sizes
+
+
+def _fixed_size(value: str) -> bool:
+    """Whether a launcher size says one whole number (``2``, or the range ``2:2``)."""
+    low, _, high = value.partition(":")
+    return low.isdigit() and int(low) >= 1 and (not high or high == low)
 
 
 def _flag_values(words: list[str], where: str) -> dict[str, str]:

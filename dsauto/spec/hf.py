@@ -1089,7 +1089,19 @@ def model_from_hf_config(config: Mapping[str, Any], where: str, default_name: st
         warnings.warn(f"{where}: dsauto does not know the {model_type} config key(s) {', '.join(unknown)} "
                       f"and plans without them; if they change the architecture, the plan does not "
                       f"include that.", DsautoWarning, stacklevel=3)
+    left_out = [f"{key}={config[key]!r}" for key in UNPLANNED_MODULE_KEYS if config.get(key)]
+    if left_out:
+        warnings.warn(f"{where}: its multi-token-prediction layers ({', '.join(left_out)}) are not planned, as "
+                      f"transformers does not build them either: the plan, its memory and its time are the main "
+                      f"model's, and a last pipeline stage that trains them holds one more layer and loss.",
+                      DsautoWarning, stacklevel=3)
     return from_dict(ModelSpec, spec, where)
+
+
+UNPLANNED_MODULE_KEYS = ("num_nextn_predict_layers", "num_mtp_modules", "use_mtp")
+"""Config keys (each family ignores them) that add multi-token-prediction layers beside the model
+(DeepSeek-V3, GLM-4.5, MiniMax-M2), which transformers does not build and dsauto does not plan: named
+in a warning where set."""
 
 
 NOT_ATTENTION_ONLY = {

@@ -97,6 +97,20 @@ def test_failure_while_plotting_leaves_no_partial_files(zero3_plan, populated, m
     assert_untouched(populated)
 
 
+def test_a_folder_where_an_artifact_goes_leaves_every_file_as_it_was(zero3_plan, populated):
+    """plan.png is renamed last: a folder in its place would fail after the other three were
+    replaced; it is refused, naming it, before any rename."""
+    (populated / "plan.png").unlink()
+    (populated / "plan.png").mkdir()
+    with pytest.raises(DsautoError, match=r"plan\.png is a folder where dsauto writes its plan\.png; move it or "
+                                          r"choose another --out \(nothing was written\)\."):
+        write_artifacts(zero3_plan, populated)
+    for name in NAMES + ["notes.txt"]:
+        if name != "plan.png":
+            assert (populated / name).read_text() == f"previous {name}"
+    assert (populated / "plan.png").is_dir() and not any(p.name.startswith(".") for p in populated.iterdir())
+
+
 def test_a_plan_deepspeed_refuses_is_not_written(make_plan, layer_runs, pipeline_plan, tmp_path):
     model = pipeline_plan.model
     plan = make_plan(model, dp=2, tp=1, pp=2, zero_stage=3, stage_layers=(3, 3),

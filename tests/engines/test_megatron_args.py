@@ -334,7 +334,9 @@ def test_the_launcher_sizes_the_plan_where_it_says_how_many_ranks_it_starts(tmp_
     script.write_text("deepspeed --num_nodes 1 --num_gpus 4" + body)
     assert read_megatron_args(script).world == {"nodes": 1, "gpus_per_node": 4}
     script.write_text("torchrun --nproc-per-node $GPUS --nnodes 1:4" + body)
-    assert read_megatron_args(script).world == {}
+    launch = read_megatron_args(script)
+    assert launch.world == {} and f"{script}'s launcher sets --nproc-per-node $GPUS, --nnodes 1:4, which fixes no size" \
+        in launch.notes[0]
 
 
 def test_errors_name_the_flags_the_launch_file_set(tmp_path, capsys):
