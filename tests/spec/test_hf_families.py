@@ -121,7 +121,23 @@ def config(name: str) -> dict:
 def load(name: str):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DsautoWarning)  # the public configs leave no key unread
+        warnings.filterwarnings("ignore", ".*its multi-token-prediction layers", DsautoWarning)  # named on purpose
         return model_from_hf_config(config(name), name)
+
+
+@pytest.mark.parametrize("name, layers", [("deepseek-v3", "num_nextn_predict_layers=1"),
+                                          ("glm-4.5-air", "num_nextn_predict_layers=1"), ("deepseek-v2-lite", None)])
+def test_multi_token_prediction_layers_are_named_as_not_planned(name, layers):
+    """DeepSeek-V3's and GLM-4.5's configs add a multi-token-prediction layer that transformers does
+    not build and dsauto does not plan: a warning names it; a config without one says nothing."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DsautoWarning)
+        model_from_hf_config(config(name), name)
+    said = [str(w.message) for w in caught if "multi-token-prediction" in str(w.message)]
+    assert said == ([] if layers is None else [
+        f"{name}: its multi-token-prediction layers ({layers}) are not planned, as transformers does not build "
+        f"them either: the plan, its memory and its time are the main model's, and a last pipeline stage that "
+        f"trains them holds one more layer and loss."])
 
 
 # Hub model types whose config transformers reads as another family's (the config's auto_map)
@@ -213,6 +229,7 @@ def test_config_object_reads_like_its_json(name):
         data = transformers.AutoConfig.for_model(**as_transformers(config(name))).to_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("error", DsautoWarning)
+        warnings.filterwarnings("ignore", ".*its multi-token-prediction layers", DsautoWarning)  # named on purpose
         assert model_from_hf_config(data, name) == load(name)
 
 
