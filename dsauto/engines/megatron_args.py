@@ -165,18 +165,23 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     vocabulary stands in for a missing ``--vocab-size``: Megatron-LM reads it from the tokenizer)."""
     words = list(words)
     flags = _flag_values(words, where)
+    undescribed = [spelling for spelling in DESCRIBED_BY_MODEL if _sets(flags, spelling)]
     for spelling, what in REFUSED.items():
-        name, _, value = spelling.partition(" ")
-        if name in flags and (not value or flags[name] == value):
+        if _sets(flags, spelling) and not (model is not None and spelling in DESCRIBED_BY_MODEL):
             if spelling == "--recompute-method uniform" and flags.get("--recompute-num-layers", "1") == "1":
                 continue
             raise DsautoError(f"{where} sets {spelling}, and dsauto does not price {what}; remove it, or plan "
                               f"without --megatron-args.")
-    described = _model(flags, where, model.vocab_size if model is not None else None)
+    described = None
+    if model is None or not undescribed:
+        described = _model(flags, where, model.vocab_size if model is not None else None)
     if model is not None and described is not None:
         _check_model(described, model, where)
     launch = MegatronLaunch(model=model or described, environment=dict(environment or {}),
                             world=launcher_world(_launcher_words(words)))
+    if model is not None and undescribed:
+        launch.notes.append(f"{where} sets {', '.join(undescribed)}, which dsauto reads from no flag, so the model is "
+                            f"--model {model.name} as named, its shape not checked against the flags.")
     if unsized := launcher_unsized(_launcher_words(words)):
         launch.notes.append(f"{where}'s launcher sets {', '.join(unsized)}, which fixes no size (an elastic range, a "
                             f"shell variable or 'gpu'), so the command line's --nodes and --gpus-per-node size the "
@@ -190,12 +195,31 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     _softmax(flags, launch, where)
     _recompute(flags, launch, where)
     known = VALUED | SWITCHES | set(REFUSED_NAMES)
+    if model is not None and undescribed:  # the named model holds what they say
+        known |= {name for name in flags if name.startswith(MODEL_DESCRIPTION_PREFIXES)}
     launch.unknown = sorted(launch.unknown + [name for name in flags
                                               if name not in known and not name.startswith(UNPRICED)])
     return launch
 
 
 REFUSED_NAMES = {spelling.split(" ")[0] for spelling in REFUSED}
+
+DESCRIBED_BY_MODEL = ("--multi-latent-attention", "--position-embedding-type yarn")
+"""Flags of a model dsauto cannot build from flags alone (latent attention's widths, YaRN's scaling),
+which a model named with ``--model`` describes instead: its launch, dsauto's own megatron_args.txt
+among them, then reads with that model."""
+
+
+MODEL_DESCRIPTION_PREFIXES = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+                              "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--yarn-", "--window-")
+"""Flags of latent attention's widths and of YaRN's scaling (:data:`DESCRIBED_BY_MODEL`), known where
+the model named with ``--model`` describes them."""
+
+
+def _sets(flags: dict[str, str], spelling: str) -> bool:
+    """Whether ``flags`` set ``spelling``: a flag, or a flag and its value (``--name value``)."""
+    name, _, value = spelling.partition(" ")
+    return name in flags and (not value or flags[name] == value)
 
 SPELLED = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
            "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +48,29 @@ def test_dsautos_own_arguments_read_back_into_the_same_plan(tmp_path, name, hard
     assert launch.notes == [] and launch.ddp_bucket_size == megatron_bucket_params(plan)
     [again] = find_plans(make_problem(launch.model, hardware, nodes=nodes, **launch.train, **launch.pins))
     # The same plan; only the ranking's record of the ties differs, the launch having pinned them away.
+    assert dataclasses.replace(again, ranking=None) == dataclasses.replace(plan, ranking=None)
+
+
+CONFIGS = Path(__file__).parents[1] / "spec" / "configs"
+
+
+@pytest.mark.parametrize("config, flag", [("deepseek-v2-lite.json", "--multi-latent-attention"),
+                                          ("gpt-oss-20b.json", "--position-embedding-type yarn")])
+def test_a_model_the_flags_cannot_describe_reads_back_with_it_named(tmp_path, config, flag):
+    """Latent attention's widths and YaRN's scaling come from no flag dsauto reads: without --model such
+    a launch is refused; with it, dsauto's own megatron_args.txt reads back into the same plan, its
+    shape flags known, and a note says the flags' model is the named one, unchecked."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        model = load_model(str(CONFIGS / config))
+    plan = make_plan(model, "h100-80gb", nodes=1, global_batch=64, seq_len=4096, engine="megatron")
+    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    with pytest.raises(DsautoError, match="the model with --model"):
+        read_megatron_args(path)
+    launch = read_megatron_args(path, plan.model)
+    assert launch.unknown == []
+    assert any(f"sets {flag}" in note and "the model is --model" in note for note in launch.notes), launch.notes
+    [again] = find_plans(make_problem(launch.model, "h100-80gb", nodes=1, **launch.train, **launch.pins))
     assert dataclasses.replace(again, ranking=None) == dataclasses.replace(plan, ranking=None)
 
 
