@@ -136,10 +136,45 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
         raise DsautoError(f"cannot read the Megatron-LM arguments {path}: {error.strerror}; give a readable "
                           f"file.") from None
     try:
-        words = shlex.split(text.replace("\\\n", " "), comments=True)
+        words = shlex.split(expand_shell_variables(text).replace("\\\n", " "), comments=True)
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
     return parse_megatron_args(words, str(path), model, launch_environment(text))
+
+
+_ARRAY = re.compile(r"^[ \t]*(?:declare[ \t]+-a[ \t]+)?([A-Za-z_]\w*)(\+?)=\((.*?)\)[ \t]*$", re.M | re.S)
+_SCALAR = re.compile(r"^[ \t]*(?:export[ \t]+)?([A-Za-z_]\w*)=(\"[^\"\n]*\"|'[^'\n]*'|[^\s(\"'][^\s]*)?[ \t]*$", re.M)
+_REFERENCE = re.compile(r"\"?\$\{([A-Za-z_]\w*)\[[@*]\]\}\"?|\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
+
+
+def expand_shell_variables(text: str) -> str:
+    """``text`` with the bash arrays it defines (``NAME=( ... )``, ``NAME+=( ... )``) taken out and
+    each ``${NAME[@]}`` replaced by their words, and each ``$NAME`` / ``${NAME}`` of a variable it
+    sets to one value (``NAME=value``, ``export NAME=value``) replaced by that value, as Megatron-LM's
+    example launch scripts build their command (``torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py
+    ${GPT_MODEL_ARGS[@]} ...``). A variable set outside the file (``$1``, ``$NNODES`` from the job)
+    stays as written."""
+    scalars: dict[str, str] = {}
+    for name, value in _SCALAR.findall(text):
+        scalars[name] = _substitute(value.strip("\"'"), scalars, {})
+    arrays: dict[str, str] = {}
+    for name, append, body in _ARRAY.findall(text):
+        words = " ".join(line.split("#")[0] for line in body.replace("\\\n", " ").splitlines())
+        words = _substitute(words, scalars, arrays)
+        arrays[name] = f"{arrays[name]} {words}" if append and name in arrays else words
+    return _substitute(_ARRAY.sub("", text), scalars, arrays)
+
+
+def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, str]) -> str:
+    """``text`` with the references to ``arrays`` and ``scalars`` replaced by their values."""
+    def value(match: re.Match[str]) -> str:
+        array, braced, bare = match.groups()
+        if array is not None:
+            return f" {arrays[array]} " if array in arrays else match.group(0)
+        name = braced or bare
+        return scalars.get(name, match.group(0))
+
+    return _REFERENCE.sub(value, text)
 
 
 def launch_environment(text: str) -> dict[str, str]:

@@ -343,6 +343,27 @@ def test_a_launch_script_reads_as_its_flags(tmp_path):
     assert launch.pins["tp"] == 2 and launch.train["global_batch"] == 8 and launch.unknown == []
 
 
+def test_a_script_of_bash_arrays_reads_as_the_command_they_build(tmp_path):
+    """Megatron-LM's example scripts gather their flags in bash arrays and size the launch with
+    variables: the arrays (appended to as well) expand where ``${NAME[@]}`` stands, quoted or not,
+    and a variable the file sets to one value where ``$NAME`` does; one set outside the file stays."""
+    lines = MINIMAL.replace(" --data-path /data/x", "").split(" --")
+    model, rest = " --".join(lines[:4]), "--" + " --".join(lines[4:])
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/bash\n"
+                      "GPUS_PER_NODE=4\nNUM_NODES=2\nexport CKPT=$1\n"
+                      "DISTRIBUTED_ARGS=(\n    --nproc_per_node $GPUS_PER_NODE\n    --nnodes ${NUM_NODES}\n)\n"
+                      f"MODEL_ARGS=(\n    {model}  # the shape\n)\n"
+                      "MODEL_ARGS+=(--vocab-size 4096)\n"
+                      f"REST=(\n    {rest.replace(' --vocab-size 4096', '')}\n)\n"
+                      "torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py \\\n"
+                      "    ${MODEL_ARGS[@]} \"${REST[@]}\" --save $CKPT\n")
+    launch = read_megatron_args(script)
+    assert launch.world == {"nodes": 2, "gpus_per_node": 4}
+    assert launch.pins["tp"] == 2 and launch.train["global_batch"] == 8 and launch.unknown == []
+    assert launch.model.num_layers == 4 and launch.model.vocab_size == 4096
+
+
 def test_the_launcher_sizes_the_plan_where_it_says_how_many_ranks_it_starts(tmp_path, capsys):
     """torchrun's --nnodes and --nproc-per-node (and the deepspeed launcher's --num_nodes and
     --num_gpus) give the world the command line leaves out; one that contradicts them is refused; a
