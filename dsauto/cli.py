@@ -558,8 +558,10 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         profile, stored = record_study(source, profile, planner, result)
         steps = [step for record in profile.history for step in record.steps]
         contended = sum(step.contended for step in steps)
-        print(f"calibration: {profile.calibration.describe()}; fitted to the {len(steps)} steps of "
-              f"{len(profile.history)} studies kept with the profile {stored}"
+        from dsauto.units import counted
+
+        print(f"calibration: {profile.calibration.describe()}; fitted to the {counted(len(steps), 'step')} of "
+              f"{counted(len(profile.history), 'study', 'studies')} kept with the profile {stored}"
               + (f" ({contended} measured under CPU contention count less)" if contended else ""))
         written = write_artifacts(result.plan, out, **_config_options(args))
         written += write_trials(result.records, result.plan, out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from dsauto.plan import LayerChoice, Plan
-from dsauto.units import format_bytes, format_count, format_flops, format_seconds
+from dsauto.units import format_bytes, format_count, format_flops, format_seconds, counted
 
 
 CP_EXCHANGES = {"p2p": "a ring of keys and values", "all_gather": "keys and values all-gathered",
@@ -48,9 +48,9 @@ def describe_plan(plan: Plan) -> str:
                  if plan.flash_attention else "eager attention")
     lines = [
         f"dsauto plan: {plan.model.name} on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} "
-        f"({plan.world_size} devices), {format_count(plan.model.num_parameters())} parameters",
+        f"({counted(plan.world_size, 'device')}), {format_count(plan.model.num_parameters())} parameters",
         f"  engine      {plan.engine}" + ("" if plan.ranking is None else f"; {_ranking_text(plan)}"),
-        f"  degrees     {plan.dims.describe()}; {plan.world_size} devices = "
+        f"  degrees     {plan.dims.describe()}; {counted(plan.world_size, 'device')} = "
         f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "")
         + (" (DeepSpeed-Ulysses)" if plan.cp > 1 and plan.engine == "deepspeed" else "")
         + (f" ({CP_EXCHANGES[plan.cp_comm_type]})" if plan.cp > 1 and plan.engine == "megatron" else "")
@@ -72,7 +72,7 @@ def describe_plan(plan: Plan) -> str:
     lines += [
         f"  predicted ({pred.basis})  step {format_seconds(pred.step_seconds)}, "
         f"{format_count(pred.tokens_per_second)} tokens/s, MFU {pred.mfu:.1%}, "
-        f"{format_flops(pred.tflops_per_device * 1e12)} per device",
+        f"{format_flops(pred.tflops_per_device * 1e12)} per device run (recomputation included)",
         f"              compute {format_seconds(pred.compute_seconds)}, bubble "
         f"{format_seconds(pred.bubble_seconds)}, exposed comm {format_seconds(pred.exposed_comm_seconds)}, "
         f"optimizer {format_seconds(pred.optimizer_seconds)}",
@@ -101,12 +101,18 @@ def describe_plan(plan: Plan) -> str:
             f"predicted); median of {got.steps} steps, trial {got.trial} of study {got.study}")
     lines += [
         f"  memory per rank (budget {format_bytes(plan.memory_budget_bytes)}) and time per micro-batch:",
-        "    stage  layers      params     grads  optimizer  activations  transient       peak"
-        "    forward   backward",
     ]
-    for st in plan.stages:
+    held = plan.rank_layers()
+    # an interleaved rank holds several runs of layers (its chunks), not the span between them
+    spans = [f"{st.first_layer:>3}-{st.last_layer:<4}" if plan.virtual_stages == 1 else
+             layers_text(held[st.stage]).removeprefix("layers ").removeprefix("layer ").replace(", ", ",")
+             for st in plan.stages]
+    width = max(8, *map(len, spans))
+    lines.append(f"    stage  {'layers':<{width}} {'params':>9} {'grads':>9} {'optimizer':>10} {'activations':>12} "
+                 f"{'transient':>10} {'peak':>10} {'forward':>10} {'backward':>10}")
+    for st, span in zip(plan.stages, spans, strict=True):
         lines.append(
-            f"    {st.stage:>5}  {st.first_layer:>3}-{st.last_layer:<4} {format_bytes(st.params_bytes):>9} "
+            f"    {st.stage:>5}  {span:<{width}} {format_bytes(st.params_bytes):>9} "
             f"{format_bytes(st.grads_bytes):>9} {format_bytes(st.optimizer_bytes):>10} "
             f"{format_bytes(st.activation_bytes):>12} {format_bytes(st.transient_bytes):>10} "
             f"{format_bytes(st.peak_bytes):>10} {format_seconds(st.forward_seconds):>10} "

@@ -95,6 +95,11 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """``count`` and ``noun``, in the plural unless the count is one: "1 device", "2 studies"."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 def format_count(count: float) -> str:
     """Formats a large count with a metric suffix, e.g. ``"174.6B"``."""
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):

@@ -24,7 +24,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -32,7 +32,7 @@ import optuna
 from optuna.trial import TrialState
 
 from dsauto.cost.calibration import Calibration
-from dsauto.errors import DsautoError
+from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.plan import Measurement, Plan
 from dsauto.profile.launch import process_alive
 from dsauto.profile.store import MeasuredStep
@@ -403,6 +403,8 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
                           f"{counts['failed']} failed; logs in {out / 'trials'}); raise --memory-limit or "
                           f"fix the failures and rerun.")
     best = min(feasible, key=lambda t: t.value)
+    if unfair := contended_comparison(feasible, best):
+        warnings.warn(unfair, DsautoWarning, stacklevel=2)
     winner = by_key[key_of(Knobs.from_params(best.params))]
     tokens = winner.plan.global_batch * winner.plan.seq_len
     measured = Measurement(step_seconds=best.value, tokens_per_second=tokens / best.value,
@@ -412,6 +414,19 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
     return TuneResult(plan=replace(winner.plan, measured=measured), records=records, calibration=calibration,
                       study_name=name, storage=url, new_trials=new_trials, space=tuple(space), winner=winner,
                       steps=steps)
+
+
+def contended_comparison(feasible: Sequence[optuna.trial.FrozenTrial], best: optuna.trial.FrozenTrial) -> str | None:
+    """The sentence saying that the trials the winner ``best`` was chosen among were not measured
+    alike, or None: a trial measured while other processes kept the CPU busy ran slower than it
+    runs, so the fastest measured step may not be the fastest plan."""
+    contended = [t.number for t in feasible if t.user_attrs.get(CONTENDED)]
+    if not contended:
+        return None
+    which = f"trial{'s' if len(contended) > 1 else ''} {', '.join(map(str, contended))}"
+    return (f"trial {best.number} measured the fastest step of {len(feasible)}, but {which} ran while other "
+            f"processes kept the CPU busy and may run faster than measured; rerun the study on an idle machine "
+            f"to compare them fairly.")
 
 
 def _measured_step(trial: optuna.trial.FrozenTrial, by_key: dict[str, Candidate]) -> MeasuredStep:
@@ -440,14 +455,20 @@ def _store(trial: optuna.Trial, outcome: TrialOutcome) -> None:
         trial.set_user_attr(PEAK, outcome.measurement.peak_bytes)
 
 
+def _off(predicted: float, measured: float) -> str:
+    """How far a prediction is from what was measured, in words: "12% low", "3% high", "exact"."""
+    error = (predicted - measured) / measured
+    return "exact" if round(error, 2) == 0 else f"{abs(error):.0%} {'low' if error < 0 else 'high'}"
+
+
 def _outcome_line(outcome: TrialOutcome, predicted_seconds: float, predicted_peak: int) -> str:
     wall = f"{outcome.wall_seconds:.0f} s"
     if outcome.measurement is None:
         return f"{outcome.status}: {outcome.reason} ({wall}; log {outcome.log})"
     m = outcome.measurement
-    text = (f"{outcome.status}: step {format_seconds(m.step_seconds)} "
-            f"({(predicted_seconds - m.step_seconds) / m.step_seconds:+.0%} predicted), peak "
-            f"{format_bytes(m.peak_bytes)} ({(predicted_peak - m.peak_bytes) / m.peak_bytes:+.0%} predicted), {wall}")
+    text = (f"{outcome.status}: step {format_seconds(m.step_seconds)} (predicted {format_seconds(predicted_seconds)}, "
+            f"{_off(predicted_seconds, m.step_seconds)}), peak {format_bytes(m.peak_bytes)} (predicted "
+            f"{format_bytes(predicted_peak)}, {_off(predicted_peak, m.peak_bytes)}), {wall}")
     if outcome.contended:
         text += (f"; measured under contention (other processes kept {outcome.other_load:.1f} cores busy), so "
                  f"it counts {CONTENDED_WEIGHT:g} of a step in the calibration")

@@ -297,3 +297,21 @@ def test_a_missing_database_driver_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "psycopg", None)  # as where psycopg is not installed
     with pytest.raises(DsautoError, match=r"driver is not installed .*install dsauto\[postgres\]"):
         open_storage("postgresql://dsauto@127.0.0.1:1/study", attempts=1)
+
+
+def test_a_winner_chosen_among_trials_measured_under_contention_is_said_to_be():
+    """A trial measured while other processes kept the CPU busy ran slower than it runs: where the
+    winner was chosen among such trials, the sentence names them; measured alike, nothing is said."""
+    from dsauto.refine.study import CONTENDED, contended_comparison
+
+    def trial(number: int, seconds: float, contended: bool) -> optuna.trial.FrozenTrial:
+        made = optuna.trial.create_trial(value=seconds, params={}, distributions={},
+                                         user_attrs={CONTENDED: contended})
+        made.number = number
+        return made
+
+    calm, busy, busier = trial(0, 0.13, False), trial(1, 0.27, True), trial(2, 0.28, True)
+    assert contended_comparison([calm, busy, busier], calm) == (
+        "trial 0 measured the fastest step of 3, but trials 1, 2 ran while other processes kept the CPU busy and "
+        "may run faster than measured; rerun the study on an idle machine to compare them fairly.")
+    assert contended_comparison([calm, trial(1, 0.2, False)], calm) is None
