@@ -69,7 +69,7 @@ def default_seq_len(model: ModelSpec, seq_len: int | None = None) -> int:
     positions: a DsautoError for learned position embeddings (the table has no row for them); a
     warning for rotary or no position embeddings, where training at a longer length is how a
     context is extended (Llama 3.1 extended Llama 3's 8K to 128K that way)."""
-    seq_len = seq_len or min(DEFAULT_SEQ_LEN, model.max_position_embeddings)
+    seq_len = min(DEFAULT_SEQ_LEN, model.max_position_embeddings) if seq_len is None else seq_len
     if seq_len > model.max_position_embeddings and model.position_embedding != "learned":
         warnings.warn(f"{model.name} was trained with {model.max_position_embeddings} positions; planning "
                       f"{seq_len}-token sequences extends its context (set its rotary base or scaling "
@@ -229,7 +229,9 @@ def make_problem(
                           dtype=dtype or cluster.hardware.dtype,  # type: ignore[arg-type]
                           flash_attention=flash_attention)
     except ValueError as exc:  # out of the bounds of dsauto/spec/limits.py
-        raise DsautoError(f"The workload is out of range: {exc}; change --global-batch, --seq-len or --dtype.") from None
+        option = {"seq_len": "--seq-len", "dtype": "--dtype", "flash_attention": "--no-flash-attention"}.get(
+            str(exc).split(" ")[0], "--global-batch")
+        raise DsautoError(f"The workload is not one dsauto plans: {exc}; change {option}.") from None
     pins = Constraints(tp=tp, pp=pp, zero_stage=zero_stage, micro_batch=micro_batch, checkpoint=checkpoint,
                        sequence_parallel=sequence_parallel, cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp,
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,
@@ -288,12 +290,12 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
     if top_k < 1:
         raise DsautoError(f"top_k must be at least 1, got {top_k}.")
     if isinstance(profile, (str, os.PathLike)):
-        from dsauto.profile.store import find_profile  # imports torch: only when a profile is named
+        from dsauto.profile.store import OTHER_ENGINES_PROFILE, find_profile  # imports torch: only when named
 
         with warnings.catch_warnings():  # another engine's profile: said below, of the plan found
-            warnings.simplefilter("ignore")
+            warnings.filterwarnings("ignore", OTHER_ENGINES_PROFILE)
             profile = find_profile(Path(profile), problem.model, problem.train.dtype, problem.train.seq_len,
-                                   problem.pins.engine)
+                                   problem.pins.engine, problem.cluster.device.name)
     planner = Planner(problem.model, problem.cluster, problem.train, problem.pins, profile)
     # Every plan within the tie tolerance of the fastest competes for first place on memory headroom.
     plans = rank_by_headroom(planner.search(top_k=top_k, progress=progress, within=TIE_TOLERANCE))[:top_k]

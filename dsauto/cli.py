@@ -290,6 +290,9 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
     model: Any = args.model or DEFAULT_MODEL
     nodes, gpus_per_node = args.nodes, args.gpus_per_node
     if args.megatron_args is not None:
+        if pins.get("hf_trainer"):
+            raise DsautoError("--for hf plans for Hugging Face's Trainer, which runs DeepSpeed, and --megatron-args "
+                              "reads a Megatron-LM launch; drop one of them.")
         model, launch_train, launch_pins, world, spelled = _launch_from_args(args)
         args.launch_spelled = {key: flag for key, flag in spelled.items() if key not in train and key not in pins}
         train, pins = _merged(train, launch_train, "--megatron-args"), _merged(pins, launch_pins, "--megatron-args")
@@ -369,12 +372,12 @@ def _search(args: argparse.Namespace):
     problem = problem_from_args(args)
     profile = None
     if args.profile is not None:  # read before the clock starts: the store imports torch
-        from dsauto.profile.store import find_profile
+        from dsauto.profile.store import OTHER_ENGINES_PROFILE, find_profile
 
         with warnings.catch_warnings():  # another engine's profile: find_plans says so, of the plan found
-            warnings.simplefilter("ignore")
+            warnings.filterwarnings("ignore", OTHER_ENGINES_PROFILE)
             profile = find_profile(args.profile, problem.model, problem.train.dtype, problem.train.seq_len,
-                                   problem.pins.engine)
+                                   problem.pins.engine, problem.cluster.device.name)
     started = time.perf_counter()
     with SearchProgress() as progress:
         plans = find_plans(problem, top_k=1 + args.top, profile=profile, progress=progress.update)
@@ -495,7 +498,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     from dsauto.profile.resources import check_fits, profiling_rank_bytes, ranks_on_cpu
     from dsauto.profile.run import launch_profile
     from dsauto.profile.layers import REFERENCE_ENGINE
-    from dsauto.profile.store import NoMatchingProfile, find_profile
+    from dsauto.profile.store import OTHER_ENGINES_PROFILE, NoMatchingProfile, find_profile
     from dsauto.refine.artifacts import write_trials
     from dsauto.refine.history import record_study
     from dsauto.refine.study import check_trials, leading_nodes, open_storage, refine
@@ -516,7 +519,8 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     source = Path(args.profile or args.profile_dir)
     profile = None
     if args.profile is not None:
-        profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine)  # given: it must be there
+        profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine,  # given: it must be there
+                               cluster.device.name)
     else:
         check_writable_folder(args.profile_dir, "--profile-dir")
     if settings.storage is not None:
@@ -529,8 +533,9 @@ def _cmd_refine(args: argparse.Namespace) -> int:
         if profile is None:
             try:
                 with warnings.catch_warnings():  # another engine's profile: profiled now, not used
-                    warnings.simplefilter("ignore")
-                    profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine)
+                    warnings.filterwarnings("ignore", OTHER_ENGINES_PROFILE)
+                    profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine,
+                                           cluster.device.name)
                 if pins.engine is not None and profile.engine != pins.engine:
                     raise NoMatchingProfile(f"{source} has no profile of {pins.engine}'s layers")
             except DsautoError:
@@ -545,7 +550,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
                 _say(f"profiling {model.name} on {ranks} ranks into {source} first (once; later tunes reuse it)")
                 launch_profile(args.model or DEFAULT_MODEL, train.dtype, train.seq_len, tps, ranks, source, _say,
                                engine=pins.engine or REFERENCE_ENGINE)
-                profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine)
+                profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine, cluster.device.name)
         if profile.calibration is not None:
             _say(f"the profile's calibration applies: {profile.calibration.describe()}")
         planner = Planner(model, cluster, train, pins, profile)
@@ -565,7 +570,6 @@ def _cmd_refine(args: argparse.Namespace) -> int:
               + (f" ({contended} measured under CPU contention count less)" if contended else ""))
         written = write_artifacts(result.plan, out, **_config_options(args))
         written += write_trials(result.records, result.plan, out)
-        _warn_of_what_the_flags_leave_out(result.plan)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
@@ -614,25 +618,8 @@ def _cmd_tune(args: argparse.Namespace, write: bool) -> int:
         plans, seconds = _search(args)
         _print_plans(plans, seconds)
         written = write_artifacts(plans[0], Path(args.out), **_config_options(args))
-        _warn_of_what_the_flags_leave_out(plans[0])
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
-
-
-def _warn_of_what_the_flags_leave_out(plan: Any) -> None:
-    """Warns where a Megatron-core plan's megatron_args.txt cannot state choices the plan's memory
-    and time count on (scattered checkpointing, resident ZeRO-3 layers, split operators): a launch of
-    the flags alone runs without them."""
-    from dsauto.emit.megatron import hook_applied
-    from dsauto.errors import DsautoWarning
-
-    gaps = hook_applied(plan) if plan.engine == "megatron" else []
-    if gaps:
-        warnings.warn(f"megatron_args.txt cannot state what the plan's memory and time count on ({'; '.join(gaps)}): "
-                      f"a Megatron-LM launch of its flags alone runs without it; launch through dsauto's "
-                      f"Megatron-core plugin (dsauto.megatron), which applies it, or re-plan with pins whose flags "
-                      f"state it (--recompute-num-layers N for Megatron's block recomputation).", DsautoWarning,
-                      stacklevel=2)
 
 
 def _print_plans(plans: list, seconds: float) -> None:

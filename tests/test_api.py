@@ -106,10 +106,23 @@ def test_model_and_hardware_as_objects_or_paths():
     (lambda: make_problem(global_batch=8.0), r"global_batch must be a whole number, got 8\.0"),
     (lambda: make_problem(dtype="bf17"), r"dtype must be one of bf16, fp16, fp32, got 'bf17'"),
     (lambda: make_problem(gpus_per_node=2.5), r"devices per node must be a whole number, got 2\.5"),
+    (lambda: make_problem(seq_len=0), r"seq_len must be from 1 to \d+, got 0; change --seq-len\."),
+    (lambda: make_problem(flash_attention=1), r"flash_attention must be True or False, got 1; change "
+                                               r"--no-flash-attention\."),
 ])
 def test_user_errors_are_one_sentence(call, message):
     with pytest.raises(DsautoError, match=message):
         call()
+
+
+def test_pins_of_numpy_integers_and_false_for_hf_read_as_their_python_values():
+    import numpy as np
+
+    problem = make_problem(tp=np.int64(2), zero_stage=np.int64(1), global_batch=np.int64(16),
+                           gpus_per_node=np.int64(2), hf_trainer=False)
+    assert (problem.pins.tp, problem.pins.zero_stage, problem.train.global_batch, problem.cluster.world_size) == (
+        2, 1, 16, 2) and type(problem.pins.tp) is int and problem.pins.hf_trainer is None
+    assert make_problem(hf_trainer=True).pins.engine == "deepspeed"  # what Hugging Face's Trainer runs
 
 
 def test_top_k_plans_best_first():

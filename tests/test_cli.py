@@ -262,10 +262,16 @@ def test_for_hf_plans_only_what_a_transformers_model_runs(tmp_path, capsys):
                                                  "DeepSpeed"),
                       (["--cp", "2"], "--cp 2: a transformers decoder layer has no DistributedAttention"),
                       (["--recompute-modules", "core_attn"], "--recompute-modules core_attn: a transformers decoder "
-                                                             "layer has no attention core")):
+                                                             "layer has no attention core"),
+                      (["--model", str(MIXTRAL), "--ep", "2"], "--ep 2: a transformers model has no "
+                                                               "deepspeed.moe.layer.MoE layers")):
         code, out, err = run(capsys, "tune", *shape, "--for", "hf", *pin, "--out", str(tmp_path / "no"))
         assert code == 2 and out == "" and not (tmp_path / "no").exists()
         assert f"A plan for Hugging Face's Trainer (--for hf) cannot run {said}" in err, err
+    code, out, err = run(capsys, "plan", *shape, "--for", "hf", "--tp", "2")
+    assert code == 2 and ("A plan for Hugging Face's Trainer (--for hf) runs DeepSpeed, and DeepSpeed plans have no "
+                          "tensor parallelism (tp 2)") in err and err.rstrip().endswith("pin --tp 1, or plan without "
+                                                                                     "--for hf."), err
     code, out, err = run(capsys, "tune", *shape, "--seq-len", "4096", "--memory-limit", "8GiB", "--for", "hf",
                          "--out", str(tmp_path / "no"))
     assert code == 2 and "does not fit" in err and "unpin" not in err, err

@@ -31,25 +31,20 @@ def test_validate_refuses_a_deepspeed_plan_edited_to_tensor_parallelism(tmp_path
     assert "DeepSpeed plans have no tensor parallelism (tp 2)" in error and len(error.splitlines()) == 1
 
 
-def test_a_megatron_plan_whose_flags_cannot_state_it_says_so(tmp_path, capsys):
-    """llama3-70b on 64 H100s at 8K tokens checkpoints scattered layers, which Megatron's block
-    recomputation cannot state: megatron_args.txt keeps them as a comment, and tune warns that a
-    launch of the flags alone runs without what the plan's memory counts on; pinned
-    --recompute-num-layers, the flags state it and nothing is said."""
-    import pytest
+def test_a_megatron_plans_flags_state_every_choice_it_made(tmp_path):
+    """llama3-70b on 64 H100s at 8K tokens, and llama3-8b at 16K tokens under 30 GiB (where the layer DP
+    reaches for checkpointing and the head's loss chunks): Megatron-core checkpoints the first N layers
+    of every model chunk and splits no operator, so a Megatron-core plan's checkpointing is that block
+    and it splits nothing; megatron_args.txt states all of it, no '# Not expressed' line of the plan's
+    own choices."""
+    from dsauto.engines.megatron import block_recompute_layers
 
-    from dsauto.errors import DsautoWarning
-
-    argv = ["tune", "--model", "llama3-70b", "--hardware", "h100-80gb", "--nodes", "8", "--global-batch", "512",
-            "--seq-len", "8192", "--engine", "megatron"]
-    with pytest.warns(DsautoWarning, match=r"megatron_args\.txt cannot state what the plan's memory and time count on "
-                                           r"\(activation checkpointing of transformer layers .*\): a Megatron-LM "
-                                           r"launch of its flags alone runs without it"):
-        assert main([*argv, "--out", str(tmp_path / "scattered")]) == 0
-    assert "# Not expressed: activation checkpointing" in (tmp_path / "scattered" / "megatron_args.txt").read_text()
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DsautoWarning)
-        assert main([*argv, "--recompute-num-layers", "2", "--out", str(tmp_path / "block")]) == 0
-    assert "--recompute-num-layers 2" in (tmp_path / "block" / "megatron_args.txt").read_text()
+    for name, argv in (("big", ["--model", "llama3-70b", "--nodes", "8", "--global-batch", "512", "--seq-len", "8192"]),
+                       ("tight", ["--model", "llama3-8b", "--seq-len", "16384", "--global-batch", "32",
+                                  "--memory-limit", "30GiB", "--pp", "2"])):
+        assert main(["tune", *argv, "--hardware", "h100-80gb", "--engine", "megatron", "--out",
+                     str(tmp_path / name)]) == 0
+        plan = read_plan(tmp_path / name / "plan.yaml")
+        assert block_recompute_layers(plan) is not None and all(run.split == 1 for run in plan.layers)
+        text = (tmp_path / name / "megatron_args.txt").read_text()
+        assert "# Not expressed: activation checkpointing" not in text and "operator splitting" not in text

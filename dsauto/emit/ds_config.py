@@ -93,7 +93,7 @@ def ds_config(plan: Plan, target: Target = "deepspeed") -> dict[str, Any]:
     if target not in ("deepspeed", "hf"):
         raise DsautoError(f"The config target {target!r} is not deepspeed or hf; write it for one of those.")
     if target == "hf" and (why := hf_trainer_plan_refusal(plan)):
-        raise DsautoError(f"Hugging Face's Trainer and accelerate cannot run this plan: {why}; re-plan with --for "
+        raise DsautoError(f"Hugging Face's Trainer and accelerate cannot run this plan, {why}; re-plan with --for "
                           f"hf (hf_trainer=True).")
     config = _deepspeed_config(plan)
     return hf_convention(config) if target == "hf" else config
@@ -326,11 +326,16 @@ def _check_optimizer_and_scheduler(config: dict[str, Any], cpu_optimizer: bool) 
         name, params = section["type"], dict(section.get("params") or {})
         if key == "optimizer":
             lowered = name.lower()
+            if "max_grad_norm" in params:  # DeepSpeed refuses it by name (_configure_basic_optimizer)
+                raise DsautoError("optimizer.params max_grad_norm is refused by deepspeed.initialize, which clips "
+                                  "gradients by the top-level gradient_clipping; move the value there.")
             if lowered in ("adam", "adamw"):
+                # Adam's name forces AdamW unless adam_w_mode says otherwise (DeepSpeed's default: True)
+                decoupled = lowered == "adamw" or params.pop("adam_w_mode", True)
                 params.pop("adam_w_mode", None)
                 params.pop("fp32_optimizer_states", None)
                 if params.pop("torch_adam", False):
-                    cls: Any = torch.optim.AdamW
+                    cls: Any = torch.optim.AdamW if decoupled else torch.optim.Adam
                 else:
                     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 

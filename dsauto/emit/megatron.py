@@ -52,14 +52,6 @@ def megatron_args(plan: Plan) -> list[str]:
     return lines
 
 
-def hook_applied(plan: Plan) -> list[str]:
-    """What ``plan`` does that its Megatron-LM flags cannot state and the dsauto hook applies (the
-    ``# Not expressed`` lines that name it), each up to its first semicolon."""
-    marker = f"{COMMENT}Not expressed: "
-    return [line[len(marker):].split(";")[0] for line in megatron_args(plan)
-            if line.startswith(marker) and "dsauto hook" in line]
-
-
 def megatron_argv(plan: Plan) -> list[str]:
     """``plan``'s Megatron-LM arguments as an argv list (flags and values as separate items)."""
     return [token for line in megatron_args(plan) if not line.startswith(COMMENT)

@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from dsauto.engines.rules import hf_trainer_refusal
 from dsauto.errors import DsautoWarning
 from dsauto.plan import Plan
 from dsauto.spec.training import DTYPE_BYTES
@@ -134,19 +135,18 @@ def unpriced_config_settings(config: Mapping[str, Any], plan: Plan) -> list[str]
 
 def hf_trainer_plan_refusal(plan: Plan) -> str | None:
     """What ``plan`` does that a ``transformers`` model under Hugging Face's Trainer or accelerate
-    cannot run (the rest of a sentence), or None: the plans of ``--for hf``
-    (dsauto.search.space.hf_trainer_refusal) never do it, a plan made for ``deepspeed.initialize``
-    may."""
-    if plan.engine != "deepspeed":
-        return f"it was made for {plan.engine}, and they run DeepSpeed"
-    if plan.pp > 1:
-        return f"it runs a pipeline of {plan.pp} stages, and they build no DeepSpeed pipeline"
-    if plan.cp > 1:
-        return f"it runs DeepSpeed-Ulysses (cp {plan.cp}), and a decoder layer has no DistributedAttention"
-    if any(run.split > 1 for run in plan.layers):
-        return "it splits operators, which dsauto's hook cannot do to a model they build"
-    if any("core_attn" in run.recompute_modules for run in plan.layers):
-        return "it recomputes the attention core, which a decoder layer does not hold apart from its projections"
+    cannot run (the setting and :func:`dsauto.engines.rules.hf_trainer_refusal`'s reason), or None:
+    the plans of ``--for hf`` never do it, a plan made for ``deepspeed.initialize`` may."""
+    recomputed = sorted({m for run in plan.layers for m in run.recompute_modules})
+    split = max(run.split for run in plan.layers)
+    for setting, why in ((f"engine {plan.engine}", hf_trainer_refusal(engine=plan.engine)),
+                         (f"pp {plan.pp}", hf_trainer_refusal(pp=plan.pp)),
+                         (f"cp {plan.cp}", hf_trainer_refusal(cp=plan.cp)),
+                         (f"ep {plan.ep}", hf_trainer_refusal(ep=plan.ep)),
+                         (f"recomputation of {'+'.join(recomputed)}", hf_trainer_refusal(recompute_modules=recomputed)),
+                         (f"operators split in up to {split} slices", hf_trainer_refusal(split=split))):
+        if why:
+            return f"its {setting}: {why}"
     return None
 
 

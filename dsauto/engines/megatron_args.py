@@ -142,39 +142,120 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
     return parse_megatron_args(words, str(path), model, launch_environment(text))
 
 
-_ARRAY = re.compile(r"^[ \t]*(?:declare[ \t]+-a[ \t]+)?([A-Za-z_]\w*)(\+?)=\((.*?)\)[ \t]*$", re.M | re.S)
-_SCALAR = re.compile(r"^[ \t]*(?:export[ \t]+)?([A-Za-z_]\w*)=(\"[^\"\n]*\"|'[^'\n]*'|[^\s(\"'][^\s]*)?[ \t]*$", re.M)
-_REFERENCE = re.compile(r"\"?\$\{([A-Za-z_]\w*)\[[@*]\]\}\"?|\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
+_ASSIGNMENT = re.compile(r"(?:export[ \t]+|declare[ \t]+-a[ \t]+)?([A-Za-z_]\w*)(\+?)=")
+_QUOTED_ARRAY = re.compile(r"\"(\$\{[A-Za-z_]\w*\[[@*]\]\})\"")
+_REFERENCE = re.compile(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}|\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
 
 
 def expand_shell_variables(text: str) -> str:
     """``text`` with the bash arrays it defines (``NAME=( ... )``, ``NAME+=( ... )``) taken out and
     each ``${NAME[@]}`` replaced by their words, and each ``$NAME`` / ``${NAME}`` of a variable it
-    sets to one value (``NAME=value``, ``export NAME=value``) replaced by that value, as Megatron-LM's
-    example launch scripts build their command (``torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py
-    ${GPT_MODEL_ARGS[@]} ...``). A variable set outside the file (``$1``, ``$NNODES`` from the job)
-    stays as written."""
+    sets to one value (``NAME=value``, ``export NAME=value``) replaced by that value, quoted, as
+    Megatron-LM's example launch scripts build their command (``torchrun ${DISTRIBUTED_ARGS[@]}
+    pretrain_gpt.py ${GPT_MODEL_ARGS[@]} ...``). Only assignments that start a line count: an
+    indented one may sit in a branch. A variable set outside the file (``$1``, ``$NNODES`` from the
+    job) stays as written, and nothing inside single quotes or a comment is expanded."""
     scalars: dict[str, str] = {}
-    for name, value in _SCALAR.findall(text):
-        scalars[name] = _substitute(value.strip("\"'"), scalars, {})
-    arrays: dict[str, str] = {}
-    for name, append, body in _ARRAY.findall(text):
-        words = " ".join(line.split("#")[0] for line in body.replace("\\\n", " ").splitlines())
-        words = _substitute(words, scalars, arrays)
-        arrays[name] = f"{arrays[name]} {words}" if append and name in arrays else words
-    return _substitute(_ARRAY.sub("", text), scalars, arrays)
+    arrays: dict[str, list[str]] = {}
+    out: list[str] = []
+    pos = 0
+    while pos < len(text):
+        match = _ASSIGNMENT.match(text, pos)
+        line_end = text.find("\n", pos)
+        line_end = len(text) if line_end < 0 else line_end + 1
+        if match and text.startswith("(", match.end()):
+            close = _closing_parenthesis(text, match.end() + 1)
+            body = _substitute(text[match.end() + 1:close], scalars, arrays)
+            words = shlex.split(body.replace("\\\n", " "), comments=True)
+            name, append = match.group(1), match.group(2)
+            arrays[name] = arrays.get(name, []) + words if append else words
+            rest = text.find("\n", close)
+            pos = len(text) if rest < 0 else rest + 1
+            continue
+        line = text[pos:line_end]
+        if match and not match.group(2):
+            try:
+                value = shlex.split(_substitute(line[match.end() - pos:], scalars, arrays), comments=True)
+            except ValueError:
+                value = []
+            if len(value) == 1:
+                scalars[match.group(1)] = value[0]
+        out.append(_substitute(line, scalars, arrays))
+        pos = line_end
+    return "".join(out)
 
 
-def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, str]) -> str:
-    """``text`` with the references to ``arrays`` and ``scalars`` replaced by their values."""
-    def value(match: re.Match[str]) -> str:
-        array, braced, bare = match.groups()
-        if array is not None:
-            return f" {arrays[array]} " if array in arrays else match.group(0)
-        name = braced or bare
-        return scalars.get(name, match.group(0))
+def _closing_parenthesis(text: str, pos: int) -> int:
+    """Where the ``)`` that closes an array opened just before ``pos`` stands: quotes, escapes,
+    comments and nested parentheses (``$(hostname)``) skipped, as bash reads them."""
+    depth, word_start = 0, True
+    while pos < len(text):
+        c = text[pos]
+        if c == "\\":
+            pos += 2
+            continue
+        if c in "'\"":
+            end = text.find(c, pos + 1)
+            pos = len(text) if end < 0 else end + 1
+            word_start = False
+            continue
+        if c == "#" and word_start:
+            end = text.find("\n", pos)
+            pos = len(text) if end < 0 else end
+            continue
+        if c == "(":
+            depth += 1
+        elif c == ")":
+            if depth == 0:
+                return pos
+            depth -= 1
+        word_start = c.isspace()
+        pos += 1
+    return len(text)
 
-    return _REFERENCE.sub(value, text)
+
+def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]) -> str:
+    """``text`` with the references to ``arrays`` and ``scalars`` replaced by their values, quoted
+    as words outside double quotes, not at all inside single quotes or a comment."""
+    text = _QUOTED_ARRAY.sub(r"\1", text)  # "${NAME[@]}": each element a word of its own, as unquoted
+    out, pos, double, word_start = [], 0, False, True
+    while pos < len(text):
+        c = text[pos]
+        if c == "'" and not double:
+            end = text.find("'", pos + 1)
+            end = len(text) if end < 0 else end + 1
+            out.append(text[pos:end])
+            pos, word_start = end, False
+            continue
+        if c == "#" and word_start and not double:
+            end = text.find("\n", pos)
+            end = len(text) if end < 0 else end
+            out.append(text[pos:end])
+            pos = end
+            continue
+        if c == "\\":
+            out.append(text[pos:pos + 2])
+            pos += 2
+            word_start = False
+            continue
+        match = _REFERENCE.match(text, pos) if c == "$" else None
+        if match:
+            array, braced, bare = match.groups()
+            if array is not None and array in arrays:
+                out.append(" ".join(arrays[array]) if double else shlex.join(arrays[array]))
+            elif array is None and (braced or bare) in scalars:
+                value = scalars[braced or bare]
+                out.append(value.replace("\\", "\\\\").replace('"', '\\"') if double else shlex.quote(value))
+            else:
+                out.append(match.group(0))
+            pos, word_start = match.end(), False
+            continue
+        if c == '"':
+            double = not double
+        out.append(c)
+        word_start = c.isspace()
+        pos += 1
+    return "".join(out)
 
 
 def launch_environment(text: str) -> dict[str, str]:
@@ -210,6 +291,8 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     described = None
     if model is None or not undescribed:
         described = _model(flags, where, model.vocab_size if model is not None else None)
+    else:
+        _check_undescribed_model(flags, model, where)
     if model is not None and described is not None:
         _check_model(described, model, where)
     launch = MegatronLaunch(model=model or described, environment=dict(environment or {}),
@@ -249,6 +332,21 @@ MODEL_DESCRIPTION_PREFIXES = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim"
                               "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--yarn-", "--window-")
 """Flags of latent attention's widths and of YaRN's scaling (:data:`DESCRIBED_BY_MODEL`), known where
 the model named with ``--model`` describes them."""
+
+
+def _check_undescribed_model(flags: dict[str, str], model: ModelSpec, where: str) -> None:
+    """Refuses a launch of latent attention or YaRN (:data:`DESCRIBED_BY_MODEL`) whose named model has
+    neither, or whose shape flags say another model than the named one."""
+    for spelling, has, what in (("--multi-latent-attention", model.latent_attention, "latent attention"),
+                                ("--position-embedding-type yarn", model.rope_scaling == "yarn", "YaRN rope scaling")):
+        if _sets(flags, spelling) and not has:
+            raise DsautoError(f"{where} sets {spelling}, and --model {model.name} has no {what}; plan the model the "
+                              f"launch trains.")
+    for flag, name in (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
+                       ("--num-attention-heads", "num_attention_heads"), ("--vocab-size", "vocab_size")):
+        if flag in flags and _int(flags, flag, where) != getattr(model, name):
+            raise DsautoError(f"{where} describes a model with {name} {flags[flag]}, and --model {model.name} has "
+                              f"{getattr(model, name)}; plan the model the launch trains.")
 
 
 def _sets(flags: dict[str, str], spelling: str) -> bool:

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from dsauto.engines.megatron import TE_FUSED_SOFTMAX_KEYS, te_softmax_fuses
 from dsauto.parallel import ParallelDims
 from dsauto.plan import RECOMPUTE_MODULES, AttentionKernel, CpCommType, Engine, Offload
@@ -486,4 +488,35 @@ def grad_reduce_refusal(engine: Engine, dtype: Dtype) -> str | None:
         return "bf16 gradient buffers are Megatron-core's; plan with --engine megatron"
     if dtype != "bf16":
         return f"bf16 gradients apply to bf16 training, not {dtype}"
+    return None
+
+
+HF_UNRECOMPUTED = ("core_attn",)
+"""Selective recomputations dsauto's hook cannot apply to a ``transformers`` decoder layer, whose
+``self_attn`` holds the projections beside the attention core (dsauto.runtime.recompute)."""
+
+
+def hf_trainer_refusal(engine: Engine = "deepspeed", pp: int = 1, cp: int = 1, ep: int = 1,
+                       recompute_modules: Iterable[str] = (), split: int = 1) -> str | None:
+    """Why a ``transformers`` model that Hugging Face's Trainer or accelerate hands to DeepSpeed cannot
+    run these settings (the rest of a sentence), or None. They build DeepSpeed's engine (accelerate's
+    ``Accelerator._prepare_deepspeed``), never its pipeline engine; the model has no
+    ``DistributedAttention`` for DeepSpeed-Ulysses, no ``deepspeed.moe.layer.MoE`` layers to split
+    experts over, and no attention core apart from its projections (:data:`HF_UNRECOMPUTED`); and
+    dsauto's hook splits none of its operators (``split``): the loss is computed inside the model's
+    forward, where no chunking reaches it, and under ZeRO-3 the model is built inside
+    ``deepspeed.zero.Init``, partitioned before any split (dsauto.runtime.deepspeed, ``prepare_model``)."""
+    if engine != "deepspeed":
+        return "Hugging Face's Trainer and accelerate run DeepSpeed"
+    if pp > 1:
+        return "Hugging Face's Trainer and accelerate build no DeepSpeed pipeline"
+    if cp > 1:
+        return "a transformers decoder layer has no DistributedAttention for DeepSpeed-Ulysses to split its sequence"
+    if ep > 1:
+        return "a transformers model has no deepspeed.moe.layer.MoE layers to split its experts over ranks"
+    if unrunnable := [m for m in recompute_modules if m in HF_UNRECOMPUTED]:
+        return (f"a transformers decoder layer has no attention core apart from its projections to recompute "
+                f"({', '.join(unrunnable)})")
+    if split > 1:
+        return "dsauto's hook splits no operator of a model they build"
     return None

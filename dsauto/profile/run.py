@@ -85,7 +85,17 @@ def profile_factory_layers(model: ModelSpec, factory: Callable[[ModelSpec], torc
     :func:`dsauto.runtime.layers.find_layers` finds them; the first block stands for all of them."""
     from dsauto.runtime.layers import find_layers
 
-    net = factory(model).to(device=device, dtype=dtype)
+    name = getattr(factory, "__qualname__", repr(factory))
+    try:
+        net = factory(model)
+    except Exception as exc:  # noqa: BLE001 - the user's factory may fail in any way
+        raise DsautoError(f"The model factory {name} failed when called with the ModelSpec: "
+                          f"{type(exc).__name__}: {exc}; give a function of the ModelSpec that builds the "
+                          f"model.") from None
+    if not isinstance(net, torch.nn.Module):
+        raise DsautoError(f"The model factory {name} returned a {type(net).__name__}, not a torch.nn.Module; give "
+                          f"a function of the ModelSpec that builds the model.")
+    net = net.to(device=device, dtype=dtype)
     layers = find_layers(net)
     if layers.num_layers != model.num_layers:
         raise DsautoError(f"The factory's model has {layers.num_layers} blocks in {layers.blocks_name}, "
@@ -126,7 +136,7 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
     if factory is not None and engine != REFERENCE_ENGINE:
         raise DsautoError(f"--factory times the factory's own layers and --engine {engine} {engine}'s; "
                           f"give one of the two.")
-    path = profile_path(out_dir, model, device_name(device), dtype, seq_len, versions, engine)
+    path = profile_path(out_dir, model, device_name(device), dtype, seq_len, versions, engine, factory or "")
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     say = progress if rank == 0 else None
@@ -138,7 +148,14 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
                 say(f"measuring again: {exc}")
         else:
             world = dist.get_world_size() if distributed else 1
-            if stored.world_size >= world:  # a run on more ranks than the stored one adds collectives
+            # the transformer layers' shapes each micro-batch and tp (a factory times tp 1 only)
+            asked = {(micro, tp) for micro in micro_batches for tp in ((1,) if factory else tps)}
+            held = {(m.micro_batch, m.tp) for m in stored.layers if m.group not in ("embedding", "head")}
+            missing = sorted(asked - held)
+            if missing and say:
+                say("measuring again: the stored profile lacks " + ", ".join(
+                    f"micro-batch {micro} at tp {tp}" for micro, tp in missing))
+            if stored.world_size >= world and not missing:  # more ranks than stored add collectives
                 return stored, path, True
 
     layers: tuple[LayerMeasurement, ...] = ()
@@ -186,7 +203,8 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
                       threads=torch.get_num_threads(), versions=versions, layers=layers,
                       optimizer_seconds_per_param=optimizer_rate, collectives=tuple(collectives),
                       world_size=world, zero3_module_seconds=zero3_seconds, layer_modules=modules,
-                      cpu_optimizer_seconds_per_param=cpu_rate, cpu_optimizer=cpu_optimizer, engine=engine)
+                      cpu_optimizer_seconds_per_param=cpu_rate, cpu_optimizer=cpu_optimizer, engine=engine,
+                      factory=factory or "")
     if rank == 0:
         # Measured again (--force, more ranks, a corrupt file): the steps earlier studies measured,
         # and the calibration fitted to them, stay with the profile.

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsauto.cost.calibration import Calibration
-from dsauto.errors import DsautoError
+from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.profile.collectives import CollectiveFit
 from dsauto.profile.layers import REFERENCE_ENGINE, LayerMeasurement
 from dsauto.serde import from_dict, read_data, to_dict, write_json
@@ -115,6 +115,8 @@ class Profile:
     """Whose transformer layers were timed: ``deepspeed``, the reference layers (or the user's own),
     as DeepSpeed trains them; ``megatron``, Megatron-core's own (local layer spec). Profiles written
     before this field timed the reference layers."""
+    factory: str = ""
+    """The ``--factory`` (``module:function``) whose own layers were timed; empty for the engine's."""
     calibration: Calibration | None = None
     """Correction factors fitted to measured training steps by ``dsauto tune --trials``; every
     search that uses this profile applies them. None until a tune has measured steps."""
@@ -141,7 +143,7 @@ class Profile:
     @property
     def key(self) -> str:
         """The profile's store key (its file stem), how a plan names the profile it was priced from."""
-        return profile_key(self.model, self.device, self.dtype, self.seq_len, self.versions, self.engine)
+        return profile_key(self.model, self.device, self.dtype, self.seq_len, self.versions, self.engine, self.factory)
 
     def measurement(self, group: str, tp: int, micro_batch: int, checkpoint: bool) -> LayerMeasurement | None:
         """The measurement of exactly this layer setting, if it was measured."""
@@ -211,30 +213,34 @@ def software_versions() -> dict[str, str]:
 
 
 def profile_key(model: ModelSpec, device: str, dtype: str, seq_len: int, versions: dict[str, str],
-                engine: str = REFERENCE_ENGINE) -> str:
+                engine: str = REFERENCE_ENGINE, factory: str = "") -> str:
     """File stem of a profile: readable parts, then a hash of everything that keys it (the engine
-    only when it is not the reference layers', so that earlier profiles keep their keys)."""
+    only when it is not the reference layers', and the user's layer factory only when given, so that
+    earlier profiles keep their keys)."""
     keyed: list[Any] = [to_dict(model), device, dtype, seq_len, versions]
     name = f"{model.name}-{device}-{dtype}-s{seq_len}"
     if engine != REFERENCE_ENGINE:
         keyed.append(engine)
         name += f"-{engine}"
+    if factory:
+        keyed.append(f"factory {factory}")
+        name += "-factory"
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:10]
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     return f"{slug}-{digest}"
 
 
 def profile_path(directory: Path | str, model: ModelSpec, device: str, dtype: str, seq_len: int,
-                 versions: dict[str, str] | None = None, engine: str = REFERENCE_ENGINE) -> Path:
+                 versions: dict[str, str] | None = None, engine: str = REFERENCE_ENGINE, factory: str = "") -> Path:
     """Where the profile with this key lives in ``directory``."""
-    key = profile_key(model, device, dtype, seq_len, versions or software_versions(), engine)
+    key = profile_key(model, device, dtype, seq_len, versions or software_versions(), engine, factory)
     return Path(directory) / f"{key}.json"
 
 
 def save_profile(profile: Profile, directory: Path | str) -> Path:
     """Write ``profile`` into ``directory`` under its key (atomically) and return the path."""
     path = profile_path(directory, profile.model, profile.device, profile.dtype, profile.seq_len,
-                        profile.versions, profile.engine)
+                        profile.versions, profile.engine, profile.factory)
     path.parent.mkdir(parents=True, exist_ok=True)
     return _write(profile, path)
 
@@ -250,13 +256,15 @@ def load_profile(path: Path | str) -> Profile:
 
 
 def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int,
-                 engine: str | None = None) -> Profile:
+                 engine: str | None = None, device: str | None = None) -> Profile:
     """The profile for this workload: ``source`` is a profile file, or a folder searched for one
     measured on ``model`` with ``dtype`` and ``seq_len``, preferably of the layers of ``engine``
     (the engine the plans are for; None: either, the reference layers first), then under the
     current software versions. A profile of another engine's layers is used when there is no other,
     with a warning: its transformer layers run other kernels (Megatron-core's are slower than the
-    reference layers on a CPU, benchmarks/results/accuracy.md)."""
+    reference layers on a CPU, benchmarks/results/accuracy.md). ``device``: the planned cluster's
+    device name; a profile measured on a CPU prices no GPU plan (nor the reverse), and one of another
+    GPU or of other software versions is named in a warning."""
     source = Path(source)
     unreadable: list[str] = []
     if source.is_file():
@@ -277,19 +285,52 @@ def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int,
     # is (the plan says so), but another engine's layers are other code.
     matching.sort(key=lambda p: (p.engine != (engine or REFERENCE_ENGINE), p.versions != versions))
     if matching:
-        if engine is not None and matching[0].engine != engine:
+        chosen = matching[0]
+        if engine is not None and chosen.engine != engine:
             warnings.warn(f"{source} has no profile of {engine}'s layers for {model.name}; pricing with "
-                          f"the {matching[0].engine} profile's layers, whose time may differ; run `dsauto "
+                          f"the {chosen.engine} profile's layers, whose time may differ; run `dsauto "
                           f"profile --engine {engine}` for {engine}'s own.", stacklevel=2)
-        return matching[0]
+        if device is not None:
+            _check_profile_device(chosen, device, source)
+        if chosen.versions != versions:
+            differ = ", ".join(f"{name} {chosen.versions.get(name)} (now {versions.get(name)})"
+                               for name in sorted(set(chosen.versions) | set(versions))
+                               if chosen.versions.get(name) != versions.get(name))
+            warnings.warn(f"{source}'s profile of {model.name} was measured under other software versions ({differ}), "
+                          f"whose kernels may time differently; run `dsauto profile` again to measure these.",
+                          DsautoWarning, stacklevel=2)
+        return chosen
     have = ", ".join(f"{p.model.name} {p.dtype} seq {p.seq_len}" for p in candidates) or "none"
     if unreadable:
         have += f"; unreadable, skipped: {', '.join(unreadable)}"
+    folder = source.parent if source.is_file() else source
     raise NoMatchingProfile(
         f"No profile in {source} matches {model.name} in {dtype} with sequences of {seq_len} tokens "
-        f"(found: {have}); run `dsauto profile --model {model.name} --dtype {dtype} --seq-len {seq_len} "
-        f"--out {source}`."
+        f"(found: {have}); run `dsauto profile --model <the --model given here> --dtype {dtype} --seq-len "
+        f"{seq_len} --out {folder}`."
     )
+
+
+OTHER_ENGINES_PROFILE = r".* has no profile of \w+'s layers for "
+"""The start of :func:`find_profile`'s warning of another engine's profile, for callers that say it
+themselves, of the plan found."""
+
+_GPU_MODEL = re.compile(r"\b(?:[ABH]\d{2,3}|V100|L40S?|MI\d{3}X?)\b", re.I)
+
+
+def _check_profile_device(profile: Profile, device: str, source: Path) -> None:
+    """Refuses a profile measured on a CPU for a GPU plan, or the reverse; warns of one measured on
+    another GPU than the plan's (by the model in their names: A100, H100, ...)."""
+    measured_cpu, planned_cpu = profile.device == "cpu", device.lower() == "cpu"
+    if measured_cpu != planned_cpu:
+        raise DsautoError(f"{source}'s profile was measured on {profile.device}, and the plan is for {device}; "
+                          f"profile on the plan's device (`dsauto profile` on one of its nodes), or leave out "
+                          f"--profile to price the plan analytically.")
+    planned, measured = _GPU_MODEL.search(device), _GPU_MODEL.search(profile.device)
+    if planned and measured and planned.group(0).upper() != measured.group(0).upper():
+        warnings.warn(f"{source}'s profile was measured on {profile.device}, and the plan is for {device}: its "
+                      f"layer times are the {measured.group(0)}'s; profile on the plan's device for its own.",
+                      DsautoWarning, stacklevel=3)
 
 
 class NoMatchingProfile(DsautoError):
@@ -305,7 +346,8 @@ def update_profile(source: Path | str, profile: Profile, change: Callable[[Profi
 
     source = Path(source)
     path = source if source.is_file() else profile_path(source, profile.model, profile.device, profile.dtype,
-                                                        profile.seq_len, profile.versions, profile.engine)
+                                                        profile.seq_len, profile.versions, profile.engine,
+                                                        profile.factory)
     with folder_lock(path.parent, "a profile store", wait=True, name=PROFILE_LOCK_NAME):
         try:
             current = load_profile(path) if path.exists() else profile

@@ -418,9 +418,9 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
 
 def contended_comparison(feasible: Sequence[optuna.trial.FrozenTrial], best: optuna.trial.FrozenTrial) -> str | None:
     """The sentence saying that the trials the winner ``best`` was chosen among were not measured
-    alike, or None: a trial measured while other processes kept the CPU busy ran slower than it
-    runs, so the fastest measured step may not be the fastest plan."""
-    contended = [t.number for t in feasible if t.user_attrs.get(CONTENDED)]
+    alike, or None: a losing trial measured while other processes kept the CPU busy ran slower than
+    it runs, so it may have lost unfairly (a contended winner beat the others all the same)."""
+    contended = [t.number for t in feasible if t.user_attrs.get(CONTENDED) and t.number != best.number]
     if not contended:
         return None
     which = f"trial{'s' if len(contended) > 1 else ''} {', '.join(map(str, contended))}"

@@ -123,14 +123,18 @@ BLOCK_PARAMETER_TOLERANCE = 0.05
 plan's (biases or norms the model adds or lacks) before the plan is refused."""
 
 
-def _check_block_parameters(spec: ModelSpec, layers: ModelLayers) -> None:
+def _check_block_parameters(spec: ModelSpec, layers: ModelLayers, ep: int) -> None:
     """Refuses a model, described by no spec or config, whose transformer blocks hold another number
     of parameters than the plan's model: its shape is not the one the plan priced (a hidden size of
     1024 planned as 128 would run, its memory and time unpredicted). A parameter partitioned by
-    ``deepspeed.zero.Init`` counts whole (``ds_numel``)."""
+    ``deepspeed.zero.Init`` counts whole (``ds_numel``); a rank's DeepSpeed-MoE layers hold 1/ep of
+    the routed experts (``deepspeed.moe.layer.MoE(ep_size=ep)``)."""
     blocks = layers.parameters_by_layer()[1:-1]
     held = sum(getattr(p, "ds_numel", p.numel()) for block in blocks for p in block)
-    planned = block_parameters(spec).total(len(spec.moe_layers()), spec.num_layers)
+    parts = block_parameters(spec)
+    moe_layers = len(spec.moe_layers())
+    elsewhere = moe_layers * parts.expert * (parts.num_experts - parts.num_experts // ep)  # other ranks' experts
+    planned = parts.total(moe_layers, spec.num_layers) - elsewhere
     if abs(held - planned) > BLOCK_PARAMETER_TOLERANCE * planned:
         raise DsautoError(
             f"The model's {layers.num_layers} transformer blocks hold {held:,} parameters but the plan was made for "
@@ -179,4 +183,4 @@ def check_plan_matches(plan: Plan, layers: ModelLayers) -> None:
             f"module '{EMBEDDING_NAME}'."
         )
     if model_spec is None:  # nothing describes the model: its blocks' size must be the plan's
-        _check_block_parameters(spec, layers)
+        _check_block_parameters(spec, layers, plan.ep)

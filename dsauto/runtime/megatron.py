@@ -614,6 +614,11 @@ def _check_model(model: ModelSpec, config: TransformerConfig) -> None:
                     num_moe_experts=model.num_experts or None)
     if model.moe:
         expected.update(moe_router_topk=model.moe_top_k, moe_ffn_hidden_size=model.expert_ffn_hidden_size)
+    # the MLP's gate, the norm and the linear layers' biases set the activations priced
+    # (megatron/core/transformer/transformer_config.py: gated_linear_unit, normalization, add_bias_linear)
+    expected.update(gated_linear_unit=model.mlp in ("swiglu", "geglu"),
+                    normalization="RMSNorm" if model.norm == "rmsnorm" else "LayerNorm",
+                    add_bias_linear=model.linear_bias)
     for name, want in expected.items():
         got = getattr(config, name, None)
         if name == "num_query_groups" and got is None:

@@ -46,7 +46,7 @@ from dsauto.cost.zero3 import (
     zero3_moments_apply,
 )
 from dsauto.errors import DsautoError
-from dsauto.plan import LayerChoice, Plan, block_recompute_set, rank_layers
+from dsauto.plan import LayerChoice, Plan, block_recompute_set, chunk_layers, rank_layers
 from dsauto.search.dp import solve_prefixes
 from dsauto.search.space import (
     Constraints,
@@ -63,6 +63,10 @@ from dsauto.spec.training import TrainSpec
 from dsauto.units import format_bytes
 
 EMBEDDING, BLOCK, HEAD = 0, 1, 2
+
+BLOCK_NS_TRIED = 1
+"""Below the most layers any model chunk checkpoints, how many smaller N of Megatron's block
+recomputation :meth:`Planner._solve` tries."""
 
 MEMORY_STEPS = 4096
 """Resolution of the DP's memory axis: each layer's memory above its smallest option is rounded up
@@ -140,6 +144,26 @@ class _Priced:
         static = self.static if self.left_out is None else self.static + self.left_out
         state = np.where(np.isfinite(self.time), static, np.inf).min(axis=1)
         return (state[BLOCK] * num_layers + state[EMBEDDING] + state[HEAD]) / self.strategy.pp
+
+
+def block_recompute_options(options: Sequence[LayerOption], stage_layers: Sequence[int],
+                            virtual_stages: int) -> list[LayerOption]:
+    """Per-layer ``options`` (embedding, transformer layers 1..L, head) with their whole-layer
+    checkpointing as Megatron-core runs it: ``--recompute-method block --recompute-num-layers N``
+    checkpoints the first N layers of every model chunk (:func:`dsauto.plan.block_recompute_set`), one
+    N for all, so a per-layer choice becomes the smallest N that checkpoints as many layers as any chunk
+    asks for (more recomputation where a chunk asked for fewer, never more memory). Options that
+    recompute modules selectively are left as they are (one granularity for every layer)."""
+    layers = range(1, len(options) - 1)
+    if any(options[layer].recompute_modules for layer in layers):
+        return list(options)
+    n, start = 0, 1
+    for count in chunk_layers(stage_layers, virtual_stages):
+        n = max(n, sum(options[layer].checkpoint for layer in range(start, start + count)))
+        start += count
+    covered = block_recompute_set(stage_layers, virtual_stages, n)
+    return [dataclasses.replace(option, checkpoint=layer in covered) if layer in layers else option
+            for layer, option in enumerate(options)]
 
 
 def _gradient_free_moment(strategy: Strategy) -> bool:
@@ -270,6 +294,7 @@ class _Solved:
     strategy: Strategy
     stage_layers: tuple[int, ...]
     options: tuple[LayerOption, ...]  # per flat layer
+    objective: float = math.inf  # the layer DP's step time of it
 
 
 def _takes_fastest(priced: _Priced, options: Sequence[LayerOption]) -> bool:
@@ -316,6 +341,8 @@ class Planner:
         self.pins = pins or Constraints()
         self.profile = profile
         self.calibration = calibration
+        self._block_n: int | None = None  # Megatron's N the DP solves with (_solve), else the pin's
+        self._last_built: tuple[tuple, Plan] | None = None  # build_plan's last arguments and plan
 
     def _price(self, strategy: Strategy) -> _Priced:
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
@@ -433,7 +460,7 @@ class Planner:
         remainder), so its (j + 1)-th layer lengthens a chunk of j // v layers, which Megatron's block
         method checkpoints when that is below N: every prefix of the DP then checkpoints exactly the
         layers Megatron would on a rank of that many (:meth:`_block_order` puts them in place)."""
-        n = self.pins.recompute_num_layers
+        n = self._recompute_n()
         if n is None:
             return None
         return np.arange(max(blocks, 0)) // virtual_stages < n
@@ -444,7 +471,7 @@ class Planner:
         under ``--recompute-num-layers N``, its checkpointed ones are the first N of each of its model
         chunks (the DP checkpoints the right number per rank, by position: :meth:`_pinned_recompute`);
         unchanged without the pin."""
-        n = self.pins.recompute_num_layers
+        n = self._recompute_n()
         if n is None:
             return list(options)
         out, L = list(options), self.model.num_layers
@@ -458,7 +485,49 @@ class Planner:
                 out[j] = picked[j in wanted].pop(0)
         return out
 
+    def _recompute_n(self) -> int | None:
+        """The N of Megatron's block recomputation the DP solves with: the one :meth:`_solve` tries,
+        else the pin's (``--recompute-num-layers``), else None (each layer chosen alone)."""
+        return self.pins.recompute_num_layers if self._block_n is None else self._block_n
+
     def _solve(self, priced: _Priced) -> _Solved | None:
+        """The layer DP's plan of one strategy. Megatron-core checkpoints the first N layers of every
+        model chunk, one N for all (--recompute-method block); where the DP's own choice checkpoints
+        another number in some chunk, the N of the chunk that chose most and the few below it
+        (:data:`BLOCK_NS_TRIED`, down to the fewest any chunk chose) are solved for exactly
+        (:meth:`_pinned_recompute`), and the fastest whose predicted peak fits is the strategy's plan.
+        An N above them checkpoints more than every chunk needed; far below them, the chunk that
+        needed most must shed layers to others."""
+        solved = self._solve_layout(priced)
+        s = priced.strategy
+        if solved is None or s.engine != "megatron" or s.recompute_modules or self.pins.recompute_num_layers is not None:
+            return solved
+        counts, start = [], 1
+        for count in chunk_layers(solved.stage_layers, s.virtual_stages):
+            counts.append(sum(solved.options[j].checkpoint for j in range(start, start + count)))
+            start += count
+        if min(counts) == max(counts):  # the first N of each chunk, as many as the DP chose
+            return dataclasses.replace(solved, options=tuple(block_recompute_options(
+                solved.options, solved.stage_layers, s.virtual_stages)))
+        candidates = []
+        for n in range(max(counts), max(min(counts), max(counts) - BLOCK_NS_TRIED) - 1, -1):
+            self._block_n = n
+            try:
+                candidate = self._solve_layout(priced)
+            finally:
+                self._block_n = None
+            if candidate is not None:
+                candidates.append(candidate)
+        # The DP bounds memory at its moments; the prediction decides: the fastest by the DP whose
+        # predicted peak fits (where none does, the DP's fastest goes on to the planner's own fitting).
+        candidates.sort(key=lambda c: c.objective)
+        for candidate in candidates:
+            if self.build_plan(candidate.strategy, candidate.stage_layers,
+                               candidate.options).prediction.peak_memory_bytes <= self.cluster.memory_budget_bytes:
+                return candidate
+        return candidates[0] if candidates else None
+
+    def _solve_layout(self, priced: _Priced) -> _Solved | None:
         s, L = priced.strategy, self.model.num_layers
         m, p, v = s.grad_accum, s.pp, s.virtual_stages
         if p == 1:
@@ -468,7 +537,7 @@ class Planner:
                 return None
             picked = solution.choices(L + 2)
             flat = _one_stage_order(picked)
-            return _Solved(s, (L,), tuple(priced.options[o] for o in flat))
+            return _Solved(s, (L,), tuple(priced.options[o] for o in flat), float(solution.best_time[L + 2]))
 
         # Layouts: middle stages of q or q + 1 layers, the extra ones on the last r middle stages
         # (later stages hold fewer micro-batches in flight, so they have room to spare); the first
@@ -555,7 +624,8 @@ class Planner:
         for choices, layers in zip(per_rank, rank_layers(stage_layers, v)):
             for choice, layer in zip(choices, layers):
                 flat[layer] = choice
-        return _Solved(s, stage_layers, tuple(self._block_order([priced.options[o] for o in flat], stage_layers, v)))
+        return _Solved(s, stage_layers, tuple(self._block_order([priced.options[o] for o in flat], stage_layers, v)),
+                       float(best))
 
     def _fit_looser(self, priced: _Priced, solved: _Solved, fits: Plan) -> Plan:
         """``fits``, or a faster plan of the same strategy that fits too.
@@ -846,9 +916,10 @@ class Planner:
         raise_limit = 0 < limit < ceiling and not least > ceiling  # a higher limit could then fit a plan
         # An option that sets a constant is pinned where the field holds it (a launch's sequence
         # parallelism on is the search's own default, not --no-sequence-parallel); who runs the plan
-        # (--for) is no choice to unpin.
+        # (--for hf, and the engine it implies) is no choice to unpin.
         pinned = [f.metadata["flag"] for f in dataclasses.fields(self.pins)
-                  if "flag" in f.metadata and getattr(self.pins, f.name) != f.default and f.name != "hf_trainer"
+                  if "flag" in f.metadata and getattr(self.pins, f.name) != f.default
+                  and f.name not in (("hf_trainer", "engine") if self.pins.hf_trainer else ())
                   and getattr(self.pins, f.name) == f.metadata.get("const", getattr(self.pins, f.name))]
         remedies = ["add devices", *(["raise --memory-limit"] if raise_limit else []),
                     *([f"unpin {', '.join(pinned)}"] if pinned else [])]
@@ -892,6 +963,15 @@ class Planner:
                    prefetch_bucket: int | None = None) -> Plan:
         """The Plan of an explicit assignment, with its prediction (also used to price given configs);
         ``reduce_bucket`` and ``prefetch_bucket`` (bytes) replace the buffer sizes the search picks."""
+        key = (strategy, tuple(stage_layers), tuple(options), reduce_bucket, prefetch_bucket)
+        if self._last_built is not None and self._last_built[0] == key:
+            return self._last_built[1]  # the search builds a plan it has just built (_solve, then consider)
+        plan = self._build_plan(strategy, stage_layers, options, reduce_bucket, prefetch_bucket)
+        self._last_built = (key, plan)
+        return plan
+
+    def _build_plan(self, strategy: Strategy, stage_layers: Sequence[int], options: Sequence[LayerOption],
+                    reduce_bucket: int | None, prefetch_bucket: int | None) -> Plan:
         step = predict_step(self.model, self.cluster, self.train, strategy, stage_layers, options,
                             self.profile, self.calibration, reduce_bucket, prefetch_bucket)
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)

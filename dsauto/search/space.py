@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import typing
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from dsauto.engines.rules import (
     refusal,
     tp_comm_overlap_refusal,
     fp8_refusal,
+    hf_trainer_refusal,
     virtual_stage_refusal,
 )
 from dsauto.errors import DsautoError
@@ -65,12 +67,14 @@ def _pin_expectation(f: dataclasses.Field, value: object) -> str:
     allowed += [a for kind in kinds if typing.get_origin(kind) is typing.Literal
                 for a in typing.get_args(kind) if a not in allowed]
     if allowed:
-        ok = any(value == a and type(value) is type(a) for a in allowed)
+        ok = any(value == a and (type(value) is type(a) or isinstance(a, int) and isinstance(value, numbers.Integral)
+                                 and not isinstance(value, bool)) for a in allowed)
         return "" if ok else f"one of {', '.join(repr(a) for a in allowed)}"
     if "const" in f.metadata or kinds == [bool]:
         return "" if isinstance(value, bool) else "True or False"
     if kinds == [int]:
-        return "" if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "a whole number from 1"
+        whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return "" if whole and value >= 1 else "a whole number from 1"
     return "" if isinstance(value, str) else "a string"
 
 
@@ -265,14 +269,20 @@ class Constraints:
     writes ds_config.json in Hugging Face's convention (``--for hf``)."""
 
     def __post_init__(self) -> None:
+        if self.hf_trainer is False:
+            object.__setattr__(self, "hf_trainer", None)  # deepspeed.initialize's plans: --for deepspeed
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, int(value))  # numpy's integers, as Python's
             if value is not None:
                 expected = _pin_expectation(f, value)
                 if expected:
                     option = f" (option {f.metadata['flag']})" if "flag" in f.metadata else ""
                     raise DsautoError(f"{f.name}={value!r} is not a pin dsauto reads{option}: give {expected}, or "
                                       f"None to leave it to the search.")
+        if self.hf_trainer and self.engine is None:
+            object.__setattr__(self, "engine", "deepspeed")  # what Hugging Face's Trainer runs
 
     @property
     def fp8_delayed(self) -> bool:
@@ -294,7 +304,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     check_search_size(model, cluster, train, pins)  # before building any: huge inputs answer at once
     if pins.recompute_num_layers is not None and (why := recompute_num_layers_refusal(pins)):
         raise DsautoError(f"--recompute-num-layers {pins.recompute_num_layers} {why}.")
-    if pins.hf_trainer and (why := hf_trainer_refusal(pins, model)):
+    if pins.hf_trainer and (why := pinned_hf_trainer_refusal(pins, model)):
         raise DsautoError(f"A plan for Hugging Face's Trainer (--for hf) cannot run {why}; drop it, or plan "
                           f"without --for hf.")
     out = []
@@ -646,6 +656,9 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
     if pins.engine is not None:
         reason = refusal(pins.engine, ParallelDims(dp=max(1, world // (tp * pp)), tp=tp, pp=pp),
                          pins.zero_stage or 0)
+        if reason and pins.hf_trainer:  # the engine --for hf implies: tensor parallelism is what it refuses
+            return DsautoError(f"A plan for Hugging Face's Trainer (--for hf) runs DeepSpeed, and "
+                               f"{reason.split('; plan with --engine')[0]}; pin --tp 1, or plan without --for hf.")
         if reason:
             return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}.")
     engines = ENGINES if pins.engine is None else (pins.engine,)
@@ -736,8 +749,9 @@ def layer_options(strategy: Strategy) -> tuple[LayerOption, ...]:
     else:
         shard_values = (False,)
     # DeepSpeed's pipeline engine applies the loss (PipelineModule.loss_fn) to the last layer's whole
-    # output, so its head cannot chunk the loss (deepspeed/runtime/pipe/engine.py, _exec_forward_pass).
-    splits = (1,) if strategy.engine == "deepspeed" and strategy.pp > 1 else SPLITS
+    # output, so its head cannot chunk the loss (deepspeed/runtime/pipe/engine.py, _exec_forward_pass);
+    # Megatron-core splits no operator (dsauto's plugin runs them whole: dsauto.runtime.megatron).
+    splits = (1,) if strategy.engine == "megatron" or strategy.pp > 1 else SPLITS
     if strategy.recompute_modules:
         return tuple(LayerOption(checkpoint=False, shard_params=s, split=k, recompute_modules=r)
                      for r in ((), strategy.recompute_modules) for s in shard_values for k in splits)
@@ -835,39 +849,25 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
         return (modules,)
     searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention] + (("moe_act",) if model.moe else ())
                      if recompute_module_refusal(m, model.linear_bias, engine, model.moe, pins.fp8_delayed) is None
-                     and not (pins.hf_trainer and m in HF_UNRECOMPUTED))
+                     and not (pins.hf_trainer and hf_trainer_refusal(recompute_modules=(m,))))
     if pins.checkpoint is True or pins.recompute_num_layers is not None or not searched:
         return ((),)
     return ((), searched)
 
 
-HF_UNRECOMPUTED = ("core_attn",)
-"""Selective recomputations dsauto's hook cannot apply to a ``transformers`` decoder layer, whose
-``self_attn`` holds the projections beside the attention core (dsauto.runtime.recompute)."""
-
-
-def hf_trainer_refusal(pins: Constraints, model: ModelSpec) -> str | None:
-    """Why the pins cannot run in a ``transformers`` model that Hugging Face's Trainer or accelerate
-    hands to DeepSpeed (the rest of a sentence naming the pin), or None. They build DeepSpeed's engine
-    (accelerate's ``Accelerator._prepare_deepspeed``), never its pipeline engine; a decoder layer has
-    no ``DistributedAttention`` for DeepSpeed-Ulysses and no attention core apart from its projections
-    (:data:`HF_UNRECOMPUTED`); and dsauto's hook splits no operator of such a model: the loss is
-    computed inside the model's forward, where no chunking reaches it, and under ZeRO-3 the model is
-    built inside ``deepspeed.zero.Init``, its parameters partitioned before any split
-    (dsauto.runtime.deepspeed, ``prepare_model``). The search leaves all of these out; this names a
-    pin that asks for one."""
-    if pins.engine == "megatron":
-        return "--engine megatron: Hugging Face's Trainer and accelerate run DeepSpeed"
-    if pins.pp is not None and pins.pp > 1:
-        return f"--pp {pins.pp}: Hugging Face's Trainer and accelerate build no DeepSpeed pipeline"
-    if pins.cp is not None and pins.cp > 1:
-        return (f"--cp {pins.cp}: a transformers decoder layer has no DistributedAttention for DeepSpeed-Ulysses "
-                f"to split its sequence")
-    if pins.recompute_modules is not None:
-        modules = parse_recompute_modules(pins.recompute_modules, model, "deepspeed", pins.fp8_delayed)
-        if unrunnable := [m for m in modules if m in HF_UNRECOMPUTED]:
-            return (f"--recompute-modules {pins.recompute_modules}: a transformers decoder layer has no attention "
-                    f"core apart from its projections to recompute ({', '.join(unrunnable)})")
+def pinned_hf_trainer_refusal(pins: Constraints, model: ModelSpec) -> str | None:
+    """Why a pin cannot run in a ``transformers`` model under Hugging Face's Trainer (the pin and the
+    rule's reason, :func:`dsauto.engines.rules.hf_trainer_refusal`), or None. The search leaves all
+    of these out; this names a pin that asks for one."""
+    modules = parse_recompute_modules(pins.recompute_modules, model, "deepspeed", pins.fp8_delayed) \
+        if pins.recompute_modules is not None else ()
+    for pin, why in ((f"--engine {pins.engine}", hf_trainer_refusal(engine=pins.engine or "deepspeed")),
+                     (f"--pp {pins.pp}", hf_trainer_refusal(pp=pins.pp or 1)),
+                     (f"--cp {pins.cp}", hf_trainer_refusal(cp=pins.cp or 1)),
+                     (f"--ep {pins.ep}", hf_trainer_refusal(ep=pins.ep or 1)),
+                     (f"--recompute-modules {pins.recompute_modules}", hf_trainer_refusal(recompute_modules=modules))):
+        if why:
+            return f"{pin}: {why}"
     return None
 
 
@@ -915,8 +915,8 @@ def allowed(kind: str, option: LayerOption, pins: Constraints, recompute: tuple[
         return False
     if transformer and pins.expert_a2a_overlap and option.checkpoint:
         return False  # Megatron-core refuses full recomputation beside the expert all-to-alls' overlap
-    if pins.hf_trainer and option.split > 1:
-        return False  # see hf_trainer_refusal
+    if pins.hf_trainer and hf_trainer_refusal(split=option.split):
+        return False
     if kind == "head":
         return True
     return option.split == 1 or (option.shard_params and option.split <= 4)

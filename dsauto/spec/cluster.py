@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass, field
 
 from dsauto.errors import DsautoError
@@ -188,8 +190,9 @@ class ClusterSpec:
         for name, what, option in (("nodes", "number of nodes", "--nodes"),
                                    ("gpus_per_node", "devices per node", "--gpus-per-node")):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise DsautoError(f"The {what} must be a whole number, got {value!r}; give {option} as one.")
+            object.__setattr__(self, name, int(value))  # numpy's integers, as Python's
         if self.nodes <= 0:
             raise DsautoError(f"The number of nodes must be at least 1, got {self.nodes}.")
         if self.gpus_per_node < 0:

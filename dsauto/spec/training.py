@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -35,8 +37,9 @@ class TrainSpec:
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a whole number, got {value!r}")
+            object.__setattr__(self, name, int(value))  # numpy's integers, as Python's
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         if not isinstance(self.flash_attention, bool):

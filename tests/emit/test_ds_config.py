@@ -91,6 +91,9 @@ def test_what_dsauto_writes_raises_no_warning_of_its_own(zero3_plan):
     (lambda c: c.update(scheduler={"type": "WarmupLR", "params": {"warmup_num_step": 10}}),
      r"scheduler\.params 'warmup_num_step' is no parameter of WarmupLR, .* warmup_num_steps"),
     (lambda c: c.update(scheduler={"type": "WarmupLinear", "params": {}}), r"scheduler\.type 'WarmupLinear' is none of"),
+    (lambda c: c["optimizer"]["params"].update(max_grad_norm=1.0),
+     r"optimizer\.params max_grad_norm is refused by deepspeed\.initialize, which clips gradients by the top-level "
+     r"gradient_clipping"),
 ])
 def test_what_deepspeed_parses_but_cannot_build_is_refused(zero3_plan, edit, said):
     """DeepSpeed's parser does not look inside the optimizer and scheduler sections; deepspeed.initialize
@@ -101,6 +104,10 @@ def test_what_deepspeed_parses_but_cannot_build_is_refused(zero3_plan, edit, sai
     with pytest.raises(DsautoError, match=said):
         validate_ds_config(config, zero3_plan.dp)
     config = copy.deepcopy(ds_config(zero3_plan))
+    # Adam without adam_w_mode is torch's Adam, whose own parameters pass
+    config["optimizer"] = {"type": "Adam", "params": {"torch_adam": True, "adam_w_mode": False,
+                                                      "decoupled_weight_decay": False, "lr": 1e-3}}
+    validate_ds_config(config, zero3_plan.dp)
     config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
     config["scheduler"] = {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10}}
     validate_ds_config(config, zero3_plan.dp)

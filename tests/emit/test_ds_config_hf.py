@@ -51,11 +51,14 @@ def test_what_hf_cannot_run_is_not_written_for_it(zero3_plan, hf_plan):
     DeepSpeed-Ulysses or recompute the attention core; each is refused in one sentence."""
     core_attn = replace(hf_plan, layers=tuple(replace(run, recompute_modules=("core_attn",)) if run.group == "decoder"
                                               and not run.checkpoint else run for run in hf_plan.layers))
-    for plan, said in ((replace(hf_plan, engine="megatron"), "it was made for megatron, and they run DeepSpeed"),
-                       (zero3_plan, "it splits operators"),
-                       (replace(hf_plan, dp=1, cp=2, global_batch=hf_plan.global_batch // 2), "it runs DeepSpeed-Ulysses"),
-                       (core_attn, "it recomputes the attention core")):
-        with pytest.raises(DsautoError, match=rf"Hugging Face's Trainer and accelerate cannot run this plan: {said}.*"
+    for plan, said in ((replace(hf_plan, engine="megatron"), "its engine megatron: Hugging Face's Trainer and "
+                                                             "accelerate run DeepSpeed"),
+                       (zero3_plan, "its operators split in up to 4 slices: dsauto's hook splits no operator"),
+                       (replace(hf_plan, dp=1, cp=2, global_batch=hf_plan.global_batch // 2),
+                        "its cp 2: a transformers decoder layer has no DistributedAttention"),
+                       (core_attn, "its recomputation of core_attn: a transformers decoder layer has no attention "
+                                   "core")):
+        with pytest.raises(DsautoError, match=rf"Hugging Face's Trainer and accelerate cannot run this plan, {said}.*"
                                               rf"re-plan with --for hf \(hf_trainer=True\)\.$"):
             ds_config(plan, target="hf")
 

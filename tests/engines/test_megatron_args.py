@@ -8,6 +8,7 @@ others check Megatron-LM's defaults for flags a launch leaves out, and each refu
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import warnings
 from pathlib import Path
 
@@ -72,6 +73,11 @@ def test_a_model_the_flags_cannot_describe_reads_back_with_it_named(tmp_path, co
     assert any(f"sets {flag}" in note and "the model is --model" in note for note in launch.notes), launch.notes
     [again] = find_plans(make_problem(launch.model, "h100-80gb", nodes=1, **launch.train, **launch.pins))
     assert dataclasses.replace(again, ranking=None) == dataclasses.replace(plan, ranking=None)
+    # another model named is still refused: by the feature it lacks, or by the shape the flags give
+    with pytest.raises(DsautoError, match=f"sets {flag}, and --model llama3-8b has no"):
+        read_megatron_args(path, load_model("llama3-8b"))
+    with pytest.raises(DsautoError, match="describes a model with num_layers"):
+        read_megatron_args(path, dataclasses.replace(plan.model, num_layers=plan.model.num_layers + 1))
 
 
 def megatron_bucket_params(plan) -> int:
@@ -362,6 +368,23 @@ def test_a_script_of_bash_arrays_reads_as_the_command_they_build(tmp_path):
     assert launch.world == {"nodes": 2, "gpus_per_node": 4}
     assert launch.pins["tp"] == 2 and launch.train["global_batch"] == 8 and launch.unknown == []
     assert launch.model.num_layers == 4 and launch.model.vocab_size == 4096
+
+
+def test_shell_expansion_reads_as_bash_would(tmp_path):
+    """A comment holding parentheses, ``$(hostname)`` and a quoted ``)`` do not close an array; a value
+    with a quote stays one word; an indented assignment (a branch) sets nothing; nothing inside single
+    quotes is expanded."""
+    from dsauto.engines.megatron_args import expand_shell_variables
+
+    text = ("NAME=\"bob's run\"\nTP=4\nif [ -n \"$BIG\" ]; then\n    TP=8\nfi\n"
+            "ARGS=(\n    --tensor-model-parallel-size $TP   # TP (inside a node)\n"
+            "    --master_addr $(hostname) --tag ')' --note 'a $TP'\n    --pipeline-model-parallel-size 2\n)\n"
+            "torchrun x.py \"${ARGS[@]}\" --wandb-exp-name $NAME\n")
+    words = shlex.split(expand_shell_variables(text), comments=True)
+    command = words[words.index("torchrun"):]
+    assert command == ["torchrun", "x.py", "--tensor-model-parallel-size", "4", "--master_addr", "$(hostname)",
+                       "--tag", ")", "--note", "a $TP", "--pipeline-model-parallel-size", "2",
+                       "--wandb-exp-name", "bob's run"]
 
 
 def test_the_launcher_sizes_the_plan_where_it_says_how_many_ranks_it_starts(tmp_path, capsys):

@@ -68,6 +68,32 @@ def test_a_missing_or_unmatched_profile_is_one_clear_error(tmp_path, tiny):
         find_profile(tmp_path, tiny, "fp32", 128)
 
 
+def test_a_profile_of_another_device_or_software_is_refused_or_named(tmp_path, tiny):
+    """A CPU profile prices no GPU plan (nor a GPU profile a CPU one); one of another GPU, or measured
+    under other software versions, is used and named; a factory's profile is a key of its own."""
+    import warnings
+
+    from dsauto.errors import DsautoWarning
+
+    save_profile(_profile(tiny), tmp_path / "cpu")
+    with pytest.raises(DsautoError, match=r"profile was measured on cpu, and the plan is for H100-SXM5-80GB; "
+                                          r"profile on the plan's device"):
+        find_profile(tmp_path / "cpu", tiny, "fp32", SEQ, device="H100-SXM5-80GB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DsautoWarning)
+        assert find_profile(tmp_path / "cpu", tiny, "fp32", SEQ, device="cpu").device == "cpu"
+    save_profile(_profile(tiny, device="NVIDIA A100-SXM4-80GB"), tmp_path / "a100")
+    with pytest.warns(DsautoWarning, match=r"measured on NVIDIA A100-SXM4-80GB, and the plan is for H100-SXM5-80GB: "
+                                           r"its layer times are the A100's"):
+        find_profile(tmp_path / "a100", tiny, "fp32", SEQ, device="H100-SXM5-80GB")
+    old = _profile(tiny, versions={**software_versions(), "torch": "0.0.1"})
+    save_profile(old, tmp_path / "old")
+    with pytest.warns(DsautoWarning, match=r"measured under other software versions \(torch 0\.0\.1 \(now "):
+        find_profile(tmp_path / "old", tiny, "fp32", SEQ, device="cpu")
+    assert profile_path(tmp_path, tiny, "cpu", "fp32", SEQ, factory="mine:layers") != profile_path(
+        tmp_path, tiny, "cpu", "fp32", SEQ)
+
+
 def test_estimates_interpolate_and_extrapolate_linearly_in_the_micro_batch(tiny):
     profile = _profile(tiny, micro_batches=(1, 4))
     exact = profile.estimate("decoder", 1, 4, False)
@@ -136,3 +162,18 @@ def test_zero3_pays_the_measured_hook_cost_per_module_and_again_when_recomputing
     assert extra_backward == pytest.approx((tiny.num_layers * 8 * 2 + 2 * 4) * 1e-3 / 2, rel=0.02)
     # Below ZeRO-3 nothing is hooked.
     assert _predict(tiny, hooked, zero=2).prediction.step_seconds == _predict(tiny, base, zero=2).prediction.step_seconds
+
+
+def test_a_factory_that_fails_or_builds_no_module_is_one_sentence(tiny):
+    """``--factory os:getcwd`` (a function of no argument) and one returning something else than a
+    module are user errors, named with the factory, not internal errors."""
+    import os
+
+    import torch
+
+    from dsauto.profile.run import profile_factory_layers
+
+    for factory, said in ((os.getcwd, r"The model factory getcwd failed when called with the ModelSpec: TypeError"),
+                          (lambda spec: "a model", r"returned a str, not a torch\.nn\.Module")):
+        with pytest.raises(DsautoError, match=said):
+            profile_factory_layers(tiny, factory, SEQ, (1,), torch.float32, torch.device("cpu"), 0, 1, None)

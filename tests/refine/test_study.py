@@ -315,3 +315,4 @@ def test_a_winner_chosen_among_trials_measured_under_contention_is_said_to_be():
         "trial 0 measured the fastest step of 3, but trials 1, 2 ran while other processes kept the CPU busy and "
         "may run faster than measured; rerun the study on an idle machine to compare them fairly.")
     assert contended_comparison([calm, trial(1, 0.2, False)], calm) is None
+    assert contended_comparison([busy, trial(3, 0.3, False)], busy) is None  # a contended winner won anyway

@@ -81,3 +81,16 @@ def test_moe_plans_train_on_two_ranks(tmp_path):
         predicted = plan.prediction.peak_memory_bytes
         assert abs(predicted - m["peak_bytes"]) / m["peak_bytes"] < 0.10, (plan.ep, predicted, m)
 
+
+
+def test_a_model_nothing_describes_holds_its_ranks_share_of_the_experts():
+    """Without a spec or config the hook checks the blocks' parameters; a rank's DeepSpeed-MoE
+    layers hold 1/ep of the routed experts, as the plan with ep=2 asks the model to be built."""
+    from dsauto.runtime.layers import check_plan_matches, find_layers
+
+    model = build_model(MOE, deepspeed_ep=2)
+    vars(model).pop("spec", None)  # a model of the user's own, described by nothing
+    assert getattr(model, "spec", None) is None
+    check_plan_matches(make_plan(ep=2, zero_stage=1), find_layers(model))
+    with pytest.raises(DsautoError, match=r"transformer blocks hold [\d,]+ parameters but the plan was made for"):
+        check_plan_matches(make_plan(ep=1, zero_stage=1), find_layers(model))

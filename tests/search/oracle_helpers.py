@@ -17,6 +17,7 @@ from dsauto.errors import DsautoError
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.plan import Plan, Prediction
 from dsauto.search.planner import Planner
+from dsauto.search.planner import block_recompute_options
 from dsauto.search.space import Constraints, allowed, layer_options
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import ModelSpec
@@ -42,7 +43,11 @@ def assignments(strategy: Strategy, model: ModelSpec,
     assert strategy.pp == 2, "the oracle enumerates one or two pipeline stages"
     for first in range(v, L - v + 1):
         for e, h, blocks in itertools.product(embedding, head, itertools.product(block, repeat=L)):
-            yield (first, L - first), (e, *blocks, h)
+            options = (e, *blocks, h)
+            # Megatron-core checkpoints the first N layers of every chunk, one N for all
+            if strategy.engine == "megatron" and list(options) != block_recompute_options(options, (first, L - first), v):
+                continue
+            yield (first, L - first), options
 
 
 def strategy_key(strategy: Strategy) -> tuple:

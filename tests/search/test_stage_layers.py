@@ -25,8 +25,8 @@ def layout_flags(plan) -> list[str]:
 
 
 def test_even_is_megatron_cores_default_split_and_needs_no_layout_flag():
-    balanced = make_plan("llama3-70b", "h100-80gb", **PINS)
-    even = make_plan("llama3-70b", "h100-80gb", **PINS, stage_layers="even")
+    balanced = make_plan("llama3-70b", "h100-80gb", **PINS, vpp=1)  # one chunk a rank: no layout string
+    even = make_plan("llama3-70b", "h100-80gb", **PINS, vpp=1, stage_layers="even")
     assert balanced.stage_layers != (20, 20, 20, 20) and layout_flags(balanced)
     assert even.stage_layers == (20, 20, 20, 20) and not layout_flags(even)
     # The balanced layouts include the even one, so the even split is not predicted faster; memory is
