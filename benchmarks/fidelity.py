@@ -1023,6 +1023,14 @@ WHY = {
 """Why the runs of a source are off, where some are off by more than 15% (cross-validated)."""
 
 CHANGES = [
+    "Megatron-core plans checkpoint whole layers as Megatron-core's --recompute-method block does, the first N layers "
+    "of every model chunk with one N for all (megatron/core/transformer/transformer_block.py, _checkpointed_forward; "
+    "dsauto/search/planner.py, Planner._solve solves each N from the most any chunk chose down, exactly), and split "
+    "no operator: before, the layer DP chose each layer's checkpointing alone and the plugin ran a covering N, "
+    "slower than predicted. No dense run moved (their published recomputation is pinned: all, none or selective); "
+    "of the mixtures of experts, AutoModel's DeepSeek V3 row (planner's recomputation, 61 layers over 4 x 8 chunks) "
+    "went from 51 checkpointed layers, not the first N of each chunk, to all 61: +23.1% -> +27.4% "
+    "(moe_median_error and moe_max_error unchanged).",
     "Interleaved pipelines priced as Megatron-core schedules them, for the held-out runs and a measured case rather "
     "than for these runs: the fill and drain cross each rank in its first model chunk, which holds ceil(n / v) of "
     "its n layers (dsauto/cost/step.py, first_chunk_share, interleaved_makespan), and a rank's activations in flight "

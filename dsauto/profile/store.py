@@ -300,7 +300,7 @@ def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int,
                           f"whose kernels may time differently; run `dsauto profile` again to measure these.",
                           DsautoWarning, stacklevel=2)
         return chosen
-    have = ", ".join(f"{p.model.name} {p.dtype} seq {p.seq_len}" for p in candidates) or "none"
+    have = ", ".join(f"{p.model.name} {p.dtype} seq {p.seq_len} ({p.engine}'s layers)" for p in candidates) or "none"
     if unreadable:
         have += f"; unreadable, skipped: {', '.join(unreadable)}"
     folder = source.parent if source.is_file() else source

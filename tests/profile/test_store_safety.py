@@ -33,7 +33,7 @@ def test_a_corrupt_file_beside_the_profile_is_skipped(tmp_path, profile):
     save_profile(profile, tmp_path)
     (tmp_path / "broken.json").write_text('{"model": ')
     assert find_profile(tmp_path, profile.model, "fp32", 64) == profile
-    with pytest.raises(NoMatchingProfile, match="found: gpt-tiny fp32 seq 64; unreadable, skipped: broken.json"):
+    with pytest.raises(NoMatchingProfile, match=r"found: gpt-tiny fp32 seq 64 \(\w+'s layers\); unreadable, skipped: broken.json"):
         find_profile(tmp_path, profile.model, "fp32", 128)
 
 
