@@ -20,6 +20,7 @@ from typing import Any
 
 from dsauto.cost.calibration import Calibration
 from dsauto.errors import DsautoError, DsautoWarning
+from dsauto.spec.presets import list_presets
 from dsauto.profile.collectives import CollectiveFit
 from dsauto.profile.layers import REFERENCE_ENGINE, LayerMeasurement
 from dsauto.serde import from_dict, read_data, to_dict, write_json
@@ -304,10 +305,12 @@ def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int,
     if unreadable:
         have += f"; unreadable, skipped: {', '.join(unreadable)}"
     folder = source.parent if source.is_file() else source
+    # a preset by its name; a model file or config by the --model the user gave (its name is no path)
+    spelled = model.name if model.name in list_presets("models") else "<the --model given here>"
     raise NoMatchingProfile(
         f"No profile in {source} matches {model.name} in {dtype} with sequences of {seq_len} tokens "
-        f"(found: {have}); run `dsauto profile --model <the --model given here> --dtype {dtype} --seq-len "
-        f"{seq_len} --out {folder}`."
+        f"(found: {have}); run `dsauto profile --model {spelled} --dtype {dtype} --seq-len {seq_len} "
+        f"--out {folder}`."
     )
 
 
