@@ -458,9 +458,14 @@ def _choice(flags: dict[str, str], name: str, where: str, default: str, choices:
     value, allowed = flags.get(name, default), list(choices)
     if value not in allowed:
         priced = allowed[0] if len(allowed) == 1 else f"{', '.join(allowed[:-1])} and {allowed[-1]}"
-        raise DsautoError(f"{where} sets {name} {value}; dsauto prices {priced} "
-                          f"(name the model with --model where the flag describes it).")
+        hint = " (name the model with --model where the flag describes it)" if name in MODEL_CHOICE_FLAGS else ""
+        raise DsautoError(f"{where} sets {name} {value}; dsauto prices {priced}{hint}.")
     return value
+
+
+MODEL_CHOICE_FLAGS = {"--position-embedding-type", "--normalization", "--moe-router-score-function"}
+"""The choices of :func:`_choice` that describe the model, which a model named with ``--model`` may
+say what dsauto reads from no flag."""
 
 
 def _float(flags: dict[str, str], name: str, where: str, default: float) -> float:

@@ -202,6 +202,9 @@ def test_each_choice_a_launch_fixes_becomes_a_pin(extra, pins):
     ("--fp16 --use-distributed-optimizer --use-precision-aware-optimizer", "under --bf16 only"),
     ("--optimizer-cpu-offload --use-precision-aware-optimizer --exp-avg-dtype bf16", "the optimizer offloaded"),
     ("--expert-model-parallel-size 2", "expert parallelism for a model without experts"),
+    # a training choice, not the model's: no hint to name the model
+    ("--bf16 --fp8-format hybrid --fp8-recipe blockwise", r"sets --fp8-recipe blockwise; dsauto prices delayed and "
+                                                          r"tensorwise\.$"),
 ])
 def test_what_dsauto_does_not_price_is_refused_in_one_sentence(extra, message):
     with pytest.raises(DsautoError, match=message):
