@@ -295,7 +295,7 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
         with warnings.catch_warnings():  # another engine's profile: said below, of the plan found
             warnings.filterwarnings("ignore", OTHER_ENGINES_PROFILE)
             profile = find_profile(Path(profile), problem.model, problem.train.dtype, problem.train.seq_len,
-                                   problem.pins.engine, problem.cluster.device.name)
+                                   problem.pins.engine, problem.cluster)
     planner = Planner(problem.model, problem.cluster, problem.train, problem.pins, profile)
     # Every plan within the tie tolerance of the fastest competes for first place on memory headroom.
     plans = rank_by_headroom(planner.search(top_k=top_k, progress=progress, within=TIE_TOLERANCE))[:top_k]

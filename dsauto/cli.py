@@ -377,7 +377,7 @@ def _search(args: argparse.Namespace):
         with warnings.catch_warnings():  # another engine's profile: find_plans says so, of the plan found
             warnings.filterwarnings("ignore", OTHER_ENGINES_PROFILE)
             profile = find_profile(args.profile, problem.model, problem.train.dtype, problem.train.seq_len,
-                                   problem.pins.engine, problem.cluster.device.name)
+                                   problem.pins.engine, problem.cluster)
     started = time.perf_counter()
     with SearchProgress() as progress:
         plans = find_plans(problem, top_k=1 + args.top, profile=profile, progress=progress.update)
@@ -520,7 +520,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
     profile = None
     if args.profile is not None:
         profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine,  # given: it must be there
-                               cluster.device.name)
+                               cluster)
     else:
         check_writable_folder(args.profile_dir, "--profile-dir")
     if settings.storage is not None:
@@ -535,7 +535,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
                 with warnings.catch_warnings():  # another engine's profile: profiled now, not used
                     warnings.filterwarnings("ignore", OTHER_ENGINES_PROFILE)
                     profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine,
-                                           cluster.device.name)
+                                           cluster)
                 if pins.engine is not None and profile.engine != pins.engine:
                     raise NoMatchingProfile(f"{source} has no profile of {pins.engine}'s layers")
             except DsautoError:
@@ -550,7 +550,7 @@ def _cmd_refine(args: argparse.Namespace) -> int:
                 _say(f"profiling {model.name} on {ranks} ranks into {source} first (once; later tunes reuse it)")
                 launch_profile(args.model or DEFAULT_MODEL, train.dtype, train.seq_len, tps, ranks, source, _say,
                                engine=pins.engine or REFERENCE_ENGINE)
-                profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine, cluster.device.name)
+                profile = find_profile(source, model, train.dtype, train.seq_len, pins.engine, cluster)
         if profile.calibration is not None:
             _say(f"the profile's calibration applies: {profile.calibration.describe()}")
         planner = Planner(model, cluster, train, pins, profile)

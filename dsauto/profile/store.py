@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import warnings
 from collections.abc import Callable
@@ -257,15 +258,16 @@ def load_profile(path: Path | str) -> Profile:
 
 
 def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int,
-                 engine: str | None = None, device: str | None = None) -> Profile:
+                 engine: str | None = None, cluster: ClusterSpec | None = None) -> Profile:
     """The profile for this workload: ``source`` is a profile file, or a folder searched for one
     measured on ``model`` with ``dtype`` and ``seq_len``, preferably of the layers of ``engine``
     (the engine the plans are for; None: either, the reference layers first), then under the
     current software versions. A profile of another engine's layers is used when there is no other,
     with a warning: its transformer layers run other kernels (Megatron-core's are slower than the
-    reference layers on a CPU, benchmarks/results/accuracy.md). ``device``: the planned cluster's
-    device name; a profile measured on a CPU prices no GPU plan (nor the reverse), and one of another
-    GPU or of other software versions is named in a warning."""
+    reference layers on a CPU, benchmarks/results/accuracy.md). ``cluster``: the planned cluster; a
+    profile measured on a CPU prices no GPU plan (nor the reverse), and one of another GPU, of other
+    software versions, or (on CPU ranks) timed with more threads than a planned rank gets, is named
+    in a warning."""
     source = Path(source)
     unreadable: list[str] = []
     if source.is_file():
@@ -291,8 +293,9 @@ def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int,
             warnings.warn(f"{source} has no profile of {engine}'s layers for {model.name}; pricing with "
                           f"the {chosen.engine} profile's layers, whose time may differ; run `dsauto "
                           f"profile --engine {engine}` for {engine}'s own.", stacklevel=2)
-        if device is not None:
-            _check_profile_device(chosen, device, source)
+        if cluster is not None:
+            _check_profile_device(chosen, cluster.device.name, source)
+            _check_profile_threads(chosen, cluster, source)
         if chosen.versions != versions:
             differ = ", ".join(f"{name} {chosen.versions.get(name)} (now {versions.get(name)})"
                                for name in sorted(set(chosen.versions) | set(versions))
@@ -333,6 +336,22 @@ def _check_profile_device(profile: Profile, device: str, source: Path) -> None:
     if planned and measured and planned.group(0).upper() != measured.group(0).upper():
         warnings.warn(f"{source}'s profile was measured on {profile.device}, and the plan is for {device}: its "
                       f"layer times are the {measured.group(0)}'s; profile on the plan's device for its own.",
+                      DsautoWarning, stacklevel=3)
+
+
+def _check_profile_threads(profile: Profile, cluster: ClusterSpec, source: Path) -> None:
+    """Warns where a CPU profile timed its layers with more threads than each of the plan's ranks on
+    this host's cores gets (``dsauto profile`` in one process takes every core; N ranks share them),
+    so that its layers run slower than priced."""
+    if profile.device != "cpu" or cluster.device.name.lower() != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    each = max(1, cores // cluster.devices_per_node)
+    if profile.threads > each:
+        warnings.warn(f"{source}'s profile timed each layer with {profile.threads} threads, and the plan runs "
+                      f"{cluster.devices_per_node} ranks on these {cores} cores ({each} a rank), so its layers "
+                      f"run slower than priced; profile on as many ranks as the plan (`torchrun --nproc-per-node "
+                      f"{cluster.devices_per_node} -m dsauto.cli profile ...`) to time them as they run.",
                       DsautoWarning, stacklevel=3)
 
 

@@ -78,18 +78,26 @@ def test_a_profile_of_another_device_or_software_is_refused_or_named(tmp_path, t
     save_profile(_profile(tiny), tmp_path / "cpu")
     with pytest.raises(DsautoError, match=r"profile was measured on cpu, and the plan is for H100-SXM5-80GB; "
                                           r"profile on the plan's device"):
-        find_profile(tmp_path / "cpu", tiny, "fp32", SEQ, device="H100-SXM5-80GB")
+        find_profile(tmp_path / "cpu", tiny, "fp32", SEQ, cluster=load_cluster("h100-80gb"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", DsautoWarning)
-        assert find_profile(tmp_path / "cpu", tiny, "fp32", SEQ, device="cpu").device == "cpu"
+        assert find_profile(tmp_path / "cpu", tiny, "fp32", SEQ, cluster=load_cluster("cpu")).device == "cpu"
     save_profile(_profile(tiny, device="NVIDIA A100-SXM4-80GB"), tmp_path / "a100")
     with pytest.warns(DsautoWarning, match=r"measured on NVIDIA A100-SXM4-80GB, and the plan is for H100-SXM5-80GB: "
                                            r"its layer times are the A100's"):
-        find_profile(tmp_path / "a100", tiny, "fp32", SEQ, device="H100-SXM5-80GB")
+        find_profile(tmp_path / "a100", tiny, "fp32", SEQ, cluster=load_cluster("h100-80gb"))
     old = _profile(tiny, versions={**software_versions(), "torch": "0.0.1"})
     save_profile(old, tmp_path / "old")
     with pytest.warns(DsautoWarning, match=r"measured under other software versions \(torch 0\.0\.1 \(now "):
-        find_profile(tmp_path / "old", tiny, "fp32", SEQ, device="cpu")
+        find_profile(tmp_path / "old", tiny, "fp32", SEQ, cluster=load_cluster("cpu"))
+    # a CPU profile timed with every core prices ranks that share them: named
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    save_profile(_profile(tiny, threads=cores + 1), tmp_path / "threads")
+    with pytest.warns(DsautoWarning, match=r"timed each layer with \d+ threads, and the plan runs 2 ranks on these "
+                                           r"\d+ cores \(\d+ a rank\), so its layers run slower than priced"):
+        find_profile(tmp_path / "threads", tiny, "fp32", SEQ, cluster=load_cluster("cpu", gpus_per_node=2))
     assert profile_path(tmp_path, tiny, "cpu", "fp32", SEQ, factory="mine:layers") != profile_path(
         tmp_path, tiny, "cpu", "fp32", SEQ)
 
