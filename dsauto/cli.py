@@ -767,7 +767,7 @@ def _check_engine_runs(path: Path, plan: Any) -> None:
               or virtual_stage_refusal(plan.engine, plan.pp, plan.virtual_stages, plan.grad_accum)
               or context_parallel_refusal(plan.engine, plan.cp, plan.seq_len, plan.flash_attention,
                                           heads=plan.model.num_attention_heads, kv_heads=plan.model.kv_heads,
-                                          pp=plan.pp, learned_positions=plan.model.position_embedding == "learned")
+                                          pp=plan.pp, learned_positions=plan.model.learned_positions)
               or offload_refusal(plan.engine, plan.dims, plan.zero_stage, plan.offload,
                                  fp8_param_gather_recipe=plan.fp8_recipe if plan.fp8_param_gather else None)
               or expert_parallel_refusal(plan.engine, plan.dims, plan.zero_stage, plan.sequence_parallel,

@@ -331,8 +331,7 @@ def _check_optimizer_and_scheduler(config: dict[str, Any], cpu_optimizer: bool) 
                                   "gradients by the top-level gradient_clipping; move the value there.")
             if lowered in ("adam", "adamw"):
                 # Adam's name forces AdamW unless adam_w_mode says otherwise (DeepSpeed's default: True)
-                decoupled = lowered == "adamw" or params.pop("adam_w_mode", True)
-                params.pop("adam_w_mode", None)
+                decoupled = params.pop("adam_w_mode", True) or lowered == "adamw"
                 params.pop("fp32_optimizer_states", None)
                 if params.pop("torch_adam", False):
                     cls: Any = torch.optim.AdamW if decoupled else torch.optim.Adam

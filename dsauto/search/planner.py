@@ -146,6 +146,16 @@ class _Priced:
         return (state[BLOCK] * num_layers + state[EMBEDDING] + state[HEAD]) / self.strategy.pp
 
 
+def chunk_checkpoints(options: Sequence[LayerOption], stage_layers: Sequence[int], virtual_stages: int) -> list[int]:
+    """How many transformer layers each model chunk checkpoints whole under per-layer ``options``
+    (embedding, transformer layers 1..L, head), chunks in the order of :func:`dsauto.plan.chunk_layers`."""
+    counts, start = [], 1
+    for count in chunk_layers(stage_layers, virtual_stages):
+        counts.append(sum(options[layer].checkpoint for layer in range(start, start + count)))
+        start += count
+    return counts
+
+
 def block_recompute_options(options: Sequence[LayerOption], stage_layers: Sequence[int],
                             virtual_stages: int) -> list[LayerOption]:
     """Per-layer ``options`` (embedding, transformer layers 1..L, head) with their whole-layer
@@ -157,11 +167,8 @@ def block_recompute_options(options: Sequence[LayerOption], stage_layers: Sequen
     layers = range(1, len(options) - 1)
     if any(options[layer].recompute_modules for layer in layers):
         return list(options)
-    n, start = 0, 1
-    for count in chunk_layers(stage_layers, virtual_stages):
-        n = max(n, sum(options[layer].checkpoint for layer in range(start, start + count)))
-        start += count
-    covered = block_recompute_set(stage_layers, virtual_stages, n)
+    covered = block_recompute_set(stage_layers, virtual_stages, max(chunk_checkpoints(options, stage_layers,
+                                                                                      virtual_stages)))
     return [dataclasses.replace(option, checkpoint=layer in covered) if layer in layers else option
             for layer, option in enumerate(options)]
 
@@ -295,6 +302,7 @@ class _Solved:
     stage_layers: tuple[int, ...]
     options: tuple[LayerOption, ...]  # per flat layer
     objective: float = math.inf  # the layer DP's step time of it
+    plan: Plan | None = dataclasses.field(default=None, compare=False)  # its plan, where already built
 
 
 def _takes_fastest(priced: _Priced, options: Sequence[LayerOption]) -> bool:
@@ -341,8 +349,6 @@ class Planner:
         self.pins = pins or Constraints()
         self.profile = profile
         self.calibration = calibration
-        self._block_n: int | None = None  # Megatron's N the DP solves with (_solve), else the pin's
-        self._last_built: tuple[tuple, Plan] | None = None  # build_plan's last arguments and plan
 
     def _price(self, strategy: Strategy) -> _Priced:
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
@@ -422,16 +428,16 @@ class Planner:
         return dataclasses.replace(plain, strategy=strategy, options=options, **arrays)
 
     def _stage_dp(self, priced: _Priced, sequence: Sequence[int], flight: int, reserve: float = 0.0,
-                  prefixes: int | None = None, lead: int = 0):
+                  prefixes: int | None = None, lead: int = 0, recompute_n: int | None = None):
         """Prefix DP over the layer groups in ``sequence`` with ``flight`` micro-batches in flight,
         ``reserve`` bytes of the layer budget kept back; answered for the first ``prefixes`` layers
         only when given. The memory unit is the whole sequence's either way, so each prefix's answer
         does not depend on ``prefixes``. The transformer layers follow the ``lead`` rows of the
-        embedding or head; under ``--recompute-num-layers`` each takes the checkpointing that
-        :meth:`_pinned_recompute` gives its position."""
+        embedding or head; under Megatron's block recomputation of ``recompute_n`` layers each takes
+        the checkpointing that :meth:`_pinned_recompute` gives its position."""
         rows = np.asarray(sequence, dtype=np.int64)
         time = priced.time[rows]
-        wanted = self._pinned_recompute(len(rows) - lead, priced.strategy.virtual_stages)
+        wanted = self._pinned_recompute(len(rows) - lead, priced.strategy.virtual_stages, recompute_n)
         if wanted is not None:
             checkpointed = np.array([o.checkpoint for o in priced.options])
             block_rows = np.arange(len(rows)) >= lead
@@ -453,25 +459,25 @@ class Planner:
         n = len(rows) if prefixes is None else prefixes
         return solve_prefixes(time[:n], q_memory[:n], transient[:n] / unit, budgets[: n + 1])
 
-    def _pinned_recompute(self, blocks: int, virtual_stages: int) -> np.ndarray | None:
-        """Under ``--recompute-num-layers N``: whether the j-th transformer layer a pipeline rank's DP
+    @staticmethod
+    def _pinned_recompute(blocks: int, virtual_stages: int, n: int | None) -> np.ndarray | None:
+        """Under Megatron's block recomputation of ``n`` layers (``--recompute-num-layers N``): whether the j-th transformer layer a pipeline rank's DP
         adds is checkpointed, for j < ``blocks``; None without the pin. A rank of j layers splits them
         over its chunks as :func:`dsauto.plan.chunk_layers` does (the earlier chunks taking the
         remainder), so its (j + 1)-th layer lengthens a chunk of j // v layers, which Megatron's block
         method checkpoints when that is below N: every prefix of the DP then checkpoints exactly the
-        layers Megatron would on a rank of that many (:meth:`_block_order` puts them in place)."""
-        n = self._recompute_n()
+        layers Megatron would on a rank of that many (:meth:`_block_order` puts them in place); None
+        where each layer is chosen alone."""
         if n is None:
             return None
         return np.arange(max(blocks, 0)) // virtual_stages < n
 
     def _block_order(self, options: Sequence[LayerOption], stage_layers: Sequence[int],
-                     virtual_stages: int) -> list[LayerOption]:
+                     virtual_stages: int, n: int | None) -> list[LayerOption]:
         """``options`` (one per flat layer) with each rank's transformer layers reordered so that,
         under ``--recompute-num-layers N``, its checkpointed ones are the first N of each of its model
         chunks (the DP checkpoints the right number per rank, by position: :meth:`_pinned_recompute`);
-        unchanged without the pin."""
-        n = self._recompute_n()
+        unchanged where ``n`` is None."""
         if n is None:
             return list(options)
         out, L = list(options), self.model.num_layers
@@ -485,11 +491,6 @@ class Planner:
                 out[j] = picked[j in wanted].pop(0)
         return out
 
-    def _recompute_n(self) -> int | None:
-        """The N of Megatron's block recomputation the DP solves with: the one :meth:`_solve` tries,
-        else the pin's (``--recompute-num-layers``), else None (each layer chosen alone)."""
-        return self.pins.recompute_num_layers if self._block_n is None else self._block_n
-
     def _solve(self, priced: _Priced) -> _Solved | None:
         """The layer DP's plan of one strategy. Megatron-core checkpoints the first N layers of every
         model chunk, one N for all (--recompute-method block); where the DP's own choice checkpoints
@@ -498,41 +499,41 @@ class Planner:
         (:meth:`_pinned_recompute`), and the fastest whose predicted peak fits is the strategy's plan.
         An N above them checkpoints more than every chunk needed; far below them, the chunk that
         needed most must shed layers to others."""
-        solved = self._solve_layout(priced)
+        solved = self._solve_layout(priced, self.pins.recompute_num_layers)
         s = priced.strategy
         if solved is None or s.engine != "megatron" or s.recompute_modules or self.pins.recompute_num_layers is not None:
             return solved
-        counts, start = [], 1
-        for count in chunk_layers(solved.stage_layers, s.virtual_stages):
-            counts.append(sum(solved.options[j].checkpoint for j in range(start, start + count)))
-            start += count
+        counts = chunk_checkpoints(solved.options, solved.stage_layers, s.virtual_stages)
         if min(counts) == max(counts):  # the first N of each chunk, as many as the DP chose
             return dataclasses.replace(solved, options=tuple(block_recompute_options(
                 solved.options, solved.stage_layers, s.virtual_stages)))
         candidates = []
         for n in range(max(counts), max(min(counts), max(counts) - BLOCK_NS_TRIED) - 1, -1):
-            self._block_n = n
-            try:
-                candidate = self._solve_layout(priced)
-            finally:
-                self._block_n = None
+            candidate = self._solve_layout(priced, n)
             if candidate is not None:
                 candidates.append(candidate)
         # The DP bounds memory at its moments; the prediction decides: the fastest by the DP whose
         # predicted peak fits (where none does, the DP's fastest goes on to the planner's own fitting).
         candidates.sort(key=lambda c: c.objective)
         for candidate in candidates:
-            if self.build_plan(candidate.strategy, candidate.stage_layers,
-                               candidate.options).prediction.peak_memory_bytes <= self.cluster.memory_budget_bytes:
-                return candidate
+            built = dataclasses.replace(candidate, plan=self._plan_of(candidate))
+            if built.plan.prediction.peak_memory_bytes <= self.cluster.memory_budget_bytes:
+                return built
         return candidates[0] if candidates else None
 
-    def _solve_layout(self, priced: _Priced) -> _Solved | None:
+    def _plan_of(self, solved: _Solved) -> Plan:
+        """The plan of a solution, built once."""
+        return solved.plan or self.build_plan(solved.strategy, solved.stage_layers, solved.options)
+
+    def _solve_layout(self, priced: _Priced, recompute_n: int | None) -> _Solved | None:
+        """The layer DP's plan of one strategy over its layouts, each layer's options chosen alone, or
+        under Megatron's block recomputation of ``recompute_n`` layers where given."""
         s, L = priced.strategy, self.model.num_layers
         m, p, v = s.grad_accum, s.pp, s.virtual_stages
         if p == 1:
             sequence = [EMBEDDING, HEAD] + [BLOCK] * L
-            solution = self._stage_dp(priced, sequence, in_flight(0, 1, m), priced.reserve(0), lead=2)
+            solution = self._stage_dp(priced, sequence, in_flight(0, 1, m), priced.reserve(0), lead=2,
+                                      recompute_n=recompute_n)
             if not np.isfinite(solution.best_time[L + 2]):
                 return None
             picked = solution.choices(L + 2)
@@ -562,15 +563,15 @@ class Planner:
             middles = [list(pinned[1:-1])]
             ends, most_mid = max(pinned[0], pinned[-1]) + 1, max(pinned[1:-1], default=0)
         first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * (L - 1), in_flight(0, p, m, v), priced.reserve(0),
-                               ends, lead=1)
+                               ends, lead=1, recompute_n=recompute_n)
         last = self._stage_dp(priced, [HEAD] + [BLOCK] * (L - 1), in_flight(p - 1, p, m, v), priced.reserve(p - 1),
-                              ends, lead=1)
+                              ends, lead=1, recompute_n=recompute_n)
         middle = {}
         for i in range(1, p - 1):
             flight = in_flight(i, p, m, v)
             if flight not in middle:
                 reserve = max(priced.reserve(k) for k in range(1, p - 1) if in_flight(k, p, m, v) == flight)
-                middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight, reserve)
+                middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight, reserve, recompute_n=recompute_n)
         p2p = 2 * v * priced.p2p_seconds
         if v > 1:  # the interleaved objective's first chunks: the share of a stage of n layers, the ends' times
             shares = np.array([first_chunk_share(n, v) for n in range(L + 1)])
@@ -624,7 +625,8 @@ class Planner:
         for choices, layers in zip(per_rank, rank_layers(stage_layers, v)):
             for choice, layer in zip(choices, layers):
                 flat[layer] = choice
-        return _Solved(s, stage_layers, tuple(self._block_order([priced.options[o] for o in flat], stage_layers, v)),
+        return _Solved(s, stage_layers,
+                       tuple(self._block_order([priced.options[o] for o in flat], stage_layers, v, recompute_n)),
                        float(best))
 
     def _fit_looser(self, priced: _Priced, solved: _Solved, fits: Plan) -> Plan:
@@ -648,7 +650,7 @@ class Planner:
             again = self._solve(dataclasses.replace(priced, budget_bytes=priced.budget_bytes + raised))
             if again is None:
                 break
-            last = self.build_plan(again.strategy, again.stage_layers, again.options)
+            last = self._plan_of(again)
             if last.prediction.peak_memory_bytes > budget:
                 break
             if last.prediction.step_seconds < best.prediction.step_seconds:
@@ -673,7 +675,7 @@ class Planner:
             solved = self._solve(dataclasses.replace(priced, reserves=tuple(reserves)))
             if solved is None:
                 return None
-            plan = self.build_plan(solved.strategy, solved.stage_layers, solved.options)
+            plan = self._plan_of(solved)
             if plan.prediction.peak_memory_bytes <= budget:
                 return plan
         return None
@@ -708,7 +710,7 @@ class Planner:
                 solved = self._solve(candidate)
                 if solved is None:
                     continue
-                plan = self.build_plan(solved.strategy, solved.stage_layers, solved.options)
+                plan = self._plan_of(solved)
                 if plan.prediction.peak_memory_bytes <= budget and (
                         best is None or plan.prediction.step_seconds < best.prediction.step_seconds):
                     best = plan
@@ -762,7 +764,7 @@ class Planner:
 
         def plan_for(embedding: int, head: int, resident: int) -> Plan | None:
             sequence = [embedding, head] + [BLOCK] * resident + [block_sharded] * (L - resident)
-            solution = self._stage_dp(ext, sequence, flight, lead=2)
+            solution = self._stage_dp(ext, sequence, flight, lead=2, recompute_n=self.pins.recompute_num_layers)
             if not np.isfinite(solution.best_time[L + 2]):
                 return None
             picked = solution.choices(L + 2)
@@ -836,7 +838,7 @@ class Planner:
             """Solves one strategy and keeps its plan; False when no plan of it fits."""
             nonlocal best
             solved = self._solve(candidate)
-            plan = None if solved is None else self.build_plan(solved.strategy, solved.stage_layers, solved.options)
+            plan = None if solved is None else self._plan_of(solved)
             if plan is not None and plan.prediction.peak_memory_bytes > self.cluster.memory_budget_bytes:
                 if bounded_out(bound):
                     return True  # whatever fits would be slower than the plans kept
@@ -963,15 +965,6 @@ class Planner:
                    prefetch_bucket: int | None = None) -> Plan:
         """The Plan of an explicit assignment, with its prediction (also used to price given configs);
         ``reduce_bucket`` and ``prefetch_bucket`` (bytes) replace the buffer sizes the search picks."""
-        key = (strategy, tuple(stage_layers), tuple(options), reduce_bucket, prefetch_bucket)
-        if self._last_built is not None and self._last_built[0] == key:
-            return self._last_built[1]  # the search builds a plan it has just built (_solve, then consider)
-        plan = self._build_plan(strategy, stage_layers, options, reduce_bucket, prefetch_bucket)
-        self._last_built = (key, plan)
-        return plan
-
-    def _build_plan(self, strategy: Strategy, stage_layers: Sequence[int], options: Sequence[LayerOption],
-                    reduce_bucket: int | None, prefetch_bucket: int | None) -> Plan:
         step = predict_step(self.model, self.cluster, self.train, strategy, stage_layers, options,
                             self.profile, self.calibration, reduce_bucket, prefetch_bucket)
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)

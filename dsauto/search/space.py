@@ -313,7 +313,6 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
         engines = ("deepspeed",)
     recompute_sets = {engine: recompute_module_sets(engine, model, train, pins) for engine in engines}
     pinned_layout = None if pins.stage_layers is None else parse_stage_layers(pins.stage_layers, model.num_layers)
-    learned = model.position_embedding == "learned"  # no DeepSpeed-Ulysses (context_parallel_refusal)
     for dims in _with_context_parallel(layouts(cluster.world_size, cluster.devices_per_node), train, pins):
         tp, pp, dp = dims.tp, dims.pp, dims.dp
         if pins.hf_trainer and (pp > 1 or dims.cp > 1):
@@ -342,7 +341,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                     for engine in engines:
                         if refusal(engine, dims, zero) is not None or context_parallel_refusal(
                                 engine, dims.cp, train.seq_len, train.flash_attention, heads=model.num_attention_heads,
-                                kv_heads=model.kv_heads, pp=pp, learned_positions=learned) is not None:
+                                kv_heads=model.kv_heads, pp=pp, learned_positions=model.learned_positions) is not None:
                             continue
                         chunks = (pins.vpp,) if pins.vpp is not None else (1, *VIRTUAL_STAGES)
                         for expert_dims in experts:
@@ -679,7 +678,7 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                            f"it out.")
     if pins.cp is not None and pins.cp > 1:
         engines = ENGINES if pins.engine is None else (pins.engine,)
-        learned = model.position_embedding == "learned"
+        learned = model.learned_positions
         reasons = [context_parallel_refusal(e, pins.cp, train.seq_len, train.flash_attention,
                                             heads=model.num_attention_heads, kv_heads=model.kv_heads, pp=pp,
                                             learned_positions=learned)

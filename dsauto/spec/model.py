@@ -354,6 +354,11 @@ class ModelSpec:
             return self.num_layers
         return self.num_layers - self.num_layers // self.global_attention_every
 
+    @property
+    def learned_positions(self) -> bool:
+        """Whether the model adds a learned position table, indexed by the position within its input."""
+        return self.position_embedding == "learned"
+
     def rotary_layers(self) -> int:
         """How many transformer layers rotate their queries and keys (all but every ``no_rope_every``-th)."""
         return self.num_layers - (self.num_layers // self.no_rope_every if self.no_rope_every else 0)
