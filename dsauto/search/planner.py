@@ -577,13 +577,16 @@ class Planner:
             shares = np.array([first_chunk_share(n, v) for n in range(L + 1)])
             emb, head = (float(np.where(np.isfinite(priced.time[g]), priced.time[g], np.inf).min())
                          for g in (EMBEDDING, HEAD))
+        # Row i: the best times of the (i + 1)-th rank's DP, by its number of layers.
+        mid_best = np.array([middle[in_flight(i, p, m, v)].best_time for i in range(1, p - 1)]
+                            or np.zeros((0, most_mid + 1)))
+        mid_rows = np.arange(mids)
         best, best_layout = math.inf, None
         for counts in middles:
             rest = L - sum(counts)
             if rest < 2 * v and pinned is None:
                 continue
-            mid_times = np.array([middle[in_flight(i + 1, p, m, v)].best_time[c] + p2p
-                                  for i, c in enumerate(counts)])
+            mid_times = mid_best[mid_rows, counts] + p2p
             if mids and not np.isfinite(mid_times).all():
                 continue
             n_first = np.arange(v, rest - v + 1) if pinned is None else np.array([pinned[0]])
