@@ -791,12 +791,25 @@ def _batch_world_size(config: dict[str, Any], path: Path) -> tuple[int, str]:
     return train // (micro * accum), "from its batch keys"
 
 
+def _format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    line: str | None = None) -> str:
+    """A warning as one line for people, not a source location; one of another package (torch's,
+    Transformer Engine's, while ``dsauto profile`` builds a model) says whose it is."""
+    from dsauto.errors import DsautoWarning
+
+    if issubclass(category, DsautoWarning):
+        return f"dsauto: warning: {message}\n"
+    parts = Path(filename).parts
+    package = next((parts[i + 1] for i in range(len(parts) - 1) if parts[i] in ("site-packages", "dist-packages")),
+                   Path(filename).stem)
+    return f"warning from {package}: {category.__name__}: {' '.join(str(message).split())}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # The CLI uses DeepSpeed only to parse configs; its CPU accelerator spares the auto-detection
     # (and its warning on machines without a GPU). Training processes choose their own.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # A warning is one line for people, not a source location.
-    warnings.formatwarning = lambda message, *_args, **_kwargs: f"dsauto: warning: {message}\n"
+    warnings.formatwarning = _format_warning
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     stdout = sys.stdout

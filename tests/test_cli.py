@@ -295,3 +295,15 @@ def test_explain_says_when_a_plan_was_edited_after_it_was_written(tmp_path, caps
     with pytest.warns(DsautoWarning, match=r"plan.yaml was edited after dsauto wrote it \(it carries plan id \w+, its "
                                            r"content is plan \w+\): the predicted time and memory below are those"):
         assert run(capsys, "explain", str(plan))[0] == 0
+
+
+def test_warnings_say_whose_they_are():
+    from dsauto.cli import _format_warning
+
+    assert _format_warning("a key\nnot read", DsautoWarning, "/x/dsauto/spec/hf.py", 3) == \
+        "dsauto: warning: a key\nnot read\n"
+    # another package's warning (torch's, while a factory builds the model) is not presented as dsauto's
+    line = _format_warning("`torch.x` is deprecated.\n  Use y.", FutureWarning,
+                           "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", 12)
+    assert line == "warning from torch: FutureWarning: `torch.x` is deprecated. Use y.\n"
+    assert _format_warning("m", UserWarning, "/home/me/factory.py", 1) == "warning from factory: UserWarning: m\n"
