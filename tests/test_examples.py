@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dsauto.profile.launch import free_port
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -16,3 +18,18 @@ def test_plan_api_example(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "dsauto plan: gpt-tiny" in result.stdout and "next plans:" in result.stdout
     assert (tmp_path / "o" / "ds_config.json").exists()
+
+
+def test_a_refused_plan_is_one_line_not_a_traceback(tmp_path):
+    # a two-stage plan launched on one process: the plugin's refusal, as the example script prints it
+    subprocess.run([sys.executable, "-m", "dsauto", "tune", "--model", "gpt-tiny", "--hardware", "cpu", "--nodes", "1",
+                    "--gpus-per-node", "2", "--pp", "2", "--out", str(tmp_path)], check=True, capture_output=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    result = subprocess.run([sys.executable, str(EXAMPLES / "megatron" / "train_gpt.py"), "--plan",
+                             str(tmp_path / "plan.yaml"), "--steps", "1"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 2
+    assert "train_gpt.py: error (rank 0): The plan is for 2 ranks (tp=1 pp=2 dp=1) but torch.distributed has 1; " \
+           "launch 2 processes or re-plan for 1 device." in result.stderr
+    assert "Traceback" not in result.stderr

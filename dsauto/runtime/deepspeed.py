@@ -75,6 +75,7 @@ from dsauto.runtime.split import (
     split_embedding,
 )
 from dsauto.runtime.ulysses import sequence_parallel_mpu, wrap_attention
+from dsauto.units import counted
 
 TESTED_DEEPSPEED_VERSIONS = ("0.19.8",)
 """DeepSpeed releases the hook's tests pass with (it reads engine internals, see the module doc)."""
@@ -263,7 +264,7 @@ def check_engine(engine: Any, plan: Plan) -> None:
     if dp != plan.dp:
         raise DsautoError(
             f"The plan is for {plan.dp} data-parallel ranks but DeepSpeed runs {dp}; launch "
-            f"{plan.world_size} processes or re-plan for {dp} devices."
+            f"{plan.world_size} processes or re-plan for {counted(dp * plan.world_size // plan.dp, 'device')}."
         )
     micro = engine.train_micro_batch_size_per_gpu() if hasattr(engine, "train_micro_batch_size_per_gpu") else plan.micro_batch
     accum = engine.gradient_accumulation_steps() if hasattr(engine, "gradient_accumulation_steps") else plan.grad_accum

@@ -65,7 +65,7 @@ from dsauto.errors import DsautoError
 from dsauto.plan import Plan, chunk_layers
 from dsauto.plan_io import read_plan
 from dsauto.spec.model import ModelSpec
-from dsauto.units import format_bytes
+from dsauto.units import counted, format_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -115,9 +115,8 @@ def initialize_model_parallel(plan: Plan, **kwargs: Any) -> None:
     world = dist.get_world_size()
     if world != plan.world_size:
         raise DsautoError(
-            f"The plan is for {plan.world_size} ranks (dp {plan.dp} x tp {plan.tp} x pp {plan.pp}) "
-            f"but torch.distributed has {world}; launch {plan.world_size} processes or re-plan for "
-            f"{world} devices."
+            f"The plan is for {plan.world_size} ranks ({plan.dims.describe()}) but torch.distributed has "
+            f"{world}; launch {plan.world_size} processes or re-plan for {counted(world, 'device')}."
         )
     degrees = degree_fields(plan.dims, experts=plan.model.moe)
     for name in (*degrees, "virtual_pipeline_model_parallel_size", "num_distributed_optimizer_instances"):

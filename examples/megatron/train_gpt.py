@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 import dsauto.megatron as dm  # dsauto
+from dsauto.errors import DsautoError
 from dsauto.plan import Plan
 
 # The token rule of the data: next = (A * token + C) mod vocabulary. Each token fixes the next one,
@@ -210,4 +211,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DsautoError as exc:  # the plan refuses this run: one line a rank, not a traceback
+        import sys
+
+        print(f"{os.path.basename(__file__)}: error (rank {os.environ.get('RANK', '0')}): {exc}", file=sys.stderr)
+        sys.exit(2)

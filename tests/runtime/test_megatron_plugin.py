@@ -320,7 +320,7 @@ def test_pipeline_recomputes_as_planned(two_ranks):
 
 def test_a_plan_for_another_world_size_is_refused(two_ranks):
     assert two_ranks["four_rank_plan"]["error"] == (
-        "The plan is for 4 ranks (dp 1 x tp 2 x pp 2) but torch.distributed has 2; launch 4 processes "
+        "The plan is for 4 ranks (tp=2 pp=2 dp=1) but torch.distributed has 2; launch 4 processes "
         "or re-plan for 2 devices.")
 
 
