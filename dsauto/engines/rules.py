@@ -23,14 +23,15 @@ from dsauto.spec.training import Dtype
 
 
 def refusal(engine: Engine, dims: ParallelDims, zero_stage: int) -> str | None:
-    """Why ``engine`` cannot run these degrees with this ZeRO stage, or None when it can."""
+    """Why ``engine`` cannot run these degrees with this ZeRO stage, or None when it can (the reason
+    alone: what to change depends on what the caller pinned)."""
     if zero_stage >= 2 and dims.pp > 1:
         return (f"ZeRO stage {zero_stage} cannot run with pipeline parallelism {dims.pp}: "
                 f"{'DeepSpeed' if engine == 'deepspeed' else 'Megatron-core'} pipelines support ZeRO 0 "
                 f"and 1 only")
     if engine == "deepspeed" and dims.tp > 1:
         return (f"DeepSpeed plans have no tensor parallelism (tp {dims.tp}): it needs Megatron-core's "
-                f"tensor-parallel modules; plan with --engine megatron")
+                f"tensor-parallel modules")
     return None
 
 

@@ -655,11 +655,13 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
     if pins.engine is not None:
         reason = refusal(pins.engine, ParallelDims(dp=max(1, world // (tp * pp)), tp=tp, pp=pp),
                          pins.zero_stage or 0)
-        if reason and pins.hf_trainer:  # the engine --for hf implies: tensor parallelism is what it refuses
-            return DsautoError(f"A plan for Hugging Face's Trainer (--for hf) runs DeepSpeed, and "
-                               f"{reason.split('; plan with --engine')[0]}; pin --tp 1, or plan without --for hf.")
+        # ZeRO 2-3 under a pipeline is refused above: what is left is DeepSpeed's tensor parallelism
+        if reason and pins.hf_trainer:
+            return DsautoError(f"A plan for Hugging Face's Trainer (--for hf) runs DeepSpeed, and {reason}; pin "
+                               f"--tp 1, or plan without --for hf.")
         if reason:
-            return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}.")
+            remedy = "pin --tp 1, or plan with --engine megatron" if pins.engine == "deepspeed" else "pin other degrees"
+            return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}; {remedy}.")
     engines = ENGINES if pins.engine is None else (pins.engine,)
     refused = [pinned_option_refusals(e, pins, train, model) for e in engines]
     for flag, (why, remedy) in refused[-1].items():  # each a Megatron-core option: its reason, engine open or not
