@@ -763,7 +763,7 @@ def _check_engine_runs(path: Path, plan: Any) -> None:
         virtual_stage_refusal,
     )
 
-    reason = (refusal(plan.engine, plan.dims, plan.zero_stage)
+    reason = (refusal(plan.engine, plan.dims, plan.zero_stage, plan.dtype)
               or virtual_stage_refusal(plan.engine, plan.pp, plan.virtual_stages, plan.grad_accum)
               or context_parallel_refusal(plan.engine, plan.cp, plan.seq_len, plan.flash_attention,
                                           heads=plan.model.num_attention_heads, kv_heads=plan.model.kv_heads,

@@ -48,3 +48,23 @@ def test_a_megatron_plans_flags_state_every_choice_it_made(tmp_path):
         assert block_recompute_layers(plan) is not None and all(run.split == 1 for run in plan.layers)
         text = (tmp_path / name / "megatron_args.txt").read_text()
         assert "# Not expressed: activation checkpointing" not in text and "operator splitting" not in text
+
+
+def test_deepspeed_pipelines_of_bf16_replicas_are_planned_as_zero_1(capsys):
+    """DeepSpeed's pipeline engine runs bf16 without ZeRO through its BF16_Optimizer, which shards the
+    optimizer state over the replicas: the search plans those pipelines as ZeRO stage 1, a pinned
+    stage 0 is refused with that remedy, and fp32 (DeepSpeed's plain optimizer) keeps stage 0."""
+    from dsauto.api import make_problem
+    from dsauto.search.planner import Planner
+
+    problem = make_problem("llama3-8b", "h100-80gb", global_batch=64, seq_len=4096, engine="deepspeed", pp=2)
+    plans = Planner(problem.model, problem.cluster, problem.train, problem.pins).search(top_k=20)
+    assert plans and all(p.zero_stage == 1 for p in plans)
+    base = ["plan", "--model", "llama3-8b", "--hardware", "h100-80gb", "--global-batch", "64", "--seq-len", "4096",
+            "--engine", "deepspeed", "--pp", "2", "--zero-stage", "0"]
+    assert main(base) == 2
+    error = capsys.readouterr().err.strip()
+    assert "BF16_Optimizer, which shards the optimizer state as ZeRO stage 1 does; pin --zero-stage 1" in error
+    assert len(error.splitlines()) == 1
+    assert main([*base, "--dtype", "fp32"]) == 0
+    assert "ZeRO stage 0" in capsys.readouterr().out

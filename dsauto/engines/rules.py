@@ -22,9 +22,11 @@ from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype
 
 
-def refusal(engine: Engine, dims: ParallelDims, zero_stage: int) -> str | None:
-    """Why ``engine`` cannot run these degrees with this ZeRO stage, or None when it can (the reason
-    alone: what to change depends on what the caller pinned)."""
+def refusal(engine: Engine, dims: ParallelDims, zero_stage: int, dtype: Dtype | None = None) -> str | None:
+    """Why ``engine`` cannot run these degrees with this ZeRO stage in ``dtype``, or None when it can
+    (the reason alone: what to change depends on what the caller pinned)."""
+    if why := deepspeed_bf16_pipeline_refusal(engine, dims, zero_stage, dtype):
+        return why
     if zero_stage >= 2 and dims.pp > 1:
         return (f"ZeRO stage {zero_stage} cannot run with pipeline parallelism {dims.pp}: "
                 f"{'DeepSpeed' if engine == 'deepspeed' else 'Megatron-core'} pipelines support ZeRO 0 "
@@ -32,6 +34,21 @@ def refusal(engine: Engine, dims: ParallelDims, zero_stage: int) -> str | None:
     if engine == "deepspeed" and dims.tp > 1:
         return (f"DeepSpeed plans have no tensor parallelism (tp {dims.tp}): it needs Megatron-core's "
                 f"tensor-parallel modules")
+    return None
+
+
+def deepspeed_bf16_pipeline_refusal(engine: Engine, dims: ParallelDims, zero_stage: int,
+                                    dtype: Dtype | None) -> str | None:
+    """Why a DeepSpeed pipeline of data-parallel replicas does not run bf16 without ZeRO, or None.
+    DeepSpeed 0.19 wraps the optimizer of such an engine in its BF16_Optimizer
+    (deepspeed/runtime/engine.py, ``_do_optimizer_sanity_check``: bf16 gradients accumulated in bf16
+    under pipeline parallelism), which keeps the fp32 weights and Adam's moments of 1/dp of the
+    parameters on each rank and all-gathers the updated bf16 weights after the step
+    (deepspeed/runtime/bf16_optimizer.py, ``fp32_groups_flat_partition``, ``update_lp_params``): the
+    memory and traffic of ZeRO stage 1, which is how dsauto plans it, not those of stage 0."""
+    if engine == "deepspeed" and zero_stage == 0 and dims.pp > 1 and dims.replicas > 1 and dtype == "bf16":
+        return (f"DeepSpeed's pipeline engine (pp {dims.pp}) trains bf16 over {dims.replicas} data-parallel "
+                f"replicas with its BF16_Optimizer, which shards the optimizer state as ZeRO stage 1 does")
     return None
 
 

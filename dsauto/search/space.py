@@ -33,6 +33,7 @@ from dsauto.engines.rules import (
     refusal,
     tp_comm_overlap_refusal,
     fp8_refusal,
+    deepspeed_bf16_pipeline_refusal,
     hf_trainer_refusal,
     virtual_stage_refusal,
 )
@@ -339,7 +340,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
             for zero in zero_stages:
                 for sp in sp_values:
                     for engine in engines:
-                        if refusal(engine, dims, zero) is not None or context_parallel_refusal(
+                        if refusal(engine, dims, zero, train.dtype) is not None or context_parallel_refusal(
                                 engine, dims.cp, train.seq_len, train.flash_attention, heads=model.num_attention_heads,
                                 kv_heads=model.kv_heads, pp=pp, learned_positions=model.learned_positions) is not None:
                             continue
@@ -653,8 +654,11 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         return DsautoError(f"ZeRO stage {pins.zero_stage} cannot run with pipeline parallelism {pins.pp}: "
                            f"{pipelines} ZeRO 0 and 1 only; pin --zero-stage 1 or --pp 1.")
     if pins.engine is not None:
-        reason = refusal(pins.engine, ParallelDims(dp=max(1, world // (tp * pp)), tp=tp, pp=pp),
-                         pins.zero_stage or 0)
+        dims = ParallelDims(dp=max(1, world // (tp * pp)), tp=tp, pp=pp)
+        if pins.zero_stage == 0 and (reason := deepspeed_bf16_pipeline_refusal(pins.engine, dims, 0, train.dtype)):
+            return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}; pin --zero-stage 1, which "
+                               f"dsauto prices as it runs.")
+        reason = refusal(pins.engine, dims, pins.zero_stage or 0)
         # ZeRO 2-3 under a pipeline is refused above: what is left is DeepSpeed's tensor parallelism
         if reason and pins.hf_trainer:
             return DsautoError(f"A plan for Hugging Face's Trainer (--for hf) runs DeepSpeed, and {reason}; pin "
