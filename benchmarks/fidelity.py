@@ -312,6 +312,9 @@ class PublishedRun:
         """The Strategy fields this run sets beyond what the planner searches."""
         return dict(grad_reduce_in_fp32=self.grad_reduce_in_fp32, recompute_early_stop=self.recompute_early_stop,
                     pipeline_scatter_gather=self.source.scatter_gather,
+                    # Megatron-LM 2021-22, whose runs scattered the pipeline's boundaries, waited on
+                    # each batch of transfers of its interleaved schedule (no overlap_p2p_comm yet)
+                    p2p_overlap=not self.source.scatter_gather,
                     tp_comm_overlap=self.source.tp_comm_overlap and self.pins.tp_comm_overlap is not False,
                     attention_kernel=self.attention_kernel)
 

@@ -73,7 +73,7 @@ def default_seq_len(model: ModelSpec, seq_len: int | None = None) -> int:
     if seq_len > model.max_position_embeddings and model.position_embedding != "learned":
         warnings.warn(f"{model.name} was trained with {model.max_position_embeddings} positions; planning "
                       f"{seq_len}-token sequences extends its context (set its rotary base or scaling "
-                      f"for that length in your training script).", stacklevel=2)
+                      f"for that length in your training script).", DsautoWarning, stacklevel=2)
     elif seq_len > model.max_position_embeddings:
         raise DsautoError(f"Sequences of {seq_len} tokens exceed the {model.max_position_embeddings} positions "
                           f"{model.name} supports; give a sequence length (--seq-len) of at most "
@@ -263,7 +263,7 @@ def make_problem(
                           f"out --fp8, or plan for a device with FP8 tensor cores (h100-80gb, h200).")
     if attention_kernel == "cudnn" and not cluster.device.fused_attention_efficiency:
         warnings.warn(f"{cluster.device.name} has no fused attention efficiency of its own; cuDNN's fused "
-                      f"attention is priced at its FlashAttention efficiency.", stacklevel=2)
+                      f"attention is priced at its FlashAttention efficiency.", DsautoWarning, stacklevel=2)
     return Problem(model_spec, cluster, train, pins)
 
 

@@ -307,3 +307,20 @@ def test_warnings_say_whose_they_are():
                            "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", 12)
     assert line == "warning from torch: FutureWarning: `torch.x` is deprecated. Use y.\n"
     assert _format_warning("m", UserWarning, "/home/me/factory.py", 1) == "warning from factory: UserWarning: m\n"
+
+
+def test_every_warning_of_dsauto_is_a_dsauto_warning():
+    """dsauto's own warnings carry its category, so that they print as dsauto's and filter as one."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "dsauto"
+    other = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "warn"
+                    and getattr(node.func.value, "id", "") == "warnings"):
+                category = node.args[1] if len(node.args) > 1 else next(
+                    (k.value for k in node.keywords if k.arg == "category"), None)
+                if category is None or ast.unparse(category) != "DsautoWarning":
+                    other.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not other, other

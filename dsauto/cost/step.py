@@ -18,6 +18,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from dsauto.cost.calibration import Calibration
 from dsauto.cost.layer import CostModel, LayerCost, gathered_unit_params
 from dsauto.cost.measured import MeasuredCosts
@@ -154,6 +156,24 @@ def first_chunk_share(layers: int, virtual_stages: int) -> float:
     if virtual_stages == 1:
         return 1.0
     return math.ceil(layers / virtual_stages) / layers if layers > 0 else 0.0
+
+
+def p2p_hidden_fraction(strategy: Strategy, comm_overlap_efficiency: float) -> float:
+    """How much of a pipeline rank's steady-state transfers its compute hides: the device's overlap
+    efficiency under Megatron-core's interleaved schedule with overlapped transfers
+    (:attr:`Strategy.p2p_overlap`), else 0 (every transfer waited on)."""
+    overlaps = strategy.engine == "megatron" and strategy.virtual_stages > 1 and strategy.p2p_overlap
+    return comm_overlap_efficiency if overlaps else 0.0
+
+
+def p2p_exposed_seconds(stage_seconds, sends_seconds, hidden: float):
+    """The steady-state time a pipeline rank waits for its transfers of one micro-batch
+    (``sends_seconds``: its chunks' inputs received and outputs sent, forward and backward) beside
+    ``stage_seconds`` of its compute, a fraction ``hidden`` of the overlapped part hidden
+    (:func:`p2p_hidden_fraction`; :meth:`dsauto.cost.terms.DeviceModel.overlapped`): all of it when
+    nothing overlaps, at least (1 - hidden) of it. Takes numbers or arrays."""
+    return (np.maximum(stage_seconds, sends_seconds) + (1 - hidden) * np.minimum(stage_seconds, sends_seconds)
+            - stage_seconds)
 
 
 def interleaved_makespan(stage_seconds: Sequence[float], micro_batches: int, virtual_stages: int,
@@ -640,6 +660,8 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     layer_cost = functools.cache(cost.layer)  # pure: the layers of one group and option cost the same
     m, pp = strategy.grad_accum, strategy.pp
     p2p = cost.p2p_seconds() if pp > 1 else 0.0
+    hidden = p2p_hidden_fraction(strategy, cluster.device.comm_overlap_efficiency)
+    exposures: list[float] = []  # each stage's transfers per micro-batch that the step waits for
     bucket = bucket_bytes(groups, strategy.tp, train.dtype_bytes) if reduce_bucket is None else reduce_bucket
     # The emitted ZeRO-3 prefetch bucket, which bounds the parameters held gathered (dsauto.cost.zero3).
     default_prefetch = prefetch_bytes(groups, strategy.tp, train.dtype_bytes, options, num_layers)
@@ -666,9 +688,13 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                                 * (1.5 if options[j].checkpoint else 1.0) for j in held))  # recomputed forward
         tp_passes = [tp_comm_passes(layer_group_of(groups, j, num_layers), options[j], cost.context) for j in held]
         tp_comm.append(sum(t.forward_seconds + t.backward_seconds for t in tp_passes))
-        # Each of the rank's v chunks receives its input and sends its output once per micro-batch.
-        forward = sum(c.forward_seconds for c in costs) + v * p2p
-        backward = sum(c.backward_seconds for c in costs) + v * p2p
+        # Each of the rank's v chunks receives its input and sends its output once per micro-batch,
+        # in forward and in backward; what the step waits for of them, half in each.
+        forward = sum(c.forward_seconds for c in costs)
+        backward = sum(c.backward_seconds for c in costs)
+        waits = float(p2p_exposed_seconds(forward + backward, 2 * v * p2p, hidden))
+        exposures.append(waits)
+        forward, backward = forward + waits / 2, backward + waits / 2
         flight = in_flight(i, pp, m, v)
         activation = sum(c.activation_bytes for c in costs) * flight
         interleaved = None
@@ -819,9 +845,9 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                                     [st.backward_seconds for st in stages], m)
     else:
         makespan = interleaved_makespan(times, m, v, first_chunks)
-        # The same stages as one chunk each: v - 1 fewer boundaries to cross per micro-batch.
-        saved_p2p = 2 * (v - 1) * p2p
-        plain = [t - saved_p2p for t in times]
+        # The same stages as one chunk each (1F1B, whose transfers are waited on): one boundary to
+        # cross per micro-batch each way.
+        plain = [t - waits + 2 * p2p for t, waits in zip(times, exposures)]
         plain_bubble = max(0.0, interleaved_makespan(plain, m, 1) - m * max(plain)) * cost.calibration.pipeline_bubble
     # The slowest stage runs all m micro-batches, so the makespan is at least m of them; max() drops
     # the rounding of a schedule whose other stages all fit in its gaps.
@@ -853,7 +879,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         offloaded_bytes=int(max(offloaded)),
         expert_all_to_all_seconds=m * dispatch[times.index(slowest)] if dispatch else 0.0,
         tp_comm_seconds=m * tp_comm[times.index(slowest)],
-        p2p_seconds=m * 2 * v * p2p,
+        p2p_seconds=m * exposures[times.index(slowest)],
     )
     return StepPrediction(prediction, tuple(stages))
 

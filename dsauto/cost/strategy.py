@@ -50,6 +50,15 @@ class Strategy:
     boundary to the next stage and the receivers all-gather it over the node's links (Narayanan
     et al. 2021, Sec. 4.1; megatron/p2p_communication.py, ``_communicate``). Megatron-core has no
     such option: plans dsauto emits keep the default; it prices published runs of that engine."""
+    p2p_overlap: bool = True
+    """Megatron-core's interleaved schedule with ``overlap_p2p_comm`` (Megatron-LM's
+    ``--overlap-p2p-communication``, on by default, and dsauto's plugin sets it): a model chunk's
+    sends and receives run beside the next chunk's compute in the steady state
+    (megatron/core/pipeline_parallel/schedules.py, ``forward_backward_pipelining_with_interleaving``:
+    the ``wait_handles`` of a step's transfers are waited on only before their tensors are needed;
+    :func:`dsauto.cost.step.p2p_exposed_seconds`). Read only for Megatron-core with virtual stages:
+    the 1F1B schedule and DeepSpeed's pipeline block on each transfer. False: Megatron-LM 2021-22,
+    whose interleaved schedule waited on each batch of transfers; it prices published runs of it."""
     recompute_early_stop: bool = False
     """PyTorch's non-reentrant activation checkpointing (``torch.utils.checkpoint`` with
     ``use_reentrant=False``, early stop on by default since PyTorch 2.1): the recomputation stops

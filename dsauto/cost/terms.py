@@ -750,15 +750,25 @@ def tp_overlap_exposed_seconds(matmul_seconds: float, tp_comm: float, ctx: Layer
     return forward, backward
 
 
-def tp_comm_passes(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Passes:
-    """The tensor-parallel collectives of one micro-batch through a layer: a pass's worth in
-    forward and in backward, and a checkpointed layer's recomputed forward issues its collectives
-    again inside backward (Korthikanti et al. 2022, Sec. 4.2.2; Megatron-core's
-    ``CheckpointFunction.backward`` in megatron/core/tensor_parallel/random.py reruns the forward,
-    row-parallel all-reduces included). The head's forward adds the loss's (:func:`tp_loss_seconds`).
-    The part of the step the ``tensor_parallel`` factor scales."""
+def tp_comm_exposed(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> tuple[float, float]:
+    """The tensor-parallel collectives of one forward and one backward pass of a layer that the step
+    waits for: all of them, or under ``--tp-comm-overlap`` what the layer's GEMMs leave exposed
+    (:func:`tp_overlap_exposed_seconds`)."""
     once = tp_comm_seconds(group, ctx)
-    return Passes(once + tp_loss_seconds(group, ctx), once * (2 if option.checkpoint else 1))
+    if ctx.tp_comm_overlap and once > 0:
+        return tp_overlap_exposed_seconds(ctx.calibration.compute * matmul_seconds(group, option, ctx), once, ctx)
+    return once, once
+
+
+def tp_comm_passes(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Passes:
+    """The tensor-parallel collectives of one micro-batch through a layer that the step waits for
+    (:func:`tp_comm_exposed`): a pass's worth in forward and in backward, and a checkpointed layer's
+    recomputed forward issues its collectives again inside backward (Korthikanti et al. 2022, Sec.
+    4.2.2; Megatron-core's ``CheckpointFunction.backward`` in megatron/core/tensor_parallel/random.py
+    reruns the forward, row-parallel all-reduces included). The head's forward adds the loss's
+    (:func:`tp_loss_seconds`). The part of the step the ``tensor_parallel`` factor scales."""
+    forward, backward = tp_comm_exposed(group, option, ctx)
+    return Passes(forward + tp_loss_seconds(group, ctx), backward + (forward if option.checkpoint else 0.0))
 
 
 def compute_passes(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> Passes:
@@ -778,7 +788,6 @@ def pass_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     where the profile has the layer, else the roofline), tensor-parallel collectives, the launches
     of a split and recomputation."""
     speed = ctx.calibration.compute
-    tp_comm = tp_comm_seconds(group, ctx)
     launches = split_launch_seconds(option, ctx)
     if measured is not None:
         # Measured compute replaces the roofline where the profile has the layer (interpolated in
@@ -790,9 +799,7 @@ def pass_seconds(group: LayerGroup, option: LayerOption, ctx: LayerContext,
                       speed * measured.backward_seconds + tp.backward_seconds + 2 * launches
                       + selective_recompute_seconds(group, option, ctx))
     compute = compute_passes(group, option, ctx)
-    forward_tp, backward_tp = tp_comm, tp_comm
-    if ctx.tp_comm_overlap and tp_comm > 0:
-        forward_tp, backward_tp = tp_overlap_exposed_seconds(speed * matmul_seconds(group, option, ctx), tp_comm, ctx)
+    forward_tp, backward_tp = tp_comm_exposed(group, option, ctx)
     forward_tp += tp_loss_seconds(group, ctx)
     forward = compute.forward_seconds + forward_tp + launches
     backward = (compute.backward_seconds + 2 * launches + backward_tp + recompute_seconds(option, forward)

@@ -19,11 +19,13 @@ from dsauto.engines.megatron import (
     ATTENTION_BACKEND,
     FSDP_STRATEGY,
     LAUNCH_ENVIRONMENT,
+    LAUNCH_VOCABULARY,
     block_recompute_layers,
     ddp_bucket_size,
     degree_flags,
     max_connections,
     pipeline_layout,
+    qk_layernorm,
     selective_recompute_modules,
     softmax_fusion_setting,
 )
@@ -131,7 +133,7 @@ def _model_shape(plan: Plan) -> list[str]:
         lines.append("--bert-no-binary-head")
     lines += [f"{COMMENT}Not expressed: {gap}." for gap in megatron_gaps(model)]
     lines += [
-        f"{COMMENT}Vocabulary: {model.vocab_size} tokens from the tokenizer, padded to "
+        f"{COMMENT}{LAUNCH_VOCABULARY} {model.vocab_size} tokens from the tokenizer, padded to "
         f"{plan.padded_vocab_size} (a multiple of {VOCAB_PAD_MULTIPLE} x tp {plan.tp}).",
         f"--make-vocab-size-divisible-by {VOCAB_PAD_MULTIPLE}",
     ]
@@ -200,8 +202,9 @@ def _attention(model: ModelSpec) -> list[str]:
         lines.append("--disable-bias-linear")
         if qkv_bias:
             lines.append("--add-qkv-bias")
-    if model.qk_norm:
-        lines.append("--qk-layernorm")  # of the --normalization kind, over the head width
+    if qk_layernorm(model):
+        # of the --normalization kind, over the head width (with latent attention: the latent norms)
+        lines.append("--qk-layernorm")
     if model.latent_attention:
         # Megatron-core's MLA (MLATransformerConfig): qk_head_dim is the part without rotary
         # embedding, qk_pos_emb_head_dim the rotary part; no --q-lora-rank: one query projection.

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from dsauto.parallel import Degree, ParallelDims
 from dsauto.plan import Plan, chunk_layers
+from dsauto.spec.model import ModelSpec
 
 DEGREES: dict[Degree, tuple[str, str]] = {
     "tp": ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
@@ -102,10 +103,23 @@ LAUNCH_ENVIRONMENT = "Launch environment:"
 """How megatron_args.txt begins the comment that states a variable the launch needs; the reader of
 launches (:mod:`dsauto.engines.megatron_args`) takes what it sets."""
 
+LAUNCH_VOCABULARY = "Vocabulary:"
+"""How megatron_args.txt begins the comment that states the tokenizer's vocabulary (Megatron-LM reads
+it from the tokenizer, not a flag); the reader of launches takes it where no --vocab-size is given."""
+
 TE_FUSED_SOFTMAX_KEYS = (16, 16384, 8)
 """Transformer Engine's fused masked softmax takes s keys with 16 < s < 16384 and s a multiple of 8
 (transformer_engine/pytorch/attention/dot_product_attention/softmax.py, ``is_kernel_available``; it also
 needs the attention batches, micro-batch x heads per rank, a multiple of 4)."""
+
+
+def qk_layernorm(model: ModelSpec) -> bool:
+    """Megatron-core's ``qk_layernorm`` (``--qk-layernorm``) for ``model``: its query and key norms, or
+    with latent attention the norms of the compressed query and key/value (DeepSeek-V2's
+    ``q_a_layernorm`` and ``kv_a_layernorm``), which Megatron-core's MLA layer specs build only
+    under this flag (megatron/core/models/gpt/gpt_layer_specs.py: ``q_layernorm`` / ``kv_layernorm``,
+    or the layer-norm-fused up projections, else IdentityOp)."""
+    return model.qk_norm or model.latent_attention
 
 
 def te_softmax_fuses(seq_len: int, micro_batch: int, heads_per_rank: int, fusion: str = "1") -> bool:

@@ -26,6 +26,7 @@ from dsauto.engines.megatron import (
     ATTENTION_BACKEND,
     FSDP_STRATEGY,
     LAUNCH_ENVIRONMENT,
+    LAUNCH_VOCABULARY,
     te_softmax_fuses,
 )
 from dsauto.errors import DsautoError
@@ -139,7 +140,7 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
         words = shlex.split(expand_shell_variables(text).replace("\\\n", " "), comments=True)
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
-    return parse_megatron_args(words, str(path), model, launch_environment(text))
+    return parse_megatron_args(words, str(path), model, launch_environment(text), launch_vocabulary(text))
 
 
 _ASSIGNMENT = re.compile(r"(?:export[ \t]+|declare[ \t]+-a[ \t]+)?([A-Za-z_]\w*)(\+?)=")
@@ -274,11 +275,19 @@ def launch_environment(text: str) -> dict[str, str]:
     return found
 
 
+def launch_vocabulary(text: str) -> int | None:
+    """The tokenizer's vocabulary that dsauto's own megatron_args.txt states in a comment
+    (:data:`LAUNCH_VOCABULARY`), or None."""
+    found = re.search(rf"^\s*#\s*{re.escape(LAUNCH_VOCABULARY)}\s*(\d+)\b", text, re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
 def parse_megatron_args(words: Iterable[str], where: str = "the arguments", model: ModelSpec | None = None,
-                        environment: dict[str, str] | None = None) -> MegatronLaunch:
+                        environment: dict[str, str] | None = None, vocabulary: int | None = None) -> MegatronLaunch:
     """The launch of a list of Megatron-LM arguments (see :func:`read_megatron_args`). With
     ``model``, the launch plans that model, after checking that the flags describe it (its
-    vocabulary stands in for a missing ``--vocab-size``: Megatron-LM reads it from the tokenizer)."""
+    vocabulary stands in for a missing ``--vocab-size``: Megatron-LM reads it from the tokenizer; so
+    does ``vocabulary``, the one dsauto's own file states, without a model)."""
     words = list(words)
     flags = _flag_values(words, where)
     undescribed = [spelling for spelling in DESCRIBED_BY_MODEL if _sets(flags, spelling)]
@@ -290,7 +299,7 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
                               f"without --megatron-args.")
     described = None
     if model is None or not undescribed:
-        described = _model(flags, where, model.vocab_size if model is not None else None)
+        described = _model(flags, where, model.vocab_size if model is not None else vocabulary)
     else:
         _check_undescribed_model(flags, model, where)
     if model is not None and described is not None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsauto.engines.megatron import qk_layernorm
 from dsauto.spec.model import ModelSpec
 
 
@@ -60,7 +61,7 @@ def megatron_layer(model: ModelSpec, tp: int, dtype: torch.dtype, **fields: Any)
                   num_query_groups=model.kv_heads // tp, ffn_hidden_size=model.ffn_hidden_size // tp)
     config = TransformerConfig(**kwargs, use_cpu_initialization=True, attention_backend=AttnBackend.local,
                                params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
-    spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization=config.normalization)
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm(model), normalization=config.normalization)
     # A one-rank group of this process alone, registered nowhere: the shard's tp, cp and pp groups
     # (one rank each), so that building it needs no initialize_model_parallel.
     alone = ProcessGroupGloo(HashStore(), 0, 1)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from dsauto.engines.megatron import qk_layernorm
 from dsauto.plan import Plan
 from dsauto.profile.memory import MemoryTracker
 from dsauto.profile.run import bind_cpu_rank, current_device, max_over_ranks
@@ -128,7 +129,7 @@ def build(plan: Plan, on_cpu: bool, lr: float = 1e-4) -> tuple[list[torch.nn.Mod
     # runs without Transformer Engine; apply() recomputes its scores for a plan made for flash attention.
     config = dm.apply(plan, TransformerConfig(**dm.transformer_config_kwargs(plan.model),
                                               use_cpu_initialization=on_cpu, attention_backend=AttnBackend.local))
-    spec = get_gpt_layer_local_spec(num_experts=plan.model.num_experts or None, qk_layernorm=plan.model.qk_norm,
+    spec = get_gpt_layer_local_spec(num_experts=plan.model.num_experts or None, qk_layernorm=qk_layernorm(plan.model),
                                     normalization=config.normalization)
     chunks = dm.model_chunks(plan, lambda **where: GPTModel(config=config, transformer_layer_spec=spec,
                                                              **dm.gpt_model_kwargs(plan), **where))

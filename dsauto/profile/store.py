@@ -292,7 +292,7 @@ def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int,
         if engine is not None and chosen.engine != engine:
             warnings.warn(f"{source} has no profile of {engine}'s layers for {model.name}; pricing with "
                           f"the {chosen.engine} profile's layers, whose time may differ; run `dsauto "
-                          f"profile --engine {engine}` for {engine}'s own.", stacklevel=2)
+                          f"profile --engine {engine}` for {engine}'s own.", DsautoWarning, stacklevel=2)
         if cluster is not None:
             _check_profile_device(chosen, cluster.device.name, source)
             _check_profile_threads(chosen, cluster, source)

@@ -114,7 +114,7 @@ def warn_if_untested(version: str) -> None:
     if version.split("+")[0] not in TESTED_DEEPSPEED_VERSIONS:
         warnings.warn(f"dsauto's DeepSpeed hook is tested with DeepSpeed {', '.join(TESTED_DEEPSPEED_VERSIONS)} "
                       f"and this is {version}; it reads ZeRO-3 internals (see dsauto.runtime.deepspeed) "
-                      f"that another release may have changed.", stacklevel=3)
+                      f"that another release may have changed.", DsautoWarning, stacklevel=3)
 
 
 def plan_from_config(config: dict[str, Any]) -> Plan | None:

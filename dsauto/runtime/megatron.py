@@ -58,6 +58,7 @@ from dsauto.engines.megatron import (
     degree_fields,
     max_connections,
     pipeline_layout,
+    qk_layernorm,
     selective_recompute_modules,
     te_softmax_fuses,
 )
@@ -497,7 +498,7 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
         apply_residual_connection_post_layernorm=model.residual_post_norm,
         add_bias_linear=model.linear_bias,
         add_qkv_bias=model.biases[0],
-        qk_layernorm=model.qk_norm,
+        qk_layernorm=qk_layernorm(model),
         # Megatron's defaults are 0.1; ModelSpec.dropout is all-or-nothing.
         hidden_dropout=0.1 if model.dropout else 0.0,
         attention_dropout=0.1 if model.dropout else 0.0,

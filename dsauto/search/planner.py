@@ -32,6 +32,8 @@ from dsauto.cost.step import (
     gradient_transient_bytes,
     in_flight,
     layer_group_of,
+    p2p_exposed_seconds,
+    p2p_hidden_fraction,
     predict_step,
     prefetch_bytes,
     stage_constant_bytes,
@@ -93,6 +95,7 @@ class _Priced:
     reserves: tuple[float, ...] = ()  # per pipeline rank: bytes of budget_bytes kept back (_fit_tighter)
     zero3: _Zero3Rows | None = None  # ZeRO-3's moments, exact but for the gathered parameters (_fit_zero3)
     left_out: np.ndarray | None = None  # the gradients ``static`` leaves out (_counted_state), or None
+    p2p_hidden: float = 0.0  # the share of the steady-state transfers compute hides (cost.step.p2p_hidden_fraction)
 
     def reserve(self, rank: int) -> float:
         return self.reserves[rank] if self.reserves else 0.0
@@ -104,7 +107,8 @@ class _Priced:
         fastest = self.compute.min(axis=1)  # inf marks the options a group may not take
         total = fastest[EMBEDDING] + fastest[HEAD] + num_layers * fastest[BLOCK]
         v = s.virtual_stages
-        p2p = 2 * v * self.p2p_seconds if s.pp > 1 else 0.0
+        # at least (1 - hidden) of the transfers are waited for (cost.step.p2p_exposed_seconds)
+        p2p = 2 * v * self.p2p_seconds * (1 - self.p2p_hidden) if s.pp > 1 else 0.0
         # The step is m * slowest plus each other rank's first chunk, at least 1/v of its stage
         # (cost.step.interleaved_makespan), >= (m + (p - 1) / v) * mean stage time.
         return (s.grad_accum + (s.pp - 1) / v) * (total / s.pp + p2p) + self.optimizer_seconds / s.pp
@@ -394,7 +398,8 @@ class Planner:
                                                grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1)))
         return _Priced(strategy, options, time, compute, static, act, trans,
                        cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer, constant,
-                       self.cluster.memory_budget_bytes - constant, zero3=zero3, left_out=left_out)
+                       self.cluster.memory_budget_bytes - constant, zero3=zero3, left_out=left_out,
+                       p2p_hidden=p2p_hidden_fraction(strategy, self.cluster.device.comm_overlap_efficiency))
 
     def _price_selective(self, strategy: Strategy, plain: _Priced) -> _Priced:
         """``strategy``, which recomputes modules selectively, priced from ``plain``: the same
@@ -572,7 +577,13 @@ class Planner:
             if flight not in middle:
                 reserve = max(priced.reserve(k) for k in range(1, p - 1) if in_flight(k, p, m, v) == flight)
                 middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight, reserve, recompute_n=recompute_n)
-        p2p = 2 * v * priced.p2p_seconds
+        sends = 2 * v * priced.p2p_seconds
+
+        def waited(t: np.ndarray) -> np.ndarray:
+            """Stage times with the transfers the step waits for (cost.step.p2p_exposed_seconds)."""
+            with np.errstate(invalid="ignore"):
+                return np.where(np.isfinite(t), t + p2p_exposed_seconds(t, sends, priced.p2p_hidden), np.inf)
+
         if v > 1:  # the interleaved objective's first chunks: the share of a stage of n layers, the ends' times
             shares = np.array([first_chunk_share(n, v) for n in range(L + 1)])
             emb, head = (float(np.where(np.isfinite(priced.time[g]), priced.time[g], np.inf).min())
@@ -580,18 +591,19 @@ class Planner:
         # Row i: the best times of the (i + 1)-th rank's DP, by its number of layers.
         mid_best = np.array([middle[in_flight(i, p, m, v)].best_time for i in range(1, p - 1)]
                             or np.zeros((0, most_mid + 1)))
+        mid_waited, first_waited, last_waited = waited(mid_best), waited(first.best_time), waited(last.best_time)
         mid_rows = np.arange(mids)
         best, best_layout = math.inf, None
         for counts in middles:
             rest = L - sum(counts)
             if rest < 2 * v and pinned is None:
                 continue
-            mid_times = mid_best[mid_rows, counts] + p2p
+            mid_times = mid_waited[mid_rows, counts]
             if mids and not np.isfinite(mid_times).all():
                 continue
             n_first = np.arange(v, rest - v + 1) if pinned is None else np.array([pinned[0]])
-            t_first = first.best_time[n_first + 1] + p2p
-            t_last = last.best_time[rest - n_first + 1] + p2p
+            t_first = first_waited[n_first + 1]
+            t_last = last_waited[rest - n_first + 1]
             mid_sum = mid_times.sum() if mids else 0.0
             mid_max = mid_times.max() if mids else 0.0
             # The closed form of 1F1B as the search objective (predictions simulate it).
@@ -602,9 +614,9 @@ class Planner:
                 # A rank's first chunk: its share of the transformer layers, the embedding on the
                 # first rank (the head sits in the last rank's last chunk), and its two boundaries.
                 ends = 2 * priced.p2p_seconds
-                w_first = (t_first - p2p - emb) * shares[n_first] + emb + ends
-                w_last = (t_last - p2p - head) * shares[rest - n_first] + ends
-                w_mid = (mid_times - p2p) * shares[counts] + ends if mids else np.zeros(1)
+                w_first = (first.best_time[n_first + 1] - emb) * shares[n_first] + emb + ends
+                w_last = (last.best_time[rest - n_first + 1] - head) * shares[rest - n_first] + ends
+                w_mid = mid_best[mid_rows, counts] * shares[counts] + ends if mids else np.zeros(1)
                 w_mid_max = w_mid[int(np.argmax(mid_times))] if mids else 0.0
                 with np.errstate(invalid="ignore"):  # inf - inf where a stage cannot fit
                     # the slowest stage's own fill is not added (ties: first, middle, last, as predicted)
@@ -812,7 +824,8 @@ class Planner:
                 plain = by_base.get(dataclasses.replace(base, recompute_modules=()))
                 by_base[base] = self._price_selective(base, plain) if base.recompute_modules and plain else \
                     self._price(base)
-            return dataclasses.replace(by_base[base], strategy=s)
+            return dataclasses.replace(by_base[base], strategy=s, p2p_hidden=p2p_hidden_fraction(
+                s, self.cluster.device.comm_overlap_efficiency))
 
         # A partial distributed optimizer's variant is priced when the search reaches it: its bound is
         # at least its one-instance twin's (the same passes; more optimizer state per rank to update),

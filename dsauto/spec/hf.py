@@ -315,16 +315,19 @@ def every_nth_off(flags: list[bool] | list[int]) -> int:
 
 
 def set_window(cfg: Config, spec: dict[str, Any], window: int | None, sliding: list[bool]) -> None:
-    """Sets the sliding window of the layers in ``sliding``: all of them, or all but every N-th."""
-    if not window or not any(sliding):
+    """Sets the sliding window of the layers in ``sliding``: all of them, or all but every N-th. A
+    window as long as the model's context leaves out no key any position it trains on sees (Phi-3.5's
+    262,144 over 131,072 positions): full attention, no window."""
+    if not window or not any(sliding) or window >= spec.get("max_position_embeddings", window + 1):
         return
     spec["sliding_window"] = window
     if all(sliding):
         return
     every = every_nth_off(sliding)
     if not every:
-        raise cfg.unsupported("sliding-window layers that are not all layers but every N-th "
-                              f"(layer_types {['S' if s else 'F' for s in sliding]})")
+        pattern = "".join("S" if s else "F" for s in sliding)
+        raise cfg.unsupported(f"sliding-window layers (S) in a pattern other than all of them or all but every "
+                              f"N-th (layer_types {pattern})")
     spec["global_attention_every"] = every
 
 

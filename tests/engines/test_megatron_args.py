@@ -99,6 +99,22 @@ def test_the_model_is_read_from_the_flags_given_the_vocabulary():
     assert again.prediction == plan.prediction  # the same costs: the flags hold everything dsauto prices
 
 
+def test_dsauto_own_file_reads_back_without_the_model_named(tmp_path):
+    """The file states the tokenizer's vocabulary in a comment, which the reader takes where no
+    --vocab-size is given: dsauto's own megatron_args.txt of a model the flags describe reads back
+    alone; another launch without the vocabulary is still refused."""
+    plan = make_plan("llama3-8b", "h100-80gb", nodes=1, global_batch=64, seq_len=8192, engine="megatron", tp=2)
+    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    launch = read_megatron_args(path)
+    assert launch.model.vocab_size == 128256
+    [again] = find_plans(make_problem(launch.model, "h100-80gb", nodes=1, **launch.train, **launch.pins))
+    assert again.prediction == plan.prediction
+    bare = tmp_path / "bare.txt"
+    bare.write_text("\n".join(line for line in path.read_text().splitlines() if "Vocabulary" not in line))
+    with pytest.raises(DsautoError, match="describes the model but not its vocabulary"):
+        read_megatron_args(bare)
+
+
 MINIMAL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --vocab-size 4096 "
            "--micro-batch-size 2 --global-batch-size 8 --tensor-model-parallel-size 2 "
            "--pipeline-model-parallel-size 2 --lr 3e-4 --train-iters 100 --data-path /data/x")
@@ -255,7 +271,8 @@ def test_the_command_line_plans_a_launch_and_refuses_contradictions(tmp_path, ca
     path.write_text(path.read_text() + "--some-new-flag 3\n")
     with pytest.warns(DsautoWarning, match=r"sets --some-new-flag, which dsauto does not read"):
         assert main(["plan", *common]) == 0
-    assert main(["plan", "--megatron-args", str(path), "--hardware", "h100-80gb"]) == 2
+    path.write_text("\n".join(line for line in path.read_text().splitlines() if "Vocabulary" not in line))
+    assert main(["plan", "--megatron-args", str(path), "--hardware", "h100-80gb"]) == 2  # a launch of its own
     assert "add --vocab-size N, or name the model with --model" in capsys.readouterr().err
     assert main(["plan", "--megatron-args", str(tmp_path / "missing.txt")]) == 2
     assert "cannot read the Megatron-LM arguments" in capsys.readouterr().err

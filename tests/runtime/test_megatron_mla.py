@@ -31,6 +31,15 @@ def test_latent_attention_config_builds(name):
     assert config_class is MLATransformerConfig
     config = config_class(**dm.transformer_config_kwargs(model), use_cpu_initialization=True)
     assert config.multi_latent_attention
+    # the norms of the compressed query and key/value, which Megatron-core's MLA specs build only under
+    # qk_layernorm (gpt_layer_specs.py), and the flags say so too
+    assert config.qk_layernorm
+    from dsauto.api import make_plan
+    from dsauto.emit.megatron import megatron_args
+
+    plan = make_plan(model, "h100-80gb", nodes=32 if model.num_experts > 64 else 1, global_batch=512, seq_len=4096,
+                     engine="megatron")
+    assert "--qk-layernorm" in megatron_args(plan)
     assert (config.q_lora_rank or 0, config.kv_lora_rank) == (model.q_lora_rank, model.kv_lora_rank)
     assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (
         model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim)

@@ -356,6 +356,15 @@ def test_sliding_window_prices_the_attention_it_computes():
     assert layer_groups(mistral, seq_len=8192, dtype_bytes=2)[1].attention_window_fraction < 0.75
 
 
+def test_a_window_as_long_as_the_context_is_full_attention():
+    # Phi-3.5-mini's config: a 262,144-token window over 131,072 positions leaves out no key
+    data = {**config("phi-3-mini-4k"), "sliding_window": 262144, "max_position_embeddings": 131072}
+    data.pop("rope_scaling", None)
+    assert not model_from_hf_config(data, "phi-3.5-mini").sliding_window
+    data["sliding_window"] = 2047
+    assert model_from_hf_config(data, "phi-3.5-mini").sliding_window == 2047
+
+
 def test_phi3_falcon_bloom_neox_opt_bert():
     assert load("phi-3-mini-4k").sliding_window == 2047
     falcon7 = load("falcon-7b")
@@ -581,7 +590,8 @@ def test_multimodal_config_is_refused():
     ("opt-1.3b", {"layerdrop": 0.1}, r"layerdrop=0.1"),
     ("bert-base-uncased", {"position_embedding_type": "relative_key"}, r"position_embedding_type 'relative_key'"),
     ("llama-3.1-8b", {"rope_scaling": {"rope_type": "fancy", "factor": 2.0}}, r"rope scaling 'fancy'"),
-    ("qwen2.5-7b", {"use_sliding_window": True, "max_window_layers": 10}, r"sliding-window layers that are not"),
+    ("qwen2.5-7b", {"use_sliding_window": True, "max_window_layers": 10, "sliding_window": 4096},
+     r"sliding-window layers \(S\) in a pattern other than all of them or all but every N-th \(layer_types F{10}S{18}\)"),
     ("qwen2.5-7b", {"use_mrope": True}, r"multimodal rotary positions"),
     ("llama-3.1-8b", {"hidden_act": "tanh"}, r"hidden_act 'tanh' is not an activation dsauto knows"),
     ("smollm3-3b", {"no_rope_layers": [0] + [1] * 35}, r"not every N-th \(no_rope_layers"),
