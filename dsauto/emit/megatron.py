@@ -117,7 +117,7 @@ def _model_shape(plan: Plan) -> list[str]:
         lines += ["--group-query-attention", f"--num-query-groups {model.kv_heads}"]
     lines.append(f"--max-position-embeddings {model.max_position_embeddings}")
     lines += _positions(model)
-    lines += _attention(model)
+    lines += _attention(model, plan.seq_len)
     lines += _norms(model)
     lines += _mlp(model)
     lines += _experts(model, plan.expert_dispatcher)
@@ -194,8 +194,9 @@ def _positions(model: ModelSpec) -> list[str]:
     return lines
 
 
-def _attention(model: ModelSpec) -> list[str]:
-    """Biases of the projections, query/key norms, sliding windows, score scaling and capping."""
+def _attention(model: ModelSpec, seq_len: int) -> list[str]:
+    """Biases of the projections, query/key norms, sliding windows (one that slides over ``seq_len``-token
+    sequences: :meth:`ModelSpec.window_slides`), score scaling and capping."""
     qkv_bias, _, _ = model.biases
     lines = []
     if not model.linear_bias:
@@ -213,7 +214,7 @@ def _attention(model: ModelSpec) -> list[str]:
                   f"--v-head-dim {model.v_head_dim}"]
         if model.q_lora_rank:
             lines.append(f"--q-lora-rank {model.q_lora_rank}")
-    if model.sliding_window:
+    if model.window_slides(seq_len):
         # Hugging Face's window counts the query's own token; Megatron's (left, right) does not.
         lines.append(f"--window-size {model.sliding_window - 1},0")
         if model.global_attention_every:

@@ -16,7 +16,7 @@ from dsauto.spec.model import ModelSpec
 
 def megatron_gaps(model: ModelSpec) -> list[str]:
     """The architecture details of ``model`` Megatron-core does not build, one clause each."""
-    gaps = []
+    gaps = list(model.unmodelled)
     if model.position_embedding == "learned" and model.position_offset:
         gaps.append(f"the position table's {model.position_offset} rows before the first position "
                     f"(Hugging Face's offset); Megatron's table has {model.max_position_embeddings} rows")

@@ -305,7 +305,7 @@ ones only for inference or on newer cuDNN: transformer_engine/common/fused_attn/
 
 
 def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dtype, flash_attention: bool,
-                             model: ModelSpec) -> str | None:
+                             model: ModelSpec, seq_len: int | None = None) -> str | None:
     """Why ``kernel`` cannot run this model's attention under ``engine``, or None.
 
     cuDNN's fused attention is Transformer Engine's FusedAttention, which dsauto's Megatron-core plans
@@ -330,7 +330,7 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
         return "cuDNN's fused attention runs in bf16 or fp16, not fp32"
     if model.latent_attention:
         return "latent attention's unequal key and value widths are planned with FlashAttention"
-    if model.sliding_window and model.dropout:
+    if model.window_slides(seq_len) and model.dropout:
         return (f"cuDNN's fused attention runs sliding-window attention ({model.sliding_window} tokens) only "
                 f"without attention dropout")
     if model.attention_chunk:
@@ -342,13 +342,13 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
 
 
 def default_attention_kernel(engine: Engine, device_has_fused: bool, dtype: Dtype, flash_attention: bool,
-                             model: ModelSpec) -> AttentionKernel:
+                             model: ModelSpec, seq_len: int | None = None) -> AttentionKernel:
     """The kernel a plan runs unless pinned: cuDNN's fused attention where the device has one
     (``DeviceSpec.fused_attention_efficiency``: Hopper) and :func:`attention_kernel_refusal` allows it,
     which is what Transformer Engine picks on Hopper when Megatron-core leaves the backend to it
     (transformer_engine/pytorch/attention/dot_product_attention/utils.py, ``get_attention_backend``);
     FlashAttention otherwise."""
-    if device_has_fused and attention_kernel_refusal(engine, "cudnn", dtype, flash_attention, model) is None:
+    if device_has_fused and attention_kernel_refusal(engine, "cudnn", dtype, flash_attention, model, seq_len) is None:
         return "cudnn"
     return "flash"
 
@@ -390,7 +390,8 @@ def tp_comm_overlap_refusal(engine: Engine) -> str | None:
     return None
 
 
-def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: int, model: ModelSpec) -> str | None:
+def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: int, model: ModelSpec,
+                         seq_len: int | None = None) -> str | None:
     """Why context parallelism of degree ``cp`` cannot exchange a sequence's shards the
     ``cp_comm_type`` way (``--cp-comm-type``), or None; under Megatron-core nothing to refuse at cp 1.
 
@@ -409,7 +410,7 @@ def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: 
     if model.attention_chunk:
         return (f"chunked attention ({model.attention_chunk}-token chunks: Llama 4) is not Transformer "
                 f"Engine's, and dsauto does not plan it with context parallelism")
-    if cp_comm_type == "p2p" and model.sliding_window:
+    if cp_comm_type == "p2p" and model.window_slides(seq_len):
         return (f"Transformer Engine's ring (cp_comm_type p2p) does not run sliding-window attention "
                 f"({model.sliding_window} tokens)")
     if cp_comm_type == "a2a":

@@ -365,7 +365,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     # Each with the selective recomputations its engine runs (none among them unless pinned), the
     # attention kernel it runs and the pinned engine options; an engine refusing a pin is dropped.
     kernels = {engine: pins.attention_kernel or default_attention_kernel(
-        engine, bool(cluster.device.fused_attention_efficiency), train.dtype, train.flash_attention, model)
+        engine, bool(cluster.device.fused_attention_efficiency), train.dtype, train.flash_attention, model,
+        train.seq_len)
         for engine in engines}
     runnable = {engine: not pinned_option_refusals(engine, pins, train, model) for engine in engines}
     out = [dataclasses.replace(s, recompute_modules=modules, attention_kernel=kernels[s.engine],
@@ -385,7 +386,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
            and not (pins.attention_softmax_in_fp32 is False and not te_softmax_fuses(
                train.seq_len, s.micro_batch, model.num_attention_heads // s.tp))
            and not (pins.expert_a2a_overlap and not a2a_overlap_runs(s))
-           for exchange in cp_comm_types(s, model, pins)
+           for exchange in cp_comm_types(s, model, pins, train.seq_len)
            for modules in recompute_sets[s.engine]]
     return check_strategies(out, model, cluster, train)  # none too many, none too long to simulate
 
@@ -397,7 +398,7 @@ def a2a_overlap_runs(strategy: Strategy) -> bool:
     return strategy.dims.ep > 1 and (strategy.pp == 1 or strategy.virtual_stages > 1)
 
 
-def cp_comm_types(strategy: Strategy, model: ModelSpec, pins: Constraints) -> tuple[CpCommType, ...]:
+def cp_comm_types(strategy: Strategy, model: ModelSpec, pins: Constraints, seq_len: int) -> tuple[CpCommType, ...]:
     """The ways the search tries for ``strategy``'s context parallelism to exchange the shards: the
     pinned one, else each that runs (they compute the same, so the cost model picks); ``p2p`` alone
     where nothing is exchanged (cp 1) or cp is DeepSpeed-Ulysses (a pin drops DeepSpeed's strategies:
@@ -405,7 +406,7 @@ def cp_comm_types(strategy: Strategy, model: ModelSpec, pins: Constraints) -> tu
     if strategy.dims.cp == 1 or strategy.engine != "megatron":
         return ("p2p",)
     tried = (pins.cp_comm_type,) if pins.cp_comm_type is not None else CP_COMM_TYPES
-    return tuple(t for t in tried if cp_comm_type_refusal(strategy.engine, t, strategy.dims.cp, strategy.tp, model) is None)
+    return tuple(t for t in tried if cp_comm_type_refusal(strategy.engine, t, strategy.dims.cp, strategy.tp, model, seq_len) is None)
 
 
 def strategies_or_none(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -426,7 +427,7 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
     (Megatron-core's). The search drops the engine's strategies when any is refused."""
     out = {}
     if pins.attention_kernel is not None and (why := attention_kernel_refusal(
-            engine, pins.attention_kernel, train.dtype, train.flash_attention, model)):
+            engine, pins.attention_kernel, train.dtype, train.flash_attention, model, train.seq_len)):
         out[f"--attention-kernel {pins.attention_kernel}"] = why, "use --attention-kernel flash or leave it out"
     if pins.tp_comm_overlap and (why := tp_comm_overlap_refusal(engine)):
         out["--tp-comm-overlap"] = why, "otherwise leave it out"
@@ -454,7 +455,7 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
     if pins.expert_a2a_overlap and (why := expert_a2a_overlap_refusal(engine, model.moe, train.dtype, pins.checkpoint)):
         out["--moe-a2a-overlap"] = why, "leave it out"
     if pins.cp_comm_type is not None and engine != "megatron" and (
-            why := cp_comm_type_refusal(engine, pins.cp_comm_type, pins.cp or 1, pins.tp or 1, model)):
+            why := cp_comm_type_refusal(engine, pins.cp_comm_type, pins.cp or 1, pins.tp or 1, model, train.seq_len)):
         out[f"--cp-comm-type {pins.cp_comm_type}"] = why, "plan with --engine megatron or leave it out"
     return out
 
@@ -678,7 +679,7 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                                "schedule, and no strategy the other settings allow has both; pin --ep and --vpp, or "
                                "leave out --moe-a2a-overlap.")
     if pins.cp is not None and pins.cp > 1 and pins.cp_comm_type is not None and pins.engine != "deepspeed" and (
-            why := cp_comm_type_refusal("megatron", pins.cp_comm_type, pins.cp, tp, model)):
+            why := cp_comm_type_refusal("megatron", pins.cp_comm_type, pins.cp, tp, model, train.seq_len)):
         return DsautoError(f"--cp-comm-type {pins.cp_comm_type} cannot run with --cp {pins.cp}: {why}; "
                            f"pin another --cp-comm-type{' or a smaller --cp' if 'tp x cp' in why else ''}, or leave "
                            f"it out.")

@@ -315,10 +315,9 @@ def every_nth_off(flags: list[bool] | list[int]) -> int:
 
 
 def set_window(cfg: Config, spec: dict[str, Any], window: int | None, sliding: list[bool]) -> None:
-    """Sets the sliding window of the layers in ``sliding``: all of them, or all but every N-th. A
-    window as long as the model's context leaves out no key any position it trains on sees (Phi-3.5's
-    262,144 over 131,072 positions): full attention, no window."""
-    if not window or not any(sliding) or window >= spec.get("max_position_embeddings", window + 1):
+    """Sets the sliding window of the layers in ``sliding``: all of them, or all but every N-th (a
+    window at least as long as a plan's sequence slides over nothing: ModelSpec.window_slides)."""
+    if not window or not any(sliding):
         return
     spec["sliding_window"] = window
     if all(sliding):
@@ -933,10 +932,11 @@ FAMILIES["roberta"] = FAMILIES["bert"]
 
 # Mixtures of experts. Keys that only set the router's training (its auxiliary loss, jitter, the
 # normalisation and scaling of the top-k weights, DeepSeek's group-limited routing) change neither
-# the parameters nor the priced work, and are ignored; so is the storage format of a released
-# checkpoint (``quantization_config``: dsauto plans training in the plan's dtype).
+# the parameters nor the priced work: ignored as keys, and named where Megatron-core's flags would
+# build them otherwise (unmodelled_details). The storage format of a released checkpoint
+# (``quantization_config``) is named for every family (model_from_hf_config).
 _ROUTER_TRAINING = frozenset({"router_aux_loss_coef", "output_router_logits", "router_jitter_noise",
-                              "norm_topk_prob", "quantization_config"})
+                              "norm_topk_prob"})
 _DEEPSEEK_IGNORED = _ROUTER_TRAINING | {
     "routed_scaling_factor", "topk_method", "n_group", "topk_group", "aux_loss_alpha", "seq_aux",
     "ep_size",  # the original code's inference-time expert parallelism
@@ -957,29 +957,31 @@ FAMILIES.update({
     "qwen2_moe": Family(
         _SHAPE, {**_LLAMA, "qkv_bias": True},
         {**_LLAMA_DEFAULTS, "max_window_layers": 28, "num_experts": 60, "num_experts_per_tok": 4,
-         "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
+         "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "norm_topk_prob": False},
         (*_LLAMA_READERS, read_sliding_window, read_qwen, read_experts("num_experts", "num_local_experts"),
          read_qwen_moe),
         expected={"qkv_bias": (True, "no biases on Q, K and V")}, ignored=_ROUTER_TRAINING),
     "qwen3_moe": Family(
         _SHAPE, {**_LLAMA, "qk_norm": True},
         {**_LLAMA_DEFAULTS, "head_dim": 128, "max_window_layers": 28, "num_experts": 128,
-         "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+         "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False},
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_sliding_window,
          read_experts("num_experts", "num_local_experts"), read_qwen_moe),
         ignored=_ROUTER_TRAINING),
     "olmoe": Family(
         _SHAPE, {**_LLAMA, "qk_norm": True, "qk_norm_full_width": True},
-        {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "num_experts": 64, "num_experts_per_tok": 8},
+        {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")),
          read_experts("num_experts", "num_local_experts", width=None)),
         expected={"clip_qkv": (None, "queries, keys and values clipped (clip_qkv)")}, ignored=_ROUTER_TRAINING),
     "deepseek_v2": Family(
-        _SHAPE, _LLAMA, {**_DEEPSEEK_DEFAULTS, "n_routed_experts": 64},
+        _SHAPE, _LLAMA, {**_DEEPSEEK_DEFAULTS, "n_routed_experts": 64, "norm_topk_prob": False,
+                         "routed_scaling_factor": 1.0, "topk_method": "greedy"},
         (*_LLAMA_READERS, read_experts("n_routed_experts", "num_local_experts", "num_experts"), read_deepseek),
         expected=_DEEPSEEK_EXPECTED, ignored=_DEEPSEEK_IGNORED),
     "deepseek_v3": Family(
-        _SHAPE, _LLAMA, {**_DEEPSEEK_DEFAULTS, "n_routed_experts": 256, "scoring_func": "sigmoid"},
+        _SHAPE, _LLAMA, {**_DEEPSEEK_DEFAULTS, "n_routed_experts": 256, "scoring_func": "sigmoid",
+                         "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4},
         (*_LLAMA_READERS, read_experts("n_routed_experts", "num_local_experts", "num_experts"), read_deepseek),
         expected=_DEEPSEEK_EXPECTED, ignored=_DEEPSEEK_IGNORED),
     "gpt_oss": Family(
@@ -1077,11 +1079,20 @@ def model_from_hf_config(config: Mapping[str, Any], where: str, default_name: st
             raise DsautoError(f"{where} has no {keys[0]!r}; a Hugging Face {model_type} config must give it.")
     for read in family.readers:
         read(cfg, spec)
+    if unmodelled := unmodelled_details(cfg, spec):
+        spec["unmodelled"] = unmodelled
     for key, (modelled, meaning) in family.expected.items():
         value = cfg.get(key, modelled)
         if value != modelled:
             raise cfg.unsupported(f"{meaning} ({key}={value!r})")
-    unknown = sorted(set(map(str, config)) - cfg.read - GENERIC_KEYS - family.ignored - set(family.expected))
+    quantized = config.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "a quantized format") if isinstance(quantized, Mapping) else quantized
+        warnings.warn(f"{where}: its checkpoint is stored in {method} (quantization_config); dsauto plans training in "
+                      f"the plan's dtype, the weights loaded at that precision, not {method} training or "
+                      f"quantization-aware fine-tuning.", DsautoWarning, stacklevel=3)
+    unknown = sorted(set(map(str, config)) - cfg.read - GENERIC_KEYS - family.ignored - set(family.expected)
+                     - {"quantization_config"})
     if unknown and model_type in MOE_FAMILIES:
         # A mixture of experts has many ways to place and size its experts; a key dsauto does not
         # read could make it another model of another size, so it is refused rather than warned of.
@@ -1099,6 +1110,33 @@ def model_from_hf_config(config: Mapping[str, Any], where: str, default_name: st
                       f"model's, and a last pipeline stage that trains them holds one more layer and loss.",
                       DsautoWarning, stacklevel=3)
     return from_dict(ModelSpec, spec, where)
+
+
+def unmodelled_details(cfg: Config, spec: Mapping[str, Any]) -> list[str]:
+    """The config's details, given or its class's defaults, that change neither the parameters nor
+    the priced work and that Megatron-core's flags dsauto emits do not set (ModelSpec.unmodelled):
+    how the router weighs and limits the experts, and gpt-oss's clamped SwiGLU; each names the key it
+    comes from and the flag that sets it where Megatron-LM has one."""
+    out = []
+    if spec.get("num_experts"):
+        scale = cfg.get("routed_scaling_factor")
+        if isinstance(scale, (int, float)) and scale != 1:
+            out.append(f"the routed experts' weights scaled by {scale:g} (routed_scaling_factor; Megatron's "
+                       f"--moe-router-topk-scaling-factor)")
+        groups, top = cfg.get("n_group"), cfg.get("topk_group")
+        if isinstance(groups, int) and groups > 1 and isinstance(top, int):
+            greedy = (" by each group's best expert (topk_method group_limited_greedy; Megatron ranks groups by "
+                      "the sum of their best experts)" if cfg.get("topk_method") == "group_limited_greedy"
+                      else " (n_group, topk_group; Megatron's --moe-router-num-groups and --moe-router-group-topk)")
+            out.append(f"each token routed within the best {top} of {groups} expert groups{greedy}")
+        if cfg.get("norm_topk_prob") is False and spec.get("moe_router", "softmax") == "softmax":
+            out.append("the chosen experts' weights taken from the softmax over all experts, not renormalised "
+                       "(norm_topk_prob false; Megatron's --moe-router-pre-softmax)")
+    if cfg.get("swiglu_limit") is not None:
+        out.append(f"the MLP's clamped SwiGLU (x sigmoid({cfg.get('swiglu_alpha', 1.702):g} x) times the linear "
+                   f"half plus 1, both clamped at {cfg.get('swiglu_limit'):g}: swiglu_alpha, swiglu_limit); "
+                   f"--swiglu builds the plain one")
+    return out
 
 
 UNPLANNED_MODULE_KEYS = ("num_nextn_predict_layers", "num_mtp_modules", "use_mtp")

@@ -231,6 +231,11 @@ class ModelSpec:
     """The router's linear layer has a bias (gpt-oss)."""
     moe_expert_bias: bool = False
     """The routed experts' matrices carry biases (gpt-oss)."""
+    unmodelled: tuple[str, ...] = ()
+    """Details of the model that change neither its parameters nor the work dsauto prices and that
+    dsauto's Megatron-core flags and plugin do not build (a router's scaling and grouping, an
+    activation's variant), one clause each, as read from its config: megatron_args.txt names each
+    as not expressed (:func:`dsauto.engines.architecture.megatron_gaps`)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -345,6 +350,12 @@ class ModelSpec:
         biases."""
         return (self.linear_bias or self.qkv_bias, self.linear_bias or self.proj_bias,
                 self.linear_bias or self.mlp_bias)
+
+    def window_slides(self, seq_len: int | None = None) -> bool:
+        """Whether the sliding window leaves out keys of ``seq_len``-token sequences (any sequence when
+        None): a window at least as long as the sequence attends to all of it, as full attention
+        (Phi-3.5's 262,144-token window over 131,072 positions; Ministral's 32,768 at 32K)."""
+        return bool(self.sliding_window) and (seq_len is None or self.sliding_window < seq_len)
 
     def sliding_layers(self) -> int:
         """How many transformer layers attend within the sliding window."""

@@ -96,7 +96,8 @@ EXPECTED = {
         {"--max-position-embeddings": "512", "--bert-no-binary-head": None},
         (),
         ("token-type embedding (1 rows)", "2 rows before the first position")),
-    "ministral-8b-instruct-2410": ({"--window-size": "32767,0", "--num-query-groups": "8"}, (), ()),
+    # its 32,768-token window over the plan's shorter sequences slides over nothing: full attention
+    "ministral-8b-instruct-2410": ({"--num-query-groups": "8"}, ("--window-size",), ()),
     "granite-3.1-8b-instruct": (
         {"--rotary-base": "10000000", "--num-query-groups": "8", "--swiglu": None},
         ("--untie-embeddings-and-output-weights",),
@@ -181,8 +182,9 @@ def plan_of(make_plan, layer_runs):
             warnings.simplefilter("ignore")
             model = model_from_hf_config(json.loads((CONFIGS / f"{name}.json").read_text()), name)
         stages = (model.num_layers,)
+        # sequences long enough for the windows to slide (ModelSpec.window_slides)
         return make_plan(model, dp=2, tp=1, pp=1, zero_stage=1, stage_layers=stages,
-                         layers=layer_runs(model, stages))
+                         layers=layer_runs(model, stages), seq_len=min(8192, model.max_position_embeddings))
     return build
 
 

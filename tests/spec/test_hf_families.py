@@ -122,6 +122,7 @@ def load(name: str):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DsautoWarning)  # the public configs leave no key unread
         warnings.filterwarnings("ignore", ".*its multi-token-prediction layers", DsautoWarning)  # named on purpose
+        warnings.filterwarnings("ignore", ".*its checkpoint is stored in", DsautoWarning)  # named on purpose
         return model_from_hf_config(config(name), name)
 
 
@@ -230,6 +231,7 @@ def test_config_object_reads_like_its_json(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DsautoWarning)
         warnings.filterwarnings("ignore", ".*its multi-token-prediction layers", DsautoWarning)  # named on purpose
+        warnings.filterwarnings("ignore", ".*its checkpoint is stored in", DsautoWarning)  # named on purpose
         assert model_from_hf_config(data, name) == load(name)
 
 
@@ -356,13 +358,38 @@ def test_sliding_window_prices_the_attention_it_computes():
     assert layer_groups(mistral, seq_len=8192, dtype_bytes=2)[1].attention_window_fraction < 0.75
 
 
-def test_a_window_as_long_as_the_context_is_full_attention():
-    # Phi-3.5-mini's config: a 262,144-token window over 131,072 positions leaves out no key
+def test_a_quantized_checkpoint_is_named_for_every_family():
+    # Kimi K2 (a DeepSeek-V3 mixture of experts) and a dense Llama stored in fp8 and AWQ
+    with pytest.warns(DsautoWarning, match=r"stored in fp8 \(quantization_config\); dsauto plans training in the"):
+        model_from_hf_config(config("kimi-k2"), "kimi-k2")
+    awq = {**config("llama-3.1-8b"), "quantization_config": {"quant_method": "awq", "bits": 4}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model_from_hf_config(awq, "llama-awq")
+    assert [str(w.message) for w in caught] == [
+        "llama-awq: its checkpoint is stored in awq (quantization_config); dsauto plans training in the plan's "
+        "dtype, the weights loaded at that precision, not awq training or quantization-aware fine-tuning."]
+
+
+def test_a_window_as_long_as_the_sequence_is_full_attention():
+    """Phi-3.5-mini's config gives a 262,144-token window over 131,072 positions: it slides over no
+    sequence it trains on, so its plans run and price full attention (Megatron-core's ring of context
+    parallelism, which refuses windows, included), while a shorter window slides."""
+    from dsauto.api import make_plan
+    from dsauto.emit.megatron import megatron_args
+
     data = {**config("phi-3-mini-4k"), "sliding_window": 262144, "max_position_embeddings": 131072}
     data.pop("rope_scaling", None)
-    assert not model_from_hf_config(data, "phi-3.5-mini").sliding_window
-    data["sliding_window"] = 2047
-    assert model_from_hf_config(data, "phi-3.5-mini").sliding_window == 2047
+    phi = model_from_hf_config(data, "phi-3.5-mini")
+    assert phi.sliding_window == 262144 and not phi.window_slides(131072) and phi.window_slides(None)
+    plan = make_plan(phi, "h100-80gb", nodes=4, global_batch=32, seq_len=131072, engine="megatron", cp=8,
+                     cp_comm_type="p2p")
+    assert plan.cp == 8 and not any(line.startswith("--window-size") for line in megatron_args(plan))
+    short = model_from_hf_config({**data, "sliding_window": 2047}, "phi-3.5-mini")
+    assert short.window_slides(4096) and not short.window_slides(2047)
+    with pytest.raises(DsautoError, match="does not run sliding-window attention"):
+        make_plan(short, "h100-80gb", nodes=4, global_batch=32, seq_len=131072, engine="megatron", cp=8,
+                  cp_comm_type="p2p")
 
 
 def test_phi3_falcon_bloom_neox_opt_bert():
