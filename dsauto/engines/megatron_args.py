@@ -47,7 +47,8 @@ VALUED = {
     "--normalization", "--norm-epsilon", "--vocab-size", "--make-vocab-size-divisible-by", "--hidden-dropout",
     "--attention-dropout", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
-    "--ddp-bucket-size", "--pipeline-model-parallel-layout", "--transformer-impl",
+    "--ddp-bucket-size", "--pipeline-model-parallel-layout", "--transformer-impl", "--window-size",
+    "--window-attn-skip-freq",
     "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
 }
 """Flags read here that take a value (``--recompute-modules`` takes several)."""
@@ -58,7 +59,7 @@ SWITCHES = {
     "--grad-reduce-in-bf16", "--overlap-moe-expert-parallel-comm", "--moe-router-force-load-balancing",
     "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer",
     "--overlap-grad-reduce", "--overlap-param-gather", "--group-query-attention",
-    "--swiglu", "--squared-relu", "--disable-bias-linear", "--add-qkv-bias", "--untie-embeddings-and-output-weights",
+    "--swiglu", "--quick-geglu", "--squared-relu", "--disable-bias-linear", "--add-qkv-bias", "--untie-embeddings-and-output-weights",
     "--qk-layernorm", "--apply-layernorm-1p", "--no-bias-gelu-fusion", "--moe-shared-expert-gate",
     "--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--use-rotary-position-embeddings",
     "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-masked-softmax-fusion",
@@ -74,7 +75,8 @@ UNPRICED = (
     "--no-gradient-accumulation-fusion", "--manual-gc", "--async-save",
     "--dist-ckpt-", "--no-create-attention-mask-in-dataloader", "--num-workers",
     "--no-async-tensor-model-parallel-allreduce",
-    "--overlap-p2p-communication", "--no-overlap-p2p-communication", "--cross-entropy-loss-fusion",
+    "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
+    "--use-rope-scaling", "--rope-scaling-factor",  # the rotary positions' numerics, the same work
     "--cross-entropy-fusion-impl", "--check-for-nan-in-loss-and-grad", "--no-check-for-nan-in-loss-and-grad",
     "--rerun-mode",
 )
@@ -506,7 +508,9 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
     position = _choice(flags, "--position-embedding-type", where, "rope" if rotary else "learned_absolute", positions)
     normalization = _choice(flags, "--normalization", where, "LayerNorm", ("LayerNorm", "RMSNorm"))
     biases = "--disable-bias-linear" not in flags
-    mlp = "swiglu" if "--swiglu" in flags else "relu2" if "--squared-relu" in flags else "gelu"
+    # --quick-geglu: a GeLU-gated MLP (x * sigmoid(1.702 x) as the gate), the shapes and cost of GeGLU
+    mlp = ("swiglu" if "--swiglu" in flags else "geglu" if "--quick-geglu" in flags
+           else "relu2" if "--squared-relu" in flags else "gelu")
     dropout = (_float(flags, "--hidden-dropout", where, 0.1) > 0, _float(flags, "--attention-dropout", where, 0.1) > 0)
     if dropout[0] != dropout[1]:
         raise DsautoError(f"{where} applies dropout to {'the hidden states' if dropout[0] else 'attention'} only; "
@@ -535,6 +539,13 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
     if position == "rope":
         fields.update(rotary_base=_float(flags, "--rotary-base", where, 10000.0),
                       rotary_percent=_float(flags, "--rotary-percent", where, 1.0))
+    if "--window-size" in flags:  # Megatron's (left, right) keys beside the query's own token
+        left, _, right = flags["--window-size"].partition(",")
+        if not (left.strip().isdigit() and right.strip() in ("0", "")):
+            raise DsautoError(f"{where} gives --window-size {flags['--window-size']}; dsauto plans causal windows "
+                              f"'N,0' (N keys to the left).")
+        fields.update(sliding_window=int(left) + 1,
+                      global_attention_every=_int(flags, "--window-attn-skip-freq", where, 0))
     if "--num-experts" in flags:
         freq = flags.get("--moe-layer-freq", "1")
         if not freq.isdigit():
@@ -881,6 +892,9 @@ def _check_model(described: ModelSpec, model: ModelSpec, where: str) -> None:
     compared = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_heads", "head_dim", "mlp",
                 "norm", "position_embedding", "tied_embeddings", "linear_bias", "dropout", "vocab_size",
                 "num_experts", "moe_top_k")
+    # a window the flags give is the model's; one they leave out may slide over none of the launch's
+    # sequences (dsauto's own file then states none: ModelSpec.window_slides)
+    compared += ("sliding_window", "global_attention_every") if described.sliding_window else ()
     for name in compared:
         got, want = getattr(described, name), getattr(model, name)
         if got != want:

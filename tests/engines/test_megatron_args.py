@@ -115,6 +115,25 @@ def test_dsauto_own_file_reads_back_without_the_model_named(tmp_path):
         read_megatron_args(bare)
 
 
+def test_a_gated_gelu_and_windowed_model_reads_back(tmp_path):
+    """Gemma 2's GeGLU is launched as --quick-geglu and its alternating windows as --window-size and
+    --window-attn-skip-freq: dsauto's own file reads back into the same plan, with no flag unread."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        model = load_model(str(CONFIGS / "gemma-2-9b.json"))
+    plan = make_plan(model, "h100-80gb", nodes=1, global_batch=64, seq_len=8192, engine="megatron")
+    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    assert "--quick-geglu" in path.read_text() and "--window-size 4095,0" in path.read_text()
+    launch = read_megatron_args(path, plan.model)
+    assert launch.unknown == []
+    [again] = find_plans(make_problem(launch.model, "h100-80gb", nodes=1, **launch.train, **launch.pins))
+    assert again.prediction == plan.prediction
+    flags_alone = read_megatron_args(path).model  # the flags' own model: the window and the gate read
+    assert (flags_alone.mlp, flags_alone.sliding_window, flags_alone.global_attention_every) == ("geglu", 4096, 2)
+    with pytest.raises(DsautoError, match="describes a model with sliding_window 4096"):
+        read_megatron_args(path, dataclasses.replace(plan.model, sliding_window=2048))
+
+
 MINIMAL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --vocab-size 4096 "
            "--micro-batch-size 2 --global-batch-size 8 --tensor-model-parallel-size 2 "
            "--pipeline-model-parallel-size 2 --lr 3e-4 --train-iters 100 --data-path /data/x")
