@@ -3,11 +3,14 @@
 
 DeepSpeed runs the offloaded update with ``DeepSpeedCPUAdam`` (a C++ extension, vectorised and
 multi-threaded with OpenMP: csrc/adam/cpu_adam_impl.cpp), Megatron-core with its hybrid device
-optimizer's CPU Adam. The extension is built on first use, which takes minutes; the profiler times it
-when it is already built (installed with ``DS_BUILD_CPU_ADAM=1`` or compiled by an earlier run, found
-in torch's extension cache) and otherwise times torch's AdamW on the host, which is slower, and says
-which one it timed. Either runs with this process's threads (``OMP_NUM_THREADS``): set them to one
-rank's share of the host's cores to measure what one GPU's offloaded update gets.
+optimizer's CPU Adam, which is torch's AdamW with ``fused=True`` (megatron/core/optimizer/__init__.py:
+``from torch.optim import AdamW as CPUAdam`` and ``fused=True`` "to improve the performance of the cpu
+optimizer"). DeepSpeed's extension is built on first use, which takes minutes; for DeepSpeed the
+profiler times it when it is already built (installed with ``DS_BUILD_CPU_ADAM=1`` or compiled by an
+earlier run, found in torch's extension cache) and otherwise times torch's fused AdamW, the nearest
+(the unfused one runs several times slower), and says which one it timed. Each runs with this
+process's threads (``OMP_NUM_THREADS``): set them to one rank's share of the host's cores to measure
+what one GPU's offloaded update gets.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from dsauto.profile.layers import median_seconds
 
 DEEPSPEED_CPU_ADAM = "DeepSpeedCPUAdam"
-TORCH_ADAMW = "torch AdamW"
+TORCH_ADAMW = "torch AdamW (fused)"
 
 
 def cpu_adam_built() -> bool:
@@ -36,18 +39,19 @@ def cpu_adam_built() -> bool:
 
 
 def measure_cpu_optimizer(num_params: int, warmup: int = 2, repeats: int = 5,
-                          build: bool = False) -> tuple[float, str]:
+                          build: bool = False, engine: str = "deepspeed") -> tuple[float, str]:
     """(seconds per parameter, which optimizer) of one Adam update of ``num_params`` fp32 host
-    parameters (at most 2^24: the update is bandwidth-bound, so the rate holds beyond it).
-    DeepSpeedCPUAdam when it is built (or ``build`` asks to compile it), else torch's AdamW."""
+    parameters (at most 2^24: the update is bandwidth-bound, so the rate holds beyond it): for
+    ``engine`` deepspeed DeepSpeedCPUAdam when it is built (or ``build`` asks to compile it), else and
+    for megatron torch's fused AdamW."""
     n = max(1, min(num_params, 2**24))
     param = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32))
     param.grad = torch.randn(n, dtype=torch.float32)
     optimizer: torch.optim.Optimizer
-    if build or cpu_adam_built():
+    if engine == "deepspeed" and (build or cpu_adam_built()):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         optimizer, name = DeepSpeedCPUAdam([param], lr=1e-4, adamw_mode=True), DEEPSPEED_CPU_ADAM
     else:
-        optimizer, name = torch.optim.AdamW([param], lr=1e-4), TORCH_ADAMW
+        optimizer, name = torch.optim.AdamW([param], lr=1e-4, fused=True), TORCH_ADAMW
     return median_seconds(optimizer.step, torch.device("cpu"), warmup, repeats) / n, name

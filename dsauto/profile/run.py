@@ -170,7 +170,7 @@ def run_profile(model: ModelSpec, dtype: Dtype, seq_len: int, micro_batches: Seq
         layers = profile_layers(model, seq_len, micro_batches, tps, torch_dtype, device, warmup,
                                 repeats, say, engine)
     optimizer_rate = measure_optimizer(model.num_parameters(), torch_dtype, device)
-    cpu_rate, cpu_optimizer = measure_cpu_optimizer(model.num_parameters())
+    cpu_rate, cpu_optimizer = measure_cpu_optimizer(model.num_parameters(), engine=engine)
     if distributed:
         layers, optimizer_rate = _slowest_rank(layers, optimizer_rate, device)
         _, cpu_rate = _slowest_rank((), cpu_rate, device)

@@ -112,7 +112,7 @@ class Profile:
     with one rank's threads (:mod:`dsauto.profile.cpu_optimizer`); 0 if not measured."""
     cpu_optimizer: str = ""
     """Which host optimizer that was: ``DeepSpeedCPUAdam`` (when its extension was built) or
-    ``torch AdamW``; empty if not measured."""
+    ``torch AdamW (fused)``; empty if not measured."""
     engine: str = REFERENCE_ENGINE
     """Whose transformer layers were timed: ``deepspeed``, the reference layers (or the user's own),
     as DeepSpeed trains them; ``megatron``, Megatron-core's own (local layer spec). Profiles written

@@ -22,6 +22,9 @@ def test_the_host_update_is_timed_with_the_optimizer_that_is_there():
     seconds, name = measure_cpu_optimizer(2**16, warmup=1, repeats=3)
     assert seconds > 0
     assert name == (DEEPSPEED_CPU_ADAM if cpu_adam_built() else TORCH_ADAMW)
+    # Megatron-core's hybrid optimizer runs torch's fused AdamW on the host, whatever DeepSpeed has built
+    assert measure_cpu_optimizer(2**16, warmup=1, repeats=3, engine="megatron")[1] == TORCH_ADAMW == \
+        "torch AdamW (fused)"
 
 
 def test_an_offloaded_plan_is_priced_with_the_profiles_host_rate():
