@@ -25,6 +25,7 @@ from dsauto.cost.collectives import (
 )
 from dsauto.cost.measured import MeasuredCosts, MeasuredLayer, transformer_layer_estimate
 from dsauto.cost.offload import (
+    host_accumulation_seconds,
     host_bytes,
     offloaded_step_seconds,
     offloads_optimizer,
@@ -240,7 +241,7 @@ class CostModel:
         traffic = data_parallel_cost(group, option, ctx, passes, hooks_measured=hooks.forward_seconds > 0)
         state = model_state(group, option, ctx)
         memory = activation_memory(group, option, ctx, sample, uncheckpointed)
-        offload, fetch, partition = self.strategy.offload, 0.0, 0.0
+        offload, fetch, partition, accumulate = self.strategy.offload, 0.0, 0.0, 0.0
         if offloads_optimizer(offload):
             # The optimizer state lives on the host; the device keeps parameters and gradients (but
             # ZeRO-3's gradient partitions, below).
@@ -252,6 +253,9 @@ class CostModel:
             state = dataclasses.replace(
                 state, optimizer_bytes=0.0,
                 params_bytes=state.params_bytes - partition * ctx.dtype_bytes * ctx.calibration.static_memory)
+            if self.strategy.engine == "deepspeed" and self.strategy.zero_stage == 2:
+                accumulate = host_accumulation_seconds(state.optimizer_params, ctx.dtype_bytes,
+                                                       self.strategy.grad_accum, self.cluster)
             if self.strategy.engine == "deepspeed" and self.strategy.zero_stage == 3:
                 # ZeRO-3 keeps its gradient partitions in one flat buffer on the optimizer's device,
                 # the host's when it is offloaded (deepspeed/runtime/zero/stage3.py,
@@ -260,7 +264,7 @@ class CostModel:
                 state = dataclasses.replace(state, grads_bytes=0.0)
         return LayerCost(
             forward_seconds=traffic.forward_seconds + fetch,
-            backward_seconds=traffic.backward_seconds + fetch * (2 if option.checkpoint else 1),
+            backward_seconds=traffic.backward_seconds + fetch * (2 if option.checkpoint else 1) + accumulate,
             step_seconds=traffic.step_seconds,
             params_bytes=state.params_bytes,
             grads_bytes=state.grads_bytes,

@@ -104,6 +104,22 @@ def offloaded_step_seconds(optimizer_params: float, dtype_bytes: int, engine: En
     return down + update + up
 
 
+def host_accumulation_seconds(partition_params: float, dtype_bytes: int, micro_batches: int,
+                              cluster: ClusterSpec) -> float:
+    """ZeRO-2 with ``offload_optimizer`` over ``micro_batches`` > 1 micro-batches, per micro-batch: DeepSpeed
+    0.19 accumulates the gradients of the rank's partition in host memory, so every micro-batch's
+    backward copies each of them down, and from the second on first copies the sum so far up to add
+    to (deepspeed/runtime/zero/stage_1_and_2.py, ``copy_grads_in_partition`` and
+    ``async_accumulate_grad_in_cpu_via_gpu``, in the training dtype, on the compute stream): one copy
+    down and (m - 1) / m up a micro-batch, priced as not hidden. ZeRO-1 reduces, and so copies, once
+    a step, at its last micro-batch (:func:`offloaded_step_seconds`)."""
+    if micro_batches <= 1 or partition_params <= 0:
+        return 0.0
+    link, latency = host_link(cluster)
+    one = partition_params * dtype_bytes / link + latency
+    return one * (1 + (micro_batches - 1) / micro_batches)
+
+
 def param_fetch_seconds(partition_params: float, dtype_bytes: int, cluster: ClusterSpec) -> float:
     """``offload_param``: copying one rank's parameter partition of a layer from host memory to the
     device before the layer's all-gather (deepspeed/runtime/zero/partition_parameters.py,

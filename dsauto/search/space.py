@@ -471,21 +471,22 @@ def _host_and_hpz(strategy: Strategy, cluster: ClusterSpec, pins: Constraints) -
     :meth:`dsauto.search.planner.Planner.search`) and hpz 1, plus a node's data-parallel ranks when
     ZeRO-3's data parallelism spans nodes (hpZ then keeps backward's gathers inside the node)."""
     offload = pins.offload or "none"
-    if offload != "none":
-        strategy = _single_replica_zero(strategy, pins)
-    if offload_refusal(strategy.engine, strategy.dims, strategy.zero_stage, offload, host_problem(cluster),
-                       fp8_param_gather_recipe(pins)):
-        return []
-    per_node = cluster.devices_per_node
-    if pins.hpz is not None:
-        sizes: tuple[int, ...] = (pins.hpz,)
-    elif strategy.zero_stage == 3 and strategy.dims.spans_nodes("dp", per_node):
-        sizes = (1, per_node)
-    else:
-        sizes = (1,)
-    return [dataclasses.replace(strategy, offload=offload, hpz=hpz, dist_opt_instances=instances) for hpz in sizes
-            if hpz_refusal(strategy.engine, strategy.dims, strategy.zero_stage, hpz, per_node) is None
-            for instances in dist_opt_instance_counts(strategy, cluster, pins)]
+    out = []
+    for strategy in _single_replica_zeros(strategy, pins) if offload != "none" else [strategy]:
+        if offload_refusal(strategy.engine, strategy.dims, strategy.zero_stage, offload, host_problem(cluster),
+                           fp8_param_gather_recipe(pins)):
+            continue
+        per_node = cluster.devices_per_node
+        if pins.hpz is not None:
+            sizes: tuple[int, ...] = (pins.hpz,)
+        elif strategy.zero_stage == 3 and strategy.dims.spans_nodes("dp", per_node):
+            sizes = (1, per_node)
+        else:
+            sizes = (1,)
+        out += [dataclasses.replace(strategy, offload=offload, hpz=hpz, dist_opt_instances=instances)
+                for hpz in sizes if hpz_refusal(strategy.engine, strategy.dims, strategy.zero_stage, hpz, per_node) is None
+                for instances in dist_opt_instance_counts(strategy, cluster, pins)]
+    return out
 
 
 def dist_opt_instance_counts(strategy: Strategy, cluster: ClusterSpec, pins: Constraints) -> tuple[int, ...]:
@@ -519,21 +520,26 @@ def offloaded_variants(strategy: Strategy, cluster: ClusterSpec, pins: Constrain
         return []
     if strategy.dist_opt_instances > 1:
         return []
-    strategy = _single_replica_zero(strategy, pins)
     recipe = strategy.fp8_recipe if strategy.fp8_param_gather else None
-    return [dataclasses.replace(strategy, offload=offload) for offload in OFFLOADS[1:]
-            if offload_refusal(strategy.engine, strategy.dims, strategy.zero_stage, offload,
+    return [dataclasses.replace(zeroed, offload=offload) for zeroed in _single_replica_zeros(strategy, pins)
+            for offload in OFFLOADS[1:]
+            if offload_refusal(zeroed.engine, zeroed.dims, zeroed.zero_stage, offload,
                                fp8_param_gather_recipe=recipe) is None]
 
 
-def _single_replica_zero(strategy: Strategy, pins: Constraints) -> Strategy:
+def _single_replica_zeros(strategy: Strategy, pins: Constraints) -> list[Strategy]:
     """``strategy`` as it offloads: a single replica has nothing to partition (the search gives it
     ZeRO 0), but ZeRO's optimizer is the one that offloads, so it runs ZeRO-Offload's single-GPU
     setting (Ren et al. 2021, Sec. 4.1), ZeRO-2 (Megatron-core: its distributed optimizer), unless
-    the ZeRO stage is pinned."""
+    the ZeRO stage is pinned; under DeepSpeed, when the step accumulates micro-batches, ZeRO-1 too,
+    which keeps the sum on the device where ZeRO-2 carries it through host memory every micro-batch
+    (:func:`dsauto.cost.offload.host_accumulation_seconds`): the search prices both."""
     if strategy.zero_stage == 0 and strategy.dims.replicas == 1 and pins.zero_stage is None:
-        return dataclasses.replace(strategy, zero_stage=2 if strategy.engine == "deepspeed" else 1)
-    return strategy
+        if strategy.engine != "deepspeed":
+            return [dataclasses.replace(strategy, zero_stage=1)]
+        stages = (2, 1) if strategy.grad_accum > 1 else (2,)
+        return [dataclasses.replace(strategy, zero_stage=stage) for stage in stages]
+    return [strategy]
 
 
 def host_problem(cluster: ClusterSpec) -> str | None:

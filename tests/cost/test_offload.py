@@ -148,10 +148,14 @@ def test_pins_reach_the_plan():
     assert plan.hpz == 2 and plan.zero_stage == 3 and plan.engine == "deepspeed"
     with pytest.raises(DsautoError, match="--offload optimizer\\+params cannot run: parameter offload"):
         find_plans(make_problem("gpt-tiny", "a100-80gb", offload="optimizer+params", engine="megatron"))
-    # Pinned on one GPU: ZeRO-Offload's single-GPU setting.
+    # Pinned on one GPU: ZeRO-Offload's single-GPU setting, ZeRO-2, where a step is one micro-batch;
+    # accumulating micro-batches, ZeRO-1, which keeps their sum on the device
     plan = find_plans(make_problem("llama2-7b", "a100-80gb", nodes=1, gpus_per_node=1, global_batch=8, seq_len=2048,
-                                   offload="optimizer", engine="deepspeed"))[0]
-    assert (plan.offload, plan.zero_stage, plan.dp) == ("optimizer", 2, 1)
+                                   offload="optimizer", engine="deepspeed", micro_batch=8))[0]
+    assert (plan.offload, plan.zero_stage, plan.dp, plan.grad_accum) == ("optimizer", 2, 1, 1)
+    plan = find_plans(make_problem("llama2-7b", "a100-80gb", nodes=1, gpus_per_node=1, global_batch=8, seq_len=2048,
+                                   offload="optimizer", engine="deepspeed", micro_batch=1))[0]
+    assert (plan.offload, plan.zero_stage, plan.dp, plan.grad_accum) == ("optimizer", 1, 1, 8)
     # On CPU ranks the device memory is the host's: nothing to gain, and said so.
     with pytest.raises(DsautoError, match="--offload optimizer cannot run: on CPU ranks the device memory is the host"):
         find_plans(make_problem("gpt-tiny", "cpu", offload="optimizer"))
@@ -300,3 +304,21 @@ def test_megatron_offloads_beside_fp8_weight_gathers_only_under_delayed_scaling(
     with pytest.raises(DsautoError, match="does not fit"):
         find_plans(make_problem(**shape, fp8_recipe="tensorwise"))
     assert find_plans(make_problem(**shape, fp8_recipe="delayed"))[0].offload == "optimizer"
+
+
+def test_zero2_accumulating_offloaded_gradients_pays_the_host_link_every_micro_batch():
+    """DeepSpeed's ZeRO-2 with offload_optimizer carries the sum of a step's gradients through host
+    memory: each micro-batch copies its partition down, and from the second on the sum so far up
+    first; ZeRO-1 copies once a step. On one H100 (no data parallelism) with 8 micro-batches the
+    search then keeps ZeRO-1, and a pinned ZeRO-2 is priced 15 partition copies slower."""
+    from dsauto.cost.offload import host_link
+
+    common = dict(global_batch=8, seq_len=4096, engine="deepspeed", offload="optimizer", micro_batch=1)
+    [searched] = find_plans(make_problem("llama3-8b", "h100-80gb", gpus_per_node=1, **common))
+    assert searched.zero_stage == 1
+    [zero2] = find_plans(make_problem("llama3-8b", "h100-80gb", gpus_per_node=1, zero_stage=2, **common))
+    link, latency = host_link(load_cluster("h100-80gb", nodes=1, gpus_per_node=1))
+    params = sum(g.count * g.params for g in layer_groups(searched.model, 4096, 2, 1))
+    copies = 8 + 7  # down every micro-batch, up from the second on
+    extra = zero2.prediction.step_seconds - searched.prediction.step_seconds
+    assert extra == pytest.approx(copies * params * 2 / link, rel=0.02)
