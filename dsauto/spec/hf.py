@@ -668,7 +668,7 @@ def read_no_rope(cfg: Config, spec: dict[str, Any]) -> None:
     layers = spec["num_layers"]
     interval = cfg.whole("no_rope_layer_interval", 4)
     rotates = cfg.get("no_rope_layers")
-    if rotates is None:
+    if rotates is None or rotates == []:  # an empty list is the config classes' default too (Llama 4's)
         rotates = [int((i + 1) % interval != 0) for i in range(layers)] if interval else [1] * layers
     if not isinstance(rotates, list) or len(rotates) != layers or not set(rotates) <= {0, 1}:
         raise cfg.error(f"no_rope_layers must give 1 (rotary) or 0 (none) for each of the {layers} layers, "
@@ -754,8 +754,10 @@ FAMILIES: dict[str, Family] = {
         (*_GEMMA_READERS, read_sliding_window, read_softcaps, read_query_scale)),
     "gemma3_text": Family(
         _SHAPE, {**_GEMMA_FIXED, "norms_per_layer": 4, "qk_norm": True, **_GLOBAL_ONLY_SCALING},
+        # Gemma3TextConfig's defaults, which the text_config inside a Gemma 3 config.json leaves out
         {**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
-         "sliding_window": 4096, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256},
+         "sliding_window": 4096, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+         "vocab_size": 262_208, "max_position_embeddings": 131_072},
         (*_GEMMA_READERS, read_sliding_window, read_softcaps, read_query_scale, read_gemma3)),
     "falcon": Family(
         {**_SHAPE, "num_layers": ("num_hidden_layers", "n_layer"), "hidden_size": ("hidden_size", "n_embed"),
@@ -1168,6 +1170,13 @@ def refuse_unplannable(config: Mapping[str, Any], where: str) -> None:
         raise DsautoError(f"{where} is a {model_type} model with {NOT_ATTENTION_ONLY[model_type]}, which dsauto does "
                           f"not price: it plans transformers whose every layer is softmax attention and an MLP "
                           f"(or experts).")
+    multimodal = [key for key in ("text_config", "vision_config", "audio_config") if config.get(key) is not None]
+    if multimodal:
+        text = ("its text_config" if "text_config" in multimodal else
+                "its language model's keys, with that model's model_type")
+        raise DsautoError(f"{where} is a multimodal model (model_type {model_type!r} with "
+                          f"{', '.join(multimodal)}); dsauto plans language models: give the text model's "
+                          f"config ({text}) as the model.")
     moe = [f"{key}={config[key]!r}" for key in MOE_KEYS if config.get(key) not in (None, 0, False, {})]
     if (moe or model_type in MOE_TYPES) and model_type not in MOE_FAMILIES:
         named = f": {', '.join(moe)}" if moe else ""
@@ -1175,8 +1184,4 @@ def refuse_unplannable(config: Mapping[str, Any], where: str) -> None:
                           f"reads only for model_type {', '.join(sorted(MOE_FAMILIES))}.")
     if config.get("is_encoder_decoder") or config.get("model_type") in ("t5", "mt5", "umt5", "bart", "mbart"):
         raise DsautoError(f"{where} is an encoder-decoder model (model_type {model_type!r}); {ENCODER_DECODER}.")
-    multimodal = [key for key in ("text_config", "vision_config", "audio_config") if config.get(key) is not None]
-    if multimodal:
-        raise DsautoError(f"{where} is a multimodal model (model_type {model_type!r} with "
-                          f"{', '.join(multimodal)}); dsauto plans language models: give the text model's "
-                          f"config (its text_config) as the model.")
+

@@ -77,6 +77,11 @@ def as_model(model: ModelSource) -> ModelSpec:
     return from_dict(ModelSpec, data, where)
 
 
+HF_SHAPE_KEYS = ("num_hidden_layers", "intermediate_size", "n_layer", "n_embd")
+"""Keys that Hugging Face configs give and dsauto's model files do not (which say num_layers,
+ffn_hidden_size)."""
+
+
 def load_model(name_or_path: str) -> ModelSpec:
     """Reads a model from a preset name, a dsauto model YAML, or a Hugging Face config.json or folder."""
     data, where, path = _read(name_or_path, "models")
@@ -86,6 +91,10 @@ def load_model(name_or_path: str) -> ModelSpec:
         # A Hugging Face folder's config.json takes the folder's name; any other file its own.
         named = path.resolve().parent.name if path.name == "config.json" else path.stem
         return model_from_hf_config(data, where, default_name=named)
+    hf_shape = [key for key in HF_SHAPE_KEYS if key in data]
+    if hf_shape:  # a Hugging Face config without its family: not a dsauto model file with odd keys
+        raise DsautoError(f"{where} reads as a Hugging Face config ({', '.join(hf_shape)}) but has no model_type; "
+                          f"add its family's model_type (llama, qwen2, mixtral, ...), as transformers writes it.")
     data.setdefault("name", path.stem)
     return from_dict(ModelSpec, data, where)
 

@@ -607,8 +607,31 @@ def test_t5_is_refused_saying_what_is_supported():
 def test_multimodal_config_is_refused():
     data = {"model_type": "gemma3", "text_config": config("gemma-3-1b"), "vision_config": {"hidden_size": 1152}}
     with pytest.raises(DsautoError, match=r"multimodal model .* text_config, vision_config.*give the text "
-                                          r"model's config"):
+                                          r"model's config \(its text_config\)"):
         model_from_hf_config(data, "config.json")
+    # Llama 4's multimodal config is said to be multimodal, not an unread mixture of experts
+    llama4 = {"model_type": "llama4", "text_config": config("llama-4-maverick-text"), "vision_config": {}}
+    llama4["vision_config"] = {"hidden_size": 1408}
+    with pytest.raises(DsautoError, match=r"is a multimodal model \(model_type 'llama4' with text_config"):
+        model_from_hf_config(llama4, "config.json")
+    # Qwen2.5-VL keeps its language model's keys at the top level: no text_config to point at
+    with pytest.raises(DsautoError, match=r"give the text model's config \(its language model's keys, with"):
+        model_from_hf_config({**config("qwen2.5-7b"), "model_type": "qwen2_5_vl", "vision_config": {"depth": 32}},
+                             "config.json")
+
+
+def test_a_text_config_takes_its_class_defaults():
+    """Gemma 3's text_config inside the multimodal config.json leaves out what Gemma3TextConfig
+    fills in (the vocabulary, the positions); Llama 4's gives no_rope_layers as an empty list,
+    its config class's default (every 4th layer without rotary positions)."""
+    gemma = config("gemma-3-1b")
+    sparse = {k: v for k, v in gemma.items() if k not in ("vocab_size", "max_position_embeddings")}
+    model = model_from_hf_config(sparse, "text_config")
+    assert (model.vocab_size, model.max_position_embeddings) == (262_208, 131_072)
+    maverick = config("llama-4-maverick-text")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        assert model_from_hf_config({**maverick, "no_rope_layers": []}, "m").no_rope_every == 4
 
 
 @pytest.mark.parametrize("name, changes, pattern", [

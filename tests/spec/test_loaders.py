@@ -291,3 +291,14 @@ def test_memory_limit_beyond_the_device():
 def test_bad_cluster_override():
     with pytest.raises(DsautoError, match=r"number of nodes must be at least 1, got 0"):
         load_cluster("cpu", nodes=0)
+
+
+def test_a_config_json_without_its_family_is_named_so(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                                "num_attention_heads": 4, "vocab_size": 256}))
+    with pytest.raises(DsautoError) as caught:
+        load_model(str(path))
+    assert str(caught.value) == (f"{path} reads as a Hugging Face config (num_hidden_layers, intermediate_size) but "
+                                 f"has no model_type; add its family's model_type (llama, qwen2, mixtral, ...), as "
+                                 f"transformers writes it.")
