@@ -54,7 +54,9 @@ def describe_plan(plan: Plan) -> str:
         f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "")
         + (" (DeepSpeed-Ulysses)" if plan.cp > 1 and plan.engine == "deepspeed" else "")
         + (f" ({CP_EXCHANGES[plan.cp_comm_type]})" if plan.cp > 1 and plan.engine == "megatron" else "")
-        + f", ZeRO stage {plan.zero_stage}{sp}",
+        + f", ZeRO stage {plan.zero_stage}"
+        + (f" with ZeRO++ secondary partitions over {plan.hpz} ranks (hpz={plan.hpz})" if plan.hpz > 1 else "")
+        + sp,
         f"  batch       micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation steps x dp "
         f"{plan.dp} = {plan.global_batch} sequences of {plan.seq_len} tokens; {plan.dtype}"
         f"{'' if plan.grad_reduce_in_fp32 else ' (gradients too)'}"

@@ -105,7 +105,8 @@ class Constraints:
     """Micro-batch size."""
     checkpoint: bool | None = field(default=None, metadata={
         "flag": "--checkpoint", "choices": {"auto": None, "all": True, "none": False},
-        "help": "activation checkpointing of transformer layers (default: chosen per layer)"})
+        "help": "activation checkpointing of whole transformer layers (default: chosen per layer); "
+                "selective recomputation is --recompute-modules (none for no recomputation at all)"})
     """Checkpoint every transformer layer (True), none (False), or let the search choose."""
     sequence_parallel: bool | None = field(default=None, metadata={
         "flag": "--no-sequence-parallel", "const": False,
