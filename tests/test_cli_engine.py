@@ -68,3 +68,14 @@ def test_deepspeed_pipelines_of_bf16_replicas_are_planned_as_zero_1(capsys):
     assert len(error.splitlines()) == 1
     assert main([*base, "--dtype", "fp32"]) == 0
     assert "ZeRO stage 0" in capsys.readouterr().out
+
+
+def test_a_deepspeed_plans_megatron_args_say_they_are_not_the_priced_run(tmp_path):
+    assert main(["tune", "--model", "llama3-8b", "--hardware", "h100-80gb", "--engine", "deepspeed",
+                 "--out", str(tmp_path)]) == 0
+    header = (tmp_path / "megatron_args.txt").read_text().splitlines()[:6]
+    assert any(line.startswith("# Not the priced run: this plan is priced for deepspeed (ds_config.json)")
+               for line in header), header
+    assert main(["tune", "--model", "llama3-8b", "--hardware", "h100-80gb", "--engine", "megatron",
+                 "--out", str(tmp_path / "m")]) == 0
+    assert "Not the priced run" not in (tmp_path / "m" / "megatron_args.txt").read_text()

@@ -79,6 +79,11 @@ def _header(plan: Plan) -> list[str]:
         f"{plan.world_size} / (tp {plan.tp} x pp {plan.pp}).",
         PLAN_ID_COMMENT + plan_id(plan),  # ties the file to the other artifacts of its set
     ]
+    if plan.engine != "megatron":
+        lines.append(f"{COMMENT}Not the priced run: this plan is priced for {plan.engine} (ds_config.json); these "
+                     f"flags run its degrees and choices on Megatron-core, whose memory and time differ (fp32 main "
+                     f"gradients, its own buffers and overlap): plan with --engine megatron for a launch priced as "
+                     f"Megatron-core runs it.")
     if need := max_connections(plan):
         lines.append(f"{COMMENT}{LAUNCH_ENVIRONMENT} {need.setting()}, for {need.why}.")
     if setting := softmax_fusion_setting(plan):
