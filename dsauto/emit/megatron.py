@@ -192,6 +192,11 @@ def _positions(model: ModelSpec) -> list[str]:
         rest = {k: v for k, v in params.items() if k not in _YARN_FLAGS}
         if rest:
             lines.append(f"{COMMENT}Not expressed: YaRN's {_pairs(rest)}.")
+    elif scaling == "longrope":  # per-dimension short and long factors, no single factor
+        original = params.get("original_max_position_embeddings")
+        span = f"from {int(original)} to {model.max_position_embeddings} positions, " if original else ""
+        lines.append(f"{COMMENT}Not expressed: longrope rope scaling ({span}a short and a long factor per rotary "
+                     f"dimension); Megatron-LM has llama3, linear (whole factors) and YaRN scaling.")
     elif scaling:
         lines.append(f"{COMMENT}Not expressed: {scaling} rope scaling (factor {factor:g}"
                      f"{', ' + _pairs(params) if params else ''}); Megatron-LM has llama3, linear "

@@ -88,7 +88,7 @@ def megatron_gaps(model: ModelSpec) -> list[str]:
     if model.attention_sinks:
         gaps.append("a learned sink logit per attention head (gpt-oss)")
     if model.qk_norm and model.qk_norm_full_width:
-        gaps.append("query and key norms over all heads at once (OLMoE); Megatron's --qk-layernorm "
+        gaps.append("query and key norms over all heads at once (OLMoE, OLMo 2); Megatron's --qk-layernorm "
                     "normalises each head")
     if model.moe_router_bias:
         gaps.append("a bias on the router's linear layer")
