@@ -757,6 +757,7 @@ def _check_engine_runs(path: Path, plan: Any) -> None:
     """Refuses a plan whose degrees its engine cannot run (a hand-edited tp=2 DeepSpeed plan)."""
     from dsauto.engines.rules import (
         context_parallel_refusal,
+        deepspeed_bf16_pipeline_refusal,
         expert_parallel_refusal,
         offload_refusal,
         refusal,
@@ -772,6 +773,9 @@ def _check_engine_runs(path: Path, plan: Any) -> None:
                                  fp8_param_gather_recipe=plan.fp8_recipe if plan.fp8_param_gather else None)
               or expert_parallel_refusal(plan.engine, plan.dims, plan.zero_stage, plan.sequence_parallel,
                                          plan.model.num_experts, plan.model.expert_ffn_hidden_size))
+    if bf16 := deepspeed_bf16_pipeline_refusal(plan.engine, plan.dims, plan.zero_stage, plan.dtype):
+        raise DsautoError(f"{path}: its ZeRO stage 0 is not what DeepSpeed runs: {bf16}, so its memory and time are "
+                          f"not this plan's; re-plan with dsauto, which plans it as ZeRO stage 1.")
     if reason:
         raise DsautoError(f"{path}: its {plan.engine} plan cannot run: {reason}; re-plan with dsauto.")
 

@@ -80,8 +80,8 @@ def describe_plan(plan: Plan) -> str:
         f"optimizer {format_seconds(pred.optimizer_seconds)}",
     ]
     if pred.tp_comm_seconds or pred.p2p_seconds:
-        lines.append(f"              of compute: tensor-parallel collectives {format_seconds(pred.tp_comm_seconds)}, "
-                     f"pipeline transfers {format_seconds(pred.p2p_seconds)}")
+        lines.append(f"              of compute, waited for: tensor-parallel collectives "
+                     f"{format_seconds(pred.tp_comm_seconds)}, pipeline transfers {format_seconds(pred.p2p_seconds)}")
     if plan.offload != "none" or plan.hpz > 1:
         lines.append(_host_and_hpz_text(plan))
     if plan.dist_opt_instances > 1:

@@ -256,11 +256,13 @@ class Prediction:
     over all micro-batches; 0 without experts."""
     tp_comm_seconds: float = 0.0
     """Of ``compute_seconds``: the tensor-parallel collectives (forward, backward and recomputation)
-    of the slowest stage over all micro-batches; 0 without tensor parallelism."""
+    of the slowest stage over all micro-batches that the step waits for (under ``--tp-comm-overlap``
+    what the GEMMs leave exposed); 0 without tensor parallelism."""
     p2p_seconds: float = 0.0
     """Of ``compute_seconds``: the pipeline's point-to-point transfers (each micro-batch's boundary
     activation received and sent, its gradient in backward) of the slowest stage over all
-    micro-batches; 0 without pipeline parallelism."""
+    micro-batches that the step waits for (an interleaved Megatron-core schedule overlaps the rest);
+    0 without pipeline parallelism."""
 
 
 @dataclass(frozen=True)

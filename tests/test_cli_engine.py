@@ -64,7 +64,9 @@ def test_deepspeed_pipelines_of_bf16_replicas_are_planned_as_zero_1(capsys):
             "--engine", "deepspeed", "--pp", "2", "--zero-stage", "0"]
     assert main(base) == 2
     error = capsys.readouterr().err.strip()
-    assert "BF16_Optimizer, which shards the optimizer state as ZeRO stage 1 does; pin --zero-stage 1" in error
+    assert error.startswith("dsauto: error: --zero-stage 0 is not what DeepSpeed runs here: DeepSpeed's pipeline "
+                            "engine (pp 2) trains bf16 over 4 data-parallel replicas with its BF16_Optimizer, which "
+                            "shards the optimizer state as ZeRO stage 1 does; pin --zero-stage 1"), error
     assert len(error.splitlines()) == 1
     assert main([*base, "--dtype", "fp32"]) == 0
     assert "ZeRO stage 0" in capsys.readouterr().out

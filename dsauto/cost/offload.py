@@ -110,8 +110,9 @@ def host_accumulation_seconds(partition_params: float, dtype_bytes: int, micro_b
     0.19 accumulates the gradients of the rank's partition in host memory, so every micro-batch's
     backward copies each of them down, and from the second on first copies the sum so far up to add
     to (deepspeed/runtime/zero/stage_1_and_2.py, ``copy_grads_in_partition`` and
-    ``async_accumulate_grad_in_cpu_via_gpu``, in the training dtype, on the compute stream): one copy
-    down and (m - 1) / m up a micro-batch, priced as not hidden. ZeRO-1 reduces, and so copies, once
+    ``async_accumulate_grad_in_cpu_via_gpu``, in the training dtype; with ``overlap_comm``, as emitted,
+    on the reduction stream, the host waiting for the earlier copies before each one:
+    ``_wait_for_offload_copies``): one copy down and (m - 1) / m up a micro-batch, priced as not hidden. ZeRO-1 reduces, and so copies, once
     a step, at its last micro-batch (:func:`offloaded_step_seconds`)."""
     if micro_batches <= 1 or partition_params <= 0:
         return 0.0

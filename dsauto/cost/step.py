@@ -166,7 +166,8 @@ def p2p_hidden_fraction(strategy: Strategy, comm_overlap_efficiency: float) -> f
     return comm_overlap_efficiency if overlaps else 0.0
 
 
-def p2p_exposed_seconds(stage_seconds, sends_seconds, hidden: float):
+def p2p_exposed_seconds(stage_seconds: float | np.ndarray, sends_seconds: float,
+                        hidden: float) -> float | np.ndarray:
     """The steady-state time a pipeline rank waits for its transfers of one micro-batch
     (``sends_seconds``: its chunks' inputs received and outputs sent, forward and backward) beside
     ``stage_seconds`` of its compute, a fraction ``hidden`` of the overlapped part hidden

@@ -48,7 +48,7 @@ VALUED = {
     "--attention-dropout", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
     "--ddp-bucket-size", "--pipeline-model-parallel-layout", "--transformer-impl", "--window-size",
-    "--window-attn-skip-freq",
+    "--window-attn-skip-freq", "--glu-linear-offset", "--activation-func-clamp-value",
     "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
 }
 """Flags read here that take a value (``--recompute-modules`` takes several)."""
@@ -305,7 +305,7 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     else:
         _check_undescribed_model(flags, model, where)
     if model is not None and described is not None:
-        _check_model(described, model, where)
+        _check_model(described, model, where, _int(flags, "--seq-length", where, 0))
     launch = MegatronLaunch(model=model or described, environment=dict(environment or {}),
                             world=launcher_world(_launcher_words(words)))
     if model is not None and undescribed:
@@ -488,6 +488,22 @@ def _float(flags: dict[str, str], name: str, where: str, default: float) -> floa
         raise DsautoError(f"{where} gives {name} {flags[name]!r}, not a number; give one.") from None
 
 
+def _window(flags: dict[str, str], where: str) -> int:
+    """The sliding window of ``--window-size`` (Megatron's ``left,right`` keys beside the query's own
+    token, parentheses allowed as its tuple_type takes them) in Hugging Face's count, the query
+    included; 0 without one (no flag, or ``-1,0``: plain causal attention)."""
+    if "--window-size" not in flags:
+        return 0
+    left, _, right = flags["--window-size"].strip("() ").partition(",")
+    left, right = left.strip(), right.strip()
+    if right == "0" and left == "-1":
+        return 0
+    if not (left.isdigit() and right == "0"):
+        raise DsautoError(f"{where} gives --window-size {flags['--window-size']}; dsauto plans causal windows "
+                          f"'N,0' (N keys to the left) or none ('-1,0').")
+    return int(left) + 1
+
+
 def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSpec | None:
     """The model of the flags, with Megatron-LM's defaults (GPT: GeLU, LayerNorm, learned positions,
     tied embeddings, biases, dropout 0.1); None without ``--num-layers``."""
@@ -508,8 +524,10 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
     position = _choice(flags, "--position-embedding-type", where, "rope" if rotary else "learned_absolute", positions)
     normalization = _choice(flags, "--normalization", where, "LayerNorm", ("LayerNorm", "RMSNorm"))
     biases = "--disable-bias-linear" not in flags
-    # --quick-geglu: a GeLU-gated MLP (x * sigmoid(1.702 x) as the gate), the shapes and cost of GeGLU
-    mlp = ("swiglu" if "--swiglu" in flags else "geglu" if "--quick-geglu" in flags
+    # --quick-geglu: a gate of x * sigmoid(1.702 x), GeGLU's shapes and cost; with --glu-linear-offset
+    # (the linear half + 1) it is gpt-oss's clamped SwiGLU, as Megatron-LM launches gpt-oss
+    gated = "swiglu" if "--glu-linear-offset" in flags else "geglu"
+    mlp = ("swiglu" if "--swiglu" in flags else gated if "--quick-geglu" in flags
            else "relu2" if "--squared-relu" in flags else "gelu")
     dropout = (_float(flags, "--hidden-dropout", where, 0.1) > 0, _float(flags, "--attention-dropout", where, 0.1) > 0)
     if dropout[0] != dropout[1]:
@@ -539,13 +557,8 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
     if position == "rope":
         fields.update(rotary_base=_float(flags, "--rotary-base", where, 10000.0),
                       rotary_percent=_float(flags, "--rotary-percent", where, 1.0))
-    if "--window-size" in flags:  # Megatron's (left, right) keys beside the query's own token
-        left, _, right = flags["--window-size"].partition(",")
-        if not (left.strip().isdigit() and right.strip() in ("0", "")):
-            raise DsautoError(f"{where} gives --window-size {flags['--window-size']}; dsauto plans causal windows "
-                              f"'N,0' (N keys to the left).")
-        fields.update(sliding_window=int(left) + 1,
-                      global_attention_every=_int(flags, "--window-attn-skip-freq", where, 0))
+    if window := _window(flags, where):
+        fields.update(sliding_window=window, global_attention_every=_int(flags, "--window-attn-skip-freq", where, 0))
     if "--num-experts" in flags:
         freq = flags.get("--moe-layer-freq", "1")
         if not freq.isdigit():
@@ -884,7 +897,7 @@ def _recompute(flags: dict[str, str], launch: MegatronLaunch, where: str) -> Non
                           f"--recompute-method uniform or block, as Megatron-LM requires.")
 
 
-def _check_model(described: ModelSpec, model: ModelSpec, where: str) -> None:
+def _check_model(described: ModelSpec, model: ModelSpec, where: str, seq_len: int | None = None) -> None:
     """Refuses flags that describe a model other than ``model`` (the one named with ``--model``):
     the shapes, the vocabulary, the MLP, the norm, the positions, the biases, dropout, the head's
     tying and the experts. Megatron-LM's defaults count as said: a launch without
@@ -892,9 +905,13 @@ def _check_model(described: ModelSpec, model: ModelSpec, where: str) -> None:
     compared = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_heads", "head_dim", "mlp",
                 "norm", "position_embedding", "tied_embeddings", "linear_bias", "dropout", "vocab_size",
                 "num_experts", "moe_top_k")
-    # a window the flags give is the model's; one they leave out may slide over none of the launch's
+    # a window the flags give is the model's; one they leave out must slide over none of the launch's
     # sequences (dsauto's own file then states none: ModelSpec.window_slides)
     compared += ("sliding_window", "global_attention_every") if described.sliding_window else ()
+    if not described.sliding_window and seq_len and model.window_slides(seq_len):
+        raise DsautoError(f"{where} sets no --window-size, so its {seq_len}-token sequences attend in full, and "
+                          f"--model {model.name} slides a {model.sliding_window}-token window over them; add "
+                          f"--window-size {model.sliding_window - 1},0, or plan the model the launch trains.")
     for name in compared:
         got, want = getattr(described, name), getattr(model, name)
         if got != want:

@@ -286,9 +286,12 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
     _report_unsplit(plan)
     for gap in megatron_gaps(plan.model):  # the model's own details Megatron-core cannot build
         _report(f"Megatron-core does not build {gap}.")
-    if getattr(config, "window_size", None) is not None and not plan.model.window_slides(plan.seq_len):
-        # a window at least as long as the plan's sequences attends to all of it: full attention, as
-        # priced and as megatron_args.txt launches it (Transformer Engine's ring refuses any window)
+    window = plan.model.sliding_window
+    if window and not plan.model.window_slides(plan.seq_len) and \
+            tuple(getattr(config, "window_size", None) or ()) == (window - 1, 0):
+        # the model's window, at least as long as the plan's sequences, attends to all of them: full
+        # attention, as priced and as megatron_args.txt launches it (Transformer Engine's ring
+        # refuses any window)
         fields.update(window_size=None, window_attn_skip_freq=None)
     applied = dataclasses.replace(config, **fields)
     logger.info("dsauto: applied the plan to the TransformerConfig: tp %d, pp %d, sequence parallel "

@@ -824,8 +824,7 @@ class Planner:
                 plain = by_base.get(dataclasses.replace(base, recompute_modules=()))
                 by_base[base] = self._price_selective(base, plain) if base.recompute_modules and plain else \
                     self._price(base)
-            return dataclasses.replace(by_base[base], strategy=s, p2p_hidden=p2p_hidden_fraction(
-                s, self.cluster.device.comm_overlap_efficiency))
+            return self._retargeted(by_base[base], s)
 
         # A partial distributed optimizer's variant is priced when the search reaches it: its bound is
         # at least its one-instance twin's (the same passes; more optimizer state per rank to update),
@@ -960,13 +959,19 @@ class Planner:
                 unchunked = dataclasses.replace(strategy, virtual_stages=1)
                 if unchunked not in by_base:
                     by_base[unchunked] = self._price(unchunked)
-                candidate = dataclasses.replace(by_base[unchunked], strategy=strategy)
+                candidate = self._retargeted(by_base[unchunked], strategy)
                 bound = candidate.lower_bound(self.model.num_layers)
                 if candidate.least_memory(self.model.num_layers, self.pins.recompute_num_layers) > \
                         self.cluster.memory_budget_bytes:
                     continue  # does not fit even so
                 if not bounded_out(bound):
                     yield i, candidate, bound
+
+    def _retargeted(self, priced: _Priced, strategy: Strategy) -> _Priced:
+        """``priced`` (a strategy's costs, which do not depend on its chunks per rank) as
+        ``strategy``'s, with the share of its pipeline transfers hidden that its chunks give."""
+        return dataclasses.replace(priced, strategy=strategy, p2p_hidden=p2p_hidden_fraction(
+            strategy, self.cluster.device.comm_overlap_efficiency))
 
     def _node_host_bytes(self, plan: Plan) -> float:
         """The state a node's ranks offload to its host memory under ``plan``."""

@@ -664,16 +664,17 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
     if pins.engine is not None:
         dims = ParallelDims(dp=max(1, world // (tp * pp)), tp=tp, pp=pp)
         if pins.zero_stage == 0 and (reason := deepspeed_bf16_pipeline_refusal(pins.engine, dims, 0, train.dtype)):
-            return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}; pin --zero-stage 1, which "
-                               f"dsauto prices as it runs.")
+            return DsautoError(f"--zero-stage 0 is not what DeepSpeed runs here: {reason}; pin --zero-stage 1 (which "
+                               f"dsauto plans and prices so), --pp 1, or --dtype fp16.")
         reason = refusal(pins.engine, dims, pins.zero_stage or 0)
         # ZeRO 2-3 under a pipeline is refused above: what is left is DeepSpeed's tensor parallelism
         if reason and pins.hf_trainer:
             return DsautoError(f"A plan for Hugging Face's Trainer (--for hf) runs DeepSpeed, and {reason}; pin "
                                f"--tp 1, or plan without --for hf.")
         if reason:
-            remedy = "pin --tp 1, or plan with --engine megatron" if pins.engine == "deepspeed" else "pin other degrees"
-            return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}; {remedy}.")
+            # ZeRO 2-3 under a pipeline and the bf16 pipeline are refused above: DeepSpeed's tp is left
+            return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}; pin --tp 1, or plan with "
+                               f"--engine megatron.")
     engines = ENGINES if pins.engine is None else (pins.engine,)
     refused = [pinned_option_refusals(e, pins, train, model) for e in engines]
     for flag, (why, remedy) in refused[-1].items():  # each a Megatron-core option: its reason, engine open or not

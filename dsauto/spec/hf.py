@@ -1136,8 +1136,9 @@ def unmodelled_details(cfg: Config, spec: Mapping[str, Any]) -> list[str]:
                        "(norm_topk_prob false; Megatron's --moe-router-pre-softmax)")
     if cfg.get("swiglu_limit") is not None:
         out.append(f"the MLP's clamped SwiGLU (x sigmoid({cfg.get('swiglu_alpha', 1.702):g} x) times the linear "
-                   f"half plus 1, both clamped at {cfg.get('swiglu_limit'):g}: swiglu_alpha, swiglu_limit); "
-                   f"--swiglu builds the plain one")
+                   f"half plus 1, both clamped at {cfg.get('swiglu_limit'):g}: swiglu_alpha, swiglu_limit; "
+                   f"Megatron-LM's --quick-geglu --glu-linear-offset 1 --activation-func-clamp-value "
+                   f"{cfg.get('swiglu_limit'):g} in place of --swiglu, the same cost)")
     return out
 
 
@@ -1184,4 +1185,3 @@ def refuse_unplannable(config: Mapping[str, Any], where: str) -> None:
                           f"reads only for model_type {', '.join(sorted(MOE_FAMILIES))}.")
     if config.get("is_encoder_decoder") or config.get("model_type") in ("t5", "mt5", "umt5", "bart", "mbart"):
         raise DsautoError(f"{where} is an encoder-decoder model (model_type {model_type!r}); {ENCODER_DECODER}.")
-

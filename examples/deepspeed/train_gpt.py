@@ -18,13 +18,12 @@ learns in a few steps, so the printed loss falls.
 from __future__ import annotations
 
 import argparse
-import os
 
 import deepspeed
 import deepspeed.comm as dist
 
 import dsauto.deepspeed
-from dsauto.errors import DsautoError
+from dsauto.errors import run_script
 from dsauto.models import build_model
 from dsauto.models.data import synthetic_batch
 from dsauto.models.gpt import logits_loss
@@ -104,10 +103,4 @@ def train_pipeline(args: argparse.Namespace, plan: Plan) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DsautoError as exc:  # the plan refuses this run: one line a rank, not a traceback
-        import sys
-
-        print(f"{os.path.basename(__file__)}: error (rank {os.environ.get('RANK', '0')}): {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main, __file__)  # a refusal of the plan's: one line a rank, not a traceback

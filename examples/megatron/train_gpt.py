@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 import dsauto.megatron as dm  # dsauto
-from dsauto.errors import DsautoError
+from dsauto.errors import run_script
 from dsauto.plan import Plan
 
 # The token rule of the data: next = (A * token + C) mod vocabulary. Each token fixes the next one,
@@ -211,10 +211,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DsautoError as exc:  # the plan refuses this run: one line a rank, not a traceback
-        import sys
-
-        print(f"{os.path.basename(__file__)}: error (rank {os.environ.get('RANK', '0')}): {exc}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main, __file__)  # a refusal of the plan's: one line a rank, not a traceback

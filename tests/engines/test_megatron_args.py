@@ -134,6 +134,44 @@ def test_a_gated_gelu_and_windowed_model_reads_back(tmp_path):
         read_megatron_args(path, dataclasses.replace(plan.model, sliding_window=2048))
 
 
+def test_a_launch_without_the_models_window_is_refused_and_windows_parse_as_megatron_takes_them(tmp_path):
+    """A launch that sets no --window-size attends in full; a named model whose window slides over its
+    sequences is another model. --window-size takes Megatron's tuple spellings: '(N,0)' and '-1,0'."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        mistral = load_model(str(CONFIGS / "mistral-7b-v0.1.json"))
+    plan = make_plan(mistral, "h100-80gb", nodes=1, global_batch=64, seq_len=8192, engine="megatron")
+    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    text = path.read_text()
+    assert "--window-size 4095,0" in text
+    path.write_text(text.replace("--window-size 4095,0\n", ""))
+    with pytest.raises(DsautoError, match=r"sets no --window-size, so its 8192-token sequences attend in full, and "
+                                          r"--model .* slides a 4096-token window over them; add --window-size 4095,0"):
+        read_megatron_args(path, plan.model)
+    path.write_text(text.replace("--window-size 4095,0", "--window-size (4095,0)"))
+    assert read_megatron_args(path).model.sliding_window == 4096
+    path.write_text(text.replace("--window-size 4095,0", "--window-size -1,0"))
+    assert not read_megatron_args(path).model.sliding_window
+    path.write_text(text.replace("--window-size 4095,0", "--window-size 4095,4"))
+    with pytest.raises(DsautoError, match="dsauto plans causal windows"):
+        read_megatron_args(path)
+
+
+def test_gpt_oss_launched_as_megatron_lm_does_reads_as_its_clamped_swiglu(tmp_path):
+    """Megatron-LM launches gpt-oss's MLP with --quick-geglu --glu-linear-offset 1
+    --activation-func-clamp-value 7, which dsauto names in its own file's notes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        model = load_model(str(CONFIGS / "gpt-oss-20b.json"))
+    plan = make_plan(model, "h100-80gb", nodes=1, global_batch=64, seq_len=4096, engine="megatron")
+    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    assert "--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7" in path.read_text()
+    path.write_text(path.read_text().replace("\n--swiglu\n", "\n--quick-geglu\n--glu-linear-offset 1.0\n"
+                                                             "--activation-func-clamp-value 7.0\n"))
+    launch = read_megatron_args(path, plan.model)
+    assert launch.unknown == [] and launch.model == plan.model
+
+
 MINIMAL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --vocab-size 4096 "
            "--micro-batch-size 2 --global-batch-size 8 --tensor-model-parallel-size 2 "
            "--pipeline-model-parallel-size 2 --lr 3e-4 --train-iters 100 --data-path /data/x")

@@ -557,3 +557,18 @@ def test_transformer_engines_unfused_softmax_is_checked_against_the_launch_envir
     assert warnings_of(caplog) == []
     dm.apply(half, te)
     assert any("memory may be higher than predicted" in w for w in warnings_of(caplog))
+
+
+def test_a_window_that_slides_over_nothing_is_full_attention_and_a_users_own_window_stays():
+    """The model's window at least as long as the plan's sequences is full attention (Transformer
+    Engine's ring refuses any window): the plugin clears the config's copy of it. A window the user
+    set for a model without one is the user's, kept."""
+    from dsauto.api import make_plan as plan_for
+
+    windowed = dataclasses.replace(TINY, sliding_window=32)
+    long_plan = plan_for(windowed, "cpu", engine="megatron", seq_len=64)
+    short_plan = plan_for(windowed, "cpu", engine="megatron", seq_len=32)
+    assert dm.apply(long_plan, config_for(windowed)).window_size == (31, 0)
+    assert dm.apply(short_plan, config_for(windowed)).window_size is None
+    plain = plan_for(TINY, "cpu", engine="megatron", seq_len=32)
+    assert dm.apply(plain, config_for(TINY, window_size=(15, 0))).window_size == (15, 0)
