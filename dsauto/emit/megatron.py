@@ -308,6 +308,13 @@ def _experts(model: ModelSpec, dispatcher: str = "alltoall") -> list[str]:
         lines.append("--moe-router-score-function sigmoid")
         if model.moe_router_balancing_bias:
             lines.append("--moe-router-enable-expert-bias")
+    if model.moe_router_pre_softmax:
+        lines.append("--moe-router-pre-softmax")  # the softmax over all experts, not renormalised over the chosen
+    if model.moe_router_topk_scaling:
+        lines.append(f"--moe-router-topk-scaling-factor {model.moe_router_topk_scaling:g}")
+    if model.moe_router_groups:  # DeepSeek-V3's node-limited routing
+        lines += [f"--moe-router-num-groups {model.moe_router_groups}",
+                  f"--moe-router-group-topk {model.moe_router_group_topk}"]
     if model.moe_probs_on_input:
         lines.append("--moe-apply-probs-on-input")  # Llama 4: the router's weight scales the expert's input
     lines.append("--moe-grouped-gemm")

@@ -49,6 +49,7 @@ VALUED = {
     "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
     "--ddp-bucket-size", "--pipeline-model-parallel-layout", "--transformer-impl", "--window-size",
     "--window-attn-skip-freq", "--glu-linear-offset", "--activation-func-clamp-value",
+    "--moe-router-topk-scaling-factor", "--moe-router-num-groups", "--moe-router-group-topk",
     "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
 }
 """Flags read here that take a value (``--recompute-modules`` takes several)."""
@@ -62,6 +63,7 @@ SWITCHES = {
     "--swiglu", "--quick-geglu", "--squared-relu", "--disable-bias-linear", "--add-qkv-bias", "--untie-embeddings-and-output-weights",
     "--qk-layernorm", "--apply-layernorm-1p", "--no-bias-gelu-fusion", "--moe-shared-expert-gate",
     "--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--use-rotary-position-embeddings",
+    "--moe-router-pre-softmax",
     "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-masked-softmax-fusion",
 }
 """Flags read here that take no value."""
@@ -570,7 +572,11 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
                       moe_ffn_hidden_size=_int(flags, "--moe-ffn-hidden-size", where, fields["ffn_hidden_size"]),
                       shared_expert_ffn_hidden_size=_int(flags, "--moe-shared-expert-intermediate-size", where, 0),
                       shared_expert_gate="--moe-shared-expert-gate" in flags, moe_layer_freq=int(freq),
-                      moe_router=router, moe_router_balancing_bias="--moe-router-enable-expert-bias" in flags)
+                      moe_router=router, moe_router_balancing_bias="--moe-router-enable-expert-bias" in flags,
+                      moe_router_pre_softmax="--moe-router-pre-softmax" in flags,
+                      moe_router_topk_scaling=_float(flags, "--moe-router-topk-scaling-factor", where, 0.0),
+                      moe_router_groups=_int(flags, "--moe-router-num-groups", where, 0),
+                      moe_router_group_topk=_int(flags, "--moe-router-group-topk", where, 0))
     try:
         return ModelSpec(**fields)
     except (TypeError, ValueError, DsautoError) as error:
@@ -904,7 +910,8 @@ def _check_model(described: ModelSpec, model: ModelSpec, where: str, seq_len: in
     ``--disable-bias-linear`` trains with biases, one without ``--hidden-dropout 0`` with dropout."""
     compared = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_heads", "head_dim", "mlp",
                 "norm", "position_embedding", "tied_embeddings", "linear_bias", "dropout", "vocab_size",
-                "num_experts", "moe_top_k")
+                "num_experts", "moe_top_k", "moe_router_pre_softmax", "moe_router_topk_scaling", "moe_router_groups",
+                "moe_router_group_topk")
     # a window the flags give is the model's; one they leave out must slide over none of the launch's
     # sequences (dsauto's own file then states none: ModelSpec.window_slides)
     compared += ("sliding_window", "global_attention_every") if described.sliding_window else ()

@@ -551,6 +551,10 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
             moe_router_score_function=model.moe_router,
             moe_router_enable_expert_bias=model.moe_router == "sigmoid" and model.moe_router_balancing_bias,
             moe_apply_probs_on_input=model.moe_probs_on_input,
+            moe_router_pre_softmax=model.moe_router_pre_softmax,
+            moe_router_topk_scaling_factor=model.moe_router_topk_scaling or None,
+            moe_router_num_groups=model.moe_router_groups or None,
+            moe_router_group_topk=model.moe_router_group_topk or None,
             moe_token_dispatcher_type="alltoall",
         )
     if model.latent_attention:

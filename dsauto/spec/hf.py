@@ -935,7 +935,7 @@ FAMILIES["roberta"] = FAMILIES["bert"]
 # Mixtures of experts. Keys that only set the router's training (its auxiliary loss, jitter, the
 # normalisation and scaling of the top-k weights, DeepSeek's group-limited routing) change neither
 # the parameters nor the priced work: ignored as keys, and named where Megatron-core's flags would
-# build them otherwise (unmodelled_details). The storage format of a released checkpoint
+# build them otherwise (read_router). The storage format of a released checkpoint
 # (``quantization_config``) is named for every family (model_from_hf_config).
 _ROUTER_TRAINING = frozenset({"router_aux_loss_coef", "output_router_logits", "router_jitter_noise",
                               "norm_topk_prob"})
@@ -1081,7 +1081,7 @@ def model_from_hf_config(config: Mapping[str, Any], where: str, default_name: st
             raise DsautoError(f"{where} has no {keys[0]!r}; a Hugging Face {model_type} config must give it.")
     for read in family.readers:
         read(cfg, spec)
-    if unmodelled := unmodelled_details(cfg, spec):
+    if unmodelled := read_router(cfg, spec):
         spec["unmodelled"] = unmodelled
     for key, (modelled, meaning) in family.expected.items():
         value = cfg.get(key, modelled)
@@ -1114,26 +1114,31 @@ def model_from_hf_config(config: Mapping[str, Any], where: str, default_name: st
     return from_dict(ModelSpec, spec, where)
 
 
-def unmodelled_details(cfg: Config, spec: Mapping[str, Any]) -> list[str]:
-    """The config's details, given or its class's defaults, that change neither the parameters nor
-    the priced work and that Megatron-core's flags dsauto emits do not set (ModelSpec.unmodelled):
-    how the router weighs and limits the experts, and gpt-oss's clamped SwiGLU; each names the key it
-    comes from and the flag that sets it where Megatron-LM has one."""
+def read_router(cfg: Config, spec: dict[str, Any]) -> list[str]:
+    """How a mixture of experts' router weighs and limits the experts, given or its config class's
+    defaults (the same parameters and priced work either way): into the ModelSpec fields Megatron-core
+    builds (``moe_router_pre_softmax``, ``moe_router_topk_scaling``, ``moe_router_groups`` and
+    ``moe_router_group_topk``), and as the clauses of what it does not build (ModelSpec.unmodelled),
+    which are returned; so is gpt-oss's clamped SwiGLU, with the flags Megatron-LM launches it with."""
     out = []
     if spec.get("num_experts"):
         scale = cfg.get("routed_scaling_factor")
         if isinstance(scale, (int, float)) and scale != 1:
-            out.append(f"the routed experts' weights scaled by {scale:g} (routed_scaling_factor; Megatron's "
-                       f"--moe-router-topk-scaling-factor)")
+            spec["moe_router_topk_scaling"] = float(scale)
         groups, top = cfg.get("n_group"), cfg.get("topk_group")
         if isinstance(groups, int) and groups > 1 and isinstance(top, int):
-            greedy = (" by each group's best expert (topk_method group_limited_greedy; Megatron ranks groups by "
-                      "the sum of their best experts)" if cfg.get("topk_method") == "group_limited_greedy"
-                      else " (n_group, topk_group; Megatron's --moe-router-num-groups and --moe-router-group-topk)")
-            out.append(f"each token routed within the best {top} of {groups} expert groups{greedy}")
-        if cfg.get("norm_topk_prob") is False and spec.get("moe_router", "softmax") == "softmax":
-            out.append("the chosen experts' weights taken from the softmax over all experts, not renormalised "
-                       "(norm_topk_prob false; Megatron's --moe-router-pre-softmax)")
+            if cfg.get("topk_method") == "group_limited_greedy":  # DeepSeek-V2: a group's best expert ranks it
+                out.append(f"each token routed within the best {top} of {groups} expert groups by each group's best "
+                           f"expert (topk_method group_limited_greedy; Megatron's --moe-router-num-groups ranks "
+                           f"groups by the sum of their best experts)")
+            else:
+                spec.update(moe_router_groups=groups, moe_router_group_topk=top)
+        if cfg.get("norm_topk_prob") is False:
+            if spec.get("moe_router", "softmax") == "softmax":
+                spec["moe_router_pre_softmax"] = True
+            else:
+                out.append("the chosen experts' sigmoid scores not renormalised (norm_topk_prob false; Megatron's "
+                           "sigmoid router renormalises them)")
     if cfg.get("swiglu_limit") is not None:
         out.append(f"the MLP's clamped SwiGLU (x sigmoid({cfg.get('swiglu_alpha', 1.702):g} x) times the linear "
                    f"half plus 1, both clamped at {cfg.get('swiglu_limit'):g}: swiglu_alpha, swiglu_limit; "

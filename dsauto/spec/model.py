@@ -224,6 +224,20 @@ class ModelSpec:
     """With ``sigmoid`` routing: a per-expert bias added to the scores that choose the experts
     (DeepSeek-V3's aux-loss-free balancing, Megatron's ``--moe-router-enable-expert-bias``); Llama 4's
     router has none."""
+    moe_router_pre_softmax: bool = False
+    """With ``softmax`` routing: the chosen experts' weights are the softmax over all experts, not
+    renormalised over the chosen (Hugging Face's ``norm_topk_prob`` false: Qwen2-MoE, DeepSeek-V2;
+    Megatron's ``--moe-router-pre-softmax``); the same cost."""
+    moe_router_topk_scaling: float = 0.0
+    """The chosen experts' weights are scaled by this (DeepSeek's ``routed_scaling_factor``; Megatron's
+    ``--moe-router-topk-scaling-factor``); 0: not scaled. The same cost."""
+    moe_router_groups: int = 0
+    """Group-limited routing: the experts form this many equal groups (DeepSeek-V3's ``n_group``;
+    Megatron's ``--moe-router-num-groups``) and each token chooses its experts within the best
+    ``moe_router_group_topk`` groups, ranked by the sum of their best experts' scores; 0: no groups."""
+    moe_router_group_topk: int = 0
+    """With ``moe_router_groups``: how many groups a token's experts come from (``topk_group``;
+    Megatron's ``--moe-router-group-topk``)."""
     moe_probs_on_input: bool = False
     """The router's weight scales each expert's input instead of its output (Llama 4; Megatron's
     ``--moe-apply-probs-on-input``); the same cost."""
@@ -316,11 +330,21 @@ class ModelSpec:
         if self.num_experts and not self.moe_layers():
             raise ValueError(f"no layer is an MoE layer: moe_first_dense_layers ({self.moe_first_dense_layers}) "
                              f"covers all {self.num_layers} layers")
+        if self.moe_router_groups or self.moe_router_group_topk:
+            if not (self.num_experts and self.moe_router_groups and self.num_experts % self.moe_router_groups == 0
+                    and 1 <= self.moe_router_group_topk <= self.moe_router_groups
+                    and self.moe_top_k % self.moe_router_group_topk == 0):
+                raise ValueError(f"moe_router_groups ({self.moe_router_groups}) must divide the {self.num_experts} "
+                                 f"experts and moe_router_group_topk ({self.moe_router_group_topk}) be between 1 and "
+                                 f"it, dividing moe_top_k ({self.moe_top_k})")
+        if self.moe_router_topk_scaling < 0:
+            raise ValueError(f"moe_router_topk_scaling must be 0 (none) or positive, got {self.moe_router_topk_scaling}")
         moe_only = {"moe_top_k": self.moe_top_k, "moe_ffn_hidden_size": self.moe_ffn_hidden_size,
                     "shared_expert_ffn_hidden_size": self.shared_expert_ffn_hidden_size,
                     "moe_first_dense_layers": self.moe_first_dense_layers}
         stray = [f"{k}={v}" for k, v in moe_only.items() if v] + [
-            k for k in ("shared_expert_gate", "moe_router_bias", "moe_expert_bias", "moe_probs_on_input")
+            k for k in ("shared_expert_gate", "moe_router_bias", "moe_expert_bias", "moe_probs_on_input",
+                        "moe_router_pre_softmax", "moe_router_topk_scaling")
             if getattr(self, k)]
         if stray and not self.num_experts:
             raise ValueError(f"{', '.join(stray)} describe experts, but num_experts is 0 (a dense model)")

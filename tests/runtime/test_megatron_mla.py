@@ -40,6 +40,17 @@ def test_latent_attention_config_builds(name):
     plan = make_plan(model, "h100-80gb", nodes=32 if model.num_experts > 64 else 1, global_batch=512, seq_len=4096,
                      engine="megatron")
     assert "--qk-layernorm" in megatron_args(plan)
+    # the router as the config weighs and limits the experts: V3's node-limited groups and scaled
+    # weights; V2-Lite's softmax over all experts, not renormalised over the chosen (norm_topk_prob false)
+    expected = {"deepseek-v3": (False, 2.5, 8, 4), "deepseek-v2-lite": (True, None, None, None)}[name]
+    assert (config.moe_router_pre_softmax, config.moe_router_topk_scaling_factor, config.moe_router_num_groups,
+            config.moe_router_group_topk) == expected
+    flags = megatron_args(plan)
+    if name == "deepseek-v3":
+        assert {"--moe-router-topk-scaling-factor 2.5", "--moe-router-num-groups 8", "--moe-router-group-topk 4"} <= \
+            set(flags)
+    else:
+        assert "--moe-router-pre-softmax" in flags
     assert (config.q_lora_rank or 0, config.kv_lora_rank) == (model.q_lora_rank, model.kv_lora_rank)
     assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (
         model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim)
