@@ -24,7 +24,7 @@ import yaml
 from dsauto.describe import describe_plan
 from dsauto.errors import DsautoError
 from dsauto.plan import PLAN_VERSION, Plan
-from dsauto.serde import read_data
+from dsauto.serde import content_dict, read_data
 
 PLAN_KEY = "dsauto"
 """Top-level key of ``ds_config.json`` holding the whole plan (DeepSpeed ignores unknown keys)."""
@@ -77,8 +77,10 @@ def plan_yaml_text(plan: Plan) -> str:
 
 def plan_id(plan: Plan) -> str:
     """A short hash of the plan's content, carried by every artifact written for it, so that files
-    of two different plans (a run cut off between two renames) are never taken for one set."""
-    text = json.dumps(plan.to_dict(), sort_keys=True, separators=(",", ":"))
+    of two different plans (a run cut off between two renames) are never taken for one set; fields
+    at their defaults do not count (:func:`dsauto.serde.content_dict`), so a field a later dsauto adds
+    leaves the ids of the plans written before it as they were."""
+    text = json.dumps(content_dict(plan), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

@@ -33,6 +33,27 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def content_dict(obj: Any) -> Any:
+    """:func:`to_dict` without the dataclass fields that hold their defaults: what identifies a value
+    (a plan's id, a study's or a profile's key), unchanged when a later dsauto adds a field with a
+    default that keeps the old meaning."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.default is not dataclasses.MISSING and value == f.default:
+                continue
+            if f.default_factory is not dataclasses.MISSING and value == f.default_factory():
+                continue
+            out[f.name] = content_dict(value)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [content_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: content_dict(v) for k, v in obj.items()}
+    return obj
+
+
 def from_dict(cls: type[T], data: Any, where: str) -> T:
     """Builds ``cls`` from ``data``; ``where`` names the source in error messages."""
     if not isinstance(data, dict):

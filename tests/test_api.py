@@ -168,3 +168,21 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
     assert "dsauto plan: llama3-8b" in out and "next plans:" in out
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["ds_config.json", "megatron_args.txt",
                                                                    "plan.png", "plan.yaml"]
+
+
+def test_ids_do_not_move_when_a_field_with_its_default_is_added():
+    """A plan's id, a study's name and a profile's key hash the content without the fields at their
+    defaults, so that a later dsauto adding a field (its default keeping the old meaning) still finds
+    the profiles, studies and artifact sets written before it."""
+    import dataclasses as dc
+
+    from dsauto.plan_io import plan_id
+    from dsauto.serde import content_dict
+
+    plan = make_plan("gpt-tiny", "cpu")
+    assert "unmodelled" not in content_dict(plan.model) and "name" in content_dict(plan.model)
+    with_field = dc.make_dataclass("Later", [("added", int, dc.field(default=0))], bases=(type(plan.model),),
+                                   frozen=True)
+    later = with_field(**{f.name: getattr(plan.model, f.name) for f in dc.fields(plan.model)})
+    assert content_dict(later) == content_dict(plan.model)
+    assert plan_id(plan) == plan_id(dc.replace(plan, model=plan.model))

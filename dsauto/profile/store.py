@@ -24,7 +24,7 @@ from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.spec.presets import list_presets
 from dsauto.profile.collectives import CollectiveFit
 from dsauto.profile.layers import REFERENCE_ENGINE, LayerMeasurement
-from dsauto.serde import from_dict, read_data, to_dict, write_json
+from dsauto.serde import content_dict, from_dict, read_data, to_dict, write_json
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import Dtype, TrainSpec
@@ -219,7 +219,7 @@ def profile_key(model: ModelSpec, device: str, dtype: str, seq_len: int, version
     """File stem of a profile: readable parts, then a hash of everything that keys it (the engine
     only when it is not the reference layers', and the user's layer factory only when given, so that
     earlier profiles keep their keys)."""
-    keyed: list[Any] = [to_dict(model), device, dtype, seq_len, versions]
+    keyed: list[Any] = [content_dict(model), device, dtype, seq_len, versions]
     name = f"{model.name}-{device}-{dtype}-s{seq_len}"
     if engine != REFERENCE_ENGINE:
         keyed.append(engine)

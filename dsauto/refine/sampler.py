@@ -23,6 +23,7 @@ the objective asks for the knobs with ``trial.suggest_*`` (see :func:`suggest`).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,10 +137,22 @@ def key_of(knobs: Knobs) -> str:
     return repr(sorted(knobs.params().items()))
 
 
+_TIMED_OUT = re.compile(r"^hung: no result after (\d+(?:\.\d+)?) s")
+
+
+def timed_out_at(attrs: dict) -> float | None:
+    """The timeout a failed trial ran out of (its only failure), from its attributes, or None."""
+    found = _TIMED_OUT.match(str(attrs.get("reason", ""))) if attrs.get(STATUS) == "failed" else None
+    return float(found.group(1)) if found else None
+
+
 class CostModelSampler(optuna.samplers.BaseSampler):
     """Proposes the candidate with the largest feasible expected improvement (see the module)."""
 
-    def __init__(self, space: Sequence[Candidate], planner: Planner, seed: int = 0):
+    def __init__(self, space: Sequence[Candidate], planner: Planner, seed: int = 0,
+                 retry_timeouts_below: float = 0.0):
+        """``retry_timeouts_below``: this run's trial timeout; a candidate whose trial failed only by
+        running out of a shorter one is free again (:meth:`taken`)."""
         if not space:
             raise ValueError("the sampler needs at least one candidate")
         self.space = tuple(space)
@@ -151,6 +164,7 @@ class CostModelSampler(optuna.samplers.BaseSampler):
         self.calibration: Calibration | None = None
         """The correction factors of the last proposal (fitted to the study's measured steps)."""
         self._proposal: tuple[tuple, Candidate | None] | None = None
+        self.retry_timeouts_below = retry_timeouts_below
 
     # Optuna's sampler interface: everything is sampled "independently", from one joint pick.
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
@@ -176,11 +190,14 @@ class CostModelSampler(optuna.samplers.BaseSampler):
     def taken(self, study: optuna.Study, exclude: int | None = None, before: int | None = None) -> set[str]:
         """Keys of candidates measured, being measured or failed, by trials numbered below ``before``
         (all by default) other than ``exclude``. A trial cut off (``interrupted``, or failed by
-        heartbeat without a status of its own) frees its candidate."""
+        heartbeat without a status of its own) frees its candidate, and so does one that failed only
+        by running out of a timeout shorter than this run's."""
         keys = set()
         for t in study.get_trials(deepcopy=False):
             status = t.user_attrs.get(STATUS)
             if t.number == exclude or (before is not None and t.number >= before) or status == "interrupted":
+                continue
+            if (limit := timed_out_at(t.user_attrs)) is not None and limit < self.retry_timeouts_below:
                 continue
             if t.state == TrialState.FAIL and status not in ("failed",):
                 continue

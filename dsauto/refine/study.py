@@ -57,12 +57,13 @@ from dsauto.refine.sampler import (
     key_of,
     knob_rules,
     suggest,
+    timed_out_at,
     trial_observation,
 )
 from dsauto.refine.space import Candidate, Knobs, base_plans, candidates, plan_label
 from dsauto.search.planner import Planner
 from dsauto.search.space import Constraints
-from dsauto.serde import to_dict
+from dsauto.serde import content_dict
 from dsauto.units import format_bytes, format_seconds
 
 STUDY_FILE = "dsauto-study.db"
@@ -158,8 +159,8 @@ def _await_earlier_choices(study: optuna.Study, number: int) -> None:
 def study_name_for(planner: Planner, settings: TuneSettings) -> str:
     """A name that is the same for the same problem and trial settings, and differs otherwise."""
     trial = settings.trial
-    key = json.dumps([to_dict(planner.model), to_dict(planner.cluster), to_dict(planner.train),
-                      to_dict(planner.pins), settings.top_plans, trial.steps, trial.warmup_steps,
+    key = json.dumps([content_dict(planner.model), content_dict(planner.cluster), content_dict(planner.train),
+                      content_dict(planner.pins), settings.top_plans, trial.steps, trial.warmup_steps,
                       trial.memory_steps, trial.script, list(trial.script_args)], sort_keys=True, default=str)
     return f"dsauto-{planner.model.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
@@ -206,11 +207,29 @@ def _free_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage,
             say(f"trial {t.number} was cut off by an earlier run; its candidate will be measured again")
 
 
+def _say_timed_out(study: optuna.Study, timeout: float, say: Say) -> None:
+    """Names the trials that failed only by a shorter timeout than this run's (``--trial-timeout``),
+    whose candidates this run measures again (:meth:`CostModelSampler.taken`)."""
+    for t in study.get_trials(deepcopy=False):
+        limit = timed_out_at(t.user_attrs)
+        if limit is not None and limit < timeout:
+            say(f"trial {t.number} ran out of its {limit:g} s; with --trial-timeout {timeout:g} its candidate will "
+                f"be measured again")
+
+
 def _space(study: optuna.Study, planner: Planner, settings: TuneSettings, say: Say) -> list[Candidate]:
     """The study's space: stored by its first run, else searched now and stored."""
+    problem = study_name_for(planner, settings)  # this command's problem, however the study is named
     stored = study.user_attrs.get("base_plans")
     if stored is not None:
         plans = [Plan.from_dict(p, f"the base plans of study {study.study_name}") for p in stored]
+        made_for = study.user_attrs.get("problem")
+        if made_for is not None and made_for != problem:
+            engines = sorted({p.engine for p in plans})
+            raise DsautoError(f"Study {study.study_name} measures another problem than this command's (its plans are "
+                              f"{' and '.join(engines)} plans of {plans[0].model.name} on {plans[0].world_size} "
+                              f"devices, global batch {plans[0].global_batch}, or other pins or trial settings); "
+                              f"give another --study-name, or leave it out to use this problem's own study.")
         keys = set(study.user_attrs.get("candidates", []))
         space = [c for c in candidates(planner, plans, memory_slack=float("inf")) if key_of(c.knobs) in keys]
         say(f"resuming study {study.study_name}: {len(space)} candidates around {len(plans)} plans")
@@ -218,6 +237,7 @@ def _space(study: optuna.Study, planner: Planner, settings: TuneSettings, say: S
     plans = base_plans(planner, settings.top_plans)
     space = candidates(planner, plans)
     study.set_user_attr("base_plans", [p.to_dict() for p in plans])
+    study.set_user_attr("problem", problem)
     study.set_user_attr("candidates", [key_of(c.knobs) for c in space])
     say(f"space: {len(space)} candidates around {len(plans)} plans "
         f"({', '.join(plan_label(p) for p in plans)})")
@@ -330,10 +350,11 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True)
     _free_interrupted(study, storage, say)
     space = _space(study, planner, settings, say)
+    _say_timed_out(study, settings.trial.timeout_seconds, say)
     if not space:
         raise DsautoError(f"No plan of the search fits the {format_bytes(cluster.memory_budget_bytes)} "
                           f"budget closely enough to measure; raise --memory-limit.")
-    sampler = CostModelSampler(space, planner)
+    sampler = CostModelSampler(space, planner, retry_timeouts_below=settings.trial.timeout_seconds)
     study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
     by_key = {key_of(c.knobs): c for c in space}
     rules = knob_rules(space)
@@ -398,10 +419,14 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
     feasible = [t for t in trials if t.user_attrs.get(STATUS) == "complete" and t.state == TrialState.COMPLETE]
     if not feasible:
         counts = {s: sum(r.status == s for r in records) for s in ("infeasible", "failed")}
+        hung = sum(r.status == "failed" and r.reason.startswith("hung") for r in records)
+        remedies = (["raise --memory-limit"] if counts["infeasible"] else []) + (
+            [f"raise --trial-timeout (now {settings.trial.timeout_seconds:g} s)"] if hung else []) + (
+            ["fix the failures"] if counts["failed"] > hung else [])
         raise DsautoError(f"None of the {len(records)} trials measured a plan within the "
                           f"{format_bytes(cluster.memory_budget_bytes)} budget ({counts['infeasible']} over it, "
-                          f"{counts['failed']} failed; logs in {out / 'trials'}); raise --memory-limit or "
-                          f"fix the failures and rerun.")
+                          f"{counts['failed']} failed{f', {hung} of them timed out' if hung else ''}; logs in "
+                          f"{out / 'trials'}); {' or '.join(remedies) + ' and rerun' if remedies else 'rerun'}.")
     best = min(feasible, key=lambda t: t.value)
     if unfair := contended_comparison(feasible, best):
         warnings.warn(unfair, DsautoWarning, stacklevel=2)

@@ -337,6 +337,7 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
         return ds_initialize(**forwarded)
 
     warn_if_untested(deepspeed.__version__)
+    check_world_size(plan)
     check_config(plan, resolved)
     if plan.pp > 1:  # DeepSpeed's pipeline engine: the PipelineModule was cut and wrapped for the plan
         layout = check_pipeline_module(plan, model)
@@ -359,6 +360,20 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     apply_persistence(engine, applied)
     engine.dsauto_plan = applied
     return engine, ds_optimizer, dataloader, scheduler
+
+
+def check_world_size(plan: Plan) -> None:
+    """Refuses a launch of another number of ranks than the plan's before DeepSpeed builds anything
+    (its own batch assertion would end the run with a traceback): the ranks of the initialised
+    process group, else the launcher's ``WORLD_SIZE``; nothing to check when neither says."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if world is None and os.environ.get("WORLD_SIZE", "").isdigit():
+        world = int(os.environ["WORLD_SIZE"])
+    if world is not None and world != plan.world_size:
+        raise DsautoError(f"The plan is for {plan.world_size} ranks ({plan.dims.describe()}) but this launch has "
+                          f"{world}; launch {plan.world_size} processes or re-plan for {counted(world, 'device')}.")
 
 
 def config_dict(args: Any, config: Any, config_params: Any) -> dict[str, Any] | None:

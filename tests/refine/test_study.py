@@ -316,3 +316,45 @@ def test_a_winner_chosen_among_trials_measured_under_contention_is_said_to_be():
         "may run faster than measured; rerun the study on an idle machine to compare them fairly.")
     assert contended_comparison([calm, trial(1, 0.2, False)], calm) is None
     assert contended_comparison([busy, trial(3, 0.3, False)], busy) is None  # a contended winner won anyway
+
+
+def test_a_study_named_for_another_problem_is_refused_before_any_trial(tmp_path):
+    """--study-name of a study another problem made (another engine, batch, pins) would measure its
+    plans and write them as this command's: refused in one sentence, nothing measured."""
+    from dsauto.errors import DsautoError
+    from dsauto.refine.study import TuneSettings, open_storage, refine
+    from dsauto.search.space import Constraints
+
+    deepspeed = Planner(load_model("gpt-tiny"), load_cluster("cpu", nodes=1, gpus_per_node=2),
+                        TrainSpec(4, 64, "fp32"), Constraints(engine="deepspeed"))
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    study = optuna.create_study(study_name="theirs", storage=open_storage(url))
+    study.set_user_attr("base_plans", [deepspeed.search()[0].to_dict()])
+    study.set_user_attr("candidates", [])
+    study.set_user_attr("problem", "dsauto-gpt-tiny-0123456789")  # what another problem's run stored
+    megatron = Planner(deepspeed.model, deepspeed.cluster, deepspeed.train, Constraints(engine="megatron"))
+    with pytest.raises(DsautoError, match=r"^Study theirs measures another problem than this command's \(its plans "
+                                          r"are deepspeed plans of gpt-tiny on 2 devices, global batch 4"):
+        refine(megatron, tmp_path / "out", TuneSettings(trials=1, storage=url, study_name="theirs"))
+    assert not study.get_trials()
+
+
+def test_a_trial_that_only_timed_out_is_measured_again_with_a_longer_timeout():
+    """A trial that failed by running out of its timeout frees its candidate for a run with a longer
+    one (--trial-timeout), where a crash keeps its candidate taken."""
+    from optuna.trial import TrialState
+
+    from dsauto.refine.sampler import CostModelSampler, key_of
+    from dsauto.refine.space import candidates
+
+    planner = Planner(load_model("gpt-tiny"), load_cluster("cpu", nodes=1, gpus_per_node=2), TrainSpec(4, 64, "fp32"))
+    distinct = {key_of(c.knobs): c for c in candidates(planner, planner.search(top_k=2))}
+    space = list(distinct.values())[:2]
+    study = optuna.create_study()
+    for candidate, reason in zip(space, ("hung: no result after 4 s", "crashed: ValueError: boom")):
+        params = candidate.knobs.params()
+        study.add_trial(optuna.trial.create_trial(
+            state=TrialState.FAIL, params=params, user_attrs={"status": "failed", "reason": reason},
+            distributions={name: optuna.distributions.CategoricalDistribution([value]) for name, value in params.items()}))
+    assert len(CostModelSampler(space, planner, retry_timeouts_below=4.0).taken(study)) == 2  # it would hang again
+    assert len(CostModelSampler(space, planner, retry_timeouts_below=120.0).taken(study)) == 1
