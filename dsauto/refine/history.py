@@ -12,6 +12,7 @@ a step in the time factors.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,8 +28,11 @@ from dsauto.search.planner import Planner
 
 
 def study_record(planner: Planner, result: TuneResult) -> StudyRecord:
-    """What ``result``'s study measured, as kept with the profile."""
-    return StudyRecord(study=result.study_name, host=socket.gethostname(), cluster=planner.cluster,
+    """What ``result``'s study measured, as kept with the profile: named by the study and a digest of
+    its storage (two --out folders hold two studies of the same name; the URL may carry a password),
+    so that a study's record replaces only its own."""
+    storage = hashlib.sha256(result.storage.encode()).hexdigest()[:8]
+    return StudyRecord(study=f"{result.study_name} ({storage})", host=socket.gethostname(), cluster=planner.cluster,
                        train=planner.train, steps=result.steps)
 
 

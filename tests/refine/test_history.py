@@ -77,13 +77,19 @@ def test_steps_measured_under_contention_count_less():
 def test_each_tune_adds_its_study_to_what_is_stored(tmp_path):
     profile = empty_profile()
     save_profile(profile, tmp_path)
-    for name, gpus, batch in (("one", 2, 8), ("two", 1, 16)):
+    # two studies of one name in two storages (two --out folders) are two records; the same study again
+    # (a resumed one, in the same storage) replaces its own
+    runs = (("one", 2, 8, "sqlite:///a/dsauto-study.db"), ("one", 1, 16, "sqlite:///b/dsauto-study.db"),
+            ("one", 2, 8, "sqlite:///a/dsauto-study.db"))
+    for name, gpus, batch, storage in runs:
         record = study(name, gpus, batch)
         planner = Planner(MODEL, record.cluster, record.train, profile=profile)
-        result = TuneResult(plan=None, records=(), calibration=Calibration(), study_name=name, storage="",
+        result = TuneResult(plan=None, records=(), calibration=Calibration(), study_name=name, storage=storage,
                             new_trials=0, space=(), winner=None, steps=record.steps)
         profile, path = record_study(tmp_path, profile, planner, result)
     stored = load_profile(path)
-    assert [r.study for r in stored.history] == ["one", "two"]
+    names = [r.study for r in stored.history]
+    assert len(set(names)) == 2 and all(name.startswith("one (") for name in names)
+    assert [r.train.global_batch for r in stored.history] == [16, 8]
     assert stored.calibration.trials == sum(len(r.steps) for r in stored.history)
     assert json.loads(path.read_text())["history"][0]["steps"][0]["plan"]["model"]["name"] == "gpt-tiny"
