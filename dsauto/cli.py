@@ -593,13 +593,22 @@ def _follow_node(args: argparse.Namespace, problem: Problem, settings: Any) -> i
 
 
 def _check_node_args(args: argparse.Namespace) -> None:
-    """The options that place trials on several nodes mean nothing without --trials: say so."""
+    """The options of trials (where they run, how they are measured and kept) mean nothing without
+    --trials: say so, rather than take them silently."""
     given = [flag for flag, value in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr),
                                       ("--master-port", args.master_port), ("--hostfile", args.hostfile)) if value]
     if given and not args.trials:
         verb = "places" if len(given) == 1 else "place"
         raise DsautoError(f"{', '.join(given)} {verb} the ranks of trials on several nodes, but no --trials were "
                           f"asked for; pass --trials N, or drop {', '.join(given)}.")
+    defaults = {"--script": None, "--script-args": "", "--launcher": None, "--storage": None, "--study-name": None,
+                "--trial-steps": 5, "--trial-warmup": 2, "--trial-timeout": 600.0, "--top-plans": 4,
+                "--profile-dir": "profiles"}
+    given = [flag for flag, default in defaults.items()
+             if getattr(args, flag.lstrip("-").replace("-", "_"), default) != default]
+    if given and not args.trials:
+        raise DsautoError(f"{', '.join(given)} {'sets' if len(given) == 1 else 'set'} how trials are measured, but no "
+                          f"--trials were asked for; pass --trials N, or drop {', '.join(given)}.")
 
 
 def _cmd_tune(args: argparse.Namespace, write: bool) -> int:
@@ -697,6 +706,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     from dsauto.plan_io import edited_since_written, plan_id, read_plan
 
     path = Path(args.path)
+    _check_file_kind(path, "explain", (".yaml", ".yml", ".json"),
+                     "dsauto explain reads a plan.yaml or a ds_config.json with its dsauto block")
     plan = read_plan(path)
     _check_engine_runs(path, plan)
     if (written := edited_since_written(path, plan)) is not None:
@@ -732,12 +743,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from dsauto.serde import read_data
 
     path = Path(args.path)
+    _check_file_kind(path, "validate", (".json",), "dsauto validate checks a ds_config.json")
     check_artifact_set(path)
     config = read_data(path, str(path))
     if not isinstance(config, dict):
         raise DsautoError(f"{path} must hold a JSON object, got {type(config).__name__}.")
     if PLAN_KEY in config:
         plan = plan_from_data(config[PLAN_KEY], f"the {PLAN_KEY} block of {path}")
+        if plan.engine != "deepspeed":
+            raise DsautoError(f"{path} carries a {plan.engine} plan, which runs from megatron_args.txt, not from this "
+                              f"config (dsauto.deepspeed.initialize refuses it); validate the ds_config.json of a "
+                              f"plan made with --engine deepspeed, or explain this one.")
         _check_config_keys(path, plan)
         _check_engine_runs(path, plan)
         if args.world_size is not None and args.world_size != plan.dp:
@@ -751,6 +767,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     validate_ds_config(config, dp=dp)
     print(f"{path}: DeepSpeed accepts this config (data-parallel size {dp}, {why})")
     return 0
+
+
+def _check_file_kind(path: Path, command: str, suffixes: tuple[str, ...], what: str) -> None:
+    """Refuses a file of another kind than ``command`` reads (by its name), saying which command reads it."""
+    if path.suffix.lower() in suffixes:
+        return
+    other = {".txt": "megatron_args.txt is a Megatron-LM launch: price it with dsauto plan --megatron-args",
+             ".yaml": "plan.yaml is read by dsauto explain", ".yml": "plan.yaml is read by dsauto explain",
+             ".png": "plan.png is a picture of the plan"}.get(path.suffix.lower(), "")
+    raise DsautoError(f"{what}, and {path} is {'not one' if not other else 'not one; ' + other}.")
 
 
 def _check_engine_runs(path: Path, plan: Any) -> None:

@@ -324,3 +324,26 @@ def test_every_warning_of_dsauto_is_a_dsauto_warning():
                 if category is None or ast.unparse(category) != "DsautoWarning":
                     other.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not other, other
+
+
+def test_each_command_names_the_file_kind_it_reads(tmp_path, capsys):
+    assert main(["tune", "--model", "gpt-tiny", "--hardware", "cpu", "--out", str(tmp_path / "ds")]) == 0
+    capsys.readouterr()
+    code, _, err = run(capsys, "validate", str(tmp_path / "ds" / "plan.yaml"))
+    assert code == 2 and "dsauto validate checks a ds_config.json" in err and "read by dsauto explain" in err
+    code, _, err = run(capsys, "explain", str(tmp_path / "ds" / "megatron_args.txt"))
+    assert code == 2 and "price it with dsauto plan --megatron-args" in err
+    assert main(["tune", "--model", "gpt-tiny", "--hardware", "cpu", "--engine", "megatron",
+                 "--out", str(tmp_path / "mg")]) == 0
+    capsys.readouterr()
+    code, _, err = run(capsys, "validate", str(tmp_path / "mg" / "ds_config.json"))
+    assert code == 2 and "carries a megatron plan, which runs from megatron_args.txt" in err
+
+
+def test_options_of_trials_without_trials_are_refused(tmp_path, capsys):
+    code, _, err = run(capsys, "tune", "--model", "gpt-tiny", "--hardware", "cpu", "--script", "x.py", "--storage",
+                       "sqlite:///s.db", "--trial-timeout", "5", "--out", str(tmp_path / "o"))
+    assert code == 2 and err.strip() == (
+        "dsauto: error: --script, --storage, --trial-timeout set how trials are measured, but no --trials were "
+        "asked for; pass --trials N, or drop --script, --storage, --trial-timeout.")
+    assert not (tmp_path / "o").exists()

@@ -167,7 +167,12 @@ def study_name_for(planner: Planner, settings: TuneSettings) -> str:
 
 def open_storage(url: str, attempts: int = 5) -> optuna.storages.BaseStorage:
     """An Optuna storage for ``url`` with heartbeats (RDB URLs), or a clear error. Machines that
-    start together may race to create the schema of a new database; the loser retries."""
+    start together may race to create the schema of a new database; the loser retries. SQLite in
+    memory is refused: the study would be gone when dsauto exits, its steps kept with the profile
+    but never resumable or shared."""
+    if url.rstrip("/") in ("sqlite:", "sqlite:/", "sqlite://") or url.endswith(":memory:"):
+        raise DsautoError(f"--storage {url} is a database in memory, gone when dsauto exits, so its study could be "
+                          f"neither resumed nor shared; give a file (sqlite:///study.db) or a server URL.")
     for attempt in range(attempts):
         try:
             with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna's terms

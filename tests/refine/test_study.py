@@ -288,6 +288,9 @@ def test_a_storage_that_cannot_be_opened_is_one_sentence():
 
     with pytest.raises(DsautoError, match=r"^Cannot open the study storage nosuchdb://x: .*; pass an Optuna RDB URL"):
         open_storage("nosuchdb://x")
+    for memory in ("sqlite:///", "sqlite://", "sqlite:///:memory:"):  # the study would be gone at exit
+        with pytest.raises(DsautoError, match=r"is a database in memory, gone when dsauto exits"):
+            open_storage(memory)
 
 
 def test_a_missing_database_driver_names_the_extra(monkeypatch):
