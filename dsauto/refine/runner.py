@@ -153,6 +153,10 @@ def _failure_reason(returncode: int, log_text: str) -> str:
         return f"crashed: {errors[-1].strip()[:300]}"
     if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) or "exitcode  : -9" in log_text:
         return "killed by SIGKILL (the machine may have run out of host memory)"
+    # what the trial's hook said of a script that stopped early (dsauto.refine.trial_hook, megatron_trial)
+    said = re.findall(r"^(?:\[rank\d+\]: )?dsauto trial: (.+)$", log_text, re.MULTILINE)
+    if said:
+        return f"exited with code {returncode} without a result: {said[-1].strip()[:300]}"
     return f"exited with code {returncode} without a result"
 
 

@@ -361,3 +361,13 @@ def test_a_trial_that_only_timed_out_is_measured_again_with_a_longer_timeout():
             distributions={name: optuna.distributions.CategoricalDistribution([value]) for name, value in params.items()}))
     assert len(CostModelSampler(space, planner, retry_timeouts_below=4.0).taken(study)) == 2  # it would hang again
     assert len(CostModelSampler(space, planner, retry_timeouts_below=120.0).taken(study)) == 1
+
+
+def test_a_script_that_stops_early_is_failed_with_what_the_hook_said(tmp_path):
+    from dsauto.refine.runner import _failure_reason
+
+    log = ("[rank0]: dsauto trial: the script ended after 3 of the trial's 5 optimizer steps, so nothing was "
+           "measured; let it run at least 5 steps.\n")
+    assert _failure_reason(0, log) == ("exited with code 0 without a result: the script ended after 3 of the trial's "
+                                       "5 optimizer steps, so nothing was measured; let it run at least 5 steps.")
+    assert _failure_reason(0, "done\n") == "exited with code 0 without a result"
