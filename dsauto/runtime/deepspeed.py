@@ -337,10 +337,10 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
         return ds_initialize(**forwarded)
 
     warn_if_untested(deepspeed.__version__)
-    check_world_size(plan)
     check_config(plan, resolved)
     if plan.pp > 1:  # DeepSpeed's pipeline engine: the PipelineModule was cut and wrapped for the plan
         layout = check_pipeline_module(plan, model)
+        check_world_size(plan)
         engine, ds_optimizer, dataloader, scheduler = ds_initialize(**forwarded)
         check_engine(engine, plan)
         engine.dsauto_plan = layout
@@ -355,6 +355,7 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     # The replaced parameters are garbage once the model and the optimizer point at their slices:
     # kept in the mapping, they would hold a whole unsplit copy of every split layer for the run.
     applied.replacements = {}
+    check_world_size(plan)  # after the model's checks, which say more of a plan for another model
     engine, ds_optimizer, dataloader, scheduler = ds_initialize(**forwarded)
     check_engine(engine, plan)
     apply_persistence(engine, applied)
