@@ -173,12 +173,18 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
                    help="a profile file or folder from `dsauto profile`: price layers from measurements")
 
 
+TRIAL_DEFAULTS: dict[str, Any] = {
+    "--top-plans": 4, "--script": None, "--script-args": "", "--launcher": None, "--storage": None,
+    "--study-name": None, "--trial-steps": 5, "--trial-warmup": 2, "--trial-timeout": 600.0, "--profile-dir": "profiles"}
+"""The options of trials and their defaults (refused when set without --trials: _check_node_args)."""
+
+
 def _add_trial_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("refining with measured steps (--trials)")
     g.add_argument("--trials", type=_whole(0, 10_000), default=0, metavar="N",
                    help="measure real training steps of up to N candidate plans (an Optuna study) and "
                         "write the fastest measured one; 0 writes the best predicted plan (default)")
-    g.add_argument("--top-plans", type=_whole(1, 32), default=4, metavar="K",
+    g.add_argument("--top-plans", type=_whole(1, 32), default=TRIAL_DEFAULTS["--top-plans"], metavar="K",
                    help="strategies of the search the trials start from (default: 4)")
     g.add_argument("--script", default=None, metavar="train.py",
                    help="measure with your own training script instead of the built-in harness: a DeepSpeed "
@@ -192,11 +198,13 @@ def _add_trial_args(p: argparse.ArgumentParser) -> None:
                         "machines (default: sqlite in --out)")
     g.add_argument("--study-name", default=None, help="study name (default: derived from the problem, so a "
                                                       "rerun resumes it)")
-    g.add_argument("--trial-steps", type=_whole(1, 10_000), default=5, help="timed steps per trial (default: 5)")
-    g.add_argument("--trial-warmup", type=_whole(0, 10_000), default=2, help="untimed steps per trial (default: 2)")
-    g.add_argument("--trial-timeout", type=_seconds, default=600.0, metavar="SECONDS",
+    g.add_argument("--trial-steps", type=_whole(1, 10_000), default=TRIAL_DEFAULTS["--trial-steps"],
+                   help="timed steps per trial (default: 5)")
+    g.add_argument("--trial-warmup", type=_whole(0, 10_000), default=TRIAL_DEFAULTS["--trial-warmup"],
+                   help="untimed steps per trial (default: 2)")
+    g.add_argument("--trial-timeout", type=_seconds, default=TRIAL_DEFAULTS["--trial-timeout"], metavar="SECONDS",
                    help="a trial with no result after this long is killed as hung (default: 600)")
-    g.add_argument("--profile-dir", default="profiles", metavar="DIR",
+    g.add_argument("--profile-dir", default=TRIAL_DEFAULTS["--profile-dir"], metavar="DIR",
                    help="with --trials and no --profile: the profile store, profiled first if needed "
                         "(default: profiles)")
 
@@ -601,10 +609,7 @@ def _check_node_args(args: argparse.Namespace) -> None:
         verb = "places" if len(given) == 1 else "place"
         raise DsautoError(f"{', '.join(given)} {verb} the ranks of trials on several nodes, but no --trials were "
                           f"asked for; pass --trials N, or drop {', '.join(given)}.")
-    defaults = {"--script": None, "--script-args": "", "--launcher": None, "--storage": None, "--study-name": None,
-                "--trial-steps": 5, "--trial-warmup": 2, "--trial-timeout": 600.0, "--top-plans": 4,
-                "--profile-dir": "profiles"}
-    given = [flag for flag, default in defaults.items()
+    given = [flag for flag, default in TRIAL_DEFAULTS.items()
              if getattr(args, flag.lstrip("-").replace("-", "_"), default) != default]
     if given and not args.trials:
         raise DsautoError(f"{', '.join(given)} {'sets' if len(given) == 1 else 'set'} how trials are measured, but no "
@@ -790,7 +795,7 @@ def _check_engine_runs(path: Path, plan: Any) -> None:
         virtual_stage_refusal,
     )
 
-    reason = (refusal(plan.engine, plan.dims, plan.zero_stage, plan.dtype)
+    reason = (refusal(plan.engine, plan.dims, plan.zero_stage)  # the bf16 pipeline is said apart, below
               or virtual_stage_refusal(plan.engine, plan.pp, plan.virtual_stages, plan.grad_accum)
               or context_parallel_refusal(plan.engine, plan.cp, plan.seq_len, plan.flash_attention,
                                           heads=plan.model.num_attention_heads, kv_heads=plan.model.kv_heads,

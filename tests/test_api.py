@@ -185,4 +185,5 @@ def test_ids_do_not_move_when_a_field_with_its_default_is_added():
                                    frozen=True)
     later = with_field(**{f.name: getattr(plan.model, f.name) for f in dc.fields(plan.model)})
     assert content_dict(later) == content_dict(plan.model)
-    assert plan_id(plan) == plan_id(dc.replace(plan, model=plan.model))
+    assert plan_id(dc.replace(plan, model=later)) == plan_id(plan)
+    assert plan_id(dc.replace(plan, model=dc.replace(later, added=1))) != plan_id(plan)  # a value that counts

@@ -95,7 +95,13 @@ class _Priced:
     reserves: tuple[float, ...] = ()  # per pipeline rank: bytes of budget_bytes kept back (_fit_tighter)
     zero3: _Zero3Rows | None = None  # ZeRO-3's moments, exact but for the gathered parameters (_fit_zero3)
     left_out: np.ndarray | None = None  # the gradients ``static`` leaves out (_counted_state), or None
-    p2p_hidden: float = 0.0  # the share of the steady-state transfers compute hides (cost.step.p2p_hidden_fraction)
+    comm_overlap_efficiency: float = 0.0  # the device's, for the transfers the strategy overlaps (p2p_hidden)
+
+    @property
+    def p2p_hidden(self) -> float:
+        """The share of the steady-state pipeline transfers compute hides (cost.step.p2p_hidden_fraction):
+        derived from the strategy, so that a copy for another chunk count has its own."""
+        return p2p_hidden_fraction(self.strategy, self.comm_overlap_efficiency)
 
     def reserve(self, rank: int) -> float:
         return self.reserves[rank] if self.reserves else 0.0
@@ -399,7 +405,7 @@ class Planner:
         return _Priced(strategy, options, time, compute, static, act, trans,
                        cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer, constant,
                        self.cluster.memory_budget_bytes - constant, zero3=zero3, left_out=left_out,
-                       p2p_hidden=p2p_hidden_fraction(strategy, self.cluster.device.comm_overlap_efficiency))
+                       comm_overlap_efficiency=self.cluster.device.comm_overlap_efficiency)
 
     def _price_selective(self, strategy: Strategy, plain: _Priced) -> _Priced:
         """``strategy``, which recomputes modules selectively, priced from ``plain``: the same
@@ -824,7 +830,7 @@ class Planner:
                 plain = by_base.get(dataclasses.replace(base, recompute_modules=()))
                 by_base[base] = self._price_selective(base, plain) if base.recompute_modules and plain else \
                     self._price(base)
-            return self._retargeted(by_base[base], s)
+            return dataclasses.replace(by_base[base], strategy=s)
 
         # A partial distributed optimizer's variant is priced when the search reaches it: its bound is
         # at least its one-instance twin's (the same passes; more optimizer state per rank to update),
@@ -959,19 +965,13 @@ class Planner:
                 unchunked = dataclasses.replace(strategy, virtual_stages=1)
                 if unchunked not in by_base:
                     by_base[unchunked] = self._price(unchunked)
-                candidate = self._retargeted(by_base[unchunked], strategy)
+                candidate = dataclasses.replace(by_base[unchunked], strategy=strategy)
                 bound = candidate.lower_bound(self.model.num_layers)
                 if candidate.least_memory(self.model.num_layers, self.pins.recompute_num_layers) > \
                         self.cluster.memory_budget_bytes:
                     continue  # does not fit even so
                 if not bounded_out(bound):
                     yield i, candidate, bound
-
-    def _retargeted(self, priced: _Priced, strategy: Strategy) -> _Priced:
-        """``priced`` (a strategy's costs, which do not depend on its chunks per rank) as
-        ``strategy``'s, with the share of its pipeline transfers hidden that its chunks give."""
-        return dataclasses.replace(priced, strategy=strategy, p2p_hidden=p2p_hidden_fraction(
-            strategy, self.cluster.device.comm_overlap_efficiency))
 
     def _node_host_bytes(self, plan: Plan) -> float:
         """The state a node's ranks offload to its host memory under ``plan``."""
