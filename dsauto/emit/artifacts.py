@@ -9,7 +9,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from dsauto.emit.ds_config import Target, ds_config, validate_ds_config, write_ds_config
+from dsauto.emit import parser_process
+from dsauto.emit.ds_config import Target, ds_config, write_ds_config
 from dsauto.emit.megatron import write_megatron_args
 from dsauto.emit.plot import plot_plan
 from dsauto.errors import DsautoError
@@ -32,20 +33,28 @@ def write_artifacts(plan: Plan, out_dir: Path | str, target: Target = "deepspeed
     """Writes ``ds_config.json`` (for ``target``: ``deepspeed`` or Hugging Face's ``hf`` convention),
     ``megatron_args.txt``, ``plan.yaml`` and the picture ``plan.png`` of ``plan`` into ``out_dir``.
 
-    The DeepSpeed config is validated by DeepSpeed's parser first. The files are written into a
-    staging folder inside ``out_dir`` and then renamed into place (:func:`write_staged`), so that an
-    error leaves ``out_dir`` as it was, and each file in it is either the old one or the complete new
-    one; every file but the picture carries the plan's id, so that readers refuse a set cut off
-    between two renames. ``out_dir`` is created if needed; other files in it are left alone. Returns
+    The files are written into a staging folder inside ``out_dir`` and renamed into place only once
+    DeepSpeed's parser has taken the config (:func:`write_staged`), so that an error leaves
+    ``out_dir`` as it was, and each file in it is either the old one or the complete new one; every
+    file but the picture carries the plan's id, so that readers refuse a set cut off between two
+    renames. The parser runs in a process of its own, importing DeepSpeed while the files are
+    written and the picture drawn (:mod:`dsauto.emit.parser_process`; ``dsauto tune`` starts it
+    before its search). ``out_dir`` is created if needed; other files in it are left alone. Returns
     the paths written, in the order above.
     """
-    validate_ds_config(ds_config(plan, target), plan.dp)
-    return write_staged(Path(out_dir), lambda staging: [
-        write_ds_config(plan, staging / DS_CONFIG_NAME, target),
-        write_megatron_args(plan, staging / MEGATRON_ARGS_NAME),
-        write_plan_yaml(plan, staging / PLAN_YAML_NAME),
-        plot_plan(plan, staging / PLAN_PNG_NAME),
-    ])
+    parser_process.start_parser()
+
+    def write(staging: Path) -> list[Path]:
+        written = [
+            write_ds_config(plan, staging / DS_CONFIG_NAME, target),
+            write_megatron_args(plan, staging / MEGATRON_ARGS_NAME),
+            write_plan_yaml(plan, staging / PLAN_YAML_NAME),
+            plot_plan(plan, staging / PLAN_PNG_NAME),
+        ]
+        parser_process.validate(ds_config(plan, target), plan.dp)
+        return written
+
+    return write_staged(Path(out_dir), write)
 
 
 def write_staged(out_dir: Path, write: Callable[[Path], list[Path]]) -> list[Path]:

@@ -62,14 +62,14 @@ def reject(config, dp):
 
 
 def test_validation_failure_writes_nothing(zero3_plan, populated, monkeypatch):
-    monkeypatch.setattr(artifacts, "validate_ds_config", reject)
+    monkeypatch.setattr(artifacts.parser_process, "validate", reject)
     with pytest.raises(DsautoError, match="DeepSpeed rejects"):
         write_artifacts(zero3_plan, populated)
     assert_untouched(populated)
 
 
 def test_validation_failure_creates_no_directory(zero3_plan, tmp_path, monkeypatch):
-    monkeypatch.setattr(artifacts, "validate_ds_config", reject)
+    monkeypatch.setattr(artifacts.parser_process, "validate", reject)
     with pytest.raises(DsautoError):
         write_artifacts(zero3_plan, tmp_path / "out")
     assert listing(tmp_path) == []
