@@ -50,9 +50,10 @@ reads these internals, which a DeepSpeed release may change: ``engine.optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,15 +328,20 @@ def _parameter_offload(engine: Any) -> Any:
 def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize(**forwarded)`` (its keyword arguments), applying the plan of the config
     it is given; a config without a plan is passed through untouched."""
-    import deepspeed
-
-    model, model_parameters, optimizer = (forwarded.get(k) for k in ("model", "model_parameters", "optimizer"))
     resolved = config_dict(forwarded.get("args"), forwarded.get("config"), forwarded.get("config_params"))
-    plan = plan_from_config(resolved) if resolved is not None and model is not None else None
+    plan = plan_from_config(resolved) if resolved is not None and forwarded.get("model") is not None else None
     ds_initialize = deepspeed_initialize()
     if plan is None:
         return ds_initialize(**forwarded)
+    with _warnings_from_rank_zero():  # every rank reads the same plan and config: one warning a job
+        return _initialize_planned(plan, resolved, forwarded, ds_initialize)
 
+
+def _initialize_planned(plan: Plan, resolved: dict[str, Any], forwarded: dict[str, Any],
+                        ds_initialize: Any) -> tuple[Any, Any, Any, Any]:
+    import deepspeed
+
+    model, model_parameters, optimizer = (forwarded.get(k) for k in ("model", "model_parameters", "optimizer"))
     warn_if_untested(deepspeed.__version__)
     check_config(plan, resolved)
     if plan.pp > 1:  # DeepSpeed's pipeline engine: the PipelineModule was cut and wrapped for the plan
@@ -361,6 +367,25 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     apply_persistence(engine, applied)
     engine.dsauto_plan = applied
     return engine, ds_optimizer, dataloader, scheduler
+
+
+@contextlib.contextmanager
+def _warnings_from_rank_zero() -> Iterator[None]:
+    """The hook's warnings (DsautoWarning) on the job's rank 0 only, the rank of the initialised
+    process group, else the launcher's ``RANK``; a process that says neither is rank 0. DeepSpeed's
+    own warnings are left as they are."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+    else:
+        rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
+    if rank == 0:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        yield
 
 
 def check_world_size(plan: Plan) -> None:

@@ -3,6 +3,7 @@ own plan (stage, dtype) and a ds_config.json whose set of artifacts belongs to t
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 
@@ -55,3 +56,22 @@ def test_a_mixed_set_is_refused(plan, tmp_path, no_engine):
     with pytest.raises(DsautoError, match="belong to different plans"):
         dsauto.deepspeed.initialize(model=build_model(plan.model), config=str(out / "ds_config.json"))
     assert json.loads((out / "ds_config.json").read_text())["dsauto"]["reduce_bucket_bytes"] == plan.reduce_bucket_bytes * 2
+
+
+def test_the_hooks_warnings_are_said_by_rank_zero_alone(plan, no_engine, monkeypatch):
+    """Every rank reads the same plan and config, so what the hook warns of is said once a job: by the
+    launcher's rank 0, not by the others (before the process group exists, RANK says which)."""
+    import warnings
+
+    from dsauto.errors import DsautoWarning
+
+    config = ds_config(plan)
+    config["zero_optimization"]["overlap_comm"] = False  # not what the plan prices: a warning
+    for rank, warned in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(AssertionError, match="deepspeed.initialize was called"):
+                dsauto.deepspeed.initialize(model=build_model(plan.model), config=copy.deepcopy(config))
+        said = [str(w.message) for w in caught if issubclass(w.category, DsautoWarning)]
+        assert any("overlap_comm is false" in text for text in said) == warned, (rank, said)
