@@ -37,12 +37,11 @@ def write_artifacts(plan: Plan, out_dir: Path | str, target: Target = "deepspeed
     DeepSpeed's parser has taken the config (:func:`write_staged`), so that an error leaves
     ``out_dir`` as it was, and each file in it is either the old one or the complete new one; every
     file but the picture carries the plan's id, so that readers refuse a set cut off between two
-    renames. The parser runs in a process of its own, importing DeepSpeed while the files are
-    written and the picture drawn (:mod:`dsauto.emit.parser_process`; ``dsauto tune`` starts it
-    before its search). ``out_dir`` is created if needed; other files in it are left alone. Returns
-    the paths written, in the order above.
+    renames. Where :func:`~dsauto.emit.parser_process.start_parser` was called (``dsauto tune`` calls
+    it before its search), the parser runs in a process of its own, which imported DeepSpeed while
+    the plan was searched, the files written and the picture drawn. ``out_dir`` is created if
+    needed; other files in it are left alone. Returns the paths written, in the order above.
     """
-    parser_process.start_parser()
 
     def write(staging: Path) -> list[Path]:
         written = [

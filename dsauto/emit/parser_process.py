@@ -7,49 +7,68 @@ beside the search and the drawing, and hands it the config once written (:func:`
 process parses it with :func:`~dsauto.emit.ds_config.validate_ds_config`, as the command would
 in-process, and sends back the same refusal and the same warnings.
 
-Where DeepSpeed is imported already (a second plan in one process, the tests), parsing in-process
-costs nothing, and that is what happens. A process that cannot start, dies, or does not answer
-within ``ANSWER_TIMEOUT_S`` is killed, and the config is parsed in-process instead, which raises
-whatever it raises: the process only ever saves time.
+Where DeepSpeed is imported already (``--trials``, a second plan in one process), parsing
+in-process costs nothing, and that is what happens. A process that cannot start, dies, or does not
+answer within ``ANSWER_TIMEOUT_S`` is killed, and the config is parsed in-process instead, which
+raises whatever it raises: the process only ever saves time. It never outlives the command: it is
+ended once it answers, when the command ends without a config (an error, an interrupt), and by the
+kernel when the command dies.
 """
 
 from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
+import ctypes
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 from dsauto.emit.ds_config import validate_ds_config
 from dsauto.errors import DsautoError, DsautoWarning
 
-ANSWER_TIMEOUT_S = 600.0
+ANSWER_TIMEOUT_S = 120.0
 """How long the parser may take after it is handed the config (its import included, when it was
 started late) before it is killed and the config parsed in-process."""
 
-_ENTRY = "from dsauto.emit.parser_process import serve; raise SystemExit(serve())"
+PARENT_VARIABLE = "DSAUTO_PARSER_PARENT"
+"""The command's process id, which the parser process outlives by nothing (see :func:`serve`)."""
+PATH_VARIABLE = "DSAUTO_PARSER_SYS_PATH"
+"""The command's ``sys.path``, handed to the parser process so that it imports the same dsauto and
+DeepSpeed (``python -c`` would put its working folder first)."""
+
+_ENTRY = (f"import json, os, sys; sys.path[:] = json.loads(os.environ[{PATH_VARIABLE!r}]); "
+          "from dsauto.emit.parser_process import serve; raise SystemExit(serve())")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ParserProcess:
     """A Python process importing DeepSpeed's config module, then parsing the one config it is sent."""
 
     def __init__(self) -> None:
-        package_root = str(Path(__file__).resolve().parents[2])  # the folder holding dsauto/
-        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        # Python's own warning options (-W, -X dev) too, so that the process's warnings pass the
+        # same filters as this one's would.
+        options = [f"-W{option}" for option in sys.warnoptions]
+        debug = bool(os.environ.get("DSAUTO_DEBUG"))
         self._process = subprocess.Popen(  # raises OSError where no process can start
-            [sys.executable, "-c", _ENTRY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=path), text=True)
+            [sys.executable, *options, "-c", _ENTRY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=None if debug else subprocess.DEVNULL, text=True,
+            env=dict(os.environ, **{PATH_VARIABLE: json.dumps(sys.path), PARENT_VARIABLE: str(os.getpid())}))
 
     def validate(self, config: dict[str, Any], dp: int) -> None:
         """What :func:`~dsauto.emit.ds_config.validate_ds_config` does with ``config`` on ``dp``
-        ranks: the same DsautoError, the same warnings; parsed in-process if this process fails."""
-        answer = self._ask(json.dumps({"config": config, "dp": dp}) + "\n")
+        ranks: the same DsautoError, the same warnings; parsed in-process if this process fails.
+        The process is ended however this returns (an interrupt while waiting included)."""
+        try:
+            answer = self._ask(config, dp)
+        finally:
+            self.close()
         if answer is None:
             validate_ds_config(config, dp)
             return
@@ -57,15 +76,15 @@ class ParserProcess:
             if warning["dsauto"]:
                 warnings.warn(warning["message"], DsautoWarning, stacklevel=3)
             else:  # DeepSpeed's or torch's own, as they would have said it here
-                category = getattr(builtins, warning["category"], UserWarning)
+                category = getattr(builtins, warning["category"], None)
                 if not (isinstance(category, type) and issubclass(category, Warning)):
-                    category = UserWarning
+                    category = getattr(builtins, warning["builtin"], UserWarning)
                 warnings.warn_explicit(warning["message"], category, warning["filename"], warning["lineno"])
         if answer["error"] is not None:
             raise DsautoError(answer["error"])
 
     def close(self) -> None:
-        """Ends the process unanswered (a command that wrote no config)."""
+        """Ends the process, answered or not."""
         if self._process.poll() is None:
             self._process.kill()
         self._process.wait()
@@ -73,18 +92,14 @@ class ParserProcess:
             if stream is not None:
                 stream.close()
 
-    def _ask(self, request: str) -> dict[str, Any] | None:
+    def _ask(self, config: dict[str, Any], dp: int) -> dict[str, Any] | None:
+        """The process's answer, or None when it gives none (the caller then parses in-process)."""
         try:
+            request = json.dumps({"config": config, "dp": dp}) + "\n"
             out, _ = self._process.communicate(request, timeout=ANSWER_TIMEOUT_S)
-        except (subprocess.TimeoutExpired, OSError):
-            self.close()
-            return None
-        if self._process.returncode != 0:
-            return None
-        try:
-            answer = json.loads(out.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            return None
+            answer = json.loads(out.strip().splitlines()[-1]) if self._process.returncode == 0 else None
+        except (subprocess.TimeoutExpired, OSError, TypeError, ValueError, IndexError):
+            return None  # not JSON (the in-process parser then says why), killed, hung or silent
         return answer if isinstance(answer, dict) and {"error", "warnings"} <= set(answer) else None
 
 
@@ -92,7 +107,8 @@ _started: ParserProcess | None = None
 
 
 def start_parser() -> None:
-    """Starts the parser process, unless one is waiting or DeepSpeed is imported in this one."""
+    """Starts the parser process, unless one is waiting or DeepSpeed is imported in this one; the
+    next :func:`validate` hands it its config. ``dsauto tune`` calls it before its search."""
     global _started
     if _started is not None or "deepspeed" in sys.modules:
         return
@@ -127,13 +143,18 @@ def _close_started() -> None:
 def serve() -> int:
     """The parser process: imports DeepSpeed's config module, reads one request from standard input,
     and writes the answer as one line of JSON to standard output; DeepSpeed's and torch's own prints
-    go to standard error. Nothing to read (the command wrote no config) ends it quietly."""
+    go to standard error. Nothing to read (the command ended without a config) ends it quietly, and
+    so does the command's death (Linux's parent-death signal)."""
+    parent = int(os.environ.get(PARENT_VARIABLE, os.getppid()))
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        return 0  # the command died before the signal was armed
     answer_to = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     with warnings.catch_warnings(record=True) as caught:
         importlib.import_module("deepspeed.runtime.config")  # the seconds this process exists to spend early
-
         line = sys.stdin.readline()
         if not line.strip():
             return 0
@@ -144,6 +165,8 @@ def serve() -> int:
         except DsautoError as exc:
             error = str(exc)
     said = [{"dsauto": issubclass(w.category, DsautoWarning), "category": w.category.__name__,
+             "builtin": next((c.__name__ for c in w.category.__mro__ if getattr(builtins, c.__name__, None) is c),
+                             "UserWarning"),
              "message": str(w.message), "filename": w.filename, "lineno": w.lineno} for w in caught]
     answer_to.write(json.dumps({"error": error, "warnings": said}) + "\n")
     answer_to.close()

@@ -53,3 +53,40 @@ def test_validate_parses_in_process_once_deepspeed_is_imported_here(zero3_plan, 
     monkeypatch.setattr(parser_process, "_started", waiting)
     parser_process.validate(ds_config(zero3_plan), zero3_plan.dp)
     assert parser_process._started is None and waiting._process.poll() is not None
+
+
+def test_the_process_imports_what_the_command_imports_and_ends_with_it(tmp_path):
+    """The process takes the command's sys.path, not its own working folder's (a deepspeed source tree
+    there would be imported first by ``python -c``); and it dies with the command, by the kernel's
+    parent-death signal."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    work, scripts = tmp_path / "work", tmp_path / "scripts"
+    (work / "deepspeed").mkdir(parents=True)
+    (work / "deepspeed" / "__init__.py").write_text("raise ImportError('the working folder was imported')")
+    scripts.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    answered = ("from dsauto.emit import parser_process as pp; from dsauto.emit.ds_config import ds_config; "
+                "from dsauto.search.planner import Planner; from dsauto.spec.loaders import load_cluster, "
+                "load_model; from dsauto.spec.training import TrainSpec; "
+                "plan = Planner(load_model('gpt-tiny'), load_cluster('cpu', nodes=1, gpus_per_node=2), "
+                "TrainSpec(4, 64, 'fp32')).search()[0]; "
+                "pp.validate_ds_config = lambda *a: (_ for _ in ()).throw(SystemExit('parsed in-process')); "
+                "pp.ParserProcess().validate(ds_config(plan), plan.dp)")
+    (scripts / "answered.py").write_text(answered)  # a script: its folder on sys.path, not the working one
+    run = subprocess.run([sys.executable, scripts / "answered.py"], cwd=work, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+    waiting = ("import time; from dsauto.emit.parser_process import ParserProcess; "
+               "print(ParserProcess()._process.pid, flush=True); time.sleep(60)")
+    command = subprocess.Popen([sys.executable, "-c", waiting], cwd=scripts, env=env, stdout=subprocess.PIPE,
+                               text=True)
+    child = psutil.Process(int(command.stdout.readline()))
+    command.kill()
+    command.wait()
+    command.stdout.close()
+    child.wait(timeout=60)  # killed by the kernel as its parent died, not after its import
