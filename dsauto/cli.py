@@ -390,7 +390,27 @@ def _search(args: argparse.Namespace):
     with SearchProgress() as progress:
         plans = find_plans(problem, top_k=1 + args.top, profile=profile, progress=progress.update)
     _warn_of_the_launchs_buckets(args, plans[0])
+    if problem.pins.offload is None:
+        _warn_of_offload(plans[0], problem.cluster.memory_budget_bytes)
     return plans, time.perf_counter() - started
+
+
+def _warn_of_offload(plan: Any, budget: float) -> None:
+    """A plan that offloads where the user did not ask for it says so in a warning, not only in its
+    description: a configuration pinned from a run that kept everything on the device is planned
+    otherwise only because it does not fit the budget there, or runs slower."""
+    from dsauto.errors import DsautoWarning
+    from dsauto.units import format_bytes, format_seconds
+
+    if plan.offload == "none":
+        return
+    what = "optimizer state and parameters" if plan.offload == "optimizer+params" else "optimizer state"
+    p = plan.prediction
+    warnings.warn(f"the plan keeps its {what} in host memory ({format_bytes(p.offloaded_bytes)} a rank, updated by "
+                  f"the CPU in {format_seconds(p.optimizer_seconds)} of its {format_seconds(p.step_seconds)} step): no plan "
+                  f"that keeps it on the device fits the {format_bytes(budget)} budget and runs faster; pin --offload "
+                  f"none to plan without offload, or --offload {plan.offload} to choose it.", DsautoWarning,
+                  stacklevel=2)
 
 
 def _warn_of_the_launchs_buckets(args: argparse.Namespace, plan: Any) -> None:

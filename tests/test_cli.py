@@ -347,3 +347,20 @@ def test_options_of_trials_without_trials_are_refused(tmp_path, capsys):
         "dsauto: error: --script, --storage, --trial-timeout set how trials are measured, but no --trials were "
         "asked for; pass --trials N, or drop --script, --storage, --trial-timeout.")
     assert not (tmp_path / "o").exists()
+
+
+def test_an_offload_nobody_asked_for_is_warned_of():
+    """--offload auto offloads only what fits no other way, or runs faster so; a warning says so
+    with its numbers, and pinning --offload (either way) is the user's answer, said by nothing."""
+    one_gpu = ["plan", "--model", "llama3-8b", "--hardware", "h100-80gb", "--nodes", "1", "--gpus-per-node", "1",
+               "--global-batch", "8"]
+    with pytest.warns(DsautoWarning, match=r"the plan keeps its optimizer state in host memory \([0-9.]+ GiB a rank, "
+                                           r"updated by the CPU in [0-9.]+ ms of its [0-9.]+ s step\): no plan that "
+                                           r"keeps it on the device fits the 77\.0 GiB budget and runs faster; pin "
+                                           r"--offload none to plan without offload, or --offload optimizer"):
+        assert main(one_gpu) == 0
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DsautoWarning)
+        assert main([*one_gpu, "--offload", "optimizer"]) == 0
