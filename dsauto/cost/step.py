@@ -831,7 +831,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         gather = sum(c.step_seconds for c in costs)
         if strategy.engine == "megatron":
             exposed = _megatron_exposed(cost, forward, backward, sync, gather,
-                                        bucket / max(sync_bytes, grads, 1.0))
+                                        bucket / max(sync_bytes, grads, 1.0), v, min(pp, m))
         elif pp == 1:  # reduced in buckets during the last micro-batch's backward
             exposed = cost.overlapped(backward, sync) - backward + gather
         else:  # DeepSpeed's pipeline engine reduces after the flush
@@ -886,7 +886,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
 
 
 def _megatron_exposed(cost: CostModel, forward: float, backward: float, sync: float, gather: float,
-                      bucket_share: float) -> float:
+                      bucket_share: float, chunks: int = 1, group: int = 1) -> float:
     """The data-parallel communication Megatron-core leaves exposed once per step, with the
     ``--overlap-grad-reduce`` and ``--overlap-param-gather`` the emitted plan turns on.
 
@@ -899,13 +899,35 @@ def _megatron_exposed(cost: CostModel, forward: float, backward: float, sync: fl
       dispatched bucket by bucket before the next step's forward uses them
       (distributed_data_parallel.py, ``start_param_sync`` with the forward pre-hooks), so it hides
       behind the first micro-batch's forward except for the first bucket.
+    - Interleaved (``chunks`` model chunks a rank, micro-batches in groups of ``group``, pp): each
+      chunk has its own buffers, synchronised when that chunk's last micro-batch is through its
+      backward (``is_last_microbatch_for_model_chunk`` with ``grad_sync_func``), and gathered ahead
+      of its first forward (``param_sync_func``, one chunk ahead: schedules.py,
+      ``forward_backward_pipelining_with_interleaving``). The backward ends chunk by chunk, the
+      last chunk first, a group of micro-batches apart, so a chunk's reduction runs beside the
+      backward of the ``group`` passes of the chunks after it; the rank's first chunk's only beside
+      its own pass. The gathers mirror it in the forward. A chunk's share of the traffic is
+      ``1 / chunks`` of it, each priced against its own window.
 
     ``bucket_share``: one bucket's fraction of the stage's gradients (the last-bucket exposure).
     """
     share = min(1.0, max(0.0, bucket_share))
-    grads = max(cost.overlapped(backward, sync) - backward, share * sync)
-    params = max(cost.overlapped(forward, gather) - forward, share * gather)
-    return grads + params
+    grads = _chunked_exposure(cost, backward, sync, chunks, group)
+    params = _chunked_exposure(cost, forward, gather, chunks, group)
+    return max(grads, min(share * sync, sync / chunks)) + max(params, min(share * gather, gather / chunks))
+
+
+def _chunked_exposure(cost: CostModel, compute: float, comm: float, chunks: int, group: int) -> float:
+    """What ``comm``, split evenly over ``chunks`` model chunks, adds to a step whose micro-batch
+    takes ``compute`` over them: the first chunk's share beside that chunk's one pass, every other's
+    beside ``group`` passes of another chunk (:func:`_megatron_exposed`). One chunk: beside the
+    whole pass."""
+    one, piece = compute / chunks, comm / chunks
+    exposure = cost.overlapped(one, piece) - one
+    if chunks > 1:
+        window = one * max(1, group)
+        exposure += (chunks - 1) * (cost.overlapped(window, piece) - window)
+    return exposure
 
 
 def _basis(parts: Sequence[LayerCost] | Sequence[StagePrediction]) -> Basis:
