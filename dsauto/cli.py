@@ -646,14 +646,17 @@ def _cmd_tune(args: argparse.Namespace, write: bool) -> int:
         _print_plans(*_search(args))
         return 0
     from dsauto.emit.artifacts import check_writable_folder, write_artifacts
-    from dsauto.emit.parser_process import start_parser
+    from dsauto.emit.parser_process import start_parser, stop_parser
 
     check_writable_folder(args.out, "--out")  # before the search, not after it
     start_parser()  # DeepSpeed's import, for the config's validation, runs beside the search
-    with _output_folder(Path(args.out)):  # another tune writing there is refused before the search
-        plans, seconds = _search(args)
-        _print_plans(plans, seconds)
-        written = write_artifacts(plans[0], Path(args.out), **_config_options(args))
+    try:
+        with _output_folder(Path(args.out)):  # another tune writing there is refused before the search
+            plans, seconds = _search(args)
+            _print_plans(plans, seconds)
+            written = write_artifacts(plans[0], Path(args.out), **_config_options(args))
+    finally:
+        stop_parser()  # one that never got its config (the search failed, an interrupt)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

@@ -829,9 +829,20 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         sync_bytes = sum(c.grad_sync_bytes for c in costs)
         sync = cost.grad_sync_seconds(sync_bytes)
         gather = sum(c.step_seconds for c in costs)
-        if strategy.engine == "megatron":
-            exposed = _megatron_exposed(cost, forward, backward, sync, gather,
-                                        bucket / max(sync_bytes, grads, 1.0), v, min(pp, m))
+        if strategy.engine == "megatron" and v > 1:
+            # Each model chunk's own traffic and passes (the waited-for transfers spread evenly).
+            chunk_of = rank_chunks(stage_layers, v, i)
+            per_chunk = [[waits / (2 * v), waits / (2 * v), 0.0, 0.0] for _ in range(v)]
+            for k, c in zip(chunk_of, costs):
+                per_chunk[k][0] += c.forward_seconds
+                per_chunk[k][1] += c.backward_seconds
+                per_chunk[k][2] += c.grad_sync_bytes
+                per_chunk[k][3] += c.step_seconds
+            exposed = _interleaved_exposed(cost, [row[0] for row in per_chunk], [row[1] for row in per_chunk],
+                                           [cost.grad_sync_seconds(row[2]) if row[2] else 0.0 for row in per_chunk],
+                                           [row[3] for row in per_chunk], pp, bucket / max(sync_bytes, grads, 1.0))
+        elif strategy.engine == "megatron":
+            exposed = _megatron_exposed(cost, forward, backward, sync, gather, bucket / max(sync_bytes, grads, 1.0))
         elif pp == 1:  # reduced in buckets during the last micro-batch's backward
             exposed = cost.overlapped(backward, sync) - backward + gather
         else:  # DeepSpeed's pipeline engine reduces after the flush
@@ -886,9 +897,10 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
 
 
 def _megatron_exposed(cost: CostModel, forward: float, backward: float, sync: float, gather: float,
-                      bucket_share: float, chunks: int = 1, group: int = 1) -> float:
+                      bucket_share: float) -> float:
     """The data-parallel communication Megatron-core leaves exposed once per step, with the
-    ``--overlap-grad-reduce`` and ``--overlap-param-gather`` the emitted plan turns on.
+    ``--overlap-grad-reduce`` and ``--overlap-param-gather`` the emitted plan turns on, for one model
+    chunk a rank (interleaved pipelines: :func:`_interleaved_exposed`).
 
     - Gradients: each bucket's reduction starts as soon as its gradients are final, during the last
       micro-batch's backward on every stage (1F1B runs the gradient sync only for that micro-batch:
@@ -899,35 +911,57 @@ def _megatron_exposed(cost: CostModel, forward: float, backward: float, sync: fl
       dispatched bucket by bucket before the next step's forward uses them
       (distributed_data_parallel.py, ``start_param_sync`` with the forward pre-hooks), so it hides
       behind the first micro-batch's forward except for the first bucket.
-    - Interleaved (``chunks`` model chunks a rank, micro-batches in groups of ``group``, pp): each
-      chunk has its own buffers, synchronised when that chunk's last micro-batch is through its
-      backward (``is_last_microbatch_for_model_chunk`` with ``grad_sync_func``), and gathered ahead
-      of its first forward (``param_sync_func``, one chunk ahead: schedules.py,
-      ``forward_backward_pipelining_with_interleaving``). The backward ends chunk by chunk, the
-      last chunk first, a group of micro-batches apart, so a chunk's reduction runs beside the
-      backward of the ``group`` passes of the chunks after it; the rank's first chunk's only beside
-      its own pass. The gathers mirror it in the forward. A chunk's share of the traffic is
-      ``1 / chunks`` of it, each priced against its own window.
 
     ``bucket_share``: one bucket's fraction of the stage's gradients (the last-bucket exposure).
     """
     share = min(1.0, max(0.0, bucket_share))
-    grads = _chunked_exposure(cost, backward, sync, chunks, group)
-    params = _chunked_exposure(cost, forward, gather, chunks, group)
-    return max(grads, min(share * sync, sync / chunks)) + max(params, min(share * gather, gather / chunks))
+    grads = max(cost.overlapped(backward, sync) - backward, share * sync)
+    params = max(cost.overlapped(forward, gather) - forward, share * gather)
+    return grads + params
 
 
-def _chunked_exposure(cost: CostModel, compute: float, comm: float, chunks: int, group: int) -> float:
-    """What ``comm``, split evenly over ``chunks`` model chunks, adds to a step whose micro-batch
-    takes ``compute`` over them: the first chunk's share beside that chunk's one pass, every other's
-    beside ``group`` passes of another chunk (:func:`_megatron_exposed`). One chunk: beside the
-    whole pass."""
-    one, piece = compute / chunks, comm / chunks
-    exposure = cost.overlapped(one, piece) - one
-    if chunks > 1:
-        window = one * max(1, group)
-        exposure += (chunks - 1) * (cost.overlapped(window, piece) - window)
-    return exposure
+def _interleaved_exposed(cost: CostModel, forward: Sequence[float], backward: Sequence[float],
+                         sync: Sequence[float], gather: Sequence[float], group: int, bucket_share: float) -> float:
+    """:func:`_megatron_exposed` for a rank of ``len(forward)`` model chunks, each with its own
+    buffers: one micro-batch's ``forward`` and ``backward`` per chunk, and its once-per-step
+    gradient reduction ``sync`` and parameter gather ``gather`` (seconds alone on the network),
+    as Megatron-LM runs the interleaved schedule with --overlap-grad-reduce and
+    --overlap-param-gather and their default alignment (schedules.py,
+    ``forward_backward_pipelining_with_interleaving``, with ``grad_sync_func`` and ``param_sync_func``
+    set by megatron/training/training.py).
+
+    - Gradients: a chunk's reduction is launched whole once the backward of its last micro-batch is
+      done (on the first pipeline rank, the step's critical one, without delay). The backward ends
+      chunk by chunk, the last chunk first, each ``group`` (pp) passes of a chunk after the one
+      before it; so each reduction runs beside the later chunks' passes, queued behind the earlier
+      reductions on the one data-parallel group, and the first chunk's, launched as the backward
+      ends, is exposed whole.
+    - Parameters: the first chunk is gathered bucket by bucket as its forward starts (its first
+      bucket, ``bucket_share`` of the stage's traffic, exposed); the second is launched at the step's start
+      and each later one as the chunk before it starts its forward, queued likewise, and the
+      forward waits where one is not through when its chunk starts (the warm-up runs ``group``
+      passes of a chunk before the next).
+
+    What runs beside compute slows it at the device's overlap efficiency, as in
+    :meth:`~dsauto.cost.terms.DeviceModel.overlapped`."""
+    lag = 1.0 - cost.device.comm_overlap_efficiency
+    # Gradients, from the start of the last group of backward passes.
+    clock, free = 0.0, 0.0
+    for b, s in zip(reversed(backward), reversed(sync)):
+        clock += group * b  # this chunk's last micro-batch is through its backward
+        free = max(free, clock) + s
+    tail = max(0.0, free - clock)
+    grads = tail + lag * (sum(sync) - tail)
+    # Parameters, from the step's start.
+    share = min(1.0, max(0.0, bucket_share))
+    first = max(cost.overlapped(forward[0], gather[0]) - forward[0], min(share * sum(gather), gather[0]))
+    starts = [group * sum(forward[:k]) for k in range(len(forward))]  # each chunk's first forward
+    free, stalls = gather[0], 0.0
+    for k in range(1, len(forward)):
+        free = max(free, starts[k - 1] if k > 1 else 0.0) + gather[k]
+        stalls += max(0.0, free - starts[k] - stalls)
+    params = first + stalls + lag * (sum(gather[1:]) - stalls)
+    return grads + params
 
 
 def _basis(parts: Sequence[LayerCost] | Sequence[StagePrediction]) -> Basis:

@@ -10,9 +10,10 @@ in-process, and sends back the same refusal and the same warnings.
 Where DeepSpeed is imported already (``--trials``, a second plan in one process), parsing
 in-process costs nothing, and that is what happens. A process that cannot start, dies, or does not
 answer within ``ANSWER_TIMEOUT_S`` is killed, and the config is parsed in-process instead, which
-raises whatever it raises: the process only ever saves time. It never outlives the command: it is
-ended once it answers, when the command ends without a config (an error, an interrupt), and by the
-kernel when the command dies.
+raises whatever it raises: the process only ever saves time. It never outlives the command: it
+exits once it answers, is ended when the command ends without a config (an error, an interrupt:
+:func:`stop_parser`, and at the interpreter's exit), and is killed by the kernel when the command
+dies.
 """
 
 from __future__ import annotations
@@ -133,6 +134,12 @@ def validate(config: dict[str, Any], dp: int) -> None:
     validate_ds_config(config, dp)
 
 
+def stop_parser() -> None:
+    """Ends the process :func:`start_parser` started, if it waits still (a command that ends without
+    writing a config: an error, an interrupt)."""
+    _close_started()
+
+
 def _close_started() -> None:
     global _started
     parser, _started = _started, None
@@ -170,4 +177,4 @@ def serve() -> int:
              "message": str(w.message), "filename": w.filename, "lineno": w.lineno} for w in caught]
     answer_to.write(json.dumps({"error": error, "warnings": said}) + "\n")
     answer_to.close()
-    return 0
+    os._exit(0)  # answered: no interpreter shutdown (torch's) for the command to wait through

@@ -333,59 +333,59 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     ds_initialize = deepspeed_initialize()
     if plan is None:
         return ds_initialize(**forwarded)
-    with _warnings_from_rank_zero():  # every rank reads the same plan and config: one warning a job
-        return _initialize_planned(plan, resolved, forwarded, ds_initialize)
-
-
-def _initialize_planned(plan: Plan, resolved: dict[str, Any], forwarded: dict[str, Any],
-                        ds_initialize: Any) -> tuple[Any, Any, Any, Any]:
     import deepspeed
 
+    # Every rank reads the same plan and config: what dsauto's checks warn of is said once a job.
+    # DeepSpeed's own initialize runs outside, its warnings and filters as they are.
     model, model_parameters, optimizer = (forwarded.get(k) for k in ("model", "model_parameters", "optimizer"))
-    warn_if_untested(deepspeed.__version__)
-    check_config(plan, resolved)
-    if plan.pp > 1:  # DeepSpeed's pipeline engine: the PipelineModule was cut and wrapped for the plan
-        layout = check_pipeline_module(plan, model)
-        check_world_size(plan)
-        engine, ds_optimizer, dataloader, scheduler = ds_initialize(**forwarded)
-        check_engine(engine, plan)
-        engine.dsauto_plan = layout
-        return engine, ds_optimizer, dataloader, scheduler
-    check_moe_layers(plan, model)
-    applied = prepare_model(plan, model)
-    if plan.cp > 1:  # DeepSpeed-Ulysses: its groups as the mpu, DistributedAttention in the model
-        forwarded["mpu"] = sequence_parallel_mpu(plan, forwarded.get("mpu"))
-        wrap_attention(applied.layers, plan, forwarded["mpu"])
-    forwarded["model_parameters"] = repoint_parameters(model_parameters, applied.replacements)
-    repoint_optimizer(optimizer, applied.replacements)
-    # The replaced parameters are garbage once the model and the optimizer point at their slices:
-    # kept in the mapping, they would hold a whole unsplit copy of every split layer for the run.
-    applied.replacements = {}
-    check_world_size(plan)  # after the model's checks, which say more of a plan for another model
+    with _warnings_from_rank_zero():
+        warn_if_untested(deepspeed.__version__)
+        check_config(plan, resolved)
+        if plan.pp > 1:  # DeepSpeed's pipeline engine: the PipelineModule was cut and wrapped for the plan
+            layout: Any = check_pipeline_module(plan, model)
+        else:
+            check_moe_layers(plan, model)
+            layout = applied = prepare_model(plan, model)
+            if plan.cp > 1:  # DeepSpeed-Ulysses: its groups as the mpu, DistributedAttention in the model
+                forwarded["mpu"] = sequence_parallel_mpu(plan, forwarded.get("mpu"))
+                wrap_attention(applied.layers, plan, forwarded["mpu"])
+            forwarded["model_parameters"] = repoint_parameters(model_parameters, applied.replacements)
+            repoint_optimizer(optimizer, applied.replacements)
+            # The replaced parameters are garbage once the model and the optimizer point at their
+            # slices: kept in the mapping, they would hold a whole unsplit copy of every split layer.
+            applied.replacements = {}
+        check_world_size(plan)  # after the model's checks, which say more of a plan for another model
     engine, ds_optimizer, dataloader, scheduler = ds_initialize(**forwarded)
-    check_engine(engine, plan)
-    apply_persistence(engine, applied)
-    engine.dsauto_plan = applied
+    with _warnings_from_rank_zero():
+        check_engine(engine, plan)
+    if plan.pp == 1:
+        apply_persistence(engine, layout)
+    engine.dsauto_plan = layout
     return engine, ds_optimizer, dataloader, scheduler
 
 
 @contextlib.contextmanager
 def _warnings_from_rank_zero() -> Iterator[None]:
-    """The hook's warnings (DsautoWarning) on the job's rank 0 only, the rank of the initialised
-    process group, else the launcher's ``RANK``; a process that says neither is rank 0. DeepSpeed's
-    own warnings are left as they are."""
+    """The hook's warnings (DsautoWarning) on the job's rank 0 only: the rank of the initialised
+    process group, else the first of :data:`RANK_VARIABLES` the launcher set; a process that says
+    none is rank 0. Wrapped around dsauto's own checks only, not DeepSpeed's initialize."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         rank = dist.get_rank()
     else:
-        rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
+        rank = int(next((os.environ[name] for name in RANK_VARIABLES if os.environ.get(name, "").isdigit()), "0"))
     if rank == 0:
         yield
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DsautoWarning)
         yield
+
+
+RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+"""Where launchers say a process's rank before its process group exists: torchrun's and DeepSpeed's
+launcher, Open MPI, MPICH and Intel MPI, and Slurm's srun."""
 
 
 def check_world_size(plan: Plan) -> None:
