@@ -955,11 +955,12 @@ def _interleaved_exposed(cost: CostModel, forward: Sequence[float], backward: Se
     # Parameters, from the step's start.
     share = min(1.0, max(0.0, bucket_share))
     first = max(cost.overlapped(forward[0], gather[0]) - forward[0], min(share * sum(gather), gather[0]))
-    starts = [group * sum(forward[:k]) for k in range(len(forward))]  # each chunk's first forward
-    free, stalls = gather[0], 0.0
+    starts = [group * sum(forward[:k]) for k in range(len(forward))]  # each chunk's first forward, on time
+    free, late, stalls = gather[0], first, 0.0  # late: how far the forward runs behind its schedule
     for k in range(1, len(forward)):
-        free = max(free, starts[k - 1] if k > 1 else 0.0) + gather[k]
-        stalls += max(0.0, free - starts[k] - stalls)
+        free = max(free, starts[k - 1] + late if k > 1 else 0.0) + gather[k]
+        wait = max(0.0, free - (starts[k] + late))  # at most gather[k]: the one before was through
+        stalls, late = stalls + wait, late + wait
     params = first + stalls + lag * (sum(gather[1:]) - stalls)
     return grads + params
 

@@ -177,4 +177,5 @@ def serve() -> int:
              "message": str(w.message), "filename": w.filename, "lineno": w.lineno} for w in caught]
     answer_to.write(json.dumps({"error": error, "warnings": said}) + "\n")
     answer_to.close()
+    sys.stderr.flush()  # what DeepSpeed said, shown under DSAUTO_DEBUG
     os._exit(0)  # answered: no interpreter shutdown (torch's) for the command to wait through

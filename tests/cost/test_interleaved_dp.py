@@ -61,6 +61,24 @@ def test_gathers_ahead_of_their_chunk_wait_only_when_not_through(cost):
     hidden = _interleaved_exposed(cost, [0.050, 0.050], [0.0, 0.0], [0.0, 0.0], [0.020, 0.020], 4, 0.0)
     assert hidden == pytest.approx(lag(cost) * 0.020 + lag(cost) * 0.020)
     late = _interleaved_exposed(cost, [0.010, 0.010], [0.0, 0.0], [0.0, 0.0], [0.020, 0.100], 4, 0.0)
-    # The second gather ends at 120 ms; its chunk starts at 40 ms: 80 ms of waiting.
+    # The first chunk's forward runs `first` late; the second gather ends at 120 ms, where its chunk
+    # starts at 40 ms + first: 80 ms - first of waiting.
     first = cost.overlapped(0.010, 0.020) - 0.010
-    assert late == pytest.approx(first + 0.080 + lag(cost) * (0.100 - 0.080))
+    assert late == pytest.approx(first + (0.080 - first) + lag(cost) * (0.100 - (0.080 - first)))
+
+
+def test_a_late_first_gather_delays_the_later_chunks_once(cost):
+    """The first chunk's gather longer than its pp forward passes (the embedding's, on a slow network)
+    makes the step wait once: the second chunk, with nothing to gather, adds no wait of its own."""
+    late_first = _interleaved_exposed(cost, [0.010, 0.010], [0.0, 0.0], [0.0, 0.0], [0.100, 0.0], 4, 0.0)
+    assert late_first == pytest.approx(cost.overlapped(0.010, 0.100) - 0.010)
+
+
+def test_a_gather_is_launched_when_the_chunk_before_it_really_starts(cost):
+    """Four chunks: the second's gather, late, delays the third chunk's start, and so the fourth's
+    launch; the fourth's wait counts from that delayed start."""
+    exposed = _interleaved_exposed(cost, [0.010] * 4, [0.0] * 4, [0.0] * 4, [0.0, 0.100, 0.0, 0.050], 4, 0.0)
+    # Chunk 1's gather ends at 100 ms, its chunk was due at 40 ms: 60 ms late. Chunk 3's gather is
+    # launched as chunk 2 starts (80 + 60 = 140 ms) and ends at 190 ms; chunk 3 starts at 120 + 60 =
+    # 180 ms: 10 ms more.
+    assert exposed == pytest.approx(0.070 + lag(cost) * (0.150 - 0.070))

@@ -73,6 +73,7 @@ import dsauto.deepspeed
 from dsauto.emit.ds_config import ds_config
 from dsauto.errors import DsautoWarning
 from dsauto.models import build_model
+from dsauto.runtime.deepspeed import RANK_VARIABLES
 from dsauto.search.planner import Planner
 from dsauto.spec.loaders import load_cluster, load_model
 from dsauto.spec.training import TrainSpec
@@ -82,7 +83,8 @@ def reached(**kwargs):
     raise RuntimeError("deepspeed.initialize was called")
 deepspeed.initialize = reached
 for variable, rank in (("RANK", "0"), ("RANK", "1"), ("SLURM_PROCID", "1")):
-    os.environ.pop("RANK", None)
+    for name in RANK_VARIABLES:
+        os.environ.pop(name, None)
     os.environ[variable] = rank
     config = ds_config(plan)
     config["zero_optimization"]["overlap_comm"] = False  # not what the plan prices: a warning
@@ -93,10 +95,13 @@ for variable, rank in (("RANK", "0"), ("RANK", "1"), ("SLURM_PROCID", "1")):
         except RuntimeError as exc:
             assert "deepspeed.initialize was called" in str(exc)
     said = any("overlap_comm is false" in str(w.message) for w in caught if issubclass(w.category, DsautoWarning))
-    print(variable, rank, said)
+    print("said:", variable, rank, said)
 """)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    from dsauto.runtime.deepspeed import RANK_VARIABLES
+
+    env = {k: v for k, v in os.environ.items() if k not in (*RANK_VARIABLES, "WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split("\n")[-4:-1] == ["RANK 0 True", "RANK 1 False", "SLURM_PROCID 1 False"], run.stdout
+    said = [line for line in run.stdout.splitlines() if line.startswith("said: ")]  # not DeepSpeed's logs
+    assert said == ["said: RANK 0 True", "said: RANK 1 False", "said: SLURM_PROCID 1 False"], run.stdout
