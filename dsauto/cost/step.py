@@ -831,16 +831,15 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         gather = sum(c.step_seconds for c in costs)
         if strategy.engine == "megatron" and v > 1:
             # Each model chunk's own traffic and passes (the waited-for transfers spread evenly).
-            chunk_of = rank_chunks(stage_layers, v, i)
-            per_chunk = [[waits / (2 * v), waits / (2 * v), 0.0, 0.0] for _ in range(v)]
+            traffic = [[waits / (2 * v), waits / (2 * v), 0.0, 0.0] for _ in range(v)]
             for k, c in zip(chunk_of, costs):
-                per_chunk[k][0] += c.forward_seconds
-                per_chunk[k][1] += c.backward_seconds
-                per_chunk[k][2] += c.grad_sync_bytes
-                per_chunk[k][3] += c.step_seconds
-            exposed = _interleaved_exposed(cost, [row[0] for row in per_chunk], [row[1] for row in per_chunk],
-                                           [cost.grad_sync_seconds(row[2]) if row[2] else 0.0 for row in per_chunk],
-                                           [row[3] for row in per_chunk], pp, bucket / max(sync_bytes, grads, 1.0))
+                traffic[k][0] += c.forward_seconds
+                traffic[k][1] += c.backward_seconds
+                traffic[k][2] += c.grad_sync_bytes
+                traffic[k][3] += c.step_seconds
+            exposed = _interleaved_exposed(cost, [row[0] for row in traffic], [row[1] for row in traffic],
+                                           [cost.grad_sync_seconds(row[2]) if row[2] else 0.0 for row in traffic],
+                                           [row[3] for row in traffic], pp, bucket / max(sync_bytes, grads, 1.0))
         elif strategy.engine == "megatron":
             exposed = _megatron_exposed(cost, forward, backward, sync, gather, bucket / max(sync_bytes, grads, 1.0))
         elif pp == 1:  # reduced in buckets during the last micro-batch's backward
@@ -937,10 +936,10 @@ def _interleaved_exposed(cost: CostModel, forward: Sequence[float], backward: Se
       reductions on the one data-parallel group, and the first chunk's, launched as the backward
       ends, is exposed whole.
     - Parameters: the first chunk is gathered bucket by bucket as its forward starts (its first
-      bucket, ``bucket_share`` of the stage's traffic, exposed); the second is launched at the step's start
-      and each later one as the chunk before it starts its forward, queued likewise, and the
-      forward waits where one is not through when its chunk starts (the warm-up runs ``group``
-      passes of a chunk before the next).
+      bucket, ``bucket_share`` of the stage's traffic, exposed); the second is launched at the
+      step's start and each later one as the chunk before it starts its forward, queued likewise,
+      and the forward waits where one is not through when its chunk starts (the warm-up runs
+      ``group`` passes of a chunk before the next).
 
     What runs beside compute slows it at the device's overlap efficiency, as in
     :meth:`~dsauto.cost.terms.DeviceModel.overlapped`."""
