@@ -827,25 +827,28 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         ))
         times.append(forward + backward)
         sync_bytes = sum(c.grad_sync_bytes for c in costs)
-        sync = cost.grad_sync_seconds(sync_bytes)
-        gather = sum(c.step_seconds for c in costs)
+        bucket_share = bucket / max(sync_bytes, grads, 1.0)
         if strategy.engine == "megatron" and v > 1:
-            # Each model chunk's own traffic and passes (the waited-for transfers spread evenly).
-            traffic = [[waits / (2 * v), waits / (2 * v), 0.0, 0.0] for _ in range(v)]
+            # Each model chunk's own passes (the waited-for transfers spread evenly) and traffic.
+            passes_f, passes_b = [waits / (2 * v)] * v, [waits / (2 * v)] * v
+            chunk_sync, chunk_gather = [0.0] * v, [0.0] * v
             for k, c in zip(chunk_of, costs):
-                traffic[k][0] += c.forward_seconds
-                traffic[k][1] += c.backward_seconds
-                traffic[k][2] += c.grad_sync_bytes
-                traffic[k][3] += c.step_seconds
-            exposed = _interleaved_exposed(cost, [row[0] for row in traffic], [row[1] for row in traffic],
-                                           [cost.grad_sync_seconds(row[2]) if row[2] else 0.0 for row in traffic],
-                                           [row[3] for row in traffic], pp, bucket / max(sync_bytes, grads, 1.0))
-        elif strategy.engine == "megatron":
-            exposed = _megatron_exposed(cost, forward, backward, sync, gather, bucket / max(sync_bytes, grads, 1.0))
-        elif pp == 1:  # reduced in buckets during the last micro-batch's backward
-            exposed = cost.overlapped(backward, sync) - backward + gather
-        else:  # DeepSpeed's pipeline engine reduces after the flush
-            exposed = sync + gather
+                passes_f[k] += c.forward_seconds
+                passes_b[k] += c.backward_seconds
+                chunk_sync[k] += c.grad_sync_bytes
+                chunk_gather[k] += c.step_seconds
+            exposed = _interleaved_exposed(cost, passes_f, passes_b,
+                                           [cost.grad_sync_seconds(b) if b else 0.0 for b in chunk_sync],
+                                           chunk_gather, pp, bucket_share)
+        else:
+            sync = cost.grad_sync_seconds(sync_bytes)
+            gather = sum(c.step_seconds for c in costs)
+            if strategy.engine == "megatron":
+                exposed = _megatron_exposed(cost, forward, backward, sync, gather, bucket_share)
+            elif pp == 1:  # reduced in buckets during the last micro-batch's backward
+                exposed = cost.overlapped(backward, sync) - backward + gather
+            else:  # DeepSpeed's pipeline engine reduces after the flush
+                exposed = sync + gather
         tails.append((exposed, sum(c.optimizer_seconds for c in costs)))
         offloaded.append(sum(c.offloaded_bytes for c in costs) + host_staging)
 

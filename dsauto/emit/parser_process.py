@@ -1,8 +1,8 @@
 """DeepSpeed's config parser in a process of its own, started before the config exists.
 
 Importing DeepSpeed, and torch under it, takes longer than dsauto's search: 3.1 s of an 8.0 s
-``dsauto tune`` of llama3-405b on two loaded cores, against 1.4 s of search and 2.9 s of drawing
-plan.png. ``dsauto tune`` starts this process as it begins (:func:`start_parser`), so the import runs
+``dsauto tune`` of llama3-405b on two loaded cores (under cProfile), against 1.4 s of search and
+2.9 s of drawing plan.png. ``dsauto tune`` starts this process as it begins (:func:`start_parser`), so the import runs
 beside the search and the drawing, and hands it the config once written (:func:`validate`). The
 process parses it with :func:`~dsauto.emit.ds_config.validate_ds_config`, as the command would
 in-process, and sends back the same refusal and the same warnings.
@@ -117,7 +117,7 @@ def start_parser() -> None:
         _started = ParserProcess()
     except OSError:
         return  # no process to spare: validate() parses in-process
-    atexit.register(_close_started)
+    atexit.register(stop_parser)
 
 
 def validate(config: dict[str, Any], dp: int) -> None:
@@ -136,11 +136,7 @@ def validate(config: dict[str, Any], dp: int) -> None:
 
 def stop_parser() -> None:
     """Ends the process :func:`start_parser` started, if it waits still (a command that ends without
-    writing a config: an error, an interrupt)."""
-    _close_started()
-
-
-def _close_started() -> None:
+    writing a config: an error, an interrupt; and at the interpreter's exit)."""
     global _started
     parser, _started = _started, None
     if parser is not None:

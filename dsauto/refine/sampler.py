@@ -140,9 +140,9 @@ def key_of(knobs: Knobs) -> str:
 _TIMED_OUT = re.compile(r"^hung: no result after (\d+(?:\.\d+)?) s")
 
 
-def timed_out_at(attrs: dict) -> float | None:
-    """The timeout a failed trial ran out of (its only failure), from its attributes, or None."""
-    found = _TIMED_OUT.match(str(attrs.get("reason", ""))) if attrs.get(STATUS) == "failed" else None
+def timed_out_at(status: Any, reason: Any) -> float | None:
+    """The timeout a failed trial ran out of (its only failure), from its status and reason, or None."""
+    found = _TIMED_OUT.match(str(reason or "")) if status == "failed" else None
     return float(found.group(1)) if found else None
 
 
@@ -197,7 +197,8 @@ class CostModelSampler(optuna.samplers.BaseSampler):
             status = t.user_attrs.get(STATUS)
             if t.number == exclude or (before is not None and t.number >= before) or status == "interrupted":
                 continue
-            if (limit := timed_out_at(t.user_attrs)) is not None and limit < self.retry_timeouts_below:
+            limit = timed_out_at(status, t.user_attrs.get("reason"))
+            if limit is not None and limit < self.retry_timeouts_below:
                 continue
             if t.state == TrialState.FAIL and status not in ("failed",):
                 continue

@@ -216,7 +216,7 @@ def _say_timed_out(study: optuna.Study, timeout: float, say: Say) -> None:
     """Names the trials that failed only by a shorter timeout than this run's (``--trial-timeout``),
     whose candidates this run measures again (:meth:`CostModelSampler.taken`)."""
     for t in study.get_trials(deepcopy=False):
-        limit = timed_out_at(t.user_attrs)
+        limit = timed_out_at(t.user_attrs.get(STATUS), t.user_attrs.get("reason"))
         if limit is not None and limit < timeout:
             say(f"trial {t.number} ran out of its {limit:g} s; with --trial-timeout {timeout:g} its candidate will "
                 f"be measured again")
@@ -424,7 +424,7 @@ def refine(planner: Planner, out_dir: Path | str, settings: TuneSettings, say: S
     feasible = [t for t in trials if t.user_attrs.get(STATUS) == "complete" and t.state == TrialState.COMPLETE]
     if not feasible:
         counts = {s: sum(r.status == s for r in records) for s in ("infeasible", "failed")}
-        hung = sum(r.status == "failed" and r.reason.startswith("hung") for r in records)
+        hung = sum(timed_out_at(r.status, r.reason) is not None for r in records)
         remedies = (["raise --memory-limit"] if counts["infeasible"] else []) + (
             [f"raise --trial-timeout (now {settings.trial.timeout_seconds:g} s)"] if hung else []) + (
             ["fix the failures"] if counts["failed"] > hung else [])

@@ -364,6 +364,11 @@ def initialize(forwarded: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     return engine, ds_optimizer, dataloader, scheduler
 
 
+RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+"""Where launchers say a process's rank before its process group exists: torchrun's and DeepSpeed's
+launcher, Open MPI, MPICH and Intel MPI, and Slurm's srun."""
+
+
 @contextlib.contextmanager
 def _warnings_from_rank_zero() -> Iterator[None]:
     """The hook's warnings (DsautoWarning) on the job's rank 0 only: the rank of the initialised
@@ -381,11 +386,6 @@ def _warnings_from_rank_zero() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DsautoWarning)
         yield
-
-
-RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
-"""Where launchers say a process's rank before its process group exists: torchrun's and DeepSpeed's
-launcher, Open MPI, MPICH and Intel MPI, and Slurm's srun."""
 
 
 def check_world_size(plan: Plan) -> None:
