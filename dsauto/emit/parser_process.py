@@ -80,7 +80,8 @@ class ParserProcess:
                 category = getattr(builtins, warning["category"], None)
                 if not (isinstance(category, type) and issubclass(category, Warning)):
                     category = getattr(builtins, warning["builtin"], UserWarning)
-                warnings.warn_explicit(warning["message"], category, warning["filename"], warning["lineno"])
+                warnings.warn_explicit(warning["message"], category, warning["filename"], warning["lineno"],
+                                       module=warning.get("module"))
         if answer["error"] is not None:
             raise DsautoError(answer["error"])
 
@@ -167,10 +168,12 @@ def serve() -> int:
             error = None
         except DsautoError as exc:
             error = str(exc)
+    modules = {getattr(module, "__file__", None): name for name, module in list(sys.modules.items())}
     said = [{"dsauto": issubclass(w.category, DsautoWarning), "category": w.category.__name__,
              "builtin": next((c.__name__ for c in w.category.__mro__ if getattr(builtins, c.__name__, None) is c),
                              "UserWarning"),
-             "message": str(w.message), "filename": w.filename, "lineno": w.lineno} for w in caught]
+             "message": str(w.message), "filename": w.filename, "lineno": w.lineno,
+             "module": modules.get(w.filename)} for w in caught]
     answer_to.write(json.dumps({"error": error, "warnings": said}) + "\n")
     answer_to.close()
     sys.stderr.flush()  # what DeepSpeed said, shown under DSAUTO_DEBUG

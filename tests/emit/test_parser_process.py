@@ -90,3 +90,24 @@ def test_the_process_imports_what_the_command_imports_and_ends_with_it(tmp_path)
     command.wait()
     command.stdout.close()
     child.wait(timeout=60)  # killed by the kernel as its parent died, not after its import
+
+
+def test_a_forwarded_warning_keeps_its_module_for_the_commands_filters(zero3_plan, monkeypatch):
+    """A third-party warning the process forwards is said under the module that warned, so that a
+    module-scoped filter of the command (``-W ignore::FutureWarning:torch``) matches it as it would
+    have in-process; the process names the module from the warning's file."""
+    import warnings
+
+    said = {"error": None, "warnings": [{
+        "dsauto": False, "category": "FutureWarning", "builtin": "FutureWarning", "message": "an old argument",
+        "filename": "/site-packages/torch/serialization.py", "lineno": 7, "module": "torch.serialization"}]}
+    monkeypatch.setattr(ParserProcess, "_ask", lambda self, config, dp: said)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
+        ParserProcess().validate(ds_config(zero3_plan), zero3_plan.dp)
+        assert shown == []
+        warnings.filterwarnings("ignore", category=FutureWarning, module="deepspeed")
+        warnings.filterwarnings("always", category=FutureWarning, module="torch")
+        ParserProcess().validate(ds_config(zero3_plan), zero3_plan.dp)
+    assert [(w.category, str(w.message), w.lineno) for w in shown] == [(FutureWarning, "an old argument", 7)]
