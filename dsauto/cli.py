@@ -301,20 +301,21 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
         if pins.get("hf_trainer"):
             raise DsautoError("--for hf plans for Hugging Face's Trainer, which runs DeepSpeed, and --megatron-args "
                               "reads a Megatron-LM launch; drop one of them.")
-        model, launch_train, launch_pins, world, spelled = _launch_from_args(args)
+        model, launch_train, launch_pins, world, spelled, planned = _launch_from_args(args)
         args.launch_spelled = {key: flag for key, flag in spelled.items() if key not in train and key not in pins}
         train, pins = _merged(train, launch_train, "--megatron-args"), _merged(pins, launch_pins, "--megatron-args")
-        nodes = _launched(nodes, world.get("nodes"), "nodes", "--nodes", args.megatron_args)
+        nodes = _launched(nodes, world.get("nodes"), "nodes", "--nodes", args.megatron_args, planned)
         gpus_per_node = _launched(gpus_per_node, world.get("gpus_per_node"), "ranks a node", "--gpus-per-node",
-                                  args.megatron_args)
+                                  args.megatron_args, planned)
     return make_problem(model, args.hardware, nodes=nodes, gpus_per_node=gpus_per_node,
                         memory_limit=args.memory_limit, **train, **pins)
 
 
 def _launch_from_args(args: argparse.Namespace
-                      ) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int], dict[str, str]]:
-    """The model, batch, pins, launcher's world (nodes, gpus_per_node) and flag spellings of
-    ``--megatron-args``, warning of what it sets that dsauto does not read or prices otherwise."""
+                      ) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int], dict[str, str], bool]:
+    """The model, batch, pins, launcher's world (nodes, gpus_per_node), flag spellings of
+    ``--megatron-args`` and whether the world is the one dsauto's own file was planned for, warning
+    of what it sets that dsauto does not read or prices otherwise."""
     from dsauto.engines.megatron_args import read_megatron_args
     from dsauto.errors import DsautoWarning
     from dsauto.spec.loaders import as_model
@@ -330,7 +331,7 @@ def _launch_from_args(args: argparse.Namespace
     for note in launch.notes:
         warnings.warn(note, DsautoWarning, stacklevel=2)
     args.launch_bucket = launch.ddp_bucket_size
-    return launch.model, launch.train, launch.pins, launch.world, launch.spelled
+    return launch.model, launch.train, launch.pins, launch.world, launch.spelled, launch.world_planned
 
 
 def in_launch_spelling(message: str, spelled: Mapping[str, str]) -> str:
@@ -348,12 +349,14 @@ def in_launch_spelling(message: str, spelled: Mapping[str, str]) -> str:
     return message
 
 
-def _launched(given: int | None, launched: int | None, what: str, option: str, path: Any) -> int | None:
-    """The size the command line gives, else the one the launch script's launcher starts; refused
-    where they differ."""
+def _launched(given: int | None, launched: int | None, what: str, option: str, path: Any,
+              planned: bool = False) -> int | None:
+    """The size the command line gives, else the one the launch script's launcher starts (or, in
+    dsauto's own file, the one it was planned for); refused where they differ."""
     if given is not None and launched is not None and given != launched:
-        raise DsautoError(f"{path}'s launcher starts {launched} {what} and the command line gives {option} {given}; "
-                          f"drop one of them.")
+        starts = "was planned for" if planned else "'s launcher starts"
+        raise DsautoError(f"{path}{' ' if planned else ''}{starts} {launched} {what} and the command line gives "
+                          f"{option} {given}; drop one of them.")
     return given if given is not None else launched
 
 

@@ -214,6 +214,11 @@ class StagePrediction:
     basis: Basis = "analytic"
     """Where the stage's layer times and activations came from: the analytic device model, a
     measured profile, or both (layers the profile lacks were priced analytically)."""
+    chunk_forward_seconds: tuple[float, ...] = ()
+    """Under the interleaved schedule, the forward time of one micro-batch through each of the
+    rank's model chunks, first chunk first (they sum to ``forward_seconds``); empty with one chunk."""
+    chunk_backward_seconds: tuple[float, ...] = ()
+    """The same of the backward (they sum to ``backward_seconds``)."""
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,10 @@ def interleaved_makespan(stage_seconds: Sequence[float], micro_batches: int, vir
     Sec. 2.2.2: bubble (p - 1) / v of a micro-batch's pass): the first micro-batch's forward and the
     last one's backward cross every rank in its first chunk (``first_chunk_seconds``, which holds the
     most layers when they do not divide, :func:`first_chunk_share`; None: 1/v of each stage). With
-    one chunk this is 1F1B's sum_i t_i + (m - 1) max_i t_i."""
+    one chunk this is 1F1B's sum_i t_i + (m - 1) max_i t_i. Predictions of interleaved plans take it
+    (the simulation, :func:`dsauto.cost.pipeline.simulate_interleaved`, agrees within a percent on
+    the search's plans, whose chunks differ by a layer at most, and costs too much to run on each);
+    plan.png draws the simulation."""
     slowest = max(stage_seconds)
     index = list(stage_seconds).index(slowest)
     chunks = ([t / virtual_stages for t in stage_seconds] if first_chunk_seconds is None
@@ -699,8 +702,14 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         flight = in_flight(i, pp, m, v)
         activation = sum(c.activation_bytes for c in costs) * flight
         interleaved = None
+        passes_f: list[float] = []  # interleaved: each chunk's forward and backward, the waits spread evenly
+        passes_b: list[float] = []
         if v > 1:
             chunk_of = rank_chunks(stage_layers, v, i)
+            passes_f, passes_b = [waits / (2 * v)] * v, [waits / (2 * v)] * v
+            for k, c in zip(chunk_of, costs):
+                passes_f[k] += c.forward_seconds
+                passes_b[k] += c.backward_seconds
             first_chunks.append(sum(c.forward_seconds + c.backward_seconds for k, c in zip(chunk_of, costs) if k == 0)
                                 + 2 * p2p)
             per_chunk = [[0.0, 0.0, 0.0] for _ in range(v)]  # kept, at the end of forward, in backward
@@ -824,17 +833,15 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
             forward_seconds=forward, backward_seconds=backward, params_bytes=int(params),
             grads_bytes=int(grads), optimizer_bytes=int(optim), activation_bytes=int(activation),
             transient_bytes=int(transient), peak_bytes=int(peak), basis=_basis(costs),
+            chunk_forward_seconds=tuple(passes_f), chunk_backward_seconds=tuple(passes_b),
         ))
         times.append(forward + backward)
         sync_bytes = sum(c.grad_sync_bytes for c in costs)
         bucket_share = bucket / max(sync_bytes, grads, 1.0)
         if strategy.engine == "megatron" and v > 1:
-            # Each model chunk's own passes (the waited-for transfers spread evenly) and traffic.
-            passes_f, passes_b = [waits / (2 * v)] * v, [waits / (2 * v)] * v
+            # Each model chunk's own passes and traffic.
             chunk_sync, chunk_gather = [0.0] * v, [0.0] * v
             for k, c in zip(chunk_of, costs):
-                passes_f[k] += c.forward_seconds
-                passes_b[k] += c.backward_seconds
                 chunk_sync[k] += c.grad_sync_bytes
                 chunk_gather[k] += c.step_seconds
             exposed = _interleaved_exposed(cost, passes_f, passes_b,

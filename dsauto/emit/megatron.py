@@ -10,6 +10,7 @@ dsauto hook applies it from the plan.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from dsauto.describe import layer_span, layers_text, runs_text
@@ -20,6 +21,7 @@ from dsauto.engines.megatron import (
     FSDP_STRATEGY,
     LAUNCH_ENVIRONMENT,
     LAUNCH_VOCABULARY,
+    PLANNED_FOR,
     block_recompute_layers,
     ddp_bucket_size,
     degree_flags,
@@ -40,24 +42,41 @@ def megatron_args(plan: Plan) -> list[str]:
     """``plan`` as Megatron-LM arguments, one per line.
 
     Each line is a flag, a flag and its value separated by one space, or a comment starting with
-    ``# `` that says what the flags do not express.
+    ``# `` that says what the flags do not express. The lines are shell words: a value a shell would
+    read otherwise (the layout's ``|`` and ``*``, an expert pattern's parentheses) is quoted, and a
+    comment says so and how to pass them.
     """
     dtype_bytes(plan)  # refuses a dtype that neither engine knows
-    lines = _header(plan)
-    lines += _parallelism(plan)
+    lines = _parallelism(plan)
     lines += _model_shape(plan)
     lines += _batch_and_precision(plan)
     lines += _data_parallel(plan)
     lines += _pipeline_layout(plan.stage_layers, plan.virtual_stages)
     lines += _recompute(plan)
     lines += _hook_only(plan)
-    return lines
+    quoted = [_shell_words(line) for line in lines]
+    header = _header(plan)
+    if quoted != lines:
+        header.append(f"{COMMENT}Shell words, values quoted where a shell would read them otherwise: in bash, "
+                      f"eval \"ARGS=($(grep -v '^#' megatron_args.txt))\" and pass \"${{ARGS[@]}}\" to the training "
+                      f"script.")
+    return header + quoted
+
+
+def _shell_words(line: str) -> str:
+    """A flag line with its value (each word of a list flag's) quoted as a shell needs it."""
+    if line.startswith(COMMENT):
+        return line
+    flag, _, value = line.partition(" ")
+    if not value:
+        return line
+    words = value.split(" ") if line.startswith(LIST_FLAGS) else [value]
+    return " ".join([flag, *(shlex.quote(word) for word in words)])
 
 
 def megatron_argv(plan: Plan) -> list[str]:
     """``plan``'s Megatron-LM arguments as an argv list (flags and values as separate items)."""
-    return [token for line in megatron_args(plan) if not line.startswith(COMMENT)
-            for token in (line.split(" ") if line.startswith(LIST_FLAGS) else line.split(" ", 1))]
+    return [token for line in megatron_args(plan) if not line.startswith(COMMENT) for token in shlex.split(line)]
 
 
 LIST_FLAGS = ("--recompute-modules ",)
@@ -73,10 +92,10 @@ def write_megatron_args(plan: Plan, path: Path | str) -> Path:
 
 def _header(plan: Plan) -> list[str]:
     lines = [
-        f"{COMMENT}Megatron-LM arguments of the dsauto plan for {plan.model.name} on {plan.nodes} x "
+        f"{COMMENT}{PLANNED_FOR} {plan.model.name} on {plan.nodes} x "
         f"{plan.gpus_per_node} {plan.hardware}.",
         f"{COMMENT}Launch {plan.world_size} ranks: data parallel {plan.dp} = world size "
-        f"{plan.world_size} / (tp {plan.tp} x pp {plan.pp}).",
+        f"{plan.world_size} / (tp {plan.tp} x pp {plan.pp}{f' x cp {plan.cp}' if plan.cp > 1 else ''}).",
         PLAN_ID_COMMENT + plan_id(plan),  # ties the file to the other artifacts of its set
     ]
     if plan.engine != "megatron":
@@ -120,7 +139,9 @@ def _model_shape(plan: Plan) -> list[str]:
         lines.append(f"--kv-channels {model.attention_head_dim}")  # Megatron's default: hidden / heads
     if model.kv_heads != model.num_attention_heads:
         lines += ["--group-query-attention", f"--num-query-groups {model.kv_heads}"]
-    lines.append(f"--max-position-embeddings {model.max_position_embeddings}")
+    # validate_args asserts max_position_embeddings >= seq_length; rotary positions have no table, so
+    # a plan that extends the context (dsauto.api.default_seq_len warns of it) sizes them to its sequence.
+    lines.append(f"--max-position-embeddings {max(model.max_position_embeddings, plan.seq_len)}")
     lines += _positions(model)
     lines += _attention(model, plan.seq_len)
     lines += _norms(model)

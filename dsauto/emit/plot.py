@@ -1,4 +1,5 @@
-"""``plan.png``: a picture of a plan, memory per pipeline stage and the 1F1B schedule of one step.
+"""``plan.png``: a picture of a plan, memory per pipeline stage and the pipeline schedule of one step
+(1F1B, or Megatron-core's interleaved schedule for a plan with virtual stages).
 
 matplotlib is imported inside :func:`plot_plan` only (importing it takes about half a second, and the
 CLI stays fast when no picture is drawn). The figure is drawn on its own Agg canvas, without pyplot,
@@ -9,12 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsauto.cost.pipeline import simulate_1f1b
-from dsauto.plan import Plan
+from dsauto.cost.pipeline import ChunkOp, simulate_1f1b, simulate_interleaved
+from dsauto.plan import Plan, chunk_layers
 from dsauto.units import GiB, format_bytes, format_seconds
 
 MAX_DRAWN_OPS = 4000
-"""Stages x micro-batches up to which the whole step is drawn; above it only the first micro-batches."""
+"""Stages x micro-batches x chunks up to which the whole step is drawn; above it only the first
+micro-batches."""
 DRAWN_MICRO_BATCHES = 64
 """Micro-batches drawn when a step has more than :data:`MAX_DRAWN_OPS` operations."""
 MAX_LABELS = 3000
@@ -31,6 +33,8 @@ _MEMORY = (
 )
 _FORWARD_COLOR = "#74a9cf"
 _BACKWARD_COLOR = "#fd8d3c"
+_CHUNK_COLORS = {"F": ("#74a9cf", "#2b8cbe"), "B": ("#fd8d3c", "#d94701")}
+"""Interleaved schedules: a kind's boxes alternate between these two shades, chunk by chunk."""
 
 # Figure geometry in inches (width) and fractions of it; fixed rather than automatic so that box
 # widths in pixels are known before drawing, to decide which boxes can hold their number.
@@ -43,13 +47,17 @@ _LABEL_FONT = 7
 
 
 def plot_plan(plan: Plan, path: Path | str) -> Path:
-    """Draws ``plan`` into the PNG ``path``: memory per stage over the budget, and the 1F1B timeline.
+    """Draws ``plan`` into the PNG ``path``: memory per stage over the budget, and the pipeline's
+    timeline.
 
     The top panel stacks each stage's parameters, gradients, optimizer states, activations and
     transient memory (per rank, GiB) under a dashed line at the memory budget. The bottom panel is the
-    pipeline schedule of one step simulated by :func:`simulate_1f1b` from the plan's per-stage forward
-    and backward times. With more than :data:`MAX_DRAWN_OPS` operations only the time up to the last
-    backward of the first :data:`DRAWN_MICRO_BATCHES` micro-batches is drawn, and the title says so.
+    pipeline schedule of one step simulated from the plan's per-stage forward and backward times: by
+    :func:`simulate_1f1b`, or by :func:`simulate_interleaved` for a plan with virtual stages from
+    its chunks' times, as the prediction simulates it (a plan written without them: each rank's
+    times split over its chunks by their transformer layers). With more
+    than :data:`MAX_DRAWN_OPS` operations only the time up to stage 0's last backward of the first
+    :data:`DRAWN_MICRO_BATCHES` micro-batches is drawn, and the title says so.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -117,33 +125,22 @@ def _draw_memory(ax, plan: Plan) -> None:
 def _draw_timeline(ax, plan: Plan, height_in: float) -> None:
     from matplotlib.patches import Patch
 
-    pp, m = plan.pp, plan.grad_accum
-    forward = [st.forward_seconds for st in plan.stages]
-    backward = [st.backward_seconds for st in plan.stages]
-    capped = m * pp > MAX_DRAWN_OPS and m > DRAWN_MICRO_BATCHES
-    if capped:
-        # The first DRAWN_MICRO_BATCHES backwards on every stage, and everything before them, are
-        # the same in a step of any m >= DRAWN_MICRO_BATCHES + pp micro-batches: no stage has reached
-        # its cool-down yet. Simulating that many keeps the cost independent of m.
-        ops = simulate_1f1b(forward, backward, min(m, DRAWN_MICRO_BATCHES + pp))
-        horizon = next(end for kind, j, _, end in ops[0] if kind == "B" and j == DRAWN_MICRO_BATCHES - 1)
-        ops = [[op for op in stage if op[2] < horizon] for stage in ops]
-    else:
-        ops = simulate_1f1b(forward, backward, m)
-        horizon = max(stage[-1][3] for stage in ops)
+    pp, m, v = plan.pp, plan.grad_accum, plan.virtual_stages
+    ops, horizon, capped, split = _schedule(plan)
     horizon = max(horizon, 1e-9)  # a plan of zero-time stages still gets an axis
     scale, unit = (1e3, "ms") if horizon < 1 else (1.0, "s")
 
     # Boxes: one broken_barh per stage and kind; stage 0 on top. White outlines separate wide boxes;
     # on narrow ones they would hide the colour.
     px_per_unit = _WIDTH_IN * (_RIGHT - _LEFT) * DPI / (horizon * scale)
-    spans = {kind: [[(s * scale, (e - s) * scale) for k, _, s, e in stage if k == kind] for stage in ops]
-             for kind in "FB"}
-    widths = sorted(w for kind in "FB" for stage in spans[kind] for _, w in stage)
+    widths = sorted((e - s) * scale for stage in ops for _, _, _, s, e in stage)
     outline = 0.5 if widths[len(widths) // 2] * px_per_unit >= 4 else 0.0
-    for kind, color in (("F", _FORWARD_COLOR), ("B", _BACKWARD_COLOR)):
-        for i, stage in enumerate(spans[kind]):
-            ax.broken_barh(stage, (i - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=outline)
+    for kind in "FB":
+        for shade in range(2 if v > 1 else 1):
+            color = _CHUNK_COLORS[kind][shade] if v > 1 else (_FORWARD_COLOR if kind == "F" else _BACKWARD_COLOR)
+            for i, stage in enumerate(ops):
+                spans = [(s * scale, (e - s) * scale) for k, _, c, s, e in stage if k == kind and c % 2 == shade]
+                ax.broken_barh(spans, (i - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=outline)
 
     # Micro-batch numbers, for each kind of box only if every box of that kind can hold the longest
     # number: a few labelled boxes among unlabelled ones of the same size read as a pattern.
@@ -151,7 +148,7 @@ def _draw_timeline(ax, plan: Plan, height_in: float) -> None:
     font_px = _LABEL_FONT * DPI / 72
     if height_in * DPI / pp * 0.8 >= 1.3 * font_px:
         for kind in "FB":
-            drawn = [(i, j, s, e) for i, stage in enumerate(ops) for k, j, s, e in stage if k == kind]
+            drawn = [(i, j, s, e) for i, stage in enumerate(ops) for k, j, _, s, e in stage if k == kind]
             digits = len(str(max(j for _, j, _, _ in drawn)))
             if min(e - s for _, _, s, e in drawn) * scale * px_per_unit >= 0.6 * font_px * digits + 3:
                 labels += drawn
@@ -165,12 +162,15 @@ def _draw_timeline(ax, plan: Plan, height_in: float) -> None:
     ax.set_yticks(_stage_ticks(pp))
     ax.set_ylabel("pipeline stage")
     ax.set_xlabel(f"time in the step ({unit})")
+    schedule = f"interleaved 1F1B schedule, {v} chunks per rank" if v > 1 else "1F1B schedule"
+    if split:
+        schedule += " (chunk times split by layers)"
     if capped:
-        title = (f"1F1B schedule: the first {DRAWN_MICRO_BATCHES} of {m} micro-batches shown "
+        title = (f"{schedule}: the first {DRAWN_MICRO_BATCHES} of {m} micro-batches shown "
                  f"(up to stage 0's backward of micro-batch {DRAWN_MICRO_BATCHES - 1})")
     else:
-        busy = sum(e - s for stage in ops for _, _, s, e in stage)
-        title = (f"1F1B schedule of one step, {m} micro-batch{'es' if m > 1 else ''}: "
+        busy = sum(e - s for stage in ops for _, _, _, s, e in stage)
+        title = (f"{schedule} of one step, {m} micro-batch{'es' if m > 1 else ''}: "
                  f"pipeline {format_seconds(horizon)}")
         if pp > 1:
             # Idle time is fill and drain, plus waiting on slower neighbours when stages are uneven.
@@ -178,6 +178,46 @@ def _draw_timeline(ax, plan: Plan, height_in: float) -> None:
     ax.set_title(title + ("; numbers are micro-batches" if labels else ""), loc="left", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
-    ax.legend(handles=[Patch(color=_FORWARD_COLOR, label="forward"),
-                       Patch(color=_BACKWARD_COLOR, label="backward")],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    if v > 1:
+        handles = [Patch(color=_CHUNK_COLORS[kind][shade], label=f"{name}, {chunks} chunk")
+                   for kind, name in (("F", "fwd"), ("B", "bwd"))
+                   for shade, chunks in ((0, "even"), (1, "odd"))]
+    else:
+        handles = [Patch(color=_FORWARD_COLOR, label="forward"), Patch(color=_BACKWARD_COLOR, label="backward")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+
+
+def _schedule(plan: Plan) -> tuple[list[list[ChunkOp]], float, bool, bool]:
+    """The operations drawn of each rank (kind, micro-batch, chunk, start, end), the time they span,
+    whether only the first :data:`DRAWN_MICRO_BATCHES` micro-batches are drawn, and whether a rank's
+    chunk times were split from its stage's by their layers (a plan written without them). A step of more
+    micro-batches is simulated only as far as needed: the first of them, and everything before
+    stage 0's backward of the last one drawn, are the same in a step of any length once no rank has
+    reached its cool-down by then (1F1B: DRAWN_MICRO_BATCHES + pp micro-batches; interleaved, whose
+    warm-up is up to (v + 1) pp passes long: that rounded up to whole groups of pp, plus 4 pp)."""
+    pp, m, v = plan.pp, plan.grad_accum, plan.virtual_stages
+    capped = m * pp * v > MAX_DRAWN_OPS and m > DRAWN_MICRO_BATCHES
+    if v > 1:
+        chunk_forward, chunk_backward, split = [], [], False
+        counts = chunk_layers(plan.stage_layers, v)
+        for rank, st in enumerate(plan.stages):
+            if len(st.chunk_forward_seconds) == len(st.chunk_backward_seconds) == v:
+                chunk_forward.append(list(st.chunk_forward_seconds))
+                chunk_backward.append(list(st.chunk_backward_seconds))
+                continue
+            split = True  # a plan written without its chunks' times: the rank's, split by its chunks' layers
+            layers = [counts[c * pp + rank] for c in range(v)]
+            share = [n / sum(layers) for n in layers] if sum(layers) else [1 / v] * v
+            chunk_forward.append([st.forward_seconds * w for w in share])
+            chunk_backward.append([st.backward_seconds * w for w in share])
+        simulated = pp * (-(-DRAWN_MICRO_BATCHES // pp) + 4) if capped else m
+        ops = simulate_interleaved(chunk_forward, chunk_backward, min(m, simulated))
+    else:
+        simulated, split = DRAWN_MICRO_BATCHES + pp if capped else m, False
+        ops = [[(kind, j, 0, start, end) for kind, j, start, end in stage]
+               for stage in simulate_1f1b([st.forward_seconds for st in plan.stages],
+                                          [st.backward_seconds for st in plan.stages], min(m, simulated))]
+    if not capped:
+        return ops, max(stage[-1][4] for stage in ops), False, split
+    horizon = next(end for kind, j, c, _, end in ops[0] if kind == "B" and j == DRAWN_MICRO_BATCHES - 1 and c == 0)
+    return [[op for op in stage if op[3] < horizon] for stage in ops], horizon, True, split

@@ -107,6 +107,10 @@ LAUNCH_VOCABULARY = "Vocabulary:"
 """How megatron_args.txt begins the comment that states the tokenizer's vocabulary (Megatron-LM reads
 it from the tokenizer, not a flag); the reader of launches takes it where no --vocab-size is given."""
 
+PLANNED_FOR = "Megatron-LM arguments of the dsauto plan for"
+"""The start of the first line of dsauto's own megatron_args.txt, which names the cluster it was
+planned for (``... on NODES x GPUS HARDWARE.``)."""
+
 TE_FUSED_SOFTMAX_KEYS = (16, 16384, 8)
 """Transformer Engine's fused masked softmax takes s keys with 16 < s < 16384 and s a multiple of 8
 (transformer_engine/pytorch/attention/dot_product_attention/softmax.py, ``is_kernel_available``; it also

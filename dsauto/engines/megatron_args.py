@@ -27,6 +27,7 @@ from dsauto.engines.megatron import (
     FSDP_STRATEGY,
     LAUNCH_ENVIRONMENT,
     LAUNCH_VOCABULARY,
+    PLANNED_FOR,
     te_softmax_fuses,
 )
 from dsauto.errors import DsautoError
@@ -90,7 +91,7 @@ REFUSED = {
     "--no-bias-swiglu-fusion": "an unfused SwiGLU (it keeps 2 x FFN more values a token in every layer)",
     "--cpu-offloading": "activation offloading",
     "--position-embedding-type none": "a model without position embeddings",
-    "--multi-latent-attention": "latent attention (give the model with --model)",
+    "--multi-latent-attention": "latent attention from flags",
 }
 """What a launch may say that dsauto does not price from flags, with the phrase its error uses."""
 
@@ -120,7 +121,10 @@ class MegatronLaunch:
     says so where they differ (the command line compares it with the plan's)."""
     world: dict[str, int] = field(default_factory=dict)
     """``nodes`` and ``gpus_per_node`` as the launcher before the script starts them, where it says
-    (:func:`launcher_world`)."""
+    (:func:`launcher_world`), else as dsauto's own file states the cluster it was planned for
+    (:func:`planned_world`)."""
+    world_planned: bool = False
+    """Whether :attr:`world` is the one dsauto's own file was planned for, not a launcher's."""
 
 
 ENVIRONMENT = ("NVTE_MASKED_SOFTMAX_FUSION",)
@@ -144,7 +148,19 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
         words = shlex.split(expand_shell_variables(text).replace("\\\n", " "), comments=True)
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
-    return parse_megatron_args(words, str(path), model, launch_environment(text), launch_vocabulary(text))
+    launch = parse_megatron_args(words, str(path), model, launch_environment(text), launch_vocabulary(text))
+    if not launch.world and (planned := planned_world(text)):
+        launch.world, launch.world_planned = planned, True
+    return launch
+
+
+def planned_world(text: str) -> dict[str, int]:
+    """``nodes`` and ``gpus_per_node`` of the cluster dsauto's own megatron_args.txt was planned for
+    (its first comment, :data:`PLANNED_FOR`), or nothing for another file: the flags' data-parallel
+    degree is the world size over the model-parallel ones, so pricing them on another cluster would
+    price another launch."""
+    found = re.search(rf"^\s*#\s*{re.escape(PLANNED_FOR)} .* on (\d+) x (\d+) \S+\.\s*$", text, re.MULTILINE)
+    return {"nodes": int(found.group(1)), "gpus_per_node": int(found.group(2))} if found else {}
 
 
 _ASSIGNMENT = re.compile(r"(?:export[ \t]+|declare[ \t]+-a[ \t]+)?([A-Za-z_]\w*)(\+?)=")
@@ -299,6 +315,9 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
         if _sets(flags, spelling) and not (model is not None and spelling in DESCRIBED_BY_MODEL):
             if spelling == "--recompute-method uniform" and flags.get("--recompute-num-layers", "1") == "1":
                 continue
+            if spelling in DESCRIBED_BY_MODEL:
+                raise DsautoError(f"{where} sets {spelling}, whose widths no flag dsauto reads gives; name the model "
+                                  f"with --model (for dsauto's own file, the --model it was planned with).")
             raise DsautoError(f"{where} sets {spelling}, and dsauto does not price {what}; remove it, or plan "
                               f"without --megatron-args.")
     described = None
@@ -537,6 +556,10 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
                           f"dsauto prices dropout in both or neither: set --hidden-dropout and --attention-dropout "
                           f"alike.")
     seq = _int(flags, "--seq-length", where)
+    positions_given = _int(flags, "--max-position-embeddings", where, seq)
+    if seq is not None and positions_given is not None and positions_given < seq:
+        raise DsautoError(f"{where} gives --max-position-embeddings {positions_given} below --seq-length {seq}, which "
+                          f"Megatron-LM's validate_args refuses; give --max-position-embeddings {seq} or more.")
     # validate_args: without --ffn-hidden-size, 4 x hidden, or for SwiGLU 2/3 of it rounded down to a
     # multiple of 64.
     ffn_default = int(4 * hidden * 2 / 3 / 64) * 64 if mlp == "swiglu" else 4 * hidden
@@ -545,7 +568,7 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
         hidden_size=hidden, num_attention_heads=heads,
         ffn_hidden_size=_int(flags, "--ffn-hidden-size", where, ffn_default),
         vocab_size=_int(flags, "--vocab-size", where, vocabulary),
-        max_position_embeddings=_int(flags, "--max-position-embeddings", where, seq),
+        max_position_embeddings=positions_given,
         num_kv_heads=_int(flags, "--num-query-groups", where, 1) if "--group-query-attention" in flags else heads,
         attention_head_dim=_int(flags, "--kv-channels", where, 0),
         mlp=mlp, norm="rmsnorm" if normalization == "RMSNorm" else "layernorm",

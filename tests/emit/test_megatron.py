@@ -4,6 +4,7 @@ them, and the choices no flag can express reported in comments."""
 from __future__ import annotations
 
 import itertools
+import shlex
 from dataclasses import replace
 
 import pytest
@@ -28,7 +29,7 @@ def flags(lines: list[str]) -> dict[str, str | None]:
         if not line.startswith("# "):
             flag, _, value = line.partition(" ")
             assert flag not in out, f"{flag} given twice"
-            out[flag] = value or None
+            out[flag] = " ".join(shlex.split(value)) or None  # the words a shell reads
     return out
 
 

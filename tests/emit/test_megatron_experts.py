@@ -45,7 +45,7 @@ def test_mixtral_flags():
 def test_deepseek_flags():
     flags = dsauto.megatron_args(plan("deepseek-v2-lite", 2, ep=8))
     for flag in ("--num-experts 64", "--moe-router-topk 6", "--moe-ffn-hidden-size 1408",
-                 "--moe-shared-expert-intermediate-size 2816", "--moe-layer-freq ([0]*1+[1]*26)",
+                 "--moe-shared-expert-intermediate-size 2816", "--moe-layer-freq '([0]*1+[1]*26)'",
                  "--multi-latent-attention", "--kv-lora-rank 512", "--qk-head-dim 128",
                  "--qk-pos-emb-head-dim 64", "--v-head-dim 128"):
         assert flag in flags

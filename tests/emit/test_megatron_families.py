@@ -10,6 +10,7 @@ the parser where Megatron-LM is installed.
 from __future__ import annotations
 
 import json
+import shlex
 import warnings
 from pathlib import Path
 
@@ -171,7 +172,7 @@ def flags(lines: list[str]) -> dict[str, str | None]:
         if not line.startswith("# "):
             flag, _, value = line.partition(" ")
             assert flag not in out, f"{flag} given twice"
-            out[flag] = value or None
+            out[flag] = " ".join(shlex.split(value)) or None  # the words a shell reads
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsauto.cost.pipeline import simulate_1f1b
+from dsauto.cost.pipeline import simulate_1f1b, simulate_interleaved
 from dsauto.emit import plot
 from dsauto.emit.plot import plot_plan
 from dsauto.search.planner import Planner
@@ -57,3 +57,34 @@ def test_the_truncated_simulation_agrees_with_the_whole_one():
     horizon = next(end for kind, j, _, end in whole[0] if kind == "B" and j == drawn - 1)
     for long_stage, short_stage in zip(whole, short):
         assert [op for op in long_stage if op[2] < horizon] == [op for op in short_stage if op[2] < horizon]
+
+
+def test_an_interleaved_plan_is_drawn_as_its_schedule_runs(tmp_path, monkeypatch):
+    """A plan with virtual stages is drawn as Megatron-core's interleaved schedule of its own chunk
+    times, not as 1F1B over its stages."""
+    plan = Planner(load_model("gpt2-xl"), load_cluster("a100-80gb", nodes=1, gpus_per_node=8),
+                   TrainSpec(global_batch=32, seq_len=1024), Constraints(pp=4, vpp=2, engine="megatron")).search()[0]
+    assert plan.virtual_stages == 2
+    simulated = []
+
+    def spy(forward, backward, micro_batches):
+        simulated.append((forward, backward, micro_batches))
+        return simulate_interleaved(forward, backward, micro_batches)
+
+    monkeypatch.setattr(plot, "simulate_interleaved", spy)
+    monkeypatch.setattr(plot, "simulate_1f1b", None)  # not drawn as 1F1B
+    assert plot_plan(plan, tmp_path / "plan.png").read_bytes().startswith(PNG_MAGIC)
+    assert simulated == [([list(st.chunk_forward_seconds) for st in plan.stages],
+                          [list(st.chunk_backward_seconds) for st in plan.stages], plan.grad_accum)]
+
+
+def test_the_truncated_interleaved_simulation_agrees_with_the_whole_one():
+    # As for 1F1B: the capped picture simulates pp * (ceil(drawn / pp) + 4) micro-batches.
+    forward = [[0.2, 0.1], [0.5, 0.4], [0.3, 0.3], [0.4, 0.2]]
+    backward = [[2 * t for t in row] for row in forward]
+    drawn, pp = 8, len(forward)
+    whole = simulate_interleaved(forward, backward, 80)
+    short = simulate_interleaved(forward, backward, pp * (-(-drawn // pp) + 4))
+    horizon = next(end for kind, j, c, _, end in whole[0] if kind == "B" and j == drawn - 1 and c == 0)
+    for long_rank, short_rank in zip(whole, short):
+        assert [op for op in long_rank if op[3] < horizon] == [op for op in short_rank if op[3] < horizon]

@@ -20,7 +20,7 @@ from dsauto.emit.megatron import megatron_args, write_megatron_args
 from dsauto.engines.megatron_args import parse_megatron_args, read_megatron_args
 from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.spec.loaders import load_model
-from dsauto.units import format_bytes
+from dsauto.units import format_bytes, format_seconds
 
 ROUND_TRIPS = [
     # (model, hardware, nodes, global batch, sequence, pins of the original search)
@@ -505,3 +505,57 @@ def test_errors_name_the_flags_the_launch_file_set(tmp_path, capsys):
     assert ("Sequence parallelism off (no --sequence-parallel) cannot run with --tensor-model-parallel-size 2: "
             "Megatron-core trains MoE layers under tensor parallelism only with sequence parallelism; turn it on"
             in capsys.readouterr().err)
+
+
+def test_dsauto_s_own_file_reads_back_on_the_cluster_it_was_planned_for(tmp_path, capsys):
+    """Its flags fix dp as the world size over the model-parallel degrees, so the file is priced on the
+    nodes its first line names where the command line gives none, and refused where it gives others."""
+    plan = make_plan("llama3-8b", "h100-80gb", nodes=2, gpus_per_node=8, global_batch=16, seq_len=8192,
+                     engine="megatron", cp=2)
+    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    assert read_megatron_args(path).world == {"nodes": 2, "gpus_per_node": 8}
+    assert f"data parallel {plan.dp} = world size 16 / (tp {plan.tp} x pp {plan.pp} x cp 2)" in path.read_text()
+    assert main(["plan", "--megatron-args", str(path), "--hardware", "h100-80gb"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 x 8 h100-80gb (16 devices)" in out and f"step {format_seconds(plan.prediction.step_seconds)}," in out
+    assert main(["plan", "--megatron-args", str(path), "--hardware", "h100-80gb", "--nodes", "1"]) == 2
+    assert (f"{path} was planned for 2 nodes and the command line gives --nodes 1; drop one of them."
+            in capsys.readouterr().err)
+
+
+def test_rotary_positions_beyond_the_model_s_are_sized_to_the_sequence(tmp_path):
+    """Megatron-LM's validate_args asserts --max-position-embeddings >= --seq-length: a plan that
+    extends a rotary model's context writes the sequence's length, and a launch that gives fewer
+    positions than its sequence is refused."""
+    with pytest.warns(DsautoWarning, match="extends its context"):
+        plan = make_plan("llama3-8b", "h100-80gb", nodes=1, gpus_per_node=8, global_batch=8, seq_len=16384)
+    lines = megatron_args(plan)
+    assert "--max-position-embeddings 16384" in lines and "--seq-length 16384" in lines
+    assert "--max-position-embeddings 8192" in megatron_args(
+        make_plan("llama3-8b", "h100-80gb", nodes=1, gpus_per_node=8, global_batch=8, seq_len=4096))
+    with pytest.raises(DsautoError, match="launch.sh gives --max-position-embeddings 128 below --seq-length 256, "
+                                          "which Megatron-LM's validate_args refuses; give --max-position-embeddings "
+                                          "256 or more."):
+        parse_megatron_args(MINIMAL.split() + ["--max-position-embeddings", "128"], "launch.sh")
+
+
+def test_values_a_shell_would_read_otherwise_are_quoted_and_read_back(tmp_path):
+    """A pipeline layout's | and * (and an expert pattern's parentheses) are quoted, a comment says how
+    to pass the words, bash's reading of them is the plugin's argv, and the reader takes them back."""
+    import subprocess
+
+    plan = make_plan("llama3-8b", "h100-80gb", nodes=1, gpus_per_node=8, global_batch=32, seq_len=4096,
+                     engine="megatron", pp=4, vpp=2, stage_layers="9,8,8,7")
+    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    text = path.read_text()
+    [layout] = [line for line in text.splitlines() if line.startswith("--pipeline-model-parallel-layout")]
+    assert layout.split(" ", 1)[1].startswith("'") and "|" in layout
+    assert "eval \"ARGS=($(grep -v '^#' megatron_args.txt))\"" in text
+    read = subprocess.run(["bash", "-c", "eval \"ARGS=($(grep -v '^#' megatron_args.txt))\"; printf '%s\\n' \"${ARGS[@]}\""],
+                          cwd=tmp_path, capture_output=True, text=True, check=True).stdout.splitlines()
+    from dsauto.emit.megatron import megatron_argv
+
+    assert read == megatron_argv(plan)
+    assert read[read.index("--pipeline-model-parallel-layout") + 1] == layout.split(" ", 1)[1].strip("'")
+    launch = read_megatron_args(path)
+    assert launch.pins["stage_layers"] in ((9, 8, 8, 7), "9,8,8,7")
