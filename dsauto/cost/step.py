@@ -46,7 +46,7 @@ from dsauto.cost.zero3 import (
 )
 from dsauto.plan import Basis, Prediction, StagePrediction, rank_chunks, rank_layers
 from dsauto.spec.cluster import ClusterSpec
-from dsauto.spec.model import LayerGroup, ModelSpec, layer_groups
+from dsauto.spec.model import LayerGroup, ModelSpec, layer_group_per_layer, layer_groups
 from dsauto.spec.training import TrainSpec
 
 
@@ -577,12 +577,13 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
 
 
 def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy, cost: CostModel,
-                         groups: Sequence[LayerGroup], held: Sequence[int], options: Sequence[LayerOption],
+                         by_layer: Sequence[LayerGroup], held: Sequence[int], options: Sequence[LayerOption],
                          costs: Sequence[LayerCost], flight: float, bucket: int,
                          single_tensor: bool, interleaved: tuple[float, float] | None = None
                          ) -> tuple[float, float, float, float, float, float]:
     """(params, grads, optimizer, activation, transient, peak) bytes of a Megatron-core pipeline rank
-    that holds the flat layers ``held`` (``costs``: their layer costs), ``flight`` micro-batches in
+    that holds the flat layers ``held`` (``by_layer``: each flat layer's group,
+    :func:`dsauto.spec.model.layer_group_per_layer`; ``costs``: their layer costs), ``flight`` micro-batches in
     flight (each chunk's output kept per pass); ``interleaved``: the layers' kept activations and
     the moment's transient at the rank's peak under the interleaved schedule (:func:`interleaved_peak`),
     in place of ``flight`` passes of every layer and the largest layer moment.
@@ -607,7 +608,7 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
     optim = sum(c.optimizer_bytes for c in costs)
     holds_head = num_layers + 1 in held
     if model.tied_embeddings and holds_head and 0 not in held:
-        table = megatron_tied_output_table(layer_group_of(groups, 0, num_layers))
+        table = megatron_tied_output_table(by_layer[0])
         copy = model_state(table, options[num_layers + 1], ctx)
         params, grads, optim = params + copy.params_bytes, grads + copy.grads_bytes, optim + copy.optimizer_bytes
 
@@ -616,7 +617,7 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
     outputs = (chunks - 1 if holds_head else chunks) * flight if strategy.pp > 1 else 0.0
     kept = sum(c.activation_bytes for c in costs) * flight if interleaved is None else interleaved[0]
     activation = kept + outputs * boundary
-    blocks = [layer_group_of(groups, j, num_layers) for j in held]
+    blocks = [by_layer[j] for j in held]
     blocks = [g for g in blocks if g.kind == "transformer"]
     buffer = (max(megatron_score_buffer_bytes(g, tokens, tp, b) for g in blocks) * dynamic
               if blocks and not train.flash_attention else 0.0)
@@ -624,16 +625,16 @@ def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy,
     # On a rank that holds both ends of a tied word embedding, the table's gradient lives from the
     # head's backward to the embedding's, through every transformer layer's backward moment
     # (megatron_weight_grad_bytes).
-    tied_grad = (megatron_weight_grad_bytes(layer_group_of(groups, 0, num_layers), tp, b) * dynamic
+    tied_grad = (megatron_weight_grad_bytes(by_layer[0], tp, b) * dynamic
                  if model.tied_embeddings and holds_head and 0 in held else 0.0)
-    moments = [c.transient_bytes + (tied_grad if layer_group_of(groups, j, num_layers).kind == "transformer" else 0.0)
+    moments = [c.transient_bytes + (tied_grad if by_layer[j].kind == "transformer" else 0.0)
                for j, c in zip(held, costs)]
     transient = buffer + received + (max(moments, default=0.0) if interleaved is None else interleaved[1])
     peak = params + grads + optim + activation + transient
 
     # The update's temporaries follow the largest fp32 main parameter, or its shard under the
     # distributed optimizer (at most this rank's share of the stage).
-    largest = max((g.largest_op_params / tp for g in (layer_group_of(groups, j, num_layers) for j in held)),
+    largest = max((g.largest_op_params / tp for g in (by_layer[j] for j in held)),
                   default=0.0)
     if strategy.zero_stage >= 1 and strategy.dims.replicas > 1:  # sharded over dp x cp (or an instance)
         largest = min(largest, params / b / (strategy.dims.replicas // strategy.dist_opt_instances))
@@ -660,6 +661,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     if len(options) != num_layers + 2:
         raise ValueError(f"{len(options)} options for {num_layers + 2} layers")
     groups = layer_groups(model, train.seq_len, train.dtype_bytes, strategy.tp)
+    by_layer = layer_group_per_layer(model, groups, train.seq_len, train.dtype_bytes, strategy.tp)
     cost = CostModel(cluster, train, strategy, model.hidden_size, profile, calibration)
     layer_cost = functools.cache(cost.layer)  # pure: the layers of one group and option cost the same
     m, pp = strategy.grad_accum, strategy.pp
@@ -682,15 +684,15 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         first, last = held[0], held[-1]
         costs: list[LayerCost] = []
         for j in held:
-            group = layer_group_of(groups, j, num_layers)
+            group = by_layer[j]
             costs.append(layer_cost(group, options[j]))
             passes = 4 if options[j].checkpoint else 3  # forward, backward (2x), recomputation
             hardware_flops += passes * executed_flops_per_token(group, train.flash_attention) * cost.tokens
             hardware_flops += selective_recompute_flops_per_token(group, options[j], train.flash_attention) * cost.tokens
         if model.moe:
-            dispatch.append(sum(cost.expert_dispatch_seconds(layer_group_of(groups, j, num_layers))
+            dispatch.append(sum(cost.expert_dispatch_seconds(by_layer[j])
                                 * (1.5 if options[j].checkpoint else 1.0) for j in held))  # recomputed forward
-        tp_passes = [tp_comm_passes(layer_group_of(groups, j, num_layers), options[j], cost.context) for j in held]
+        tp_passes = [tp_comm_passes(by_layer[j], options[j], cost.context) for j in held]
         tp_comm.append(sum(t.forward_seconds + t.backward_seconds for t in tp_passes))
         # Each of the rank's v chunks receives its input and sends its output once per micro-batch,
         # in forward and in backward; what the step waits for of them, half in each.
@@ -723,10 +725,10 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         grads = sum(c.grads_bytes for c in costs)
         optim = sum(c.optimizer_bytes for c in costs)
         layer_transient = max((c.transient_bytes for c in costs), default=0.0)  # a stage may be empty
-        largest_grad = max((gathered_unit_params(layer_group_of(groups, j, num_layers), options[j], strategy.tp)
+        largest_grad = max((gathered_unit_params(by_layer[j], options[j], strategy.tp)
                             for j in held), default=0.0) * train.dtype_bytes
         staging, host_staging = offload_staging_bytes(
-            strategy, max((layer_group_of(groups, j, num_layers).largest_op_params for j in held), default=0.0)
+            strategy, max((by_layer[j].largest_op_params for j in held), default=0.0)
             / strategy.tp * train.dtype_bytes * cost.calibration.static_memory,
             grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1) / max(1, strategy.dims.replicas))
         transient = (layer_transient + stage_constant_bytes(strategy, bucket, grads)
@@ -735,19 +737,19 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         if strategy.engine == "deepspeed" and any(cost.context.shards(options[j]) for j in held):
             # ZeRO-3 beyond the moments (offload): the gathered parameters at every moment, beside
             # the unit in use each layer counts (dsauto.cost.zero3).
-            sharded = sharded_param_bytes([layer_group_of(groups, j, num_layers) for j in held], options, held,
+            sharded = sharded_param_bytes([by_layer[j] for j in held], options, held,
                                           strategy.tp, train.dtype_bytes)
             transient += (gathered_params_bytes(sharded, prefetch_bucket or default_prefetch)
                           * cost.calibration.activation_memory)
         if strategy.engine == "megatron":
             params, grads, optim, activation, transient, peak = megatron_stage_bytes(
-                model, train, strategy, cost, groups, held, options, costs, flight, bucket,
+                model, train, strategy, cost, by_layer, held, options, costs, flight, bucket,
                 cluster.device.name == "cpu", interleaved)
         elif deepspeed_moments_apply(strategy):
             # DeepSpeed without ZeRO or with ZeRO-1/2: the peak of the moments of the step, each
             # with what the engine holds then (deepspeed_moment_peak).
             head = num_layers + 1
-            table = layer_group_of(groups, 0, num_layers)
+            table = by_layer[0]
             scale = train.dtype_bytes * cost.calibration.static_memory
             embedding_grad = local_params(table, strategy.tp) * scale if 0 in held else 0.0
             tied_grad = (table.largest_op_params / strategy.tp * scale
@@ -777,7 +779,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                 # module too, which its optimizer updates like its own layers, and DeepSpeed keeps the
                 # copies equal by all-reducing their gradients (deepspeed/runtime/pipe/module.py,
                 # _index_tied_modules; engine.py, _exec_reduce_tied_grads).
-                copy = model_state(layer_group_of(groups, 0, num_layers), options[0], cost.context)
+                copy = model_state(by_layer[0], options[0], cost.context)
                 params, grads, optim = params + copy.params_bytes, grads + copy.grads_bytes, optim + copy.optimizer_bytes
             dynamic = cost.calibration.activation_memory
             one = sum(c.activation_bytes for c in costs)  # one micro-batch's
@@ -787,7 +789,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                     layers.append((one - later_activation + c.transient_bytes, later_grads))
                 later_activation += c.activation_bytes
                 later_grads += c.grads_bytes
-            head_group = layer_group_of(groups, head, num_layers)
+            head_group = by_layer[head]
             peak = deepspeed_pipeline_moment_peak(
                 strategy, i, flight, params, grads, optim, one,
                 head_transient=max((c.transient_bytes for j, c in zip(held, costs) if j == head), default=0.0),
@@ -803,14 +805,14 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
             # gathered at each of them in place of each sharded layer's unit in use (dsauto.cost.zero3).
             head = num_layers + 1
             dynamic = cost.calibration.activation_memory
-            held_groups = [layer_group_of(groups, j, num_layers) for j in held]
+            held_groups = [by_layer[j] for j in held]
             working = dynamic * layer_backward_bytes(cost.tokens, model.hidden_size, model.ffn_hidden_size,
                                                      strategy.tp, train.dtype_bytes)
             own = [c.transient_bytes - dynamic * sharded_gather_bytes(g, options[j], cost.context)
                    + (working if g.kind == "transformer" else 0.0) for j, g, c in zip(held, held_groups, costs)]
             sharded = sharded_param_bytes(held_groups, options, held, strategy.tp, train.dtype_bytes)
             table_sharded = options[0 if model.tied_embeddings else head].shard_params
-            head_group = layer_group_of(groups, head, num_layers)
+            head_group = by_layer[head]
             peak = zero3_moment_peak(
                 params, grads, optim, stage_constant_bytes(strategy, bucket, grads),
                 gathered_params_bytes(sharded, prefetch_bucket or default_prefetch) * dynamic, activation,

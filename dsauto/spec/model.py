@@ -13,6 +13,7 @@ here to grouped-query attention, SwiGLU MLPs, layers without dropout and any act
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Literal
 
 from dsauto.spec.limits import MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH
@@ -607,8 +608,10 @@ class LayerGroup:
 
 
 def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
-                 pad_vocab: bool = True) -> tuple[LayerGroup, ...]:
-    """The layer groups of ``model`` in execution order: embedding, the transformer stack, the head."""
+                 pad_vocab: bool = True, moe_fraction: float | None = None) -> tuple[LayerGroup, ...]:
+    """The layer groups of ``model`` in execution order: embedding, the transformer stack, the head.
+    ``moe_fraction`` prices the stack as if that share of its layers were MoE layers (0: its dense
+    layers, 1: its MoE layers; :func:`layer_group_per_layer`); None: the model's own share."""
     h, s, b = model.hidden_size, seq_len, dtype_bytes
     a, f = model.num_attention_heads, model.ffn_hidden_size
     qd, kvd = a * model.head_dim, model.kv_heads * model.head_dim  # query and key/value widths
@@ -625,7 +628,8 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     attention_matrices = attention_matrix_params(model)
     gm = 2 if gated else 1
     fe, fs, experts, top_k = model.expert_ffn_hidden_size, model.shared_expert_ffn_hidden_size, model.num_experts, model.moe_top_k
-    moe_fraction = len(model.moe_layers()) / model.num_layers
+    if moe_fraction is None:
+        moe_fraction = len(model.moe_layers()) / model.num_layers
     dense_fraction = 1.0 - moe_fraction
     mlp_in, mlp_out = gm * h * f, f * h
     expert_weights, shared_weights = gm * h * fe + fe * h, gm * h * fs + fs * h
@@ -636,11 +640,11 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     if moe_fraction:
         ops += [gm * h * fe, fe * h, gm * h * fs, router_weights]
     # Per-layer numbers average the dense and the MoE layers of the stack (one block group; see
-    # LayerGroup.moe_layer_fraction): the whole stack is exact, a pipeline stage holding more or
-    # fewer MoE layers than the average is off by its share.
+    # LayerGroup.moe_layer_fraction): the whole stack is exact; a pipeline stage's prediction takes
+    # its own layers' kinds (layer_group_per_layer).
     mlp_weights = dense_fraction * (mlp_in + mlp_out) + moe_fraction * (top_k * expert_weights + shared_weights + router_weights)
     weights = sum(attention_matrices) + mlp_weights
-    layer_params = parts.total(len(model.moe_layers()), model.num_layers) / model.num_layers
+    layer_params = parts.total(moe_fraction * model.num_layers, model.num_layers) / model.num_layers
     split_params = parts.attention_split + dense_fraction * parts.dense_mlp_split + moe_fraction * parts.shared_expert_split
     expert_params = moe_fraction * experts * parts.expert
     # Inputs the norms keep for backward: one per norm, except that parallel attention's two
@@ -798,6 +802,21 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         logits_bytes_per_token=vocab * 3 * 4,
     )
     return embedding, block, head
+
+
+def layer_group_per_layer(model: ModelSpec, groups: Sequence[LayerGroup], seq_len: int, dtype_bytes: int,
+                          tp: int = 1) -> list[LayerGroup]:
+    """The group of each layer in flat numbering (0 the embedding, 1..L the transformer layers, L + 1
+    the head) for pricing a pipeline stage: ``groups`` (:func:`layer_groups`), except that in a model
+    mixing dense and MoE layers (DeepSeek's first dense layers, Llama 4's alternate ones) each
+    transformer layer takes its own kind's group, where the stack's block group averages them; a
+    stage holding more or fewer MoE layers than the average then holds what its own layers hold."""
+    embedding, block, head = groups
+    moe = set(model.moe_layers())
+    if not moe or len(moe) == model.num_layers:
+        return [embedding, *[block] * model.num_layers, head]
+    kinds = {fraction: layer_groups(model, seq_len, dtype_bytes, tp, moe_fraction=fraction)[1] for fraction in (0.0, 1.0)}
+    return [embedding, *[kinds[1.0 if i in moe else 0.0] for i in range(model.num_layers)], head]
 
 
 @dataclass(frozen=True)

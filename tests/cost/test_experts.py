@@ -182,3 +182,30 @@ def test_short_expert_groups_pay_the_devices_measured_knee():
         assert knee == 222  # the H100 preset's, from benchmarks/results/device_experts_h100-80gb.md
         flat = expert_gemm_seconds(block, replace(ctx, device=replace(ctx.device, grouped_gemm_knee_tokens=0.0)))
         assert expert_gemm_seconds(block, ctx) == pytest.approx(flat * (1 + (knee / per_expert) ** 2))
+
+
+def test_a_pipeline_stage_holds_its_own_layers_kind_not_the_stacks_average():
+    """DeepSeek-V2-Lite's first layer is dense and its 26 others MoE layers. The block group averages
+    them (the whole stack exact); a pipeline stage is priced with each of its layers' own kind, so
+    the stage holding the dense layer holds one dense MLP and its others whole MoE layers, exactly
+    (before, every stage held 26/27 of an MoE layer per layer: its MoE stages' expert state came out
+    1/27 short)."""
+    from dsauto.api import make_plan
+    from dsauto.spec.model import block_parameters, layer_group_per_layer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = model_from_hf_config(json.loads((CONFIGS / "deepseek-v2-lite.json").read_text()), "deepseek_v2")
+    assert model.moe_layers() == tuple(range(1, model.num_layers))
+    groups = layer_groups(model, 4096, 2)
+    per_layer = layer_group_per_layer(model, groups, 4096, 2)
+    assert per_layer[1].expert_params == 0 and per_layer[2].moe_layer_fraction == 1.0
+    assert sum(g.params for g in per_layer[1:-1]) == pytest.approx(groups[1].params * model.num_layers, abs=model.num_layers)
+    plan = make_plan(model, "h100-80gb", nodes=2, gpus_per_node=8, global_batch=64, seq_len=4096, engine="megatron",
+                     pp=2, tp=1, ep=8, stage_layers="13,14", offload="none")
+    parts = block_parameters(model)
+    moe_layer = parts.attention + parts.shared_expert + parts.router + parts.num_experts * parts.expert / 8
+    first, last = plan.stages
+    assert first.params_bytes == pytest.approx(2 * (groups[0].params + parts.attention + parts.dense_mlp
+                                                    + 12 * moe_layer), rel=1e-6)
+    assert last.params_bytes == pytest.approx(2 * (groups[2].params + 14 * moe_layer), rel=1e-6)
