@@ -868,6 +868,19 @@ def _format_warning(message: Warning | str, category: type[Warning], filename: s
     return f"warning from {package}: {category.__name__}: {' '.join(str(message).split())}\n"
 
 
+def _negative_values_attached(argv: list[str]) -> list[str]:
+    """``argv`` with a value that starts with a minus and a digit attached to the option before it
+    (``--memory-limit -5GiB`` as ``--memory-limit=-5GiB``): argparse takes such a word for an option
+    and says the option lacks its value, where the value's own check says what is wrong with it."""
+    out: list[str] = []
+    for word in argv:
+        if out and re.match(r"-\d", word) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # The CLI uses DeepSpeed only to parse configs; its CPU accelerator spares the auto-detection
     # (and its warning on machines without a GPU). Training processes choose their own.
@@ -879,7 +892,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout = _ReaderMayLeave(stdout)  # `dsauto plan | head`: the rest of the run goes on quietly
     args = None
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(_negative_values_attached(sys.argv[1:] if argv is None else list(argv)))
         if args.command == "profile":
             return _cmd_profile(args)
         if args.command in ("tune", "plan"):

@@ -111,6 +111,8 @@ BAD = [
     (lambda tmp: ["--tp", "2", "--pp", "2", "--gpus-per-node", "6", "--hardware", "a100-80gb"],
      r"does not divide"),
     (lambda tmp: ["--memory-limit", "lots"], r"memory limit"),
+    # argparse would take the negative value for an option and say none was given
+    (lambda tmp: ["--memory-limit", "-5GiB"], r"Cannot read the memory limit '-5GiB'"),
     (lambda tmp: ["--nodes", "0"], r"positive"),
     (lambda tmp: ["--zero-stage", "3", "--pp", "2", "--gpus-per-node", "4", "--hardware", "a100-80gb"],
      r"ZeRO stage 3 cannot run with pipeline"),
