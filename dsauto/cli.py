@@ -304,9 +304,12 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
         model, launch_train, launch_pins, world, spelled, planned = _launch_from_args(args)
         args.launch_spelled = {key: flag for key, flag in spelled.items() if key not in train and key not in pins}
         train, pins = _merged(train, launch_train, "--megatron-args"), _merged(pins, launch_pins, "--megatron-args")
-        nodes = _launched(nodes, world.get("nodes"), "nodes", "--nodes", args.megatron_args, planned)
-        gpus_per_node = _launched(gpus_per_node, world.get("gpus_per_node"), "ranks a node", "--gpus-per-node",
-                                  args.megatron_args, planned)
+        if planned:
+            nodes, gpus_per_node = _planned_world(nodes, gpus_per_node, world, args.megatron_args)
+        else:
+            nodes = _launched(nodes, world.get("nodes"), "nodes", "--nodes", args.megatron_args)
+            gpus_per_node = _launched(gpus_per_node, world.get("gpus_per_node"), "ranks a node", "--gpus-per-node",
+                                      args.megatron_args)
     return make_problem(model, args.hardware, nodes=nodes, gpus_per_node=gpus_per_node,
                         memory_limit=args.memory_limit, **train, **pins)
 
@@ -349,15 +352,29 @@ def in_launch_spelling(message: str, spelled: Mapping[str, str]) -> str:
     return message
 
 
-def _launched(given: int | None, launched: int | None, what: str, option: str, path: Any,
-              planned: bool = False) -> int | None:
-    """The size the command line gives, else the one the launch script's launcher starts (or, in
-    dsauto's own file, the one it was planned for); refused where they differ."""
+def _launched(given: int | None, launched: int | None, what: str, option: str, path: Any) -> int | None:
+    """The size the command line gives, else the one the launch script's launcher starts; refused
+    where they differ."""
     if given is not None and launched is not None and given != launched:
-        starts = "was planned for" if planned else "'s launcher starts"
-        raise DsautoError(f"{path}{' ' if planned else ''}{starts} {launched} {what} and the command line gives "
-                          f"{option} {given}; drop one of them.")
+        raise DsautoError(f"{path}'s launcher starts {launched} {what} and the command line gives {option} {given}; "
+                          f"drop one of them.")
     return given if given is not None else launched
+
+
+def _planned_world(nodes: int | None, gpus_per_node: int | None, planned: dict[str, int],
+                   path: Any) -> tuple[int, int]:
+    """The nodes and ranks a node of dsauto's own megatron_args.txt: the command line's where it
+    gives them and they make the world the file was planned for (its data-parallel degree is that
+    world's), the file's where it gives none; refused where they make another world."""
+    shape = (nodes or planned["nodes"], gpus_per_node or planned["gpus_per_node"])
+    if nodes is None and gpus_per_node is None:
+        return planned["nodes"], planned["gpus_per_node"]
+    if shape[0] * shape[1] != planned["nodes"] * planned["gpus_per_node"]:
+        raise DsautoError(f"{path} was planned for {planned['nodes']} x {planned['gpus_per_node']} ranks, whose "
+                          f"world size its data-parallel degree follows, and the command line makes {shape[0]} x "
+                          f"{shape[1]}; give --nodes and --gpus-per-node making {planned['nodes'] * planned['gpus_per_node']} "
+                          f"ranks, or leave them out.")
+    return shape
 
 
 def _merged(given: dict[str, Any], launch: dict[str, Any], source: str) -> dict[str, Any]:

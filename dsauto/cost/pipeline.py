@@ -4,8 +4,7 @@ operation by operation.
 The cost model's stage times go in; the step's pipeline time comes out, exactly for the schedule
 (Narayanan et al. 2021, Sec. 2.2), including unequal stages, where the closed form
 sum_i t_i + (m - 1) * max_i t_i is only an upper estimate. The layout search uses that closed form
-as its fast objective; predictions of 1F1B plans use this simulation, and plan.png draws both
-schedules.
+as its fast objective; predictions use these simulations, and plan.png draws them.
 """
 
 from __future__ import annotations
@@ -85,22 +84,24 @@ def pipeline_seconds(forward: list[float], backward: list[float], micro_batches:
     return max(ops[-1][3] for ops in simulate_1f1b(forward, backward, micro_batches))
 
 
-def interleaved_order(stage: int, stages: int, micro_batches: int, virtual_stages: int) -> list[tuple[str, int, int]]:
+def interleaved_order(stage: int, stages: int, micro_batches: int, virtual_stages: int,
+                      extra_warmup: int = 0) -> list[tuple[str, int, int]]:
     """The order in which pipeline rank ``stage`` of ``stages`` runs its (kind, micro-batch, chunk)
     operations under Megatron-core's interleaved schedule, micro-batches a multiple of ``stages``
     (megatron/core/pipeline_parallel/schedules.py: ``get_schedule_table`` with
     ``microbatch_group_size_per_vp_stage`` pp, Megatron-LM's default; ``get_pp_rank_microbatches``;
     ``forward_backward_pipelining_with_interleaving``). Forwards run in groups of pp micro-batches
     through each chunk in turn, backwards in the same table with the chunks reversed; a rank runs
-    (pp - stage - 1) * 2 + (v - 1) * pp warm-up forwards (all of them where that is as many), then a
-    forward and a backward in turn, then the remaining backwards."""
+    (pp - stage - 1) * 2 + (v - 1) * pp warm-up forwards, ``extra_warmup`` more (one under
+    ``--overlap-moe-expert-parallel-comm``, whose paired steps need it; all of them where that is as
+    many), then a forward and a backward in turn, then the remaining backwards."""
     if micro_batches % stages:
         raise ValueError(f"the interleaved schedule needs micro-batches a multiple of the {stages} stages, "
                          f"got {micro_batches}")
     table = [(j, c) for group in range(0, micro_batches, stages) for c in range(virtual_stages)
              for j in range(group, group + stages)]
     total = len(table)
-    warmup = min((stages - stage - 1) * 2 + (virtual_stages - 1) * stages, total)
+    warmup = min((stages - stage - 1) * 2 + (virtual_stages - 1) * stages + extra_warmup, total)
     forwards = [("F", j, c) for j, c in table]
     backwards = [("B", j, virtual_stages - 1 - c) for j, c in table]
     order = forwards[:warmup]
@@ -109,32 +110,34 @@ def interleaved_order(stage: int, stages: int, micro_batches: int, virtual_stage
     return order + backwards[total - warmup:]
 
 
-def simulate_interleaved(forward: list[list[float]], backward: list[list[float]], micro_batches: int) -> list[list[ChunkOp]]:
+def simulate_interleaved(forward: list[list[float]], backward: list[list[float]], micro_batches: int,
+                         extra_warmup: int = 0) -> list[list[ChunkOp]]:
     """Simulates one step of Megatron-core's interleaved schedule; returns per pipeline rank its
     operations in execution order. ``forward[i][c]`` and ``backward[i][c]`` are rank i's times for
     one micro-batch through its model chunk c. Each rank runs :func:`interleaved_order`; an operation
     starts when its rank is free and its input is ready: a chunk's forward after the same chunk's
     forward on the rank before, rank 0's chunk c after chunk c - 1 on the last rank; backwards the
     other way, the last rank's backward of the last chunk after its own forward of it. Transfers
-    take no time here (the cost model prices them apart)."""
-    orders, slots, ends = _interleaved_ends(forward, backward, micro_batches)
+    take no time here (the cost model prices them apart). ``extra_warmup``: as :func:`interleaved_order`'s."""
+    orders, slots, ends = _interleaved_ends(forward, backward, micro_batches, extra_warmup)
     return [[(kind, j, c, ends[k] - (forward[i][c] if kind == "F" else backward[i][c]), ends[k])
              for (kind, j, c), k in zip(order, slot)] for i, (order, slot) in enumerate(zip(orders, slots))]
 
 
-def interleaved_pipeline_seconds(forward: list[list[float]], backward: list[list[float]], micro_batches: int) -> float:
+def interleaved_pipeline_seconds(forward: list[list[float]], backward: list[list[float]], micro_batches: int,
+                                 extra_warmup: int = 0) -> float:
     """Time from the first forward to the last backward of one step of the interleaved schedule
     (:func:`simulate_interleaved`)."""
-    _, slots, ends = _interleaved_ends(forward, backward, micro_batches)
+    _, slots, ends = _interleaved_ends(forward, backward, micro_batches, extra_warmup)
     return max(ends[slot[-1]] for slot in slots)
 
 
-def _interleaved_ends(forward: list[list[float]], backward: list[list[float]],
-                      micro_batches: int) -> tuple[list[list[tuple[str, int, int]]], list[list[int]], list[float]]:
+def _interleaved_ends(forward: list[list[float]], backward: list[list[float]], micro_batches: int,
+                      extra_warmup: int = 0) -> tuple[list[list[tuple[str, int, int]]], list[list[int]], list[float]]:
     """Each rank's :func:`interleaved_order`, the slot of each of its operations, and the end of the
     operation in each slot.
-    Event-driven as :func:`simulate_1f1b`, over flat arrays: the predictions of interleaved plans run
-    it, O(pp x v x m) operations each."""
+    Event-driven as :func:`simulate_1f1b`, over flat arrays: every prediction of an interleaved plan
+    runs it, O(pp x v x m) operations."""
     stages = len(forward)
     chunks = len(forward[0]) if stages else 0
     if stages < 1 or len(backward) != stages or any(len(t) != chunks for t in (*forward, *backward)):
@@ -147,7 +150,7 @@ def _interleaved_ends(forward: list[list[float]], backward: list[list[float]],
     # One slot per operation of the step: forward j of rank i's chunk c at (i * v + c) * m + j, its
     # backward (stages + i) * v * m further on.
     backward_base = stages * v * m
-    orders = [interleaved_order(i, stages, m, v) for i in range(stages)]
+    orders = [interleaved_order(i, stages, m, v, extra_warmup) for i in range(stages)]
     slots, waits_on, takes = [], [], []
     for i, order in enumerate(orders):
         slot, wait, take = [], [], []

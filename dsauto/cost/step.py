@@ -23,7 +23,7 @@ import numpy as np
 from dsauto.cost.calibration import Calibration
 from dsauto.cost.layer import CostModel, LayerCost, gathered_unit_params
 from dsauto.cost.measured import MeasuredCosts
-from dsauto.cost.pipeline import pipeline_seconds
+from dsauto.cost.pipeline import interleaved_pipeline_seconds, pipeline_seconds
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.cost.terms import (
     local_params,
@@ -184,10 +184,8 @@ def interleaved_makespan(stage_seconds: Sequence[float], micro_batches: int, vir
     Sec. 2.2.2: bubble (p - 1) / v of a micro-batch's pass): the first micro-batch's forward and the
     last one's backward cross every rank in its first chunk (``first_chunk_seconds``, which holds the
     most layers when they do not divide, :func:`first_chunk_share`; None: 1/v of each stage). With
-    one chunk this is 1F1B's sum_i t_i + (m - 1) max_i t_i. Predictions of interleaved plans take it
-    (the simulation, :func:`dsauto.cost.pipeline.simulate_interleaved`, agrees within a percent on
-    the search's plans, whose chunks differ by a layer at most, and costs too much to run on each);
-    plan.png draws the simulation."""
+    one chunk this is 1F1B's sum_i t_i + (m - 1) max_i t_i. The layout search's objective; predictions
+    simulate the schedules (:mod:`dsauto.cost.pipeline`), which uneven chunks (the head's) cost more."""
     slowest = max(stage_seconds)
     index = list(stage_seconds).index(slowest)
     chunks = ([t / virtual_stages for t in stage_seconds] if first_chunk_seconds is None
@@ -673,7 +671,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     default_prefetch = prefetch_bytes(groups, strategy.tp, train.dtype_bytes, options, num_layers)
 
     stages, tails, times = [], [], []
-    first_chunks: list[float] = []  # interleaved: each rank's first chunk's forward and backward
+    chunk_passes: list[tuple[list[float], list[float]]] = []  # interleaved: each rank's chunks' passes
     dispatch: list[float] = []  # each stage's expert all-to-alls per micro-batch
     tp_comm: list[float] = []  # each stage's tensor-parallel collectives per micro-batch
     offloaded: list[float] = []  # each stage's host bytes per rank (offload)
@@ -712,8 +710,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
             for k, c in zip(chunk_of, costs):
                 passes_f[k] += c.forward_seconds
                 passes_b[k] += c.backward_seconds
-            first_chunks.append(sum(c.forward_seconds + c.backward_seconds for k, c in zip(chunk_of, costs) if k == 0)
-                                + 2 * p2p)
+            chunk_passes.append((passes_f, passes_b))
             per_chunk = [[0.0, 0.0, 0.0] for _ in range(v)]  # kept, at the end of forward, in backward
             for k, j, c in zip(chunk_of, held, costs):
                 per_chunk[k][0] += c.activation_bytes
@@ -867,7 +864,12 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         makespan = pipeline_seconds([st.forward_seconds for st in stages],
                                     [st.backward_seconds for st in stages], m)
     else:
-        makespan = interleaved_makespan(times, m, v, first_chunks)
+        # Megatron-core's interleaved schedule, simulated over each rank's chunk passes (the closed
+        # form misses what uneven chunks cost, the head's chunk above all); the fill and drain also
+        # wait for each boundary's transfers, once each way (the steady state's share is in the passes).
+        makespan = (interleaved_pipeline_seconds([f for f, _ in chunk_passes], [b for _, b in chunk_passes], m,
+                                                 int(strategy.expert_a2a_overlap))
+                    + 2 * (pp - 1) * p2p)
         # The same stages as one chunk each (1F1B, whose transfers are waited on): one boundary to
         # cross per micro-batch each way.
         plain = [t - waits + 2 * p2p for t, waits in zip(times, exposures)]

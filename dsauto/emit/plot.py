@@ -211,7 +211,7 @@ def _schedule(plan: Plan) -> tuple[list[list[ChunkOp]], float, bool, bool]:
             chunk_forward.append([st.forward_seconds * w for w in share])
             chunk_backward.append([st.backward_seconds * w for w in share])
         simulated = pp * (-(-DRAWN_MICRO_BATCHES // pp) + 4) if capped else m
-        ops = simulate_interleaved(chunk_forward, chunk_backward, min(m, simulated))
+        ops = simulate_interleaved(chunk_forward, chunk_backward, min(m, simulated), int(plan.expert_a2a_overlap))
     else:
         simulated, split = DRAWN_MICRO_BATCHES + pp if capped else m, False
         ops = [[(kind, j, 0, start, end) for kind, j, start, end in stage]

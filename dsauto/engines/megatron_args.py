@@ -91,7 +91,7 @@ REFUSED = {
     "--no-bias-swiglu-fusion": "an unfused SwiGLU (it keeps 2 x FFN more values a token in every layer)",
     "--cpu-offloading": "activation offloading",
     "--position-embedding-type none": "a model without position embeddings",
-    "--multi-latent-attention": "latent attention from flags",
+    "--multi-latent-attention": "latent attention's widths from flags",
 }
 """What a launch may say that dsauto does not price from flags, with the phrase its error uses."""
 
@@ -149,17 +149,18 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
     launch = parse_megatron_args(words, str(path), model, launch_environment(text), launch_vocabulary(text))
-    if not launch.world and (planned := planned_world(text)):
+    if not launch.world and not _launcher_words(words) and (planned := planned_world(text)):
         launch.world, launch.world_planned = planned, True
     return launch
 
 
 def planned_world(text: str) -> dict[str, int]:
     """``nodes`` and ``gpus_per_node`` of the cluster dsauto's own megatron_args.txt was planned for
-    (its first comment, :data:`PLANNED_FOR`), or nothing for another file: the flags' data-parallel
-    degree is the world size over the model-parallel ones, so pricing them on another cluster would
+    (its first line, :data:`PLANNED_FOR`), or nothing for another file: the flags' data-parallel
+    degree is the world size over the model-parallel ones, so pricing them on another world would
     price another launch."""
-    found = re.search(rf"^\s*#\s*{re.escape(PLANNED_FOR)} .* on (\d+) x (\d+) \S+\.\s*$", text, re.MULTILINE)
+    first = text.lstrip().partition("\n")[0]
+    found = re.fullmatch(rf"#\s*{re.escape(PLANNED_FOR)} .* on (\d+) x (\d+) .+\.\s*", first)
     return {"nodes": int(found.group(1)), "gpus_per_node": int(found.group(2))} if found else {}
 
 
@@ -316,8 +317,8 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
             if spelling == "--recompute-method uniform" and flags.get("--recompute-num-layers", "1") == "1":
                 continue
             if spelling in DESCRIBED_BY_MODEL:
-                raise DsautoError(f"{where} sets {spelling}, whose widths no flag dsauto reads gives; name the model "
-                                  f"with --model (for dsauto's own file, the --model it was planned with).")
+                raise DsautoError(f"{where} sets {spelling}, and dsauto does not read {what}; name the model with "
+                                  f"--model (for dsauto's own file, the --model it was planned with).")
             raise DsautoError(f"{where} sets {spelling}, and dsauto does not price {what}; remove it, or plan "
                               f"without --megatron-args.")
     described = None

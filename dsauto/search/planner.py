@@ -116,7 +116,10 @@ class _Priced:
         # at least (1 - hidden) of the transfers are waited for (cost.step.p2p_exposed_seconds)
         p2p = 2 * v * self.p2p_seconds * (1 - self.p2p_hidden) if s.pp > 1 else 0.0
         # The step is m * slowest plus each other rank's first chunk, at least 1/v of its stage
-        # (cost.step.interleaved_makespan), >= (m + (p - 1) / v) * mean stage time.
+        # (cost.step.interleaved_makespan), >= (m + (p - 1) / v) * mean stage time. Predictions simulate
+        # the interleaved schedule, which takes that of balanced chunks and more of uneven ones (the
+        # head's); a layout far heavier in its first ranks could fill in less, and the layout DP does
+        # not build such ones (tests/search/test_dimension_oracle.py checks the bound on solved plans).
         return (s.grad_accum + (s.pp - 1) / v) * (total / s.pp + p2p) + self.optimizer_seconds / s.pp
 
     def least_memory(self, num_layers: int, recompute_num_layers: int | None = None) -> float:
@@ -612,7 +615,7 @@ class Planner:
             t_last = last_waited[rest - n_first + 1]
             mid_sum = mid_times.sum() if mids else 0.0
             mid_max = mid_times.max() if mids else 0.0
-            # The closed form of 1F1B as the search objective (predictions simulate it).
+            # The closed forms of the schedules as the search objective (predictions simulate them).
             slowest = np.maximum(np.maximum(t_first, t_last), mid_max)
             if v == 1:
                 makespan = t_first + t_last + mid_sum + ((m - 1) * slowest if m > 1 else 0.0)

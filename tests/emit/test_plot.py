@@ -67,9 +67,9 @@ def test_an_interleaved_plan_is_drawn_as_its_schedule_runs(tmp_path, monkeypatch
     assert plan.virtual_stages == 2
     simulated = []
 
-    def spy(forward, backward, micro_batches):
+    def spy(forward, backward, micro_batches, extra_warmup=0):
         simulated.append((forward, backward, micro_batches))
-        return simulate_interleaved(forward, backward, micro_batches)
+        return simulate_interleaved(forward, backward, micro_batches, extra_warmup)
 
     monkeypatch.setattr(plot, "simulate_interleaved", spy)
     monkeypatch.setattr(plot, "simulate_1f1b", None)  # not drawn as 1F1B

@@ -518,9 +518,23 @@ def test_dsauto_s_own_file_reads_back_on_the_cluster_it_was_planned_for(tmp_path
     assert main(["plan", "--megatron-args", str(path), "--hardware", "h100-80gb"]) == 0
     out = capsys.readouterr().out
     assert "on 2 x 8 h100-80gb (16 devices)" in out and f"step {format_seconds(plan.prediction.step_seconds)}," in out
+    assert main(["plan", "--megatron-args", str(path), "--hardware", "h100-80gb", "--nodes", "4", "--gpus-per-node",
+                 "4"]) == 0  # the same world, shaped otherwise
+    assert "on 4 x 4 h100-80gb (16 devices)" in capsys.readouterr().out
     assert main(["plan", "--megatron-args", str(path), "--hardware", "h100-80gb", "--nodes", "1"]) == 2
-    assert (f"{path} was planned for 2 nodes and the command line gives --nodes 1; drop one of them."
+    assert (f"{path} was planned for 2 x 8 ranks, whose world size its data-parallel degree follows, and the "
+            f"command line makes 1 x 8; give --nodes and --gpus-per-node making 16 ranks, or leave them out."
             in capsys.readouterr().err)
+    # only its first line says so, and not in a script whose launcher sizes the world
+    from dsauto.engines.megatron_args import planned_world
+
+    header = path.read_text().partition("\n")[0]
+    assert planned_world(header.replace("h100-80gb", "my h100 box") + "\n--num-layers 2") == {"nodes": 2,
+                                                                                           "gpus_per_node": 8}
+    assert planned_world("--num-layers 2\n" + header) == {}
+    script = tmp_path / "train.sh"
+    script.write_text(f"{header}\ntorchrun --nnodes $NNODES pretrain_gpt.py {MINIMAL}\n")
+    assert read_megatron_args(script).world == {}
 
 
 def test_rotary_positions_beyond_the_model_s_are_sized_to_the_sequence(tmp_path):

@@ -4,6 +4,8 @@ layers so, and a layout that cannot run is refused in one sentence."""
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from dsauto.api import find_plans, make_plan, make_problem
@@ -20,8 +22,9 @@ PINS = dict(nodes=8, global_batch=128, seq_len=8192, tp=4, pp=4, engine="megatro
 
 
 def layout_flags(plan) -> list[str]:
-    return [line for line in megatron_args(plan) if line.startswith(("--pipeline-model-parallel-layout",
-                                                                      "--decoder-first", "--decoder-last"))]
+    """The layout lines as Megatron-LM reads them (the file quotes the layout's | and *)."""
+    return [" ".join(shlex.split(line)) for line in megatron_args(plan)
+            if line.startswith(("--pipeline-model-parallel-layout", "--decoder-first", "--decoder-last"))]
 
 
 def test_even_is_megatron_cores_default_split_and_needs_no_layout_flag():
