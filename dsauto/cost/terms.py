@@ -465,10 +465,15 @@ def expert_dispatch_seconds(group: LayerGroup, option: LayerOption, ctx: LayerCo
 
     Under DeepEP (``ctx.expert_dispatcher`` deepep) a group spanning nodes sends a token over the
     network once per other node holding any of its top-k experts (:func:`remote_node_share`), not
-    once per copy, and forwards the copies over NVLink inside the node."""
+    once per copy, and forwards the copies over NVLink inside the node.
+
+    A group averaging dense and MoE layers (``LayerGroup.moe_layer_fraction``) pays its MoE layers'
+    share of their exchanges, latencies included: the mean of its layers, as its other terms are."""
     if not group.dispatch_bytes_per_token or (ctx.ep_group is None and ctx.etp == 1):
         return Passes(0.0, 0.0)
-    size = ctx.tokens / ctx.replicated_div * group.dispatch_bytes_per_token * expert_load_factor(ctx)
+    share_of_layers = group.moe_layer_fraction or 1.0
+    size = (ctx.tokens / ctx.replicated_div * group.dispatch_bytes_per_token / share_of_layers
+            * expert_load_factor(ctx))  # an MoE layer's
     exchange, ep = 0.0, ctx.ep_group
     if ep is not None and ctx.expert_dispatcher == "deepep" and ep.members_per_node < ep.size:
         share = remote_node_share(group.num_experts, group.moe_top_k, ep.size, ep.members_per_node)
@@ -481,6 +486,7 @@ def expert_dispatch_seconds(group: LayerGroup, option: LayerOption, ctx: LayerCo
         # group), one all-reduce's volume of etp x the received tokens; the group lies inside a node
         # like the tensor-parallel one, whose link prices it.
         exchange += dataclasses.replace(ctx.tp_group, size=ctx.etp).all_reduce(size * ctx.etp)
+    exchange *= share_of_layers
     return Passes(exchange, exchange * (2 if option.checkpoint else 1))
 
 

@@ -156,12 +156,17 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
 
 def planned_world(text: str) -> dict[str, int]:
     """``nodes`` and ``gpus_per_node`` of the cluster dsauto's own megatron_args.txt was planned for
-    (its first line, :data:`PLANNED_FOR`), or nothing for another file: the flags' data-parallel
+    (its first line, :data:`PLANNED_FOR`, among the comments before the first flag), or nothing for
+    another file: the flags' data-parallel
     degree is the world size over the model-parallel ones, so pricing them on another world would
     price another launch."""
-    first = text.lstrip().partition("\n")[0]
-    found = re.fullmatch(rf"#\s*{re.escape(PLANNED_FOR)} .* on (\d+) x (\d+) .+\.\s*", first)
-    return {"nodes": int(found.group(1)), "gpus_per_node": int(found.group(2))} if found else {}
+    for line in text.splitlines():  # the comments before the first flag (a shebang, a note, then the file)
+        line = line.strip()
+        if line and not line.startswith("#"):
+            break
+        if found := re.fullmatch(rf"#\s*{re.escape(PLANNED_FOR)} .* on (\d+) x (\d+) .+\.", line):
+            return {"nodes": int(found.group(1)), "gpus_per_node": int(found.group(2))}
+    return {}
 
 
 _ASSIGNMENT = re.compile(r"(?:export[ \t]+|declare[ \t]+-a[ \t]+)?([A-Za-z_]\w*)(\+?)=")

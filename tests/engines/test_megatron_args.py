@@ -532,6 +532,7 @@ def test_dsauto_s_own_file_reads_back_on_the_cluster_it_was_planned_for(tmp_path
     assert planned_world(header.replace("h100-80gb", "my h100 box") + "\n--num-layers 2") == {"nodes": 2,
                                                                                            "gpus_per_node": 8}
     assert planned_world("--num-layers 2\n" + header) == {}
+    assert planned_world(f"#!/bin/bash\n# my note\n\n{header}\r\n--num-layers 2") == {"nodes": 2, "gpus_per_node": 8}
     script = tmp_path / "train.sh"
     script.write_text(f"{header}\ntorchrun --nnodes $NNODES pretrain_gpt.py {MINIMAL}\n")
     assert read_megatron_args(script).world == {}

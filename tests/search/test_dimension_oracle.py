@@ -127,6 +127,8 @@ def test_ulysses_edges_keep_up_with_brute_force_where_the_fastest_plan_changes(e
 
 MIXTRAL_LIKE = dataclasses.replace(load_model("llama2-7b"), name="moe-7b", num_layers=8, num_experts=8,
                                    moe_top_k=2, moe_ffn_hidden_size=11008)
+# Llama 4's alternation: the search averages the dense and MoE layers, the prediction prices each
+MIXED = dataclasses.replace(MIXTRAL_LIKE, name="mixed-7b", moe_layer_freq=2, moe_layer_phase=1)
 
 
 @pytest.mark.parametrize("model, seq, pins", [
@@ -134,7 +136,8 @@ MIXTRAL_LIKE = dataclasses.replace(load_model("llama2-7b"), name="moe-7b", num_l
     (load_model("llama2-7b"), 32768, Constraints(cp=2, engine="megatron", **PLAIN)),
     (load_model("llama2-7b"), 32768, Constraints(cp=4, engine="deepspeed", **PLAIN)),
     (MIXTRAL_LIKE, 4096, Constraints(engine="megatron", ep=4, **PLAIN)),
-], ids=["interleaved", "ring", "ulysses", "experts"])
+    (MIXED, 4096, Constraints(engine="megatron", ep=8, **PLAIN)),
+], ids=["interleaved", "ring", "ulysses", "experts", "dense-and-moe"])
 def test_lower_bound_never_exceeds_the_plan_it_bounds(model, seq, pins):
     cluster_ = ClusterSpec(load_hardware("a100-80gb"), nodes=1, gpus_per_node=8)
     train = TrainSpec(global_batch=32, seq_len=seq)
