@@ -367,8 +367,6 @@ def _planned_world(nodes: int | None, gpus_per_node: int | None, planned: dict[s
     gives them and they make the world the file was planned for (its data-parallel degree is that
     world's), the file's where it gives none; refused where they make another world."""
     shape = (nodes or planned["nodes"], gpus_per_node or planned["gpus_per_node"])
-    if nodes is None and gpus_per_node is None:
-        return planned["nodes"], planned["gpus_per_node"]
     if shape[0] * shape[1] != planned["nodes"] * planned["gpus_per_node"]:
         raise DsautoError(f"{path} was planned for {planned['nodes']} x {planned['gpus_per_node']} ranks, whose "
                           f"world size its data-parallel degree follows, and the command line makes {shape[0]} x "

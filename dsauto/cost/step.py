@@ -671,7 +671,6 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     default_prefetch = prefetch_bytes(groups, strategy.tp, train.dtype_bytes, options, num_layers)
 
     stages, tails, times = [], [], []
-    chunk_passes: list[tuple[list[float], list[float]]] = []  # interleaved: each rank's chunks' passes
     dispatch: list[float] = []  # each stage's expert all-to-alls per micro-batch
     tp_comm: list[float] = []  # each stage's tensor-parallel collectives per micro-batch
     offloaded: list[float] = []  # each stage's host bytes per rank (offload)
@@ -710,7 +709,6 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
             for k, c in zip(chunk_of, costs):
                 passes_f[k] += c.forward_seconds
                 passes_b[k] += c.backward_seconds
-            chunk_passes.append((passes_f, passes_b))
             per_chunk = [[0.0, 0.0, 0.0] for _ in range(v)]  # kept, at the end of forward, in backward
             for k, j, c in zip(chunk_of, held, costs):
                 per_chunk[k][0] += c.activation_bytes
@@ -867,7 +865,8 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         # Megatron-core's interleaved schedule, simulated over each rank's chunk passes (the closed
         # form misses what uneven chunks cost, the head's chunk above all); the fill and drain also
         # wait for each boundary's transfers, once each way (the steady state's share is in the passes).
-        makespan = (interleaved_pipeline_seconds([f for f, _ in chunk_passes], [b for _, b in chunk_passes], m,
+        makespan = (interleaved_pipeline_seconds([list(st.chunk_forward_seconds) for st in stages],
+                                                 [list(st.chunk_backward_seconds) for st in stages], m,
                                                  int(strategy.expert_a2a_overlap))
                     + 2 * (pp - 1) * p2p)
         # The same stages as one chunk each (1F1B, whose transfers are waited on): one boundary to

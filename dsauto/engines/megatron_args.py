@@ -155,12 +155,11 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
 
 
 def planned_world(text: str) -> dict[str, int]:
-    """``nodes`` and ``gpus_per_node`` of the cluster dsauto's own megatron_args.txt was planned for
-    (its first line, :data:`PLANNED_FOR`, among the comments before the first flag), or nothing for
-    another file: the flags' data-parallel
-    degree is the world size over the model-parallel ones, so pricing them on another world would
-    price another launch."""
-    for line in text.splitlines():  # the comments before the first flag (a shebang, a note, then the file)
+    """``nodes`` and ``gpus_per_node`` of the cluster dsauto's own megatron_args.txt was planned for,
+    as its first line states it (:data:`PLANNED_FOR`; a shebang or a note may stand above it), or
+    nothing for another file: the flags' data-parallel degree is the world size over the
+    model-parallel ones, so pricing them on another world would price another launch."""
+    for line in text.splitlines():  # the comments before the first flag
         line = line.strip()
         if line and not line.startswith("#"):
             break

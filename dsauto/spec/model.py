@@ -12,8 +12,8 @@ here to grouped-query attention, SwiGLU MLPs, layers without dropout and any act
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from dsauto.spec.limits import MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH
