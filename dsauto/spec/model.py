@@ -529,8 +529,8 @@ class LayerGroup:
     attention_window_fraction: float = 1.0
     """Of the causal attention a fused kernel computes, the fraction sliding windows leave, averaged
     over the group's layers (1 without sliding windows). Eager attention computes the whole square
-    whatever the window. The average makes the whole stack exact; a pipeline stage holding more or
-    fewer sliding layers than the average is off by its share of the attention FLOPs."""
+    whatever the window. The stack's block group averages its layers (the whole stack exact); a
+    pipeline stage is priced with its own layers' (:func:`layer_group_per_layer`)."""
     kv_bytes_per_token: float = 0.0
     """Bytes per token of the layer's keys and values (before tensor parallelism splits the heads):
     what ring attention passes around the context-parallel group."""
@@ -608,10 +608,13 @@ class LayerGroup:
 
 
 def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
-                 pad_vocab: bool = True, moe_fraction: float | None = None) -> tuple[LayerGroup, ...]:
+                 pad_vocab: bool = True, moe_fraction: float | None = None,
+                 local_attention: bool | None = None) -> tuple[LayerGroup, ...]:
     """The layer groups of ``model`` in execution order: embedding, the transformer stack, the head.
     ``moe_fraction`` prices the stack as if that share of its layers were MoE layers (0: its dense
-    layers, 1: its MoE layers; :func:`layer_group_per_layer`); None: the model's own share."""
+    layers, 1: its MoE layers; :func:`layer_group_per_layer`); None: the model's own share.
+    ``local_attention`` prices it as its sliding-window or chunked layers (True) or its layers that
+    attend to the whole sequence (False); None: the average over its layers."""
     h, s, b = model.hidden_size, seq_len, dtype_bytes
     a, f = model.num_attention_heads, model.ffn_hidden_size
     qd, kvd = a * model.head_dim, model.kv_heads * model.head_dim  # query and key/value widths
@@ -719,7 +722,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         gemm_dim=h,
         head_dim=q_width // a,
         causal=model.architecture == "decoder",
-        attention_window_fraction=attention_window_fraction(model, s),
+        attention_window_fraction=attention_window_fraction(model, s, local_attention),
         kv_bytes_per_token=(k_width + v_width) * b,
         attention_io_bytes_per_token=(q_width + k_width + v_width + out_width) * b,
         query_bytes_per_token=0.0 if model.latent_attention else q_width * b,
@@ -808,15 +811,42 @@ def layer_group_per_layer(model: ModelSpec, groups: Sequence[LayerGroup], seq_le
                           tp: int = 1) -> list[LayerGroup]:
     """The group of each layer in flat numbering (0 the embedding, 1..L the transformer layers, L + 1
     the head) for pricing a pipeline stage: ``groups`` (:func:`layer_groups`), except that in a model
-    mixing dense and MoE layers (DeepSeek's first dense layers, Llama 4's alternate ones) each
-    transformer layer takes its own kind's group, where the stack's block group averages them; a
-    stage holding more or fewer MoE layers than the average then holds what its own layers hold."""
+    whose layers are of several kinds each transformer layer takes its own kind's group, where the
+    stack's block group averages them: dense and MoE layers (DeepSeek's first dense layers, Llama 4's
+    alternate ones), and layers attending within a window or chunk and to the whole sequence (Gemma
+    3's five local layers to one global, Llama 4's chunked layers). A stage holding more or fewer of
+    one kind than the average then holds and computes what its own layers do."""
     embedding, block, head = groups
     moe = set(model.moe_layers())
-    if not moe or len(moe) == model.num_layers:
+    mixed_moe = bool(moe) and len(moe) < model.num_layers
+    local = set(local_attention_layers(model, seq_len))
+    mixed_local = bool(local) and len(local) < model.num_layers
+    if not mixed_moe and not mixed_local:
         return [embedding, *[block] * model.num_layers, head]
-    kinds = {fraction: layer_groups(model, seq_len, dtype_bytes, tp, moe_fraction=fraction)[1] for fraction in (0.0, 1.0)}
-    return [embedding, *[kinds[1.0 if i in moe else 0.0] for i in range(model.num_layers)], head]
+
+    def kind(i: int) -> tuple[float | None, bool | None]:
+        return (float(i in moe) if mixed_moe else None, i in local if mixed_local else None)
+
+    kinds = {key: layer_groups(model, seq_len, dtype_bytes, tp, moe_fraction=key[0], local_attention=key[1])[1]
+             for key in {kind(i) for i in range(model.num_layers)}}
+    return [embedding, *[kinds[kind(i)] for i in range(model.num_layers)], head]
+
+
+def local_attention_layers(model: ModelSpec, seq_len: int) -> list[int]:
+    """The transformer layers (numbered from 0) whose attention leaves out keys of ``seq_len``-token
+    sequences: the sliding-window layers (all but every ``global_attention_every``-th) when the window
+    is shorter than the sequence, and the chunked layers (those with rotary positions) when the chunk
+    is."""
+    layers = range(model.num_layers)
+    if model.attention_chunk:
+        if model.attention_chunk >= seq_len:
+            return []
+        every = model.no_rope_every
+        return [i for i in layers if not every or (i + 1) % every]
+    if not model.window_slides(seq_len):
+        return []
+    every = model.global_attention_every
+    return [i for i in layers if not every or (i + 1) % every]
 
 
 @dataclass(frozen=True)
@@ -911,21 +941,22 @@ def block_parameters(model: ModelSpec) -> BlockParameters:
     )
 
 
-def attention_window_fraction(model: ModelSpec, seq_len: int) -> float:
+def attention_window_fraction(model: ModelSpec, seq_len: int, local: bool | None = None) -> float:
     """Of the causal attention over ``seq_len`` tokens, the fraction a fused sliding-window kernel
-    computes, averaged over the layers: query i attends to min(i, window) keys instead of i. Chunked
-    attention (Llama 4) computes one causal triangle per chunk in its layers with rotary positions."""
-    if model.attention_chunk:
-        chunk = model.attention_chunk
-        rotating = model.rotary_layers()
-        if chunk >= seq_len or not rotating:
-            return 1.0
-        whole, rest = divmod(seq_len, chunk)
-        chunked = (whole * chunk * (chunk + 1) / 2 + rest * (rest + 1) / 2) / (seq_len * (seq_len + 1) / 2)
-        return (rotating * chunked + (model.num_layers - rotating)) / model.num_layers
-    window, sliding = model.sliding_window, model.sliding_layers()
-    if not sliding or window >= seq_len:
+    computes: query i attends to min(i, window) keys instead of i. Chunked attention (Llama 4)
+    computes one causal triangle per chunk in its layers with rotary positions. ``local``: the
+    fraction of a layer that slides or chunks (True), of one that attends to the whole sequence
+    (False, 1), or (None) the average over the layers (:func:`local_attention_layers`)."""
+    if local is False:
         return 1.0
     full = seq_len * (seq_len + 1) / 2
-    windowed = window * (window + 1) / 2 + (seq_len - window) * window
-    return (sliding * windowed / full + (model.num_layers - sliding)) / model.num_layers
+    if model.attention_chunk:
+        whole, rest = divmod(seq_len, model.attention_chunk)
+        part = (whole * model.attention_chunk * (model.attention_chunk + 1) / 2 + rest * (rest + 1) / 2) / full
+    else:
+        window = model.sliding_window
+        part = (window * (window + 1) / 2 + (seq_len - window) * window) / full
+    if local:
+        return part if model.attention_chunk or model.window_slides(seq_len) else 1.0
+    count = len(local_attention_layers(model, seq_len))
+    return (count * part + (model.num_layers - count)) / model.num_layers

@@ -458,6 +458,41 @@ def test_llama4_text():
     assert len(scout_like.moe_layers()) == 48 and scout_like.qk_l2_norm
 
 
+def test_a_pipeline_stage_computes_its_own_layers_attention_not_the_stacks_average():
+    """Gemma 3's every sixth layer attends to the whole sequence and its others within 512 tokens. The
+    block group averages them (the whole stack exact); a pipeline stage is priced with its own
+    layers' kinds, so moving the global layer 5 onto the first stage costs it more than moving the
+    local layer 4 did (before, both cost the average layer)."""
+    from dsauto.api import make_plan
+    from dsauto.spec.model import layer_group_per_layer, layer_groups, local_attention_layers
+
+    gemma3 = load("gemma-3-1b")
+    assert local_attention_layers(gemma3, 8192) == [i for i in range(26) if i not in (5, 11, 17, 23)]
+    assert local_attention_layers(gemma3, 512) == []  # the window covers the sequence
+    block = layer_groups(gemma3, 8192, 2)[1]
+    per_layer = layer_group_per_layer(gemma3, layer_groups(gemma3, 8192, 2), 8192, 2)
+    fractions = [g.attention_window_fraction for g in per_layer[1:-1]]
+    assert fractions[5] == 1.0 and fractions[4] < 0.13
+    assert sum(fractions) == pytest.approx(26 * block.attention_window_fraction)
+
+    def first_stage_forward(layout: str) -> tuple[float, float]:
+        plan = make_plan(gemma3, "h100-80gb", nodes=1, gpus_per_node=2, global_batch=8, seq_len=8192,
+                         engine="megatron", pp=2, tp=1, vpp=1, stage_layers=layout, offload="none",
+                         micro_batch=1, checkpoint=False)
+        return plan.stages[0].forward_seconds, sum(s.forward_seconds for s in plan.stages)
+
+    (four, total4), (five, total5), (six, total6) = map(first_stage_forward, ("4,22", "5,21", "6,20"))
+    local_layer, global_layer = five - four, six - five
+    assert global_layer > 1.3 * local_layer  # 8,192 causal keys against 512: attention is a third of it
+    assert total4 == pytest.approx(total5, rel=1e-9) and total5 == pytest.approx(total6, rel=1e-9)
+
+    # Llama 4 Maverick: MoE in every second layer, chunked attention in all but every fourth (MoE) one
+    maverick = load("llama-4-maverick-text")
+    kinds = layer_group_per_layer(maverick, layer_groups(maverick, 32768, 2), 32768, 2)[1:-1]
+    assert [g.moe_layer_fraction for g in kinds] == [float(i % 2) for i in range(48)]
+    assert [g.attention_window_fraction == 1.0 for g in kinds] == [(i + 1) % 4 == 0 for i in range(48)]
+
+
 def test_chunked_attention_prices_one_triangle_per_chunk():
     from dsauto.spec.model import attention_window_fraction
 
