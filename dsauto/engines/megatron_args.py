@@ -15,6 +15,7 @@ gradient buckets, overlap flags the launch leaves out).
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 from collections.abc import Iterable, Sequence
@@ -138,17 +139,23 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
     line continuations, ``#`` comments; other words before the first flag (a launcher and its
     script) are skipped. ``model``: the model named otherwise (``--model``), which the flags'
     model, if they describe one, must match (:func:`parse_megatron_args`)."""
-    path = Path(path)
+    path, defaults = Path(path), {}
     try:
         text = path.read_text()
     except OSError as error:
         raise DsautoError(f"cannot read the Megatron-LM arguments {path}: {error.strerror}; give a readable "
                           f"file.") from None
     try:
-        words = shlex.split(expand_shell_variables(text).replace("\\\n", " "), comments=True)
+        words = shlex.split(expand_shell_variables(text, defaults).replace("\\\n", " "), comments=True)
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
     launch = parse_megatron_args(words, str(path), model, launch_environment(text), launch_vocabulary(text))
+    if defaults:
+        taken = ", ".join(f"{name}={shlex.quote(value)}" for name, value in defaults.items())
+        its, them = ("their defaults", "them") if len(defaults) > 1 else ("its default", "it")
+        launch.notes.append(f"{path} leaves {', '.join(defaults)} to the job and dsauto takes {its} ({taken}), as "
+                            f"bash does where the job does not set {them}; write the values the job runs into the "
+                            f"file if they differ.")
     if not launch.world and not _launcher_words(words) and (planned := planned_world(text)):
         launch.world, launch.world_planned = planned, True
     return launch
@@ -171,16 +178,25 @@ def planned_world(text: str) -> dict[str, int]:
 _ASSIGNMENT = re.compile(r"(?:export[ \t]+|declare[ \t]+-a[ \t]+)?([A-Za-z_]\w*)(\+?)=")
 _QUOTED_ARRAY = re.compile(r"\"(\$\{[A-Za-z_]\w*\[[@*]\]\})\"")
 _REFERENCE = re.compile(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}|\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
+_DEFAULTED = re.compile(r"\$\{([A-Za-z_]\w*):?([-=])([^}]*)\}")
+_ARITHMETIC = re.compile(r"[\d\s+\-*/%()]+")
 
 
-def expand_shell_variables(text: str) -> str:
+def expand_shell_variables(text: str, defaults: dict[str, str] | None = None) -> str:
     """``text`` with the bash arrays it defines (``NAME=( ... )``, ``NAME+=( ... )``) taken out and
     each ``${NAME[@]}`` replaced by their words, and each ``$NAME`` / ``${NAME}`` of a variable it
     sets to one value (``NAME=value``, ``export NAME=value``) replaced by that value, quoted, as
     Megatron-LM's example launch scripts build their command (``torchrun ${DISTRIBUTED_ARGS[@]}
     pretrain_gpt.py ${GPT_MODEL_ARGS[@]} ...``). Only assignments that start a line count: an
     indented one may sit in a branch. A variable set outside the file (``$1``, ``$NNODES`` from the
-    job) stays as written, and nothing inside single quotes or a comment is expanded."""
+    job) stays as written, and nothing inside single quotes or a comment is expanded.
+
+    ``${NAME:-default}`` (and ``${NAME-default}``; ``${NAME:=default}`` also sets NAME) takes the
+    file's value of NAME, else its default, as bash does where the job does not set NAME: each default taken is
+    added to ``defaults`` by name, for the caller to say so. Integer arithmetic ``$((...))`` over
+    numbers and the file's whole-number variables is computed as bash computes it (division and
+    remainder truncated towards zero); one over anything else stays as written."""
+    defaults = {} if defaults is None else defaults
     scalars: dict[str, str] = {}
     arrays: dict[str, list[str]] = {}
     out: list[str] = []
@@ -191,7 +207,7 @@ def expand_shell_variables(text: str) -> str:
         line_end = len(text) if line_end < 0 else line_end + 1
         if match and text.startswith("(", match.end()):
             close = _closing_parenthesis(text, match.end() + 1)
-            body = _substitute(text[match.end() + 1:close], scalars, arrays)
+            body = _substitute(text[match.end() + 1:close], scalars, arrays, defaults)
             words = shlex.split(body.replace("\\\n", " "), comments=True)
             name, append = match.group(1), match.group(2)
             arrays[name] = arrays.get(name, []) + words if append else words
@@ -201,12 +217,12 @@ def expand_shell_variables(text: str) -> str:
         line = text[pos:line_end]
         if match and not match.group(2):
             try:
-                value = shlex.split(_substitute(line[match.end() - pos:], scalars, arrays), comments=True)
+                value = shlex.split(_substitute(line[match.end() - pos:], scalars, arrays, defaults), comments=True)
             except ValueError:
                 value = []
             if len(value) == 1:
                 scalars[match.group(1)] = value[0]
-        out.append(_substitute(line, scalars, arrays))
+        out.append(_substitute(line, scalars, arrays, defaults))
         pos = line_end
     return "".join(out)
 
@@ -240,9 +256,10 @@ def _closing_parenthesis(text: str, pos: int) -> int:
     return len(text)
 
 
-def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]) -> str:
+def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]], defaults: dict[str, str]) -> str:
     """``text`` with the references to ``arrays`` and ``scalars`` replaced by their values, quoted
-    as words outside double quotes, not at all inside single quotes or a comment."""
+    as words outside double quotes, not at all inside single quotes or a comment; defaults and
+    arithmetic as :func:`expand_shell_variables` says."""
     text = _QUOTED_ARRAY.sub(r"\1", text)  # "${NAME[@]}": each element a word of its own, as unquoted
     out, pos, double, word_start = [], 0, False, True
     while pos < len(text):
@@ -264,6 +281,28 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
             pos += 2
             word_start = False
             continue
+        if text.startswith("$((", pos):
+            close = _closing_parenthesis(text, pos + 3)
+            if text.startswith(")", close + 1):
+                value = _arithmetic(_substitute(text[pos + 3:close], scalars, arrays, defaults), scalars)
+                written = text[pos:close + 2]  # kept one word, as bash's expansion would be
+                out.append(value if value is not None else written if double else shlex.quote(written))
+                pos, word_start = close + 2, False
+                continue
+        defaulted = _DEFAULTED.match(text, pos) if c == "$" else None
+        if defaulted:
+            name = defaulted.group(1)
+            if name in scalars:
+                value = scalars[name]
+                out.append(value.replace("\\", "\\\\").replace('"', '\\"') if double else shlex.quote(value))
+            else:
+                value = _substitute(defaulted.group(3), scalars, arrays, defaults)
+                defaults[name] = value
+                if defaulted.group(2) == "=":  # ${NAME:=default} also sets NAME
+                    scalars[name] = value
+                out.append(value)
+            pos, word_start = defaulted.end(), False
+            continue
         match = _REFERENCE.match(text, pos) if c == "$" else None
         if match:
             array, braced, bare = match.groups()
@@ -282,6 +321,43 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
         word_start = c.isspace()
         pos += 1
     return "".join(out)
+
+
+def _arithmetic(expression: str, scalars: dict[str, str]) -> str | None:
+    """The value of bash's integer arithmetic ``expression`` (``+ - * / % **`` and parentheses over
+    numbers and the file's whole-number variables, named bare or with ``$``), or None for anything
+    else (a variable the file does not set, which bash would read from the job or take as 0)."""
+    names = re.sub(r"[A-Za-z_]\w*", lambda m: scalars.get(m.group(0), m.group(0)), expression)
+    if not _ARITHMETIC.fullmatch(names):
+        return None
+    try:
+        tree = ast.parse(names.strip(), mode="eval")
+        return str(_integer_value(tree.body))
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return None
+
+
+def _integer_value(node: ast.AST) -> int:
+    """An integer expression evaluated as bash does: ``/`` and ``%`` truncate towards zero."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _integer_value(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp):
+        left, right = _integer_value(node.left), _integer_value(node.right)
+        if isinstance(node.op, ast.Add):
+            return left + right
+        if isinstance(node.op, ast.Sub):
+            return left - right
+        if isinstance(node.op, ast.Mult):
+            return left * right
+        if isinstance(node.op, (ast.Div, ast.Mod)):
+            quotient = abs(left) // abs(right) * (1 if (left < 0) == (right < 0) else -1)
+            return quotient if isinstance(node.op, ast.Div) else left - right * quotient
+        if isinstance(node.op, ast.Pow) and 0 <= right <= 64:
+            return left ** right
+    raise ValueError("not integer arithmetic")
 
 
 def launch_environment(text: str) -> dict[str, str]:

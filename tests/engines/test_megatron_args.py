@@ -464,6 +464,36 @@ def test_shell_expansion_reads_as_bash_would(tmp_path):
                        "--wandb-exp-name", "bob's run"]
 
 
+def test_shell_defaults_and_arithmetic_read_as_bash_computes_them(tmp_path):
+    """A launch script's ``${NAME:-default}`` takes the file's value, else the default (said in a
+    note, since the job may set it), and ``$((...))`` is computed as bash computes it; arithmetic over
+    a variable the file does not set stays as written, and its flag is then refused in one sentence."""
+    from dsauto.engines.megatron_args import expand_shell_variables
+
+    defaults: dict[str, str] = {}
+    text = ("N=4\nTP=${TP:-2}\nA=$((N * 2 + 1))\nB=$(( (N - 10) / 3 ))\nC=$((-7 % N))\n"
+            "x.py --a $A --b $B --c $C --d $((X * 2)) --e $(( ${G:-8} * N )) --f ${R:=z} --g $R --h $((2 ** 3)) "
+            "--i $((N / 0)) --j ${TP} --k \"${Q:-a b}\"\n")
+    words = shlex.split(expand_shell_variables(text, defaults), comments=True)
+    assert words[words.index("x.py"):] == ["x.py", "--a", "9", "--b", "-2", "--c", "-3", "--d", "$((X * 2))",
+                                          "--e", "32", "--f", "z", "--g", "z", "--h", "8", "--i", "$((N / 0))",
+                                          "--j", "2", "--k", "a b"]
+    assert defaults == {"TP": "2", "G": "8", "R": "z", "Q": "a b"}
+
+    flags = MINIMAL.replace("--micro-batch-size 2 --global-batch-size 8 --tensor-model-parallel-size 2",
+                            "--micro-batch-size ${MBS:-2} --global-batch-size $((MBS_ALL * 4)) "
+                            "--tensor-model-parallel-size $TP")
+    script = tmp_path / "train.sh"
+    script.write_text(f"TP=${{TP:-2}}\nMBS_ALL=2\ntorchrun pretrain_gpt.py {flags}\n")
+    launch = read_megatron_args(script)
+    assert launch.pins["tp"] == 2 and launch.train["global_batch"] == 8 and launch.pins["micro_batch"] == 2
+    assert (f"{script} leaves TP, MBS to the job and dsauto takes their defaults (TP=2, MBS=2), as bash does "
+            f"where the job does not set them; write the values the job runs into the file if they differ.") in launch.notes
+    script.write_text(f"torchrun pretrain_gpt.py {flags.replace('$TP', '2')}\n")
+    with pytest.raises(DsautoError, match=r"gives --global-batch-size '\$\(\(MBS_ALL \* 4\)\)', not a whole number"):
+        read_megatron_args(script)
+
+
 def test_the_launcher_sizes_the_plan_where_it_says_how_many_ranks_it_starts(tmp_path, capsys):
     """torchrun's --nnodes and --nproc-per-node (and the deepspeed launcher's --num_nodes and
     --num_gpus) give the world the command line leaves out; one that contradicts them is refused; a
