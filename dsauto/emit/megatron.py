@@ -38,13 +38,13 @@ from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec
 COMMENT = "# "
 """Prefix of the lines that explain rather than set something."""
 
-def megatron_args(plan: Plan) -> list[str]:
+def megatron_args(plan: Plan, file_name: str = "megatron_args.txt") -> list[str]:
     """``plan`` as Megatron-LM arguments, one per line.
 
     Each line is a flag, a flag and its value separated by one space, or a comment starting with
     ``# `` that says what the flags do not express. The lines are shell words: a value a shell would
     read otherwise (the layout's ``|`` and ``*``, an expert pattern's parentheses) is quoted, and a
-    comment says so and how to pass them.
+    comment says so and how to pass them from the file the lines are written to (``file_name``).
     """
     dtype_bytes(plan)  # refuses a dtype that neither engine knows
     lines = _parallelism(plan)
@@ -58,7 +58,7 @@ def megatron_args(plan: Plan) -> list[str]:
     header = _header(plan)
     if quoted != lines:
         header.append(f"{COMMENT}Shell words, values quoted where a shell would read them otherwise: in bash, "
-                      f"eval \"ARGS=($(grep -v '^#' megatron_args.txt))\" and pass \"${{ARGS[@]}}\" to the training "
+                      f"eval \"ARGS=($(grep -v '^#' {shlex.quote(file_name)}))\" and pass \"${{ARGS[@]}}\" to the training "
                       f"script.")
     return header + quoted
 
@@ -86,7 +86,7 @@ LIST_FLAGS = ("--recompute-modules ",)
 def write_megatron_args(plan: Plan, path: Path | str) -> Path:
     """Writes :func:`megatron_args` to ``path``, one flag (with its value) per line."""
     path = Path(path)
-    path.write_text("\n".join(megatron_args(plan)) + "\n")
+    path.write_text("\n".join(megatron_args(plan, path.name)) + "\n")
     return path
 
 

@@ -591,12 +591,13 @@ def test_values_a_shell_would_read_otherwise_are_quoted_and_read_back(tmp_path):
 
     plan = make_plan("llama3-8b", "h100-80gb", nodes=1, gpus_per_node=8, global_batch=32, seq_len=4096,
                      engine="megatron", pp=4, vpp=2, stage_layers="9,8,8,7")
-    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    path = write_megatron_args(plan, tmp_path / "llama 8b.args")  # the comment names the file written
     text = path.read_text()
     [layout] = [line for line in text.splitlines() if line.startswith("--pipeline-model-parallel-layout")]
     assert layout.split(" ", 1)[1].startswith("'") and "|" in layout
-    assert "eval \"ARGS=($(grep -v '^#' megatron_args.txt))\"" in text
-    read = subprocess.run(["bash", "-c", "eval \"ARGS=($(grep -v '^#' megatron_args.txt))\"; printf '%s\\n' \"${ARGS[@]}\""],
+    hint = "eval \"ARGS=($(grep -v '^#' 'llama 8b.args'))\""
+    assert hint in text
+    read = subprocess.run(["bash", "-c", hint + "; printf '%s\\n' \"${ARGS[@]}\""],
                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout.splitlines()
     from dsauto.emit.megatron import megatron_argv
 
