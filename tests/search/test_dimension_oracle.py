@@ -129,6 +129,9 @@ MIXTRAL_LIKE = dataclasses.replace(load_model("llama2-7b"), name="moe-7b", num_l
                                    moe_top_k=2, moe_ffn_hidden_size=11008)
 # Llama 4's alternation: the search averages the dense and MoE layers, the prediction prices each
 MIXED = dataclasses.replace(MIXTRAL_LIKE, name="mixed-7b", moe_layer_freq=2, moe_layer_phase=1)
+# Gemma 3's alternation: local layers within a window and a global one, averaged by the search too
+WINDOWED = dataclasses.replace(load_model("llama2-7b"), name="windowed-7b", num_layers=10, sliding_window=512,
+                               global_attention_every=3)
 
 
 @pytest.mark.parametrize("model, seq, pins", [
@@ -137,7 +140,8 @@ MIXED = dataclasses.replace(MIXTRAL_LIKE, name="mixed-7b", moe_layer_freq=2, moe
     (load_model("llama2-7b"), 32768, Constraints(cp=4, engine="deepspeed", **PLAIN)),
     (MIXTRAL_LIKE, 4096, Constraints(engine="megatron", ep=4, **PLAIN)),
     (MIXED, 4096, Constraints(engine="megatron", ep=8, **PLAIN)),
-], ids=["interleaved", "ring", "ulysses", "experts", "dense-and-moe"])
+    (WINDOWED, 8192, Constraints(engine="megatron", pp=4, **PLAIN)),
+], ids=["interleaved", "ring", "ulysses", "experts", "dense-and-moe", "local-and-global"])
 def test_lower_bound_never_exceeds_the_plan_it_bounds(model, seq, pins):
     cluster_ = ClusterSpec(load_hardware("a100-80gb"), nodes=1, gpus_per_node=8)
     train = TrainSpec(global_batch=32, seq_len=seq)
