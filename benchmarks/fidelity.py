@@ -194,7 +194,8 @@ SOURCES = {
                             "is bounded as ZeRO 1's), DeepEP's dispatch (Strategy.expert_dispatcher deepep: the "
                             "table's 'TE + DeepEP'), the published ep, pp and vp, routing "
                             "balanced (the page's 'fake balanced gate'), cuDNN's fused attention for Qwen3 (TE "
-                            "attention), FlashAttention otherwise (MLA; GPT-OSS's FlexAttention), recomputation "
+                            "attention; Transformer Engine runs DeepSeek-V3's and Kimi K2's latent attention in it too, FlashAttention not "
+                            "taking it), FlashAttention otherwise (GPT-OSS's FlexAttention), recomputation "
                             "as the config committed with the table sets it (DeepSeek-V3 on 256 GPUs: none), else "
                             "the planner's; the EP of the GPT-OSS rows ('-' in the table) the planner's",
                             checkpoint=None, vpp=None, balanced_routing=True, expert_dispatcher="deepep"),
@@ -380,8 +381,11 @@ def _attention_kernel(record: dict, source: Source) -> AttentionKernel:
     on Hopper prefers FusedAttention when both are available (transformer_engine/pytorch/
     attention.py, get_attention_backend, in the TE 1.x releases of late 2024; whether the mid-2024
     container they ran already carried that preference is not published). Meta's stack, MosaicML's
-    llm-foundry (flash-attn 2), IBM's fms-fsdp, NeMo AutoModel and torchtitan call FlashAttention-2
-    or PyTorch's SDPA over it; Transformer Engine is not in their path. Megatron-Bridge's recipes
+    llm-foundry (flash-attn 2), IBM's fms-fsdp and torchtitan call FlashAttention-2 or PyTorch's SDPA
+    over it; Transformer Engine is not in their path. NeMo AutoModel's benchmark configs (*_te_deepep)
+    take Transformer Engine's attention (BackendConfig attn 'te', its default on GPUs), which runs
+    Qwen3's in FusedAttention on Hopper, and DeepSeek-V3's and Kimi K2's latent attention there too:
+    get_attention_backend turns FlashAttention off for unequal query/key and value head widths. Megatron-Bridge's recipes
     (Megatron-core with Transformer Engine) leave the backend to TE, cuDNN's on Hopper. GPT-OSS's too:
     its provider sets softmax_type 'learnable' (the sinks) and falls back to Megatron-core's local
     attention only under TE before 2.8 (src/megatron/bridge/models/gpt_oss/gpt_oss_provider.py at
@@ -395,8 +399,10 @@ def _attention_kernel(record: dict, source: Source) -> AttentionKernel:
         return "flash" if any(name in record["id"] for name in flash) else "cudnn"
     if source.key == "megatron-readme24":
         return "cudnn"
-    if record["id"].startswith("automodel-moe-qwen3"):
-        return "cudnn"  # AutoModel's qwen3_moe_30b_te_deepep config: attn te
+    if record["id"].startswith(("automodel-moe-qwen3", "automodel-moe-deepseek", "automodel-moe-kimi")):
+        # AutoModel's *_te_deepep configs: attn te (BackendConfig's default on GPUs); TE turns FlashAttention
+        # off for the latent attention of DeepSeek V3 and Kimi K2, and runs it in FusedAttention
+        return "cudnn"
     if source.key == "mbridge":
         return "cudnn"  # Megatron-core's TE attention on Hopper, the backend left to TE (GPT-OSS's sinks too)
     return "flash"

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dsauto.engines.megatron import TE_FUSED_SOFTMAX_KEYS, te_softmax_fuses
 from dsauto.parallel import ParallelDims
 from dsauto.plan import RECOMPUTE_MODULES, AttentionKernel, CpCommType, Engine, Offload
-from dsauto.spec.model import ModelSpec
+from dsauto.spec.model import ModelSpec, attention_widths
 from dsauto.spec.training import Dtype
 
 
@@ -303,9 +303,14 @@ Engine's F16_arbitrary_seqlen backend accepts (head dimensions up to 128, multip
 ones only for inference or on newer cuDNN: transformer_engine/common/fused_attn/fused_attn.cpp,
 ``nvte_get_fused_attn_backend``)."""
 
+CUDNN_HOPPER_MAX_HEAD_DIM = 256
+"""The widest head cuDNN 9.5 and later train on Hopper (sm90; the same function's "9.5: <= 256 +
+Hopper + bprop"). dsauto plans it only for latent attention, which has no other fused kernel in
+Transformer Engine; equal-width heads over 128 keep FlashAttention, which runs them on any cuDNN."""
+
 
 def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dtype, flash_attention: bool,
-                             model: ModelSpec, seq_len: int | None = None) -> str | None:
+                             model: ModelSpec, seq_len: int | None = None, hopper: bool = False) -> str | None:
     """Why ``kernel`` cannot run this model's attention under ``engine``, or None.
 
     cuDNN's fused attention is Transformer Engine's FusedAttention, which dsauto's Megatron-core plans
@@ -313,13 +318,25 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
     backends' variables to 0: megatron/core/models/common/language_module/language_module.py,
     ``_set_attention_backend``); dsauto's DeepSpeed plans run the model's own attention (PyTorch's SDPA
     or FlashAttention-2). Its kernels take 16-bit inputs and heads of :data:`CUDNN_MAX_HEAD_DIM` or
-    less; latent attention's unequal key and value widths and chunked attention are left to
-    FlashAttention, which a run with the backend forced to ``fused`` could not fall back to. Causal
+    less, latent attention's up to :data:`CUDNN_HOPPER_MAX_HEAD_DIM` on Hopper (``hopper``: the device
+    has a fused attention efficiency); chunked attention is left to FlashAttention, which a run with
+    the backend forced to ``fused`` could not fall back to.
+
+    FlashAttention (``--attention-backend flash``) does not run latent attention in Megatron-core:
+    Transformer Engine turns it off where the query/key and value heads differ in width
+    (transformer_engine/pytorch/attention/dot_product_attention/utils.py, ``get_attention_backend``,
+    "Filter: Head dimension"), and the flag has turned the other backends off. Causal
     sliding windows (a left window, nothing to the right) it runs without attention dropout (cuDNN
     9.2 on: Transformer Engine's ``nvte_get_fused_attn_backend``, transformer_engine/common/
     fused_attn/fused_attn.cpp, and ``get_attention_backend``'s "Filter: Sliding window attention",
     which turns FusedAttention off for a window with dropout; TE 2.12)."""
     if kernel == "flash":
+        if engine == "megatron" and flash_attention and model.latent_attention:
+            qk, _, v, _ = attention_widths(model)
+            heads = model.num_attention_heads
+            return (f"Transformer Engine's FlashAttention does not run latent attention, whose query and key heads "
+                    f"({qk // heads} wide) are not its value heads ({v // heads}); Megatron-core runs it in cuDNN's "
+                    f"fused attention on Hopper (cuDNN 9.5 or later) or unfused")
         return None
     if engine != "megatron":
         return ("cuDNN's fused attention runs through Transformer Engine, which only dsauto's Megatron-core "
@@ -328,13 +345,19 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
         return "eager attention (--no-flash-attention) runs no fused kernel"
     if dtype == "fp32":
         return "cuDNN's fused attention runs in bf16 or fp16, not fp32"
-    if model.latent_attention:
-        return "latent attention's unequal key and value widths are planned with FlashAttention"
     if model.window_slides(seq_len) and model.dropout:
         return (f"cuDNN's fused attention runs sliding-window attention ({model.sliding_window} tokens) only "
                 f"without attention dropout")
     if model.attention_chunk:
         return f"chunked attention ({model.attention_chunk} tokens) is planned with FlashAttention"
+    if model.latent_attention:
+        qk, _, v, _ = attention_widths(model)
+        widths = (qk // model.num_attention_heads, v // model.num_attention_heads)
+        widest = max(widths)
+        if widest > (CUDNN_HOPPER_MAX_HEAD_DIM if hopper else CUDNN_MAX_HEAD_DIM) or any(w % 8 for w in widths):
+            return (f"cuDNN's fused attention trains latent attention's {widest}-wide heads only on Hopper with "
+                    f"cuDNN 9.5 or later (up to {CUDNN_HOPPER_MAX_HEAD_DIM}, in multiples of 8)")
+        return None
     if model.head_dim > CUDNN_MAX_HEAD_DIM or model.head_dim % 16:
         return (f"cuDNN's fused attention trains heads up to {CUDNN_MAX_HEAD_DIM} wide in multiples of 16, "
                 f"not {model.head_dim}")
@@ -348,7 +371,8 @@ def default_attention_kernel(engine: Engine, device_has_fused: bool, dtype: Dtyp
     which is what Transformer Engine picks on Hopper when Megatron-core leaves the backend to it
     (transformer_engine/pytorch/attention/dot_product_attention/utils.py, ``get_attention_backend``);
     FlashAttention otherwise."""
-    if device_has_fused and attention_kernel_refusal(engine, "cudnn", dtype, flash_attention, model, seq_len) is None:
+    if device_has_fused and attention_kernel_refusal(engine, "cudnn", dtype, flash_attention, model, seq_len,
+                                                     hopper=True) is None:
         return "cudnn"
     return "flash"
 

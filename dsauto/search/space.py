@@ -369,7 +369,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
         engine, bool(cluster.device.fused_attention_efficiency), train.dtype, train.flash_attention, model,
         train.seq_len)
         for engine in engines}
-    runnable = {engine: not pinned_option_refusals(engine, pins, train, model) for engine in engines}
+    hopper = bool(cluster.device.fused_attention_efficiency)
+    runnable = {engine: not pinned_option_refusals(engine, pins, train, model, hopper) for engine in engines}
     out = [dataclasses.replace(s, recompute_modules=modules, attention_kernel=kernels[s.engine],
                                tp_comm_overlap=bool(pins.tp_comm_overlap),
                                expert_dispatcher=pins.expert_dispatcher or "alltoall",
@@ -420,16 +421,24 @@ def strategies_or_none(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
 
 
 def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
-                           model: ModelSpec) -> dict[str, tuple[str, str]]:
+                           model: ModelSpec, hopper: bool = False) -> dict[str, tuple[str, str]]:
     """Flag -> (why ``engine`` cannot run it, what to do) of each pinned engine option it refuses: the
-    attention kernel (:func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``,
+    attention kernel, pinned or the engine's default on the device (``hopper``: it has cuDNN's
+    fused attention; :func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``,
     ``--grad-reduce-in-bf16``, ``--no-attention-softmax-in-fp32``, ``--precision-aware-optimizer``,
     ``--moe-dispatcher deepep``, ``--moe-router-force-load-balancing``, ``--fp8`` and ``--cp-comm-type``
     (Megatron-core's). The search drops the engine's strategies when any is refused."""
     out = {}
-    if pins.attention_kernel is not None and (why := attention_kernel_refusal(
-            engine, pins.attention_kernel, train.dtype, train.flash_attention, model, train.seq_len)):
-        out[f"--attention-kernel {pins.attention_kernel}"] = why, "use --attention-kernel flash or leave it out"
+    kernel = pins.attention_kernel or default_attention_kernel(engine, hopper, train.dtype, train.flash_attention,
+                                                                model, train.seq_len)
+    if why := attention_kernel_refusal(engine, kernel, train.dtype, train.flash_attention, model, train.seq_len,
+                                       hopper=hopper):
+        if pins.attention_kernel is None:  # the default: no fused kernel runs this model's attention here
+            out["fused attention"] = why, "add --no-flash-attention (unfused attention) or plan for Hopper"
+        elif kernel == "flash":
+            out["--attention-kernel flash"] = why, "use --attention-kernel cudnn on Hopper, or --no-flash-attention"
+        else:
+            out[f"--attention-kernel {kernel}"] = why, "use --attention-kernel flash or leave it out"
     if pins.tp_comm_overlap and (why := tp_comm_overlap_refusal(engine)):
         out["--tp-comm-overlap"] = why, "otherwise leave it out"
     if pins.grad_reduce_in_fp32 is False and (why := grad_reduce_refusal(engine, train.dtype)):
@@ -676,7 +685,8 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
             return DsautoError(f"--engine {pins.engine} cannot run this plan: {reason}; pin --tp 1, or plan with "
                                f"--engine megatron.")
     engines = ENGINES if pins.engine is None else (pins.engine,)
-    refused = [pinned_option_refusals(e, pins, train, model) for e in engines]
+    refused = [pinned_option_refusals(e, pins, train, model, bool(cluster.device.fused_attention_efficiency))
+               for e in engines]
     for flag, (why, remedy) in refused[-1].items():  # each a Megatron-core option: its reason, engine open or not
         if all(flag in other for other in refused):
             return DsautoError(f"{flag} cannot run: {why}; {remedy}.")

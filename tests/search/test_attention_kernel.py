@@ -113,3 +113,29 @@ def test_a_plan_edited_to_cudnn_under_deepspeed_is_refused():
         dataclasses.replace(plan, attention_kernel="cudnn")
     with pytest.raises(ValueError, match="attention_kernel must be one of flash, cudnn"):
         dataclasses.replace(plan, attention_kernel="sdpa")
+
+
+def test_latent_attention_runs_in_cudnn_on_hopper_and_never_in_flashattention(capsys):
+    """Transformer Engine turns FlashAttention off for latent attention's 192-wide query/key and 128-wide
+    value heads (get_attention_backend's head-dimension filter) and keeps FusedAttention, which cuDNN 9.5
+    on trains up to 256 wide on Hopper: Megatron-core plans of DeepSeek-V2-Lite run cuDNN there. On an
+    A100 neither kernel runs it: a Megatron-core plan needs unfused attention, said in one sentence."""
+    config = json.loads((CONFIGS / "deepseek-v2-lite.json").read_text())
+    model = as_model(config)
+    assert attention_kernel_refusal("megatron", "flash", "bf16", True, model) is not None
+    assert attention_kernel_refusal("deepspeed", "flash", "bf16", True, model) is None  # the model's own attention
+    assert attention_kernel_refusal("megatron", "cudnn", "bf16", True, model, hopper=True) is None
+    assert "only on Hopper with cuDNN 9.5 or later" in attention_kernel_refusal("megatron", "cudnn", "bf16", True, model)
+    pins = dict(engine="megatron", ep=8, global_batch=64, seq_len=4096, gpus_per_node=8, nodes=2)
+    plan = make_plan(config, "h100-80gb", **pins)
+    assert plan.attention_kernel == "cudnn" and backend(plan) == "fused"
+    path = CONFIGS / "deepseek-v2-lite.json"
+    common = ["plan", "--model", str(path), "--engine", "megatron", "--ep", "8", "--nodes", "2", "--global-batch", "64",
+              "--seq-len", "4096"]
+    assert main([*common, "--hardware", "a100-80gb"]) == 2
+    assert ("fused attention cannot run: Transformer Engine's FlashAttention does not run latent attention, whose "
+            "query and key heads (192 wide) are not its value heads (128)") in capsys.readouterr().err
+    assert main([*common, "--hardware", "h100-80gb", "--attention-kernel", "flash"]) == 2
+    assert "use --attention-kernel cudnn on Hopper, or --no-flash-attention." in capsys.readouterr().err
+    unfused = make_plan(config, "a100-80gb", flash_attention=False, **pins)
+    assert backend(unfused) == "unfused"
