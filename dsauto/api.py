@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsauto.errors import DsautoError, DsautoWarning
-from dsauto.search.space import Constraints
+from dsauto.search.space import Constraints, sequence_parallel_runs
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec
 from dsauto.spec.loaders import ModelSource, as_model, load_cluster, override_cluster
 from dsauto.spec.model import ModelSpec
@@ -261,6 +261,11 @@ def make_problem(
         raise DsautoError(f"{cluster.device.name} has no FP8 peak FLOP/s (its peak_flops give "
                           f"{', '.join(cluster.device.peak_flops)}), so FP8 training cannot be priced on it; leave "
                           f"out --fp8, or plan for a device with FP8 tensor cores (h100-80gb, h200).")
+    if (tp or 1) > 1 and engine != "deepspeed" and sequence_parallel is None and not model_spec.moe and not (
+            sequence_parallel_runs(train.seq_len, tp, cp, cluster.world_size)):
+        warnings.warn(f"Megatron-core plans run without sequence parallelism: it splits each sequence's "
+                      f"{train.seq_len} tokens{f' / cp {cp}' if (cp or 1) > 1 else ''} over tp {tp}, which does not "
+                      f"divide them; a --seq-len that {tp} divides allows it.", DsautoWarning, stacklevel=2)
     if attention_kernel == "cudnn" and not cluster.device.fused_attention_efficiency:
         warnings.warn(f"{cluster.device.name} has no fused attention efficiency of its own; cuDNN's fused "
                       f"attention is priced at its FlashAttention efficiency.", DsautoWarning, stacklevel=2)

@@ -335,12 +335,17 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
         for micro in divisors(per_replica):
             if pins.micro_batch is not None and micro != pins.micro_batch:
                 continue
+            # Megatron-core's sequence parallelism scatters each cp rank's tokens over tp, which must divide them
+            # (megatron/core/tensor_parallel/mappings.py, _split_along_first_dim asserts it)
             sp_values = (False,) if tp == 1 else (
-                (pins.sequence_parallel,) if pins.sequence_parallel is not None else (True,))
+                (pins.sequence_parallel,) if pins.sequence_parallel is not None
+                else (sequence_parallel_divides(train.seq_len, dims.cp, tp),))
             accum = per_replica // micro
             for zero in zero_stages:
                 for sp in sp_values:
                     for engine in engines:
+                        if sp and engine == "megatron" and not sequence_parallel_divides(train.seq_len, dims.cp, tp):
+                            continue
                         if refusal(engine, dims, zero, train.dtype) is not None or context_parallel_refusal(
                                 engine, dims.cp, train.seq_len, train.flash_attention, heads=model.num_attention_heads,
                                 kv_heads=model.kv_heads, pp=pp, learned_positions=model.learned_positions) is not None:
@@ -409,6 +414,19 @@ def cp_comm_types(strategy: Strategy, model: ModelSpec, pins: Constraints, seq_l
         return ("p2p",)
     tried = (pins.cp_comm_type,) if pins.cp_comm_type is not None else CP_COMM_TYPES
     return tuple(t for t in tried if cp_comm_type_refusal(strategy.engine, t, strategy.dims.cp, strategy.tp, model, seq_len) is None)
+
+
+def sequence_parallel_divides(seq_len: int, cp: int, tp: int) -> bool:
+    """Whether Megatron-core's sequence parallelism can split a context-parallel rank's share of a
+    ``seq_len``-token sequence over ``tp`` ranks."""
+    return (seq_len // cp) % tp == 0
+
+
+def sequence_parallel_runs(seq_len: int, tp: int, cp: int | None, world: int) -> bool:
+    """Whether sequence parallelism over ``tp`` ranks can run with the pinned ``cp`` (None: with some
+    context-parallel degree of ``world`` that splits the sequence, into 2 x cp chunks)."""
+    cps = [cp] if cp else [c for c in divisors(world) if c == 1 or seq_len % (2 * c) == 0]
+    return any(sequence_parallel_divides(seq_len, c, tp) for c in cps)
 
 
 def strategies_or_none(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -610,6 +628,14 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         return DsautoError(f"--stage-layers {pins.stage_layers} cannot run: {reason} (the other settings allow "
                            f"{tried}{' and more' if len(shapes) > 6 else ''}); pin a --pp (and --vpp) it fits, or "
                            f"leave --stage-layers out.")
+    if (pins.tp or 1) > 1 and pins.engine != "deepspeed" and pins.sequence_parallel is not False and not (
+            sequence_parallel_runs(train.seq_len, pins.tp, pins.cp, world)):
+        tokens = f"{train.seq_len} tokens" + (f" / cp {pins.cp}" if (pins.cp or 1) > 1 else "")
+        if pins.sequence_parallel or model.moe:  # else the space holds the plans without it
+            needs = ("it is pinned on" if pins.sequence_parallel else
+                     "an MoE model's tensor parallelism needs it (Megatron-core's token dispatch)")
+            return DsautoError(f"Sequence parallelism splits each sequence's {tokens} over tp {pins.tp}, which does "
+                               f"not divide them, and {needs}; pin a --seq-len that {pins.tp} divides, or another --tp.")
     if (pins.ep or 1) > 1 or (pins.etp or 1) > 1:
         if not model.moe:
             return DsautoError(f"--ep {pins.ep or 1} --etp {pins.etp or 1} split experts, and {model.name} is "

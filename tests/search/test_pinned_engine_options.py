@@ -83,3 +83,36 @@ def test_plans_edited_to_options_their_engine_cannot_run_are_refused():
     megatron_tp1 = make_plan("llama3-8b", "h100-80gb", **{**PINS, "tp": 1})
     with pytest.raises(ValueError, match="with tp > 1"):
         dataclasses.replace(megatron_tp1, tp_comm_overlap=True)
+
+
+def test_sequence_parallelism_only_where_tp_divides_each_ranks_tokens():
+    """Megatron-core's sequence parallelism scatters a cp rank's tokens over tp, and its
+    _split_along_first_dim asserts tp divides them: a 2049-token sequence (one label token too many)
+    plans tp > 1 without it, said in a warning where tp is pinned; an MoE model, whose tensor
+    parallelism needs it, and a pinned --sequence-parallel are refused in one sentence."""
+    import warnings as _warnings
+
+    from dsauto.api import make_problem
+    from dsauto.errors import DsautoError, DsautoWarning
+    from dsauto.search.space import Constraints, strategies
+    from dsauto.spec.cluster import ClusterSpec
+    from dsauto.spec.loaders import load_hardware, load_model
+    from dsauto.spec.training import TrainSpec
+
+    cluster = ClusterSpec(load_hardware("h100-80gb"), nodes=1, gpus_per_node=8)
+    llama = load_model("llama3-8b")
+    odd = strategies(llama, cluster, TrainSpec(global_batch=16, seq_len=2049), Constraints(engine="megatron"))
+    assert any(s.tp > 1 for s in odd) and not any(s.sequence_parallel for s in odd)
+    even = strategies(llama, cluster, TrainSpec(global_batch=16, seq_len=2048), Constraints(engine="megatron"))
+    assert all(s.sequence_parallel for s in even if s.tp > 1)
+    with pytest.warns(DsautoWarning, match=r"without sequence parallelism: it splits each sequence's 2049 tokens "
+                                           r"over tp 8, which does not divide them"):
+        make_problem("llama3-8b", "h100-80gb", engine="megatron", tp=8, seq_len=2049, global_batch=16)
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error")
+        make_problem("llama3-8b", "h100-80gb", engine="megatron", tp=8, seq_len=2048, global_batch=16)
+    with pytest.raises(DsautoError, match=r"Sequence parallelism splits each sequence's 2049 tokens over tp 8, which "
+                                          r"does not divide them, and it is pinned on; pin a --seq-len that 8 divides"):
+        from dsauto.api import find_plans
+        find_plans(make_problem("llama3-8b", "h100-80gb", engine="megatron", tp=8, seq_len=2049, global_batch=16,
+                                sequence_parallel=True))
