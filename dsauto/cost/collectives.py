@@ -153,6 +153,15 @@ def dp_group(cluster: ClusterSpec, tp: int, dp: int) -> Group:
     return group_of(cluster, ParallelDims(dp=dp, tp=tp), "dp")
 
 
+def ring_link(cluster: ClusterSpec, dims: ParallelDims, dim: Dim) -> Group:
+    """The link of a ring of point-to-point sends over ``dim``'s group (context parallelism's ring
+    attention): every member sends to the next at once, so a step lasts as long as the slowest send,
+    which crosses the network through its own NIC where the group spans nodes. A ring collective
+    (:func:`group_of`) moves its steps over the node's NICs together; these sends cannot."""
+    bw, lat = _link(cluster, 1, dims.spans_nodes(dim, cluster.devices_per_node))
+    return Group(dims.degree(dim), bw, lat)
+
+
 def pp_link(cluster: ClusterSpec, tp: int, dp: int) -> Group:
     """The link between neighbouring pipeline stages (ranks ``tp * dp`` apart): one send at a time."""
     bw, lat = _link(cluster, 1, ParallelDims(dp=dp, tp=tp).pipeline_crosses_nodes(cluster.devices_per_node))

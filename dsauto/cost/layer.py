@@ -21,6 +21,7 @@ from dsauto.cost.collectives import (
     group_of,
     measured,
     pp_link,
+    ring_link,
     scaled,
 )
 from dsauto.cost.measured import MeasuredCosts, MeasuredLayer, transformer_layer_estimate
@@ -157,6 +158,8 @@ class CostModel:
             # DeepSpeed-Ulysses under DeepSpeed.
             softmax_fp32=strategy.attention_softmax_in_fp32,
             cp=dims.cp, cp_group=scaled(cp, comm) if dims.cp > 1 and strategy.engine == "megatron" else None,
+            cp_ring=scaled(ring_link(cluster, dims, "cp"), comm) if dims.cp > 1 and strategy.engine == "megatron"
+            else None,
             cp_all_to_all=all_to_all_of(cluster, dims, "cp", comm) if dims.cp > 1 and (
                 strategy.engine == "deepspeed" or strategy.cp_comm_type == "a2a") else None,
             cp_comm_type=strategy.cp_comm_type, engine=strategy.engine,

@@ -177,7 +177,11 @@ class LayerContext:
     cp: int = 1
     """Context-parallel degree; ``tokens`` is then this rank's share of the sequences."""
     cp_group: Group | None = None
-    """The context-parallel ring (its send/recv), calibrated; None without context parallelism."""
+    """The context-parallel group (its all-gather and reduce-scatter), calibrated; None without
+    context parallelism."""
+    cp_ring: Group | None = None
+    """The context-parallel ring's point-to-point link (:func:`dsauto.cost.collectives.ring_link`),
+    calibrated; None without context parallelism."""
     cp_all_to_all: AllToAll | None = None
     """The all-to-all over the context-parallel group, calibrated: DeepSpeed-Ulysses' (a DeepSpeed
     strategy with cp > 1) or Transformer Engine's ``a2a`` (a Megatron-core one); None otherwise."""
@@ -825,7 +829,8 @@ def context_parallel_seconds(group: LayerGroup, option: LayerOption, ctx: LayerC
       cp - 1 sends of its share in forward, and in backward the keys and values again with their
       gradients, twice the bytes (Liu et al. 2023, "Ring Attention", Sec. 3; Megatron-core docs,
       context_parallel.md). Each send overlaps the attention block of the step before it, so only
-      what the attention compute cannot hide is exposed.
+      what the attention compute cannot hide is exposed. A step lasts as long as its slowest send:
+      where the ring spans nodes, one through a single NIC (``ctx.cp_ring``).
     - ``all_gather`` (``AttnFuncWithCPAndKVAllGather``, "KV all-gather between CP ranks is exposed";
       Llama Team 2024, "The Llama 3 Herd of Models", Sec. 3.3.2): forward all-gathers the keys and
       values of the whole sequence before attention; backward gathers them again and
@@ -839,13 +844,13 @@ def context_parallel_seconds(group: LayerGroup, option: LayerOption, ctx: LayerC
         return ulysses_seconds(group, option, ctx)  # DeepSpeed's cp is DeepSpeed-Ulysses
     if ctx.cp == 1 or group.kind != "transformer":
         return Passes(0.0, 0.0)
-    assert ctx.cp_group is not None
+    assert ctx.cp_group is not None and ctx.cp_ring is not None
     share = ctx.tokens * group.kv_bytes_per_token / ctx.tp  # this rank's keys and values
     if ctx.cp_comm_type == "all_gather":
         gather = ctx.cp_group.all_gather(ctx.cp * share)
         scatter = ctx.cp_group.reduce_scatter(ctx.cp * share)
         return Passes(gather, gather + scatter + (gather if option.checkpoint else 0.0))
-    forward_comm = (ctx.cp - 1) * ctx.cp_group.send_recv(share)
+    forward_comm = (ctx.cp - 1) * ctx.cp_ring.send_recv(share)
     attention = attention_passes(group, ctx)
     speed, device = ctx.calibration.compute, ctx.device
     forward_attention, backward_attention = speed * attention.forward_seconds, speed * attention.backward_seconds

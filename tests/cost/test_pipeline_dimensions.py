@@ -114,12 +114,36 @@ def test_ring_attention_passes_keys_and_values_cp_minus_one_times():
     assert block.kv_bytes_per_token == 2 * 8 * 128 * 2
     share = 8192 * 4096 / 2
     slow = Group(4, bandwidth_bytes_per_second=1e9, latency_seconds=0.0)  # a ring too slow to hide
-    exposed = context_parallel_seconds(block, PLAIN, ctx.__class__(**{**ctx.__dict__, "cp_group": slow}))
+    exposed = context_parallel_seconds(block, PLAIN, ctx.__class__(**{**ctx.__dict__, "cp_ring": slow}))
     comm = 3 * share / 1e9
     assert exposed.forward_seconds > 0.5 * comm and exposed.backward_seconds > exposed.forward_seconds
     fast = Group(4, bandwidth_bytes_per_second=1e15, latency_seconds=0.0)  # hidden behind attention
-    hidden = context_parallel_seconds(block, PLAIN, ctx.__class__(**{**ctx.__dict__, "cp_group": fast}))
+    hidden = context_parallel_seconds(block, PLAIN, ctx.__class__(**{**ctx.__dict__, "cp_ring": fast}))
     assert hidden.forward_seconds < 1e-4 * exposed.forward_seconds + 1e-12
+
+
+def test_a_ring_across_nodes_steps_at_one_nics_pace():
+    """Ring attention's sends run at once, one per rank, and a step waits for the one crossing the
+    network through its own NIC; a ring collective over the same ranks moves over the node's eight NICs
+    together. cp 16 over two H100 nodes: 40 GB/s a step, not 320."""
+    from dsauto.cost.collectives import group_of, ring_link
+
+    cluster = load_cluster("h100-80gb", nodes=2, gpus_per_node=8)
+    dims = ParallelDims(dp=1, cp=16)
+    nic = cluster.hardware.inter_node.bandwidth_gbps * 1e9 * cluster.hardware.inter_node.efficiency
+    assert ring_link(cluster, dims, "cp").bandwidth_bytes_per_second == pytest.approx(nic)
+    assert group_of(cluster, dims, "cp").bandwidth_bytes_per_second == pytest.approx(8 * nic)
+    inside = ParallelDims(dp=2, cp=8)  # a ring inside each node keeps NVLink
+    assert (ring_link(cluster, inside, "cp").bandwidth_bytes_per_second
+            == group_of(cluster, inside, "cp").bandwidth_bytes_per_second)
+    model, train = load_model("llama3-8b"), TrainSpec(global_batch=64, seq_len=16384, dtype="bf16")
+    strategy = Strategy(dims=dims, zero_stage=1, micro_batch=2, grad_accum=32, sequence_parallel=False,
+                        engine="megatron")
+    ctx = CostModel(cluster, train, strategy, model.hidden_size).context
+    block = layer_groups(model, train.seq_len, train.dtype_bytes, 1)[1]
+    share = 2 * 16384 // 16 * block.kv_bytes_per_token
+    forward = context_parallel_seconds(block, PLAIN, ctx).forward_seconds
+    assert forward > 0.5 * 15 * share / nic  # most of the 15 sends' 3.1 ms a layer is exposed
 
 
 def test_llama3_405b_on_16384_h100_interleaves_and_reports_the_bubble_saved():
