@@ -74,7 +74,7 @@ def test_gpu_presets_use_the_datasheet_numbers():
     assert a100.memory_bytes == 80 * 2**30
     assert a100.peak_flops == {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}
     h200 = load_hardware("h200")
-    assert h200.device.memory_bytes == 141e9
+    assert h200.device.memory_bytes == 143771 * 2**20  # what nvidia-smi reports for an H200 SXM
     assert h200.device.peak_flops == load_hardware("h100-80gb").device.peak_flops
     assert h200.intra_node.bandwidth_gbps == 450 and h200.inter_node.bandwidth_gbps == 50
 
