@@ -79,7 +79,8 @@ def plot_plan(plan: Plan, path: Path | str) -> Path:
     sp = ", sequence parallel" if plan.sequence_parallel and plan.tp > 1 else ""
     fig.suptitle(
         f"{plan.model.name} on {plan.nodes} x {plan.gpus_per_node} {plan.hardware}: "
-        f"tp={plan.tp} pp={plan.pp} dp={plan.dp}, ZeRO-{plan.zero_stage}{sp}, "
+        f"{plan.dims.describe()}{f' vpp={plan.virtual_stages}' if plan.virtual_stages > 1 else ''}, "
+        f"ZeRO-{plan.zero_stage}{sp}, "
         f"micro-batch {plan.micro_batch} x {plan.grad_accum}\n"
         f"predicted step {format_seconds(pred.step_seconds)}, MFU {pred.mfu:.1%}, "
         f"peak memory {format_bytes(pred.peak_memory_bytes)} per rank",

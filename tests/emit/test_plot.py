@@ -88,3 +88,18 @@ def test_the_truncated_interleaved_simulation_agrees_with_the_whole_one():
     horizon = next(end for kind, j, c, _, end in whole[0] if kind == "B" and j == drawn - 1 and c == 0)
     for long_rank, short_rank in zip(whole, short):
         assert [op for op in long_rank if op[3] < horizon] == [op for op in short_rank if op[3] < horizon]
+
+
+def test_the_title_names_every_degree(tmp_path, monkeypatch):
+    """A plan with context parallelism and virtual stages is titled with them: tp, pp and dp alone
+    would count fewer devices than the plan runs on."""
+    from matplotlib.figure import Figure
+
+    plan = Planner(load_model("llama2-7b"), load_cluster("a100-80gb", nodes=2, gpus_per_node=8),
+                   TrainSpec(global_batch=16, seq_len=16384),
+                   Constraints(engine="megatron", tp=2, pp=2, cp=2, vpp=2)).search()[0]
+    titles = []
+    original = Figure.suptitle
+    monkeypatch.setattr(Figure, "suptitle", lambda fig, text, **kw: titles.append(text) or original(fig, text, **kw))
+    plot_plan(plan, tmp_path / "plan.png")
+    assert f"tp=2 pp=2 dp={plan.dp} cp=2 vpp=2, ZeRO-" in titles[0]
