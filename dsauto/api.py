@@ -245,6 +245,9 @@ def make_problem(
                        stage_layers=stage_layers if stage_layers is None or isinstance(stage_layers, str)
                        else ",".join(str(count) for count in stage_layers),
                        recompute_num_layers=recompute_num_layers, hf_trainer=hf_trainer)
+    if tp_comm_overlap and sequence_parallel is False:
+        raise DsautoError("--tp-comm-overlap overlaps the tensor-parallel collectives of sequence parallelism, and "
+                          "--no-sequence-parallel turns it off; leave out one of them.")
     if fp8_recipe is not None and not fp8:
         raise DsautoError(f"--fp8-recipe {fp8_recipe} sets how FP8 training scales its tensors, and FP8 is off; "
                           f"add --fp8 or leave out --fp8-recipe.")
@@ -310,9 +313,11 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
                       f"time may differ from {plans[0].engine}'s own; run `dsauto profile --engine "
                       f"{plans[0].engine}` to price it from them.", DsautoWarning, stacklevel=2)
     if problem.pins.tp_comm_overlap and not plans[0].tp_comm_overlap:
+        remedy = ("pin --tp 2 or more to use it" if plans[0].tp == 1 else
+                  f"a --seq-len that tp {plans[0].tp} divides allows sequence parallelism")
         warnings.warn(f"--tp-comm-overlap takes effect with tp > 1 and sequence parallelism, and the plan has tp "
                       f"{plans[0].tp}{'' if plans[0].tp == 1 else ' without sequence parallelism'}, so it is off; "
-                      f"pin --tp 2 or more (with sequence parallelism) to use it.", DsautoWarning, stacklevel=2)
+                      f"{remedy}.", DsautoWarning, stacklevel=2)
     best = plans[0]
     if best.zero_stage == 3 and not any(run.shard_params for run in best.layers):
         # Every layer resident (ds_persist): no partition is gathered, so these pins move nothing.

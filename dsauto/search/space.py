@@ -772,6 +772,14 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                                f"chunk a layer, and {model.num_layers} layers over pp {pp} leave {model.num_layers // pp} "
                                f"a stage; pin --stage-layers (a chunk may then hold none: Megatron-core's "
                                f"--pipeline-model-parallel-layout runs it) or lower --vpp.")
+        replicas = world // (tp * pp * (pins.cp or 1))
+        if pp > 1 and pins.micro_batch and pins.engine != "deepspeed" and replicas and (
+                train.global_batch % (replicas * pins.micro_batch) == 0):
+            m = train.global_batch // (replicas * pins.micro_batch)
+            return DsautoError(f"--vpp {pins.vpp} cannot run: the interleaved schedule needs the micro-batches of a step "
+                               f"to be a multiple of pp {pp}, and global batch {train.global_batch} / (dp {replicas} x "
+                               f"micro-batch {pins.micro_batch}) gives {m}; change --global-batch, --micro-batch or "
+                               f"--pp.")
         return DsautoError(f"--vpp {pins.vpp} cannot run: the interleaved schedule needs Megatron-core, "
                            f"pp > 1 and micro-batches per step a multiple of pp; change --pp, --micro-batch "
                            f"or --global-batch.")

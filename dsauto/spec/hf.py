@@ -33,6 +33,7 @@ public configs.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -1111,7 +1112,24 @@ def model_from_hf_config(config: Mapping[str, Any], where: str, default_name: st
                       f"transformers does not build them either: the plan, its memory and its time are the main "
                       f"model's, and a last pipeline stage that trains them holds one more layer and loss.",
                       DsautoWarning, stacklevel=3)
-    return from_dict(ModelSpec, spec, where)
+    try:
+        return from_dict(ModelSpec, spec, where)
+    except DsautoError as error:  # in the config's own words: its keys, not dsauto's field names
+        used = {name: next((k for k in keys if cfg.given(k)), keys[0]) for name, keys in family.keys.items() if keys}
+        used.update({name: next((k for k in keys if k in config), keys[0]) for name, keys in CONFIG_KEYS.items()})
+        text = re.sub(r"\b[a-z_]+\b", lambda m: used.get(m.group(0), m.group(0)), str(error))
+        raise DsautoError(text) from None
+
+
+CONFIG_KEYS = {
+    "num_kv_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"),
+    "attention_head_dim": ("head_dim", "kv_channels"),
+    "moe_top_k": ("num_experts_per_tok", "experts_per_token", "moe_topk"),
+    "num_experts": ("num_local_experts", "n_routed_experts", "num_experts"),
+    "moe_ffn_hidden_size": ("moe_intermediate_size",),
+}
+"""The Hugging Face config keys of ModelSpec fields its readers set (besides each family's shape keys),
+for errors in the config's words: the first the config gives, else the first."""
 
 
 def read_router(cfg: Config, spec: dict[str, Any]) -> list[str]:

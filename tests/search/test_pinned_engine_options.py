@@ -116,3 +116,19 @@ def test_sequence_parallelism_only_where_tp_divides_each_ranks_tokens():
         from dsauto.api import find_plans
         find_plans(make_problem("llama3-8b", "h100-80gb", engine="megatron", tp=8, seq_len=2049, global_batch=16,
                                 sequence_parallel=True))
+
+
+def test_contradictory_and_unmet_pins_say_their_numbers(capsys):
+    """--tp-comm-overlap with --no-sequence-parallel is refused (it overlaps sequence parallelism's
+    collectives); a --vpp whose step has a number of micro-batches pp does not divide says the count."""
+    from dsauto.cli import main
+
+    assert main(["plan", "--model", "llama3-8b", "--hardware", "h100-80gb", "--engine", "megatron", "--tp", "2",
+                 "--tp-comm-overlap", "--no-sequence-parallel"]) == 2
+    assert ("--tp-comm-overlap overlaps the tensor-parallel collectives of sequence parallelism, and "
+            "--no-sequence-parallel turns it off; leave out one of them.") in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3-70b", "--hardware", "h100-80gb", "--nodes", "8", "--engine", "megatron",
+                 "--tp", "8", "--pp", "4", "--vpp", "2", "--global-batch", "20", "--micro-batch", "1"]) == 2
+    assert ("--vpp 2 cannot run: the interleaved schedule needs the micro-batches of a step to be a multiple of pp 4, "
+            "and global batch 20 / (dp 2 x micro-batch 1) gives 10; change --global-batch, --micro-batch or --pp."
+            ) in capsys.readouterr().err

@@ -711,3 +711,20 @@ def test_config_json_path_loads(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config("mistral-nemo-12b")))
     assert load_model(str(folder)).num_parameters() == 12_247_782_400
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_attention_heads": 30}, "hidden_size (4096) is not divisible by num_attention_heads (30); give head_dim"),
+    ({"num_key_value_heads": 5}, "num_attention_heads (32) is not divisible by num_key_value_heads (5)"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be positive, got 0"),
+])
+def test_an_invalid_config_is_told_in_its_own_keys(change, message):
+    """A value the model cannot take is named by the config's key, not dsauto's field name."""
+    with pytest.raises(DsautoError) as error:
+        model_from_hf_config({**config("llama-3.1-8b"), **change}, "llama")
+    assert message in str(error.value) and "num_kv_heads" not in str(error.value)
+
+
+def test_an_invalid_mixture_of_experts_is_told_in_its_own_keys():
+    with pytest.raises(DsautoError, match=r"num_experts_per_tok must be between 1 and num_local_experts \(8\), got 10"):
+        model_from_hf_config({**config("mixtral-8x7b"), "num_experts_per_tok": 10}, "mixtral")
