@@ -319,6 +319,13 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
                       f"{plans[0].tp}{'' if plans[0].tp == 1 else ' without sequence parallelism'}, so it is off; "
                       f"{remedy}.", DsautoWarning, stacklevel=2)
     best = plans[0]
+    pinned_n = problem.pins.recompute_num_layers
+    widest = max((len(layers) for layers in best.stage_ranges()), default=0)
+    if pinned_n and best.engine == "megatron" and pinned_n > widest:
+        warnings.warn(f"--recompute-num-layers {pinned_n} checkpoints every layer of the plan's "
+                      f"{'model chunks' if best.virtual_stages > 1 else 'pipeline stages'}, which hold {widest} at "
+                      f"most: its files write --recompute-num-layers {widest}, the same layers.", DsautoWarning,
+                      stacklevel=2)
     if best.zero_stage == 3 and not any(run.shard_params for run in best.layers):
         # Every layer resident (ds_persist): no partition is gathered, so these pins move nothing.
         idle = []  # (what does nothing, what gives the same plan)

@@ -684,7 +684,17 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
     try:
         return ModelSpec(**fields)
     except (TypeError, ValueError, DsautoError) as error:
-        raise DsautoError(f"{where} does not describe a model dsauto can plan: {error}") from None
+        text = re.sub(r"\b[a-z_]+\b", lambda m: MODEL_FLAGS.get(m.group(0), m.group(0)), str(error)).rstrip(".")
+        raise DsautoError(f"{where} does not describe a model dsauto can plan: {text}; correct the flag.") from None
+
+
+MODEL_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
+    "num_kv_heads": "--num-query-groups", "attention_head_dim": "--kv-channels", "ffn_hidden_size": "--ffn-hidden-size",
+    "vocab_size": "--vocab-size", "max_position_embeddings": "--max-position-embeddings",
+    "num_experts": "--num-experts", "moe_top_k": "--moe-router-topk", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+}
+"""The Megatron-LM flag of each ModelSpec field a launch gives, for errors in the launch's words."""
 
 
 def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:

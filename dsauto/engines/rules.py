@@ -204,7 +204,8 @@ def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engin
                 "--engine megatron")
     if name == "mlp" and linear_bias and engine == "megatron":
         return ("Megatron-core 0.16 cannot recompute the MLP of a model whose linear layers have biases "
-                "(the MLP's output bias passes through the checkpoint, whose backward then never ends)")
+                "(the MLP's output bias passes through the checkpoint, whose backward then never ends); leave "
+                "out mlp (core_attn recomputes the attention core), or plan with --engine deepspeed")
     if name in RECOMPUTE_MODULES:
         return None
     if name in MEGATRON_RECOMPUTE_MODULES:

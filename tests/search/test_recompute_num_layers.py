@@ -172,3 +172,16 @@ def test_the_pin_reaches_the_emitted_flags_and_plan_yaml(tmp_path):
     plan = read_plan(tmp_path / "plan.yaml")
     assert_block(plan, 1)
     assert "--recompute-num-layers 1" in (tmp_path / "megatron_args.txt").read_text()
+
+
+def test_a_count_above_every_chunk_is_written_as_the_chunks_and_said():
+    """Megatron-core checkpoints all of a block's layers when N exceeds them: a pinned 50 over chunks of
+    at most 5 layers is written as 5, and a warning says so."""
+    from dsauto.errors import DsautoWarning
+
+    problem = make_problem("llama3-70b", "h100-80gb", nodes=4, engine="megatron", pp=4, vpp=4,
+                           recompute_num_layers=50)
+    with pytest.warns(DsautoWarning, match=r"--recompute-num-layers 50 checkpoints every layer of the plan's model "
+                                           r"chunks, which hold 5 at most: its files write --recompute-num-layers 5"):
+        plan = find_plans(problem)[0]
+    assert "--recompute-num-layers 5" in megatron_args(plan)
