@@ -146,10 +146,11 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
         raise DsautoError(f"cannot read the Megatron-LM arguments {path}: {error.strerror}; give a readable "
                           f"file.") from None
     try:
-        words = shlex.split(expand_shell_variables(text, defaults).replace("\\\n", " "), comments=True)
+        expanded = expand_shell_variables(text, defaults)
+        words = shlex.split(expanded.replace("\\\n", " "), comments=True)
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
-    launch = parse_megatron_args(words, str(path), model, launch_environment(text), launch_vocabulary(text))
+    launch = parse_megatron_args(words, str(path), model, launch_environment(expanded), launch_vocabulary(text))
     if defaults:
         taken = ", ".join(f"{name}={shlex.quote(value)}" for name, value in defaults.items())
         its, them = ("their defaults", "them") if len(defaults) > 1 else ("its default", "it")
@@ -178,8 +179,9 @@ def planned_world(text: str) -> dict[str, int]:
 _ASSIGNMENT = re.compile(r"(?:export[ \t]+|declare[ \t]+-a[ \t]+)?([A-Za-z_]\w*)(\+?)=")
 _QUOTED_ARRAY = re.compile(r"\"(\$\{[A-Za-z_]\w*\[[@*]\]\})\"")
 _REFERENCE = re.compile(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}|\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
-_DEFAULTED = re.compile(r"\$\{([A-Za-z_]\w*):?([-=])([^}]*)\}")
+_DEFAULTED = re.compile(r"\$\{([A-Za-z_]\w*)(:?)([-=])")
 _ARITHMETIC = re.compile(r"[\d\s+\-*/%()]+")
+_INTEGER = re.compile(r"-?\d+")
 
 
 def expand_shell_variables(text: str, defaults: dict[str, str] | None = None) -> str:
@@ -256,12 +258,14 @@ def _closing_parenthesis(text: str, pos: int) -> int:
     return len(text)
 
 
-def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]], defaults: dict[str, str]) -> str:
+def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]], defaults: dict[str, str],
+                double: bool = False) -> str:
     """``text`` with the references to ``arrays`` and ``scalars`` replaced by their values, quoted
     as words outside double quotes, not at all inside single quotes or a comment; defaults and
-    arithmetic as :func:`expand_shell_variables` says."""
+    arithmetic as :func:`expand_shell_variables` says. ``double``: ``text`` starts inside double
+    quotes (a default's word within a quoted ``"${NAME:-...}"``)."""
     text = _QUOTED_ARRAY.sub(r"\1", text)  # "${NAME[@]}": each element a word of its own, as unquoted
-    out, pos, double, word_start = [], 0, False, True
+    out, pos, word_start = [], 0, True
     while pos < len(text):
         c = text[pos]
         if c == "'" and not double:
@@ -291,17 +295,22 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
                 continue
         defaulted = _DEFAULTED.match(text, pos) if c == "$" else None
         if defaulted:
-            name = defaulted.group(1)
-            if name in scalars:
+            name, colon, operator = defaulted.groups()
+            close = _closing_brace(text, defaulted.end())
+            if name in scalars and not (colon and scalars[name] == ""):  # ':' also defaults an empty value
                 value = scalars[name]
                 out.append(value.replace("\\", "\\\\").replace('"', '\\"') if double else shlex.quote(value))
             else:
-                value = _substitute(defaulted.group(3), scalars, arrays, defaults)
+                written = _substitute(text[defaulted.end():close], scalars, arrays, defaults, double)
+                try:
+                    value = " ".join(shlex.split(written))  # the default's words, quotes removed
+                except ValueError:
+                    value = written
                 defaults[name] = value
-                if defaulted.group(2) == "=":  # ${NAME:=default} also sets NAME
+                if operator == "=":  # ${NAME:=default} also sets NAME
                     scalars[name] = value
-                out.append(value)
-            pos, word_start = defaulted.end(), False
+                out.append(value.replace("\\", "\\\\").replace('"', '\\"') if double else written)
+            pos, word_start = close + 1, False
             continue
         match = _REFERENCE.match(text, pos) if c == "$" else None
         if match:
@@ -323,11 +332,40 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
     return "".join(out)
 
 
+def _closing_brace(text: str, pos: int) -> int:
+    """Where the ``}`` that closes a ``${`` opened before ``pos`` stands: nested ``${...}`` counted,
+    escapes and single-quoted text skipped, as bash reads a default's word."""
+    depth = 0
+    while pos < len(text):
+        if text.startswith("${", pos):
+            depth, pos = depth + 1, pos + 2
+            continue
+        c = text[pos]
+        if c == "\\":
+            pos += 2
+            continue
+        if c == "'":
+            end = text.find("'", pos + 1)
+            pos = len(text) if end < 0 else end + 1
+            continue
+        if c == "}":
+            if depth == 0:
+                return pos
+            depth -= 1
+        pos += 1
+    return len(text)
+
+
 def _arithmetic(expression: str, scalars: dict[str, str]) -> str | None:
-    """The value of bash's integer arithmetic ``expression`` (``+ - * / % **`` and parentheses over
+    """The value of bash's integer arithmetic ``expression`` (``+ - * / %`` and parentheses over
     numbers and the file's whole-number variables, named bare or with ``$``), or None for anything
-    else (a variable the file does not set, which bash would read from the job or take as 0)."""
-    names = re.sub(r"[A-Za-z_]\w*", lambda m: scalars.get(m.group(0), m.group(0)), expression)
+    else (a variable the file does not set or sets to other text, which bash would read from the job
+    or evaluate, and ``**``, whose precedence under a unary minus is not Python's)."""
+    def value(match: re.Match[str]) -> str:
+        held = scalars.get(match.group(0), "")
+        return f"({held})" if _INTEGER.fullmatch(held) else match.group(0)
+
+    names = re.sub(r"[A-Za-z_]\w*", value, expression)
     if not _ARITHMETIC.fullmatch(names):
         return None
     try:
@@ -355,8 +393,6 @@ def _integer_value(node: ast.AST) -> int:
         if isinstance(node.op, (ast.Div, ast.Mod)):
             quotient = abs(left) // abs(right) * (1 if (left < 0) == (right < 0) else -1)
             return quotient if isinstance(node.op, ast.Div) else left - right * quotient
-        if isinstance(node.op, ast.Pow) and 0 <= right <= 64:
-            return left ** right
     raise ValueError("not integer arithmetic")
 
 

@@ -471,14 +471,20 @@ def test_shell_defaults_and_arithmetic_read_as_bash_computes_them(tmp_path):
     from dsauto.engines.megatron_args import expand_shell_variables
 
     defaults: dict[str, str] = {}
-    text = ("N=4\nTP=${TP:-2}\nA=$((N * 2 + 1))\nB=$(( (N - 10) / 3 ))\nC=$((-7 % N))\n"
-            "x.py --a $A --b $B --c $C --d $((X * 2)) --e $(( ${G:-8} * N )) --f ${R:=z} --g $R --h $((2 ** 3)) "
-            "--i $((N / 0)) --j ${TP} --k \"${Q:-a b}\"\n")
+    text = ("N=4\nTP=${TP:-2}\nA=$((N * 2 + 1))\nB=$(( (N - 10) / 3 ))\nC=$((-7 % N))\nE=\"\"\nY=\"a b\"\n"
+            "M=\"1+1\"\nSIZE=4\n"
+            "x.py --a $A --b $B --c $C --d $((X * 2)) --e $(( ${G:-8} * N )) --f ${R:=z} --g $R --h $((M * 2)) "
+            "--i $((N / 0)) --j ${TP} --k \"${Q:-a b}\" --l ${NN:-${SLURM_NN:-3}} --m ${E:-5} --n ${E-6} "
+            "--o \"${X:-$Y}\" --p ${TPS:-${SIZE}}\n")
     words = shlex.split(expand_shell_variables(text, defaults), comments=True)
-    assert words[words.index("x.py"):] == ["x.py", "--a", "9", "--b", "-2", "--c", "-3", "--d", "$((X * 2))",
-                                          "--e", "32", "--f", "z", "--g", "z", "--h", "8", "--i", "$((N / 0))",
-                                          "--j", "2", "--k", "a b"]
-    assert defaults == {"TP": "2", "G": "8", "R": "z", "Q": "a b"}
+    assert words[words.index("x.py"):] == [
+        "x.py", "--a", "9", "--b", "-2", "--c", "-3", "--d", "$((X * 2))", "--e", "32", "--f", "z", "--g", "z",
+        "--h", "$((M * 2))",  # a variable holding other text than a number: bash would evaluate it
+        "--i", "$((N / 0))", "--j", "2", "--k", "a b", "--l", "3",
+        "--m", "5", "--n", "",  # ':-' defaults an empty value too, '-' an unset one alone
+        "--o", "a b", "--p", "4"]
+    assert defaults == {"TP": "2", "G": "8", "R": "z", "Q": "a b", "SLURM_NN": "3", "NN": "3", "E": "5",
+                        "X": "a b", "TPS": "4"}
 
     flags = MINIMAL.replace("--micro-batch-size 2 --global-batch-size 8 --tensor-model-parallel-size 2",
                             "--micro-batch-size ${MBS:-2} --global-batch-size $((MBS_ALL * 4)) "
