@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsauto.errors import DsautoError, DsautoWarning
-from dsauto.search.space import Constraints, sequence_parallel_runs
+from dsauto.search.space import Constraints, sequence_parallel_multiple, sequence_parallel_runs
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec
 from dsauto.spec.loaders import ModelSource, as_model, load_cluster, override_cluster
 from dsauto.spec.model import ModelSpec
@@ -268,7 +268,8 @@ def make_problem(
             sequence_parallel_runs(train.seq_len, tp, cp, cluster.world_size)):
         warnings.warn(f"Megatron-core plans run without sequence parallelism: it splits each sequence's "
                       f"{train.seq_len} tokens{f' / cp {cp}' if (cp or 1) > 1 else ''} over tp {tp}, which does not "
-                      f"divide them; a --seq-len that {tp} divides allows it.", DsautoWarning, stacklevel=2)
+                      f"divide them; a --seq-len that is a multiple of {sequence_parallel_multiple(tp, cp)} allows it.",
+                      DsautoWarning, stacklevel=2)
     if attention_kernel == "cudnn" and not cluster.device.fused_attention_efficiency:
         warnings.warn(f"{cluster.device.name} has no fused attention efficiency of its own; cuDNN's fused "
                       f"attention is priced at its FlashAttention efficiency.", DsautoWarning, stacklevel=2)
@@ -314,7 +315,8 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
                       f"{plans[0].engine}` to price it from them.", DsautoWarning, stacklevel=2)
     if problem.pins.tp_comm_overlap and not plans[0].tp_comm_overlap:
         remedy = ("pin --tp 2 or more to use it" if plans[0].tp == 1 else
-                  f"a --seq-len that tp {plans[0].tp} divides allows sequence parallelism")
+                  f"a --seq-len that is a multiple of {sequence_parallel_multiple(plans[0].tp, plans[0].cp)} "
+                  f"allows sequence parallelism")
         warnings.warn(f"--tp-comm-overlap takes effect with tp > 1 and sequence parallelism, and the plan has tp "
                       f"{plans[0].tp}{'' if plans[0].tp == 1 else ' without sequence parallelism'}, so it is off; "
                       f"{remedy}.", DsautoWarning, stacklevel=2)

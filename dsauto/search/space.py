@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import numbers
 import typing
 from collections.abc import Iterable, Iterator
@@ -429,6 +430,13 @@ def sequence_parallel_runs(seq_len: int, tp: int, cp: int | None, world: int) ->
     return any(sequence_parallel_divides(seq_len, c, tp) for c in cps)
 
 
+def sequence_parallel_multiple(tp: int, cp: int | None) -> int:
+    """The multiple a sequence's length must be for sequence parallelism over ``tp`` ranks with ``cp``
+    context-parallel ranks (None or 1: none): tp x cp, and 2 x cp for context parallelism's chunks."""
+    cp = cp or 1
+    return math.lcm(tp * cp, 2 * cp) if cp > 1 else tp
+
+
 def strategies_or_none(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                        pins: Constraints) -> list[Strategy]:
     """:func:`strategies`, or none where it refuses the inputs."""
@@ -635,7 +643,8 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
             needs = ("it is pinned on" if pins.sequence_parallel else
                      "an MoE model's tensor parallelism needs it (Megatron-core's token dispatch)")
             return DsautoError(f"Sequence parallelism splits each sequence's {tokens} over tp {pins.tp}, which does "
-                               f"not divide them, and {needs}; pin a --seq-len that {pins.tp} divides, or another --tp.")
+                               f"not divide them, and {needs}; pin a --seq-len that is a multiple of "
+                               f"{sequence_parallel_multiple(pins.tp, pins.cp)}, or another --tp.")
     if (pins.ep or 1) > 1 or (pins.etp or 1) > 1:
         if not model.moe:
             return DsautoError(f"--ep {pins.ep or 1} --etp {pins.etp or 1} split experts, and {model.name} is "
@@ -773,16 +782,17 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                                f"a stage; pin --stage-layers (a chunk may then hold none: Megatron-core's "
                                f"--pipeline-model-parallel-layout runs it) or lower --vpp.")
         replicas = world // (tp * pp * (pins.cp or 1))
-        if pp > 1 and pins.micro_batch and pins.engine != "deepspeed" and replicas and (
+        m = train.global_batch // (replicas * pins.micro_batch) if replicas and pins.micro_batch else 0
+        if pp > 1 and pins.tp and pins.engine != "deepspeed" and m and m % pp and (
                 train.global_batch % (replicas * pins.micro_batch) == 0):
-            m = train.global_batch // (replicas * pins.micro_batch)
             return DsautoError(f"--vpp {pins.vpp} cannot run: the interleaved schedule needs the micro-batches of a step "
                                f"to be a multiple of pp {pp}, and global batch {train.global_batch} / (dp {replicas} x "
                                f"micro-batch {pins.micro_batch}) gives {m}; change --global-batch, --micro-batch or "
                                f"--pp.")
-        return DsautoError(f"--vpp {pins.vpp} cannot run: the interleaved schedule needs Megatron-core, "
-                           f"pp > 1 and micro-batches per step a multiple of pp; change --pp, --micro-batch "
-                           f"or --global-batch.")
+        if not (pins.tp and m and m % pp == 0):  # else another pin empties the space: the checks below name it
+            return DsautoError(f"--vpp {pins.vpp} cannot run: the interleaved schedule needs Megatron-core, "
+                               f"pp > 1 and micro-batches per step a multiple of pp; change --pp, --micro-batch "
+                               f"or --global-batch.")
     if pins.recompute_modules is not None and parse_recompute_modules(pins.recompute_modules, model, pins.engine,
                                                                       pins.fp8_delayed):
         if pins.checkpoint is True:

@@ -112,7 +112,7 @@ def test_sequence_parallelism_only_where_tp_divides_each_ranks_tokens():
         _warnings.simplefilter("error")
         make_problem("llama3-8b", "h100-80gb", engine="megatron", tp=8, seq_len=2048, global_batch=16)
     with pytest.raises(DsautoError, match=r"Sequence parallelism splits each sequence's 2049 tokens over tp 8, which "
-                                          r"does not divide them, and it is pinned on; pin a --seq-len that 8 divides"):
+                                          r"does not divide them, and it is pinned on; pin a --seq-len that is a multiple of 8"):
         from dsauto.api import find_plans
         find_plans(make_problem("llama3-8b", "h100-80gb", engine="megatron", tp=8, seq_len=2049, global_batch=16,
                                 sequence_parallel=True))
