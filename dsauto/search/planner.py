@@ -60,7 +60,7 @@ from dsauto.search.space import (
     strategies,
 )
 from dsauto.spec.cluster import ClusterSpec
-from dsauto.spec.model import LayerGroup, ModelSpec, layer_groups
+from dsauto.spec.model import LayerGroup, ModelSpec, layer_groups, mixed_layer_kinds
 from dsauto.spec.training import TrainSpec
 from dsauto.units import format_bytes
 
@@ -96,6 +96,7 @@ class _Priced:
     zero3: _Zero3Rows | None = None  # ZeRO-3's moments, exact but for the gathered parameters (_fit_zero3)
     left_out: np.ndarray | None = None  # the gradients ``static`` leaves out (_counted_state), or None
     comm_overlap_efficiency: float = 0.0  # the device's, for the transfers the strategy overlaps (p2p_hidden)
+    mixed_layers: bool = False  # layers of several kinds, priced apart per stage (spec.model.mixed_layer_kinds)
 
     @property
     def p2p_hidden(self) -> float:
@@ -123,7 +124,10 @@ class _Priced:
         # so a strategy that close to the best may be bounded out; a bound true of every layout,
         # about (m + (p - 1) / (2 v)) x the mean, would solve 60% more strategies for gpt3-175b
         # (tests/search/test_dimension_oracle.py checks the bound on solved plans).
-        return (s.grad_accum + (s.pp - 1) / v) * (total / s.pp + p2p) + self.optimizer_seconds / s.pp
+        # Layers of several kinds (local and global attention, dense and MoE) are priced apart in each
+        # chunk, so a first chunk may hold much less than 1/v of its stage: only m x the mean is kept.
+        fill = 0.0 if self.mixed_layers and v > 1 else (s.pp - 1) / v
+        return (s.grad_accum + fill) * (total / s.pp + p2p) + self.optimizer_seconds / s.pp
 
     def least_memory(self, num_layers: int, recompute_num_layers: int | None = None) -> float:
         """A lower bound on the peak memory of the busiest rank, whatever the layout: the mean over
@@ -365,6 +369,7 @@ class Planner:
         self.pins = pins or Constraints()
         self.profile = profile
         self.calibration = calibration
+        self._mixed_layers = mixed_layer_kinds(model, train.seq_len)
 
     def _price(self, strategy: Strategy) -> _Priced:
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
@@ -411,7 +416,8 @@ class Planner:
         return _Priced(strategy, options, time, compute, static, act, trans,
                        cost.p2p_seconds() if strategy.pp > 1 else 0.0, optimizer, constant,
                        self.cluster.memory_budget_bytes - constant, zero3=zero3, left_out=left_out,
-                       comm_overlap_efficiency=self.cluster.device.comm_overlap_efficiency)
+                       comm_overlap_efficiency=self.cluster.device.comm_overlap_efficiency,
+                       mixed_layers=self._mixed_layers)
 
     def _price_selective(self, strategy: Strategy, plain: _Priced) -> _Priced:
         """``strategy``, which recomputes modules selectively, priced from ``plain``: the same

@@ -832,6 +832,13 @@ def layer_group_per_layer(model: ModelSpec, groups: Sequence[LayerGroup], seq_le
     return [embedding, *[kinds[kind(i)] for i in range(model.num_layers)], head]
 
 
+def mixed_layer_kinds(model: ModelSpec, seq_len: int) -> bool:
+    """Whether :func:`layer_group_per_layer` prices the transformer layers of ``model`` in more than one
+    kind (dense and MoE, or local and global attention) over ``seq_len``-token sequences."""
+    kinds = (len(model.moe_layers()), len(local_attention_layers(model, seq_len)))
+    return any(0 < count < model.num_layers for count in kinds)
+
+
 def local_attention_layers(model: ModelSpec, seq_len: int) -> list[int]:
     """The transformer layers (numbered from 0) whose attention leaves out keys of ``seq_len``-token
     sequences: the sliding-window layers (all but every ``global_attention_every``-th) when the window
