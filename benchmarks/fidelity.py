@@ -1032,6 +1032,19 @@ WHY = {
 """Why the runs of a source are off, where some are off by more than 15% (cross-validated)."""
 
 CHANGES = [
+    "Latent attention (DeepSeek V3, Kimi K2) priced in cuDNN's fused attention where Transformer Engine runs it "
+    "(dsauto/engines/rules.py, attention_kernel_refusal, default_attention_kernel): TE's get_attention_backend "
+    "turns FlashAttention off for unequal query/key and value head widths (192 and 128) and keeps FusedAttention, "
+    "which cuDNN 9.5 on trains up to 256 wide on Hopper; dsauto's Megatron-core plans had emitted "
+    "--attention-backend flash, which leaves no backend for it. AutoModel's *_te_deepep configs take TE's attention "
+    "(BackendConfig attn 'te'): its DeepSeek V3 rows +10.3% -> -0.8% (256 GPUs) and +29.1% -> +16.8% (1024), Kimi "
+    "K2 -21.0% -> -25.9%; moe_median_error 17.6% -> 16.9% (max 55.2% unchanged). A pipeline stage of a model with "
+    "sliding-window or chunked attention in some layers priced with its own layers' attention (dsauto/spec/model.py,"
+    " layer_group_per_layer, local_attention_layers): Megatron-Bridge's GPT-OSS 120B rows, whose stages alternate "
+    "4 and 5 global layers, -27.6% -> -27.4% (and alike). Ring attention across nodes priced at one NIC a step "
+    "(dsauto/cost/collectives.py, ring_link) and the H100's and H200's memory as nvidia-smi reports it (81,559 and "
+    "143,771 MiB): no run moved. No dense run moved; the refit holds the presets' constants. Headline unchanged: "
+    "CV median 5.1% (max 71.4%), in-sample 5.1% (71.6%); fp8_cv 13.1% / 23.6%.",
     "Interleaved pipelines priced by simulating Megatron-core's schedule over each rank's chunk passes, plus the "
     "fill's transfers (dsauto/cost/pipeline.py, simulate_interleaved: the schedule table, the warm-up counts, one"
     " more under --overlap-moe-expert-parallel-comm, and the chunks' dependencies of "

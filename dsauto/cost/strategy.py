@@ -102,9 +102,9 @@ class Strategy:
     apart): ``flash`` at the device's ``attention_efficiency``; ``cudnn``, Transformer Engine's
     FusedAttention, at its ``fused_attention_efficiency`` and, on a device without one, at its
     ``attention_efficiency``. The search gives a Megatron-core strategy ``cudnn`` where the device
-    has that kernel and the model allows it (:func:`dsauto.engines.rules.default_attention_kernel`)
-    and the plan passes ``--attention-backend fused``; ``flash`` otherwise, with ``--attention-backend
-    flash`` (dsauto/emit/megatron.py)."""
+    has that kernel and the model allows it, and to latent attention wherever cuDNN takes its heads
+    (:func:`dsauto.engines.rules.default_attention_kernel`), and the plan passes ``--attention-backend
+    fused``; ``flash`` otherwise, with ``--attention-backend flash`` (dsauto/emit/megatron.py)."""
 
     fp8: bool = False
     """FP8 training (Megatron-core's ``--fp8-format hybrid`` through Transformer Engine: E4M3 forward,

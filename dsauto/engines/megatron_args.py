@@ -721,7 +721,8 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
         return ModelSpec(**fields)
     except (TypeError, ValueError, DsautoError) as error:
         text = re.sub(r"\b[a-z_]+\b", lambda m: MODEL_FLAGS.get(m.group(0), m.group(0)), str(error)).rstrip(".")
-        raise DsautoError(f"{where} does not describe a model dsauto can plan: {text}; correct the flag.") from None
+        remedy = "" if "; give " in text else "; correct the flag"
+        raise DsautoError(f"{where} does not describe a model dsauto can plan: {text}{remedy}.") from None
 
 
 MODEL_FLAGS = {

@@ -336,8 +336,7 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
             qk, _, v, _ = attention_widths(model)
             heads = model.num_attention_heads
             return (f"Transformer Engine's FlashAttention does not run latent attention, whose query and key heads "
-                    f"({qk // heads} wide) are not its value heads ({v // heads}); Megatron-core runs it in cuDNN's "
-                    f"fused attention on Hopper (cuDNN 9.5 or later) or unfused")
+                    f"({qk // heads} wide) are not its value heads ({v // heads})")
         return None
     if engine != "megatron":
         return ("cuDNN's fused attention runs through Transformer Engine, which only dsauto's Megatron-core "
@@ -356,8 +355,9 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
         widths = (qk // model.num_attention_heads, v // model.num_attention_heads)
         widest = max(widths)
         if widest > (CUDNN_HOPPER_MAX_HEAD_DIM if hopper else CUDNN_MAX_HEAD_DIM) or any(w % 8 for w in widths):
-            return (f"cuDNN's fused attention trains latent attention's {widest}-wide heads only on Hopper with "
-                    f"cuDNN 9.5 or later (up to {CUDNN_HOPPER_MAX_HEAD_DIM}, in multiples of 8)")
+            return (f"cuDNN's fused attention trains heads in multiples of 8 up to {CUDNN_MAX_HEAD_DIM} wide "
+                    f"({CUDNN_HOPPER_MAX_HEAD_DIM} on Hopper with cuDNN 9.5 or later), not latent attention's "
+                    f"{'/'.join(map(str, widths))}")
         return None
     if model.head_dim > CUDNN_MAX_HEAD_DIM or model.head_dim % 16:
         return (f"cuDNN's fused attention trains heads up to {CUDNN_MAX_HEAD_DIM} wide in multiples of 16, "
@@ -368,12 +368,14 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
 def default_attention_kernel(engine: Engine, device_has_fused: bool, dtype: Dtype, flash_attention: bool,
                              model: ModelSpec, seq_len: int | None = None) -> AttentionKernel:
     """The kernel a plan runs unless pinned: cuDNN's fused attention where the device has one
-    (``DeviceSpec.fused_attention_efficiency``: Hopper) and :func:`attention_kernel_refusal` allows it,
+    (``DeviceSpec.fused_attention_efficiency``: Hopper), or the model's attention is latent (which
+    Transformer Engine runs in no other fused kernel), and :func:`attention_kernel_refusal` allows it,
     which is what Transformer Engine picks on Hopper when Megatron-core leaves the backend to it
     (transformer_engine/pytorch/attention/dot_product_attention/utils.py, ``get_attention_backend``);
     FlashAttention otherwise."""
-    if device_has_fused and attention_kernel_refusal(engine, "cudnn", dtype, flash_attention, model, seq_len,
-                                                     hopper=True) is None:
+    # Latent attention has no other fused kernel in Transformer Engine: cuDNN's wherever it takes the heads.
+    if (device_has_fused or (engine == "megatron" and model.latent_attention)) and attention_kernel_refusal(
+            engine, "cudnn", dtype, flash_attention, model, seq_len, hopper=device_has_fused) is None:
         return "cudnn"
     return "flash"
 

@@ -703,6 +703,11 @@ def _report_kernel(plan: Plan, config: TransformerConfig) -> None:
     planned = {"flash": AttnBackend.flash, "cudnn": AttnBackend.fused}[plan.attention_kernel]
     other = {AttnBackend.flash: AttnBackend.fused, AttnBackend.fused: AttnBackend.flash}[planned]
     if plan.flash_attention and config.attention_backend == other:
+        if plan.model.latent_attention and other == AttnBackend.flash:  # TE's FlashAttention refuses it
+            _report("The config runs attention_backend flash, which Transformer Engine turns off for latent "
+                    "attention's unequal query/key and value widths, leaving no backend for it; set "
+                    "attention_backend=fused, as the plan was priced.")
+            return
         _report(f"The plan's step time was priced with attention_backend {planned.name} and the config runs "
                 f"{other.name}, so the measured step may differ from the prediction; set "
                 f"attention_backend={planned.name} or re-plan with --attention-kernel "

@@ -459,12 +459,15 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
                                                                 model, train.seq_len)
     if why := attention_kernel_refusal(engine, kernel, train.dtype, train.flash_attention, model, train.seq_len,
                                        hopper=hopper):
+        other = attention_kernel_refusal(engine, "cudnn" if kernel == "flash" else "flash", train.dtype,
+                                         train.flash_attention, model, train.seq_len, hopper=hopper)
+        unfused = "add --no-flash-attention (unfused attention)" + ("" if hopper else ", or plan for Hopper")
         if pins.attention_kernel is None:  # the default: no fused kernel runs this model's attention here
-            out["fused attention"] = why, "add --no-flash-attention (unfused attention) or plan for Hopper"
-        elif kernel == "flash":
-            out["--attention-kernel flash"] = why, "use --attention-kernel cudnn on Hopper, or --no-flash-attention"
+            out["fused attention"] = f"{why}, and {other}", unfused
+        elif other is None:
+            out[f"--attention-kernel {kernel}"] = why, f"use --attention-kernel {'cudnn' if kernel == 'flash' else 'flash'} or leave it out"
         else:
-            out[f"--attention-kernel {kernel}"] = why, "use --attention-kernel flash or leave it out"
+            out[f"--attention-kernel {kernel}"] = f"{why}, and {other}", unfused
     if pins.tp_comm_overlap and (why := tp_comm_overlap_refusal(engine)):
         out["--tp-comm-overlap"] = why, "otherwise leave it out"
     if pins.grad_reduce_in_fp32 is False and (why := grad_reduce_refusal(engine, train.dtype)):

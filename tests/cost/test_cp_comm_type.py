@@ -68,7 +68,7 @@ def test_the_ring_hides_its_sends_under_attention_and_exposes_them_again_when_re
     cost, block = costs("p2p")
     ctx = cost.context
     share = cost.tokens * block.kv_bytes_per_token
-    sends = (CP - 1) * ctx.cp_group.send_recv(share)
+    sends = (CP - 1) * ctx.cp_ring.send_recv(share)
     attention = attention_passes(block, ctx)
     plain = context_parallel_seconds(block, PLAIN, ctx)
     expected = ctx.device.overlapped(attention.forward_seconds, sends) - attention.forward_seconds

@@ -125,7 +125,11 @@ def test_latent_attention_runs_in_cudnn_on_hopper_and_never_in_flashattention(ca
     assert attention_kernel_refusal("megatron", "flash", "bf16", True, model) is not None
     assert attention_kernel_refusal("deepspeed", "flash", "bf16", True, model) is None  # the model's own attention
     assert attention_kernel_refusal("megatron", "cudnn", "bf16", True, model, hopper=True) is None
-    assert "only on Hopper with cuDNN 9.5 or later" in attention_kernel_refusal("megatron", "cudnn", "bf16", True, model)
+    assert attention_kernel_refusal("megatron", "cudnn", "bf16", True, model) == (
+        "cuDNN's fused attention trains heads in multiples of 8 up to 128 wide (256 on Hopper with cuDNN 9.5 or "
+        "later), not latent attention's 192/128")
+    narrow = dataclasses.replace(model, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
+    assert default_attention_kernel("megatron", False, "bf16", True, narrow) == "cudnn"  # 96-wide: cuDNN anywhere
     pins = dict(engine="megatron", ep=8, global_batch=64, seq_len=4096, gpus_per_node=8, nodes=2)
     plan = make_plan(config, "h100-80gb", **pins)
     assert plan.attention_kernel == "cudnn" and backend(plan) == "fused"
@@ -134,8 +138,13 @@ def test_latent_attention_runs_in_cudnn_on_hopper_and_never_in_flashattention(ca
               "--seq-len", "4096"]
     assert main([*common, "--hardware", "a100-80gb"]) == 2
     assert ("fused attention cannot run: Transformer Engine's FlashAttention does not run latent attention, whose "
-            "query and key heads (192 wide) are not its value heads (128)") in capsys.readouterr().err
+            "query and key heads (192 wide) are not its value heads (128), and cuDNN's fused attention trains heads "
+            "in multiples of 8 up to 128 wide (256 on Hopper with cuDNN 9.5 or later), not latent attention's "
+            "192/128; add --no-flash-attention (unfused attention), or plan for Hopper.") in capsys.readouterr().err
     assert main([*common, "--hardware", "h100-80gb", "--attention-kernel", "flash"]) == 2
-    assert "use --attention-kernel cudnn on Hopper, or --no-flash-attention." in capsys.readouterr().err
+    assert "; use --attention-kernel cudnn or leave it out." in capsys.readouterr().err
+    assert main([*common, "--hardware", "h100-80gb", "--dtype", "fp32"]) == 2
+    assert ("and cuDNN's fused attention runs in bf16 or fp16, not fp32; add --no-flash-attention (unfused "
+            "attention).") in capsys.readouterr().err
     unfused = make_plan(config, "a100-80gb", flash_attention=False, **pins)
     assert backend(unfused) == "unfused"
