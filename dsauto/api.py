@@ -172,7 +172,9 @@ def make_problem(
             DeepSpeed hook checkpoints the same modules), or ``"none"`` (default: searched).
         attention_kernel: ``"flash"`` (FlashAttention) or ``"cudnn"`` (cuDNN's fused attention
             through Transformer Engine, Megatron-core plans only); None: cudnn for Megatron-core on
-            devices that have it (Hopper), as Transformer Engine picks there, flash otherwise.
+            devices that have it (Hopper), as Transformer Engine picks there, and for latent
+            attention wherever cuDNN takes its heads (Transformer Engine's FlashAttention does not
+            run it); flash otherwise.
         tp_comm_overlap: True turns on Megatron-core's ``--tp-comm-overlap`` where the plan has tp > 1
             with sequence parallelism (Megatron-core plans only; default: off).
         grad_reduce_in_fp32: False keeps and reduces gradients in bf16 (Megatron-core's

@@ -222,8 +222,8 @@ def expand_shell_variables(text: str, defaults: dict[str, str] | None = None) ->
                 value = shlex.split(_substitute(line[match.end() - pos:], scalars, arrays, defaults), comments=True)
             except ValueError:
                 value = []
-            if len(value) == 1:
-                scalars[match.group(1)] = value[0]
+            if len(value) <= 1:  # NAME=value or NAME= (set, empty); NAME=value command: the command's
+                scalars[match.group(1)] = value[0] if value else ""
         out.append(_substitute(line, scalars, arrays, defaults))
         pos = line_end
     return "".join(out)
@@ -301,15 +301,21 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
                 value = scalars[name]
                 out.append(value.replace("\\", "\\\\").replace('"', '\\"') if double else shlex.quote(value))
             else:
-                written = _substitute(text[defaulted.end():close], scalars, arrays, defaults, double)
-                try:
-                    value = " ".join(shlex.split(written))  # the default's words, quotes removed
-                except ValueError:
-                    value = written
-                defaults[name] = value
+                word = text[defaulted.end():close]
+                if double:  # inside "...": the default's own quotes are removed, its spaces kept
+                    value = _substitute(word.replace('"', ""), scalars, arrays, defaults, True)
+                    written = value.replace("\\", "\\\\").replace('"', '\\"')
+                else:
+                    written = _substitute(word, scalars, arrays, defaults)
+                    try:
+                        value = " ".join(shlex.split(written))  # the default's words, quotes removed
+                    except ValueError:
+                        value = written
+                if name not in scalars:  # the file's own empty value is not the job's to set
+                    defaults[name] = value
                 if operator == "=":  # ${NAME:=default} also sets NAME
                     scalars[name] = value
-                out.append(value.replace("\\", "\\\\").replace('"', '\\"') if double else written)
+                out.append(written)
             pos, word_start = close + 1, False
             continue
         match = _REFERENCE.match(text, pos) if c == "$" else None
@@ -334,7 +340,7 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
 
 def _closing_brace(text: str, pos: int) -> int:
     """Where the ``}`` that closes a ``${`` opened before ``pos`` stands: nested ``${...}`` counted,
-    escapes and single-quoted text skipped, as bash reads a default's word."""
+    escapes and quoted text skipped, as bash reads a default's word."""
     depth = 0
     while pos < len(text):
         if text.startswith("${", pos):
@@ -344,8 +350,8 @@ def _closing_brace(text: str, pos: int) -> int:
         if c == "\\":
             pos += 2
             continue
-        if c == "'":
-            end = text.find("'", pos + 1)
+        if c in "'\"":
+            end = text.find(c, pos + 1)
             pos = len(text) if end < 0 else end + 1
             continue
         if c == "}":

@@ -65,7 +65,7 @@ from dsauto.engines.megatron import (
 from dsauto.errors import DsautoError
 from dsauto.plan import Plan, chunk_layers
 from dsauto.plan_io import read_plan
-from dsauto.spec.model import ModelSpec
+from dsauto.spec.model import ModelSpec, attention_widths
 from dsauto.units import counted, format_bytes
 
 if TYPE_CHECKING:
@@ -703,7 +703,8 @@ def _report_kernel(plan: Plan, config: TransformerConfig) -> None:
     planned = {"flash": AttnBackend.flash, "cudnn": AttnBackend.fused}[plan.attention_kernel]
     other = {AttnBackend.flash: AttnBackend.fused, AttnBackend.fused: AttnBackend.flash}[planned]
     if plan.flash_attention and config.attention_backend == other:
-        if plan.model.latent_attention and other == AttnBackend.flash:  # TE's FlashAttention refuses it
+        qk, _, v, _ = attention_widths(plan.model)
+        if plan.model.latent_attention and qk != v and other == AttnBackend.flash:  # TE's FlashAttention refuses it
             _report("The config runs attention_backend flash, which Transformer Engine turns off for latent "
                     "attention's unequal query/key and value widths, leaving no backend for it; set "
                     "attention_backend=fused, as the plan was priced.")

@@ -162,7 +162,8 @@ class Constraints:
         "flag": "--attention-kernel", "choices": {"auto": None, **{name: name for name in ATTENTION_KERNELS}},
         "help": "the fused attention kernel: flash (FlashAttention) or cudnn (cuDNN's fused attention through "
                 "Transformer Engine, Megatron-core only) (default: auto, cudnn for Megatron-core on devices "
-                "that have it, as Transformer Engine picks on Hopper)"})
+                "that have it, as Transformer Engine picks on Hopper, and for latent attention wherever cuDNN "
+                "takes its heads)"})
     """The fused attention kernel (:data:`dsauto.plan.AttentionKernel`); None: each engine's default
     (:func:`dsauto.engines.rules.default_attention_kernel`)."""
     tp_comm_overlap: bool | None = field(default=None, metadata={
@@ -461,7 +462,10 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
                                        hopper=hopper):
         other = attention_kernel_refusal(engine, "cudnn" if kernel == "flash" else "flash", train.dtype,
                                          train.flash_attention, model, train.seq_len, hopper=hopper)
-        unfused = "add --no-flash-attention (unfused attention)" + ("" if hopper else ", or plan for Hopper")
+        on_hopper = attention_kernel_refusal(engine, "cudnn", train.dtype, train.flash_attention, model,
+                                             train.seq_len, hopper=True) is None
+        unfused = "add --no-flash-attention (unfused attention)" + ("" if hopper or not on_hopper else
+                                                                    ", or plan for Hopper")
         if pins.attention_kernel is None:  # the default: no fused kernel runs this model's attention here
             out["fused attention"] = f"{why}, and {other}", unfused
         elif other is None:

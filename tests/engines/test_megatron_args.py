@@ -483,8 +483,20 @@ def test_shell_defaults_and_arithmetic_read_as_bash_computes_them(tmp_path):
         "--i", "$((N / 0))", "--j", "2", "--k", "a b", "--l", "3",
         "--m", "5", "--n", "",  # ':-' defaults an empty value too, '-' an unset one alone
         "--o", "a b", "--p", "4"]
-    assert defaults == {"TP": "2", "G": "8", "R": "z", "Q": "a b", "SLURM_NN": "3", "NN": "3", "E": "5",
-                        "X": "a b", "TPS": "4"}
+    assert defaults == {"TP": "2", "G": "8", "R": "z", "Q": "a b", "SLURM_NN": "3", "NN": "3",
+                        "X": "a b", "TPS": "4"}  # not E: the file sets it, empty
+
+    # the same words as bash's, quotes and empty values included
+    import subprocess
+
+    script = ('X=\nT=""\nY="a  b"\nN=3\n'
+              'set -- --a "${X-2}" --b ${T:-2} --c "${D:-"$Y"}" --d "${E:-$Y}" --e ${F:-"a}b"} '
+              '--f ${G:-${H:-$((N * 4 - 1))}} --g "${T}" --h ${I:=5} --i $I\n')
+    bash = subprocess.run(["bash", "-c", script + 'printf "%s\\n" "$@"'], capture_output=True, text=True,
+                          check=True).stdout.split("\n")[:-1]
+    ours = shlex.split(expand_shell_variables(script).splitlines()[-1], comments=True)[2:]
+    assert ours == bash == ["--a", "", "--b", "2", "--c", "a  b", "--d", "a  b", "--e", "a}b", "--f", "11", "--g", "",
+                            "--h", "5", "--i", "5"]
 
     flags = MINIMAL.replace("--micro-batch-size 2 --global-batch-size 8 --tensor-model-parallel-size 2",
                             "--micro-batch-size ${MBS:-2} --global-batch-size $((MBS_ALL * 4)) "
