@@ -17,7 +17,7 @@ from dsauto.emit.ds_config import ds_config
 from dsauto.errors import DsautoError
 from dsauto.parallel import ParallelDims
 from dsauto.plan import Plan
-from dsauto.profile.launch import free_port
+from dsauto.profile.launch import free_port, launch, stop
 from dsauto.profile.memory import MemoryTracker
 from dsauto.profile.steps import StepMeasurement
 from dsauto.refine.trial_hook import (
@@ -118,11 +118,20 @@ def trial_plan() -> Plan:
 
 
 def deepspeed_launch(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Runs ``args`` on 2 CPU ranks with DeepSpeed's launcher, from the repository root."""
+    """Runs ``args`` on 2 CPU ranks with DeepSpeed's launcher, from the repository root, under dsauto's
+    launch guard: a run past its (generous, loaded-machine) limit is stopped with all its ranks, not
+    left computing beside the tests that follow."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1", **env}
-    return subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:0,1",
-                           "--master_port", str(free_port()), *args],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT, check=False)
+    port = free_port()
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:0,1",
+               "--master_port", str(port), *args]
+    process = launch(command, env, port, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        stdout, stderr = process.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        stop(process)
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
