@@ -232,8 +232,17 @@ def expand_shell_variables(text: str, defaults: dict[str, str] | None = None) ->
 def _closing_parenthesis(text: str, pos: int) -> int:
     """Where the ``)`` that closes an array opened just before ``pos`` stands: quotes, escapes,
     comments and nested parentheses (``$(hostname)``) skipped, as bash reads them."""
+    return _closing(text, pos, "(", ")", comments=True)
+
+
+def _closing(text: str, pos: int, opening: str, closing: str, comments: bool) -> int:
+    """Where the ``closing`` character that matches an ``opening`` before ``pos`` stands, nested
+    openings counted; escapes, quoted text and (``comments``) comments skipped."""
     depth, word_start = 0, True
     while pos < len(text):
+        if text.startswith(opening, pos):
+            depth, pos, word_start = depth + 1, pos + len(opening), False
+            continue
         c = text[pos]
         if c == "\\":
             pos += 2
@@ -243,13 +252,11 @@ def _closing_parenthesis(text: str, pos: int) -> int:
             pos = len(text) if end < 0 else end + 1
             word_start = False
             continue
-        if c == "#" and word_start:
+        if comments and c == "#" and word_start:
             end = text.find("\n", pos)
             pos = len(text) if end < 0 else end
             continue
-        if c == "(":
-            depth += 1
-        elif c == ")":
+        if c == closing:
             if depth == 0:
                 return pos
             depth -= 1
@@ -341,25 +348,7 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
 def _closing_brace(text: str, pos: int) -> int:
     """Where the ``}`` that closes a ``${`` opened before ``pos`` stands: nested ``${...}`` counted,
     escapes and quoted text skipped, as bash reads a default's word."""
-    depth = 0
-    while pos < len(text):
-        if text.startswith("${", pos):
-            depth, pos = depth + 1, pos + 2
-            continue
-        c = text[pos]
-        if c == "\\":
-            pos += 2
-            continue
-        if c in "'\"":
-            end = text.find(c, pos + 1)
-            pos = len(text) if end < 0 else end + 1
-            continue
-        if c == "}":
-            if depth == 0:
-                return pos
-            depth -= 1
-        pos += 1
-    return len(text)
+    return _closing(text, pos, "${", "}", comments=False)
 
 
 def _arithmetic(expression: str, scalars: dict[str, str]) -> str | None:
