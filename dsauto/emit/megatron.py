@@ -32,13 +32,13 @@ from dsauto.engines.megatron import (
     softmax_fusion_setting,
 )
 from dsauto.plan import Plan
-from dsauto.plan_io import PLAN_ID_COMMENT, plan_id
+from dsauto.plan_io import MEGATRON_ARGS_NAME, PLAN_ID_COMMENT, plan_id
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec
 
 COMMENT = "# "
 """Prefix of the lines that explain rather than set something."""
 
-def megatron_args(plan: Plan, file_name: str = "megatron_args.txt") -> list[str]:
+def megatron_args(plan: Plan, file_name: str = MEGATRON_ARGS_NAME) -> list[str]:
     """``plan`` as Megatron-LM arguments, one per line.
 
     Each line is a flag, a flag and its value separated by one space, or a comment starting with

@@ -33,7 +33,7 @@ from dsauto.engines.megatron import (
 )
 from dsauto.errors import DsautoError
 from dsauto.plan import MOMENT_BYTES, chunk_layers
-from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec
+from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec, in_own_words
 from dsauto.units import format_bytes
 
 VALUED = {
@@ -306,12 +306,12 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
             close = _closing_brace(text, defaulted.end())
             if name in scalars and not (colon and scalars[name] == ""):  # ':' also defaults an empty value
                 value = scalars[name]
-                out.append(value.replace("\\", "\\\\").replace('"', '\\"') if double else shlex.quote(value))
+                out.append(_as_word(value, double))
             else:
                 word = text[defaulted.end():close]
                 if double:  # inside "...": the default's own quotes are removed, its spaces kept
                     value = _substitute(word.replace('"', ""), scalars, arrays, defaults, True)
-                    written = value.replace("\\", "\\\\").replace('"', '\\"')
+                    written = _as_word(value, True)
                 else:
                     written = _substitute(word, scalars, arrays, defaults)
                     try:
@@ -332,7 +332,7 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
                 out.append(" ".join(arrays[array]) if double else shlex.join(arrays[array]))
             elif array is None and (braced or bare) in scalars:
                 value = scalars[braced or bare]
-                out.append(value.replace("\\", "\\\\").replace('"', '\\"') if double else shlex.quote(value))
+                out.append(_as_word(value, double))
             else:
                 out.append(match.group(0))
             pos, word_start = match.end(), False
@@ -343,6 +343,11 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
         word_start = c.isspace()
         pos += 1
     return "".join(out)
+
+
+def _as_word(value: str, double: bool) -> str:
+    """``value`` written to stay one word: escaped inside double quotes, quoted outside them."""
+    return value.replace("\\", "\\\\").replace('"', '\\"') if double else shlex.quote(value)
 
 
 def _closing_brace(text: str, pos: int) -> int:
@@ -715,7 +720,7 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
     try:
         return ModelSpec(**fields)
     except (TypeError, ValueError, DsautoError) as error:
-        text = re.sub(r"\b[a-z_]+\b", lambda m: MODEL_FLAGS.get(m.group(0), m.group(0)), str(error)).rstrip(".")
+        text = in_own_words(str(error), MODEL_FLAGS).rstrip(".")
         remedy = "" if "; give " in text else "; correct the flag"
         raise DsautoError(f"{where} does not describe a model dsauto can plan: {text}{remedy}.") from None
 

@@ -332,8 +332,10 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
     fused_attn/fused_attn.cpp, and ``get_attention_backend``'s "Filter: Sliding window attention",
     which turns FusedAttention off for a window with dropout; TE 2.12)."""
     if kernel == "flash":
+        if engine != "megatron" or not flash_attention or not model.latent_attention:
+            return None
         qk, _, v, _ = attention_widths(model)
-        if engine == "megatron" and flash_attention and model.latent_attention and qk != v:
+        if qk != v:
             heads = model.num_attention_heads
             return (f"Transformer Engine's FlashAttention does not run latent attention, whose query and key heads "
                     f"({qk // heads} wide) are not its value heads ({v // heads})")

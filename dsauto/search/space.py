@@ -334,19 +334,19 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
             zero_stages = (0,)  # nothing to partition over (ZeRO shards over dp x cp)
         per_replica = train.global_batch // dp
         experts = _expert_degrees(model, dims, pins)
+        # Megatron-core's sequence parallelism scatters each cp rank's tokens over tp, which must divide them
+        # (megatron/core/tensor_parallel/mappings.py, _split_along_first_dim asserts it)
+        sp_runs = sequence_parallel_divides(train.seq_len, dims.cp, tp)
+        sp_values = (False,) if tp == 1 else (
+            (pins.sequence_parallel,) if pins.sequence_parallel is not None else (sp_runs,))
         for micro in divisors(per_replica):
             if pins.micro_batch is not None and micro != pins.micro_batch:
                 continue
-            # Megatron-core's sequence parallelism scatters each cp rank's tokens over tp, which must divide them
-            # (megatron/core/tensor_parallel/mappings.py, _split_along_first_dim asserts it)
-            sp_values = (False,) if tp == 1 else (
-                (pins.sequence_parallel,) if pins.sequence_parallel is not None
-                else (sequence_parallel_divides(train.seq_len, dims.cp, tp),))
             accum = per_replica // micro
             for zero in zero_stages:
                 for sp in sp_values:
                     for engine in engines:
-                        if sp and engine == "megatron" and not sequence_parallel_divides(train.seq_len, dims.cp, tp):
+                        if sp and engine == "megatron" and not sp_runs:
                             continue
                         if refusal(engine, dims, zero, train.dtype) is not None or context_parallel_refusal(
                                 engine, dims.cp, train.seq_len, train.flash_attention, heads=model.num_attention_heads,
@@ -372,11 +372,9 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                         sequence_parallel=sp, engine=engine, virtual_stages=v), cluster, pins))
     # Each with the selective recomputations its engine runs (none among them unless pinned), the
     # attention kernel it runs and the pinned engine options; an engine refusing a pin is dropped.
-    kernels = {engine: pins.attention_kernel or default_attention_kernel(
-        engine, bool(cluster.device.fused_attention_efficiency), train.dtype, train.flash_attention, model,
-        train.seq_len)
-        for engine in engines}
     hopper = bool(cluster.device.fused_attention_efficiency)
+    kernels = {engine: pins.attention_kernel or default_attention_kernel(
+        engine, hopper, train.dtype, train.flash_attention, model, train.seq_len) for engine in engines}
     runnable = {engine: not pinned_option_refusals(engine, pins, train, model, hopper) for engine in engines}
     out = [dataclasses.replace(s, recompute_modules=modules, attention_kernel=kernels[s.engine],
                                tp_comm_overlap=bool(pins.tp_comm_overlap),

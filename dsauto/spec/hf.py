@@ -33,7 +33,6 @@ public configs.
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.serde import from_dict
-from dsauto.spec.model import ModelSpec
+from dsauto.spec.model import ModelSpec, in_own_words
 
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size",
             "num_experts_per_tok", "experts_per_token", "n_shared_experts",
@@ -1117,8 +1116,7 @@ def model_from_hf_config(config: Mapping[str, Any], where: str, default_name: st
     except DsautoError as error:  # in the config's own words: its keys, not dsauto's field names
         used = {name: next((k for k in keys if cfg.given(k)), keys[0]) for name, keys in family.keys.items() if keys}
         used.update({name: next((k for k in keys if k in config), keys[0]) for name, keys in CONFIG_KEYS.items()})
-        text = re.sub(r"\b[a-z_]+\b", lambda m: used.get(m.group(0), m.group(0)), str(error))
-        raise DsautoError(text) from None
+        raise DsautoError(in_own_words(str(error), used)) from None
 
 
 CONFIG_KEYS = {

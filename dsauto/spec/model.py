@@ -12,7 +12,8 @@ here to grouped-query attention, SwiGLU MLPs, layers without dropout and any act
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -807,6 +808,12 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     return embedding, block, head
 
 
+def in_own_words(message: str, names: Mapping[str, str]) -> str:
+    """``message`` (a ModelSpec validation error) with each field name in ``names`` replaced by what
+    the user wrote for it: a config key, a launch flag."""
+    return re.sub(r"\b[a-z_]+\b", lambda m: names.get(m.group(0), m.group(0)), message)
+
+
 def layer_group_per_layer(model: ModelSpec, groups: Sequence[LayerGroup], seq_len: int, dtype_bytes: int,
                           tp: int = 1) -> list[LayerGroup]:
     """The group of each layer in flat numbering (0 the embedding, 1..L the transformer layers, L + 1
@@ -817,26 +824,28 @@ def layer_group_per_layer(model: ModelSpec, groups: Sequence[LayerGroup], seq_le
     3's five local layers to one global, Llama 4's chunked layers). A stage holding more or fewer of
     one kind than the average then holds and computes what its own layers do."""
     embedding, block, head = groups
-    moe = set(model.moe_layers())
-    mixed_moe = bool(moe) and len(moe) < model.num_layers
-    local = set(local_attention_layers(model, seq_len))
-    mixed_local = bool(local) and len(local) < model.num_layers
-    if not mixed_moe and not mixed_local:
+    kinds = layer_kinds(model, seq_len)
+    if len(set(kinds)) == 1:
         return [embedding, *[block] * model.num_layers, head]
+    blocks = {key: layer_groups(model, seq_len, dtype_bytes, tp, moe_fraction=key[0], local_attention=key[1])[1]
+              for key in set(kinds)}
+    return [embedding, *[blocks[key] for key in kinds], head]
 
-    def kind(i: int) -> tuple[float | None, bool | None]:
-        return (float(i in moe) if mixed_moe else None, i in local if mixed_local else None)
 
-    kinds = {key: layer_groups(model, seq_len, dtype_bytes, tp, moe_fraction=key[0], local_attention=key[1])[1]
-             for key in {kind(i) for i in range(model.num_layers)}}
-    return [embedding, *[kinds[kind(i)] for i in range(model.num_layers)], head]
+def layer_kinds(model: ModelSpec, seq_len: int) -> list[tuple[float | None, bool | None]]:
+    """Each transformer layer's kind over ``seq_len``-token sequences, as :func:`layer_groups`
+    prices it (``moe_fraction``, ``local_attention``): None where the model's layers are all alike
+    in that respect, so a model of one kind has one key."""
+    moe, local = set(model.moe_layers()), set(local_attention_layers(model, seq_len))
+    mixed_moe, mixed_local = (0 < len(kind) < model.num_layers for kind in (moe, local))
+    return [(float(i in moe) if mixed_moe else None, i in local if mixed_local else None)
+            for i in range(model.num_layers)]
 
 
 def mixed_layer_kinds(model: ModelSpec, seq_len: int) -> bool:
     """Whether :func:`layer_group_per_layer` prices the transformer layers of ``model`` in more than one
     kind (dense and MoE, or local and global attention) over ``seq_len``-token sequences."""
-    kinds = (len(model.moe_layers()), len(local_attention_layers(model, seq_len)))
-    return any(0 < count < model.num_layers for count in kinds)
+    return len(set(layer_kinds(model, seq_len))) > 1
 
 
 def local_attention_layers(model: ModelSpec, seq_len: int) -> list[int]:
