@@ -530,6 +530,12 @@ def configure(record: dict) -> PublishedRun | str:
     # The attention kernel, the tensor-parallel overlap and the gradients' dtype are the ones the
     # run's stack ran.
     kernel = _attention_kernel(record, source)
+    if kernel == "flash" and model.attention_sinks:
+        # AutoModel's GPT-OSS runs its sinks in FlexAttention, priced at FlashAttention-2's rate; Megatron-core's
+        # Transformer Engine path runs them in cuDNN's kernel alone (rules.attention_kernel_refusal)
+        model = dataclasses.replace(model, attention_sinks=False)
+        notes.append("sinks in FlexAttention (attn: flex), priced at FlashAttention-2's rate without the per-head "
+                     "sink logits, which Transformer Engine's FlashAttention does not run")
     fp32_reduce, early_stop = _engine_options(record, source)
     zero = source.zero_stage
     if "megatron-fsdp" in str(p.get("zero_or_dist_optimizer") or "").lower():

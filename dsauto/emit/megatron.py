@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dsauto.describe import layer_span, layers_text, runs_text
 from dsauto.emit.ds_config import dtype_bytes
-from dsauto.engines.architecture import megatron_gaps, no_rope_freq
+from dsauto.engines.architecture import add_bias_linear, megatron_gaps, no_rope_freq
 from dsauto.engines.megatron import (
     ATTENTION_BACKEND,
     FSDP_STRATEGY,
@@ -230,7 +230,7 @@ def _attention(model: ModelSpec, seq_len: int) -> list[str]:
     sequences: :meth:`ModelSpec.window_slides`), score scaling and capping."""
     qkv_bias, _, _ = model.biases
     lines = []
-    if not model.linear_bias:
+    if not add_bias_linear(model):
         lines.append("--disable-bias-linear")
         if qkv_bias:
             lines.append("--add-qkv-bias")
@@ -250,6 +250,10 @@ def _attention(model: ModelSpec, seq_len: int) -> list[str]:
         lines.append(f"--window-size {model.sliding_window - 1},0")
         if model.global_attention_every:
             lines.append(f"--window-attn-skip-freq {model.global_attention_every}")
+    if model.attention_sinks:
+        # a learned logit per head joins each softmax (megatron/core/transformer/dot_product_attention.py;
+        # Transformer Engine 2.8 on, in cuDNN's fused attention: extensions/transformer_engine.py)
+        lines.append("--softmax-type learnable")
     if model.attention_scale_dim:
         lines.append(f"{COMMENT}Not expressed: attention scores scaled by 1/sqrt({model.attention_scale_dim:g}) "
                      f"instead of 1/sqrt(head width {model.head_dim}) (TransformerConfig.softmax_scale "
@@ -274,6 +278,11 @@ def _mlp(model: ModelSpec) -> list[str]:
     bias-GeLU kernel (on by default when linear layers have biases), which uses the tanh
     approximation (megatron/core/transformer/mlp.py, fusions/fused_bias_gelu.py)."""
     _, _, mlp_bias = model.biases
+    if model.glu_clamp:
+        # gpt-oss: x sigmoid(1.702 x) of the gate times the linear half + 1, both clamped (Megatron-LM's
+        # argument_utils.py turns --quick-geglu into quick_gelu with a gated linear unit; the other two
+        # are TransformerConfig's glu_linear_offset and activation_func_clamp_value)
+        return ["--quick-geglu", "--glu-linear-offset 1", f"--activation-func-clamp-value {model.glu_clamp:g}"]
     if model.mlp == "swiglu":
         return ["--swiglu"]  # --ffn-hidden-size is then the width of each branch, as in ModelSpec
     if model.mlp == "geglu":

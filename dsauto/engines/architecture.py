@@ -29,7 +29,8 @@ def megatron_gaps(model: ModelSpec) -> list[str]:
         gaps.append(f"{model.rope_scaling} rope scaling in the global layers only (the sliding-window layers' "
                     f"rotary positions are not scaled); Megatron scales every layer's")
     _, proj_bias, mlp_bias = model.biases
-    if not model.linear_bias and (proj_bias or mlp_bias):
+    all_biased = add_bias_linear(model)
+    if not all_biased and (proj_bias or mlp_bias):
         which = " and ".join(name for name, on in (("the attention output projection", proj_bias),
                                                    ("the MLP", mlp_bias)) if on)
         gaps.append(f"biases on {which} only (Megatron's biases are all linear layers or the QKV "
@@ -85,19 +86,34 @@ def megatron_gaps(model: ModelSpec) -> list[str]:
                     f"layers; Megatron rotates in every layer")
     if model.final_logit_softcap:
         gaps.append(f"logits soft-capped at {model.final_logit_softcap:g} (tanh)")
-    if model.attention_sinks:
-        gaps.append("a learned sink logit per attention head (gpt-oss)")
     if model.qk_norm and model.qk_norm_full_width:
         gaps.append("query and key norms over all heads at once (OLMoE, OLMo 2); Megatron's --qk-layernorm "
                     "normalises each head")
-    if model.moe_router_bias:
+    if model.moe_router_bias and not all_biased:
         gaps.append("a bias on the router's linear layer")
-    if model.moe_expert_bias:
+    if model.moe_expert_bias and not all_biased:
         gaps.append("biases on the experts' matrices only (Megatron's biases are all linear layers)")
     if model.architecture == "encoder":
         gaps.append(f"the token-type embedding ({model.type_vocab_size} rows); Megatron's BERT has one "
                     f"only with the binary head")
     return gaps
+
+
+def add_bias_linear(model: ModelSpec) -> bool:
+    """Megatron-core's ``add_bias_linear`` for ``model`` (Megatron-LM's default; off with
+    ``--disable-bias-linear``): every linear layer Megatron builds carries a bias, the QKV and output
+    projections, the MLPs' matrices (a dense layer's, each expert's, the shared expert's) and the
+    router's (megatron/core/transformer/moe/router.py, ``TopKRouter``: a bias under
+    ``add_bias_linear``). True where the model has a bias on each of these it has: besides the models
+    whose every linear layer does (``linear_bias``), gpt-oss, whose attention, experts and router
+    carry biases and which has no dense MLP."""
+    if model.linear_bias:
+        return True
+    qkv_bias, proj_bias, mlp_bias = model.biases
+    dense = len(model.moe_layers()) < model.num_layers
+    mlps = (mlp_bias or not dense) and (mlp_bias or not model.shared_expert_ffn_hidden_size)
+    experts = not model.moe or (model.moe_expert_bias and model.moe_router_bias)
+    return qkv_bias and proj_bias and mlps and experts
 
 
 def no_rope_freq(model: ModelSpec) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsauto.engines.architecture import add_bias_linear
 from dsauto.engines.megatron import (
     ATTENTION_BACKEND,
     FSDP_STRATEGY,
@@ -50,7 +51,7 @@ VALUED = {
     "--attention-dropout", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-shared-expert-intermediate-size", "--moe-layer-freq", "--moe-router-score-function",
     "--ddp-bucket-size", "--pipeline-model-parallel-layout", "--transformer-impl", "--window-size",
-    "--window-attn-skip-freq", "--glu-linear-offset", "--activation-func-clamp-value",
+    "--window-attn-skip-freq", "--glu-linear-offset", "--activation-func-clamp-value", "--softmax-type",
     "--moe-router-topk-scaling-factor", "--moe-router-num-groups", "--moe-router-group-topk",
     "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
 }
@@ -496,6 +497,21 @@ def _check_undescribed_model(flags: dict[str, str], model: ModelSpec, where: str
         if flag in flags and _int(flags, flag, where) != getattr(model, name):
             raise DsautoError(f"{where} describes a model with {name} {flags[flag]}, and --model {model.name} has "
                               f"{getattr(model, name)}; plan the model the launch trains.")
+    if "--num-layers" in flags:  # the flags describe the layers: their biases and softmax too
+        _check_biases("--disable-bias-linear" not in flags, model, where)
+        sinks = flags.get("--softmax-type", "vanilla") == "learnable"
+        if sinks != model.attention_sinks:
+            has = "has no" if sinks else "has"
+            raise DsautoError(f"{where} {'sets' if sinks else 'does not set'} --softmax-type learnable, and --model "
+                              f"{model.name} {has} learned attention sinks; plan the model the launch trains.")
+
+
+def _check_biases(biased: bool, model: ModelSpec, where: str) -> None:
+    """Refuses flags whose linear layers' biases (Megatron's ``add_bias_linear``) are not ``model``'s."""
+    if biased != add_bias_linear(model):
+        raise DsautoError(f"{where} describes a model {'with' if biased else 'without'} biases on its linear "
+                          f"layers, and --model {model.name} has {'none' if biased else 'them'}; plan the model "
+                          f"the launch trains.")
 
 
 def _sets(flags: dict[str, str], spelling: str) -> bool:
@@ -667,6 +683,8 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
     gated = "swiglu" if "--glu-linear-offset" in flags else "geglu"
     mlp = ("swiglu" if "--swiglu" in flags else gated if "--quick-geglu" in flags
            else "relu2" if "--squared-relu" in flags else "gelu")
+    # gpt-oss's clamped gate (ModelSpec.glu_clamp)
+    clamp = _float(flags, "--activation-func-clamp-value", where, 0.0) if gated == mlp == "swiglu" else 0.0
     dropout = (_float(flags, "--hidden-dropout", where, 0.1) > 0, _float(flags, "--attention-dropout", where, 0.1) > 0)
     if dropout[0] != dropout[1]:
         raise DsautoError(f"{where} applies dropout to {'the hidden states' if dropout[0] else 'attention'} only; "
@@ -692,6 +710,9 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
         norm_epsilon=_float(flags, "--norm-epsilon", where, 1e-5), norm_plus_one="--apply-layernorm-1p" in flags,
         position_embedding=positions[position], tied_embeddings="--untie-embeddings-and-output-weights" not in flags,
         linear_bias=biases, qkv_bias="--add-qkv-bias" in flags, qk_norm="--qk-layernorm" in flags,
+        glu_clamp=clamp,
+        # a learned logit per head in each softmax (gpt-oss's sinks); off-by-one's fixed one is not priced
+        attention_sinks=_choice(flags, "--softmax-type", where, "vanilla", ("vanilla", "learnable")) == "learnable",
         dropout=dropout[0],
         # Megatron fuses bias and GeLU (the tanh approximation) when the layers have biases.
         gelu_tanh=mlp == "gelu" and biases and "--no-bias-gelu-fusion" not in flags,
@@ -716,7 +737,9 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
                       moe_router_pre_softmax="--moe-router-pre-softmax" in flags,
                       moe_router_topk_scaling=_float(flags, "--moe-router-topk-scaling-factor", where, 0.0),
                       moe_router_groups=_int(flags, "--moe-router-num-groups", where, 0),
-                      moe_router_group_topk=_int(flags, "--moe-router-group-topk", where, 0))
+                      moe_router_group_topk=_int(flags, "--moe-router-group-topk", where, 0),
+                      # add_bias_linear biases the router and every expert too (moe/router.py, TopKRouter)
+                      moe_router_bias=biases, moe_expert_bias=biases)
     try:
         return ModelSpec(**fields)
     except (TypeError, ValueError, DsautoError) as error:
@@ -1060,9 +1083,10 @@ def _check_model(described: ModelSpec, model: ModelSpec, where: str, seq_len: in
     tying and the experts. Megatron-LM's defaults count as said: a launch without
     ``--disable-bias-linear`` trains with biases, one without ``--hidden-dropout 0`` with dropout."""
     compared = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_heads", "head_dim", "mlp",
-                "norm", "position_embedding", "tied_embeddings", "linear_bias", "dropout", "vocab_size",
-                "num_experts", "moe_top_k", "moe_router_pre_softmax", "moe_router_topk_scaling", "moe_router_groups",
-                "moe_router_group_topk")
+                "norm", "position_embedding", "tied_embeddings", "dropout", "vocab_size", "glu_clamp",
+                "attention_sinks", "num_experts", "moe_top_k", "moe_router_pre_softmax", "moe_router_topk_scaling",
+                "moe_router_groups", "moe_router_group_topk")
+    _check_biases(described.linear_bias, model, where)  # add_bias_linear, which gpt-oss's pattern is too
     # a window the flags give is the model's; one they leave out must slide over none of the launch's
     # sequences (dsauto's own file then states none: ModelSpec.window_slides)
     compared += ("sliding_window", "global_attention_every") if described.sliding_window else ()

@@ -326,13 +326,19 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
     FlashAttention (``--attention-backend flash``) does not run latent attention in Megatron-core:
     Transformer Engine turns it off where the query/key and value heads differ in width
     (transformer_engine/pytorch/attention/dot_product_attention/utils.py, ``get_attention_backend``,
-    "Filter: Head dimension"), and the flag has turned the other backends off. Causal
+    "Filter: Head dimension"), nor a softmax with learned sinks (gpt-oss: ``softmax_type`` learnable,
+    "Filter: Softmax type"; cuDNN 9.13.1 on runs it), and the flag has turned the other backends off. Causal
     sliding windows (a left window, nothing to the right) it runs without attention dropout (cuDNN
     9.2 on: Transformer Engine's ``nvte_get_fused_attn_backend``, transformer_engine/common/
     fused_attn/fused_attn.cpp, and ``get_attention_backend``'s "Filter: Sliding window attention",
     which turns FusedAttention off for a window with dropout; TE 2.12)."""
     if kernel == "flash":
-        if engine != "megatron" or not flash_attention or not model.latent_attention:
+        if engine != "megatron" or not flash_attention:
+            return None
+        if model.attention_sinks:
+            return ("Transformer Engine's FlashAttention does not run the sinks' learnable softmax (gpt-oss: "
+                    "--softmax-type learnable)")
+        if not model.latent_attention:
             return None
         qk, _, v, _ = attention_widths(model)
         if qk != v:
@@ -370,13 +376,16 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
 def default_attention_kernel(engine: Engine, device_has_fused: bool, dtype: Dtype, flash_attention: bool,
                              model: ModelSpec, seq_len: int | None = None) -> AttentionKernel:
     """The kernel a plan runs unless pinned: cuDNN's fused attention where the device has one
-    (``DeviceSpec.fused_attention_efficiency``: Hopper), or the model's attention is latent (which
-    Transformer Engine runs in no other fused kernel), and :func:`attention_kernel_refusal` allows it,
-    which is what Transformer Engine picks on Hopper when Megatron-core leaves the backend to it
+    (``DeviceSpec.fused_attention_efficiency``: Hopper), or the model's attention is latent or has
+    learned sinks (which Transformer Engine runs in no other fused kernel), and
+    :func:`attention_kernel_refusal` allows it, which is what Transformer Engine picks on Hopper when
+    Megatron-core leaves the backend to it
     (transformer_engine/pytorch/attention/dot_product_attention/utils.py, ``get_attention_backend``);
     FlashAttention otherwise."""
-    # Latent attention has no other fused kernel in Transformer Engine: cuDNN's wherever it takes the heads.
-    if (device_has_fused or (engine == "megatron" and model.latent_attention)) and attention_kernel_refusal(
+    # Latent attention and the sinks' softmax have no other fused kernel in Transformer Engine: cuDNN's
+    # wherever it takes them.
+    only_fused = engine == "megatron" and (model.latent_attention or model.attention_sinks)
+    if (device_has_fused or only_fused) and attention_kernel_refusal(
             engine, "cudnn", dtype, flash_attention, model, seq_len, hopper=device_has_fused) is None:
         return "cudnn"
     return "flash"
@@ -429,8 +438,10 @@ def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: 
     runs (``TransformerConfig.cp_comm_type``): its ring (``p2p``) does not run sliding-window
     attention (only ``a2a`` and ``all_gather`` do), and ``a2a`` splits the query heads and the
     key/value heads of each tensor-parallel rank over cp (``AttnFuncWithCPAndQKVOA2A`` asserts
-    ``num_heads % cp_size == 0`` for Q, K and V). Under DeepSpeed cp is DeepSpeed-Ulysses, which has
-    no such choice (refused whatever cp is)."""
+    ``num_heads % cp_size == 0`` for Q, K and V); a softmax with learned sinks it runs with ``a2a``
+    alone (TE's tests/pytorch/attention/test_attention_with_cp.py skips the others: "CP implementation
+    only supports cp_comm_type=a2a for non-vanilla softmax types"). Under DeepSpeed cp is
+    DeepSpeed-Ulysses, which has no such choice (refused whatever cp is)."""
     if engine != "megatron":
         return (f"--cp-comm-type {cp_comm_type} is Megatron-core's context parallelism (Transformer Engine's), "
                 f"and under DeepSpeed cp is DeepSpeed-Ulysses")
@@ -439,6 +450,9 @@ def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: 
     if model.attention_chunk:
         return (f"chunked attention ({model.attention_chunk}-token chunks: Llama 4) is not Transformer "
                 f"Engine's, and dsauto does not plan it with context parallelism")
+    if model.attention_sinks and cp_comm_type != "a2a":
+        return (f"Transformer Engine's context parallelism runs the sinks' learnable softmax (gpt-oss) only with "
+                f"cp_comm_type a2a, not {cp_comm_type}")
     if cp_comm_type == "p2p" and model.window_slides(seq_len):
         return (f"Transformer Engine's ring (cp_comm_type p2p) does not run sliding-window attention "
                 f"({model.sliding_window} tokens)")

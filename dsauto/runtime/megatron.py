@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from dsauto.describe import layer_span, layers_text, runs_text
 
 # Megatron's rules shared with megatron_args.txt: the flags and this plugin read the plan the same way.
-from dsauto.engines.architecture import megatron_gaps, no_rope_freq
+from dsauto.engines.architecture import add_bias_linear, megatron_gaps, no_rope_freq
 from dsauto.engines.megatron import (
     FSDP_STRATEGY,
     block_recompute_layers,
@@ -503,7 +503,7 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
         layernorm_epsilon=model.norm_epsilon,
         layernorm_zero_centered_gamma=model.norm_plus_one,
         apply_residual_connection_post_layernorm=model.residual_post_norm,
-        add_bias_linear=model.linear_bias,
+        add_bias_linear=add_bias_linear(model),
         add_qkv_bias=model.biases[0],
         qk_layernorm=qk_layernorm(model),
         # Megatron's defaults are 0.1; ModelSpec.dropout is all-or-nothing.
@@ -516,7 +516,13 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
         # bias-GeLU is the tanh approximation, so the exact GeLU keeps it off.
         bias_activation_fusion=model.mlp == "swiglu",
     )
-    if model.mlp == "swiglu":
+    if model.glu_clamp:
+        # gpt-oss's gate, as Megatron-LM's --quick-geglu --glu-linear-offset 1 --activation-func-clamp-value
+        # build it; its experts fuse it with their biases (megatron/core/fusions/fused_bias_geglu.py)
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        kwargs.update(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=model.glu_clamp)
+    elif model.mlp == "swiglu":
         kwargs["activation_func"] = F.silu
     elif model.mlp == "relu":
         kwargs["activation_func"] = F.relu
@@ -526,6 +532,8 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
         kwargs["activation_func"] = squared_relu
     else:
         kwargs["activation_func"] = functools.partial(F.gelu, approximate="tanh") if model.gelu_tanh else F.gelu
+    if model.attention_sinks:
+        kwargs["softmax_type"] = "learnable"  # a learned logit per head joins each softmax (gpt-oss)
     if model.attention_scale_dim:
         kwargs["softmax_scale"] = model.attention_scale_dim ** -0.5
     if model.rotary_interleaved:
@@ -629,7 +637,7 @@ def _check_model(model: ModelSpec, config: TransformerConfig) -> None:
     # (megatron/core/transformer/transformer_config.py: gated_linear_unit, normalization, add_bias_linear)
     expected.update(gated_linear_unit=model.mlp in ("swiglu", "geglu"),
                     normalization="RMSNorm" if model.norm == "rmsnorm" else "LayerNorm",
-                    add_bias_linear=model.linear_bias)
+                    add_bias_linear=add_bias_linear(model))
     for name, want in expected.items():
         got = getattr(config, name, None)
         if name == "num_query_groups" and got is None:

@@ -992,8 +992,8 @@ FAMILIES.update({
          "attention_bias": True},
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_sliding_window,
          read_experts("num_local_experts", "num_experts", width=None)),
-        # the clamped SwiGLU's constants (numerics, the same FLOPs) and the original pre-training context
-        ignored=_ROUTER_TRAINING | {"swiglu_limit", "swiglu_alpha", "initial_context_length"}),
+        # the original pre-training context (the clamped gate's swiglu_limit and swiglu_alpha: read_router)
+        ignored=_ROUTER_TRAINING | {"initial_context_length"}),
     "minimax_m2": Family(
         _SHAPE, {**_LLAMA, "qk_norm": True, "qk_norm_full_width": True, "moe_router": "sigmoid"},
         {**_LLAMA_DEFAULTS, "head_dim": 128, "num_local_experts": 256, "num_experts_per_tok": 8,
@@ -1135,7 +1135,7 @@ def read_router(cfg: Config, spec: dict[str, Any]) -> list[str]:
     defaults (the same parameters and priced work either way): into the ModelSpec fields Megatron-core
     builds (``moe_router_pre_softmax``, ``moe_router_topk_scaling``, ``moe_router_groups`` and
     ``moe_router_group_topk``), and as the clauses of what it does not build (ModelSpec.unmodelled),
-    which are returned; so is gpt-oss's clamped SwiGLU, with the flags Megatron-LM launches it with."""
+    which are returned; gpt-oss's clamped gate is read into ``glu_clamp``."""
     out = []
     if spec.get("num_experts"):
         scale = cfg.get("routed_scaling_factor")
@@ -1155,12 +1155,20 @@ def read_router(cfg: Config, spec: dict[str, Any]) -> list[str]:
             else:
                 out.append("the chosen experts' sigmoid scores not renormalised (norm_topk_prob false; Megatron's "
                            "sigmoid router renormalises them)")
-    if cfg.get("swiglu_limit") is not None:
-        out.append(f"the MLP's clamped SwiGLU (x sigmoid({cfg.get('swiglu_alpha', 1.702):g} x) times the linear "
-                   f"half plus 1, both clamped at {cfg.get('swiglu_limit'):g}: swiglu_alpha, swiglu_limit; "
-                   f"Megatron-LM's --quick-geglu --glu-linear-offset 1 --activation-func-clamp-value "
-                   f"{cfg.get('swiglu_limit'):g} in place of --swiglu, the same cost)")
+    limit, alpha = cfg.number("swiglu_limit"), cfg.number("swiglu_alpha", QUICK_GELU_ALPHA)
+    if limit is not None:
+        # gpt-oss's MLP: Megatron-LM's --quick-geglu (x sigmoid(1.702 x)) with --glu-linear-offset 1 and
+        # --activation-func-clamp-value (megatron/core/fusions/fused_bias_geglu.py)
+        spec["glu_clamp"] = float(limit)
+        if alpha != QUICK_GELU_ALPHA:
+            out.append(f"the MLP's gate x sigmoid({alpha:g} x) (swiglu_alpha); Megatron's --quick-geglu computes "
+                       f"x sigmoid({QUICK_GELU_ALPHA:g} x), the same cost")
     return out
+
+
+QUICK_GELU_ALPHA = 1.702
+"""The slope of Megatron-core's quick GeLU, ``x sigmoid(1.702 x)`` (megatron/core/fusions/
+fused_bias_geglu.py, ``quick_gelu``), which gpt-oss's gate computes (its ``swiglu_alpha``)."""
 
 
 UNPLANNED_MODULE_KEYS = ("num_nextn_predict_layers", "num_mtp_modules", "use_mtp")

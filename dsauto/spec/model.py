@@ -157,6 +157,11 @@ class ModelSpec:
     ``query_pre_attn_scalar``); 0: the head width."""
     attention_sinks: bool = False
     """Each head has a learned sink logit added to its softmax (gpt-oss): one parameter per head."""
+    glu_clamp: float = 0.0
+    """gpt-oss's gated MLP: the gate's ``x sigmoid(1.702 x)`` times the linear half plus one, the gate
+    clamped above and the linear half on both sides at this value (Megatron-LM's ``--quick-geglu
+    --glu-linear-offset 1 --activation-func-clamp-value``); the shapes and cost of ``swiglu``. 0: a
+    plain gated MLP."""
     qk_norm_full_width: bool = False
     """With ``qk_norm``: the query and key norms span all heads (OLMoE: widths a·d and kv·d)
     instead of one shared norm of the head width."""
@@ -291,6 +296,9 @@ class ModelSpec:
                              "need position_embedding rope")
         if self.attention_chunk and self.sliding_window:
             raise ValueError("attention_chunk and sliding_window are two kinds of local attention; give one")
+        if self.glu_clamp and (self.mlp != "swiglu" or not 0.0 < self.glu_clamp < float("inf")):
+            raise ValueError(f"glu_clamp clamps a gated MLP's inputs (gpt-oss): it needs mlp swiglu and a finite "
+                             f"value above 0, got mlp {self.mlp} and {self.glu_clamp}")
         for name in ("type_vocab_size", "position_offset", "sliding_window", "global_attention_every",
                      "no_rope_every", "attention_chunk"):
             if not 0 <= getattr(self, name) <= MAX_POSITIONS:

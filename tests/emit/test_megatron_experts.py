@@ -52,7 +52,13 @@ def test_deepseek_flags():
     assert not any(f.startswith("--q-lora-rank") for f in flags)  # V2-Lite projects queries directly
 
 
-def test_qwen2_moe_gate_and_gpt_oss_gaps():
+def test_qwen2_moe_gate_and_gpt_oss_as_megatron_lm_builds_it():
     assert "--moe-shared-expert-gate" in dsauto.megatron_args(plan("qwen1.5-moe-a2.7b", 1))
-    gaps = "\n".join(dsauto.megatron_args(plan("gpt-oss-20b", 1)))
-    assert "sink logit" in gaps and "router's linear layer" in gaps
+    flags = dsauto.megatron_args(plan("gpt-oss-20b", 1))
+    # the sinks, the clamped gate, and the biases of attention, experts and router: Megatron-LM's
+    # defaults (add_bias_linear), as Megatron-Bridge's GPTOSSProvider builds gpt-oss
+    assert {"--softmax-type learnable", "--quick-geglu", "--glu-linear-offset 1",
+            "--activation-func-clamp-value 7", "--window-attn-skip-freq 2"} <= set(flags)
+    assert not {"--swiglu", "--disable-bias-linear", "--add-qkv-bias"} & set(flags)
+    assert not any("Not expressed" in flag for flag in flags), flags
+    assert "--attention-backend fused" in flags  # TE runs the sinks in cuDNN's kernel alone

@@ -157,19 +157,37 @@ def test_a_launch_without_the_models_window_is_refused_and_windows_parse_as_mega
         read_megatron_args(path)
 
 
-def test_gpt_oss_launched_as_megatron_lm_does_reads_as_its_clamped_swiglu(tmp_path):
-    """Megatron-LM launches gpt-oss's MLP with --quick-geglu --glu-linear-offset 1
-    --activation-func-clamp-value 7, which dsauto names in its own file's notes."""
+def test_gpt_oss_launched_as_megatron_lm_does_reads_as_gpt_oss(tmp_path):
+    """dsauto's file launches gpt-oss as Megatron-LM builds it (--quick-geglu --glu-linear-offset 1
+    --activation-func-clamp-value 7, --softmax-type learnable, every linear layer biased), and reads
+    back as the model, named or not."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DsautoWarning)
         model = load_model(str(CONFIGS / "gpt-oss-20b.json"))
     plan = make_plan(model, "h100-80gb", nodes=1, global_batch=64, seq_len=4096, engine="megatron")
     path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
-    assert "--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7" in path.read_text()
-    path.write_text(path.read_text().replace("\n--swiglu\n", "\n--quick-geglu\n--glu-linear-offset 1.0\n"
-                                                             "--activation-func-clamp-value 7.0\n"))
+    assert "--quick-geglu\n--glu-linear-offset 1\n--activation-func-clamp-value 7\n" in path.read_text()
     launch = read_megatron_args(path, plan.model)
     assert launch.unknown == [] and launch.model == plan.model
+    text = path.read_text()
+    # read without the model (whose YaRN positions dsauto reads from the config alone)
+    path.write_text(text.replace("--position-embedding-type yarn", "--position-embedding-type rope"))
+    described = read_megatron_args(path).model
+    assert (described.mlp, described.glu_clamp, described.attention_sinks, described.linear_bias) == (
+        "swiglu", 7.0, True, True)
+    # the router's and the experts' biases too: the parameters of the model the flags build
+    assert described.num_parameters() == plan.model.num_parameters()
+    path.write_text(text.replace("--softmax-type learnable\n", ""))
+    with pytest.raises(DsautoError, match="does not set --softmax-type learnable, and --model openai/gpt-oss-20b has "
+                                          "learned attention sinks"):
+        read_megatron_args(path, plan.model)
+    path.write_text(text.replace("--quick-geglu\n", "--quick-geglu\n--disable-bias-linear\n"))
+    with pytest.raises(DsautoError, match="without biases on its linear layers"):
+        read_megatron_args(path, plan.model)
+    path.write_text(text.replace("--softmax-type learnable", "--softmax-type off-by-one")
+                    .replace("--position-embedding-type yarn", "--position-embedding-type rope"))
+    with pytest.raises(DsautoError, match="--softmax-type off-by-one; dsauto prices vanilla and learnable"):
+        read_megatron_args(path)
 
 
 MINIMAL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --vocab-size 4096 "

@@ -75,3 +75,19 @@ def test_rotary_layout_reaches_the_config(name, interleaved):
     model = hf(name)
     config = dm.transformer_config_class(model)(**dm.transformer_config_kwargs(model), use_cpu_initialization=True)
     assert config.rotary_interleaved is interleaved
+
+
+def test_gpt_oss_builds_as_megatron_bridge_builds_it():
+    """gpt-oss's sinks, clamped gate and biases reach the config as Megatron-Bridge's GPTOSSProvider sets
+    them (softmax_type learnable, quick_gelu with glu_linear_offset 1 and activation_func_clamp_value 7,
+    add_bias_linear), and the plugin's model check accepts the biases."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    model = hf("gpt-oss-20b")
+    config = dm.transformer_config_class(model)(**dm.transformer_config_kwargs(model), use_cpu_initialization=True)
+    assert (config.softmax_type, config.activation_func, config.gated_linear_unit, config.glu_linear_offset,
+            config.activation_func_clamp_value, config.bias_activation_fusion) == (
+        "learnable", quick_gelu, True, 1.0, 7.0, True)
+    assert config.add_bias_linear and config.add_qkv_bias
+    assert (config.window_size, config.window_attn_skip_freq) == ((127, 0), 2)
+    dm._check_model(model, config)  # raises where the config is not the planned model's

@@ -148,3 +148,30 @@ def test_latent_attention_runs_in_cudnn_on_hopper_and_never_in_flashattention(ca
             "attention).") in capsys.readouterr().err
     unfused = make_plan(config, "a100-80gb", flash_attention=False, **pins)
     assert backend(unfused) == "unfused"
+
+
+def test_attention_sinks_run_in_cudnn_and_split_over_cp_by_heads(capsys):
+    """gpt-oss's sinks are Megatron-core's softmax_type learnable: Transformer Engine turns FlashAttention
+    off for it ("Filter: Softmax type") and cuDNN 9.13.1 on runs it, on an A100 too; its context
+    parallelism runs it with cp_comm_type a2a alone."""
+    from dsauto.engines.rules import cp_comm_type_refusal
+
+    path = CONFIGS / "gpt-oss-20b.json"
+    model = as_model(json.loads(path.read_text()))
+    assert attention_kernel_refusal("megatron", "flash", "bf16", True, model) == (
+        "Transformer Engine's FlashAttention does not run the sinks' learnable softmax (gpt-oss: --softmax-type "
+        "learnable)")
+    assert attention_kernel_refusal("deepspeed", "flash", "bf16", True, model) is None  # the model's own attention
+    assert default_attention_kernel("megatron", False, "bf16", True, model) == "cudnn"
+    assert default_attention_kernel("deepspeed", False, "bf16", True, model) == "flash"
+    plan = make_plan(model, "a100-80gb", engine="megatron", nodes=1, global_batch=32, seq_len=4096)
+    assert plan.attention_kernel == "cudnn" and backend(plan) == "fused"
+    assert cp_comm_type_refusal("megatron", "p2p", 2, 1, model, 4096) == (
+        "Transformer Engine's context parallelism runs the sinks' learnable softmax (gpt-oss) only with cp_comm_type "
+        "a2a, not p2p")
+    assert cp_comm_type_refusal("megatron", "a2a", 2, 1, model, 4096) is None
+    cp = make_plan(model, "h100-80gb", engine="megatron", nodes=1, global_batch=32, seq_len=8192, cp=2)
+    assert cp.cp_comm_type == "a2a"
+    assert main(["plan", "--model", str(path), "--engine", "megatron", "--hardware", "h100-80gb", "--global-batch",
+                 "32", "--attention-kernel", "flash"]) == 2
+    assert "does not run the sinks' learnable softmax" in capsys.readouterr().err
