@@ -221,8 +221,11 @@ SOURCES = {
                       "llama/*_workload_base_configs.py), whose precision config sets fp8_param_gather "
                       "(src/megatron/bridge/training/mixed_precision.py, bf16_with_fp8_current_scaling_mixed); the "
                       "layers split evenly over the stages (the recipes of the tables' time set no pipeline "
-                      "layout)",
-                      checkpoint=False, vpp=1, balanced_routing=True, even_stages=True, tp_comm_overlap=True),
+                      "layout); the dense rows (Llama 3 and 3.1) with Llama's architecture (SwiGLU, RMSNorm, "
+                      "rotary positions, untied embeddings, no biases or dropout: the Llama 3 paper, Table 3, and "
+                      "Megatron-Bridge's Llama providers), the mixtures of experts from their Hugging Face configs",
+                      LLAMA, checkpoint=False, vpp=1, balanced_routing=True, even_stages=True,
+                      tp_comm_overlap=True),
     "mtnlg": Source("mtnlg", "megatron", 1, False, "bf16",
                     "Megatron-DeepSpeed 2021: engine megatron with ZeRO 1 (dsauto's DeepSpeed plans have no "
                     "tensor parallelism), DeepSpeed's pipeline without interleaving, eager attention, full "

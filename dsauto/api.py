@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,9 +71,11 @@ def default_seq_len(model: ModelSpec, seq_len: int | None = None) -> int:
     context is extended (Llama 3.1 extended Llama 3's 8K to 128K that way)."""
     seq_len = min(DEFAULT_SEQ_LEN, model.max_position_embeddings) if seq_len is None else seq_len
     if seq_len > model.max_position_embeddings and model.position_embedding != "learned":
+        # ALiBi's biases grow with the distance and need no setting; rotary positions are rescaled
+        how = ("" if model.position_embedding == "alibi" else
+               " (set its rotary base or scaling for that length in your training script)")
         warnings.warn(f"{model.name} was trained with {model.max_position_embeddings} positions; planning "
-                      f"{seq_len}-token sequences extends its context (set its rotary base or scaling "
-                      f"for that length in your training script).", DsautoWarning, stacklevel=2)
+                      f"{seq_len}-token sequences extends its context{how}.", DsautoWarning, stacklevel=2)
     elif seq_len > model.max_position_embeddings:
         raise DsautoError(f"Sequences of {seq_len} tokens exceed the {model.max_position_embeddings} positions "
                           f"{model.name} supports; give a sequence length (--seq-len) of at most "
@@ -275,6 +277,9 @@ def make_problem(
     if attention_kernel == "cudnn" and not cluster.device.fused_attention_efficiency:
         warnings.warn(f"{cluster.device.name} has no fused attention efficiency of its own; cuDNN's fused "
                       f"attention is priced at its FlashAttention efficiency.", DsautoWarning, stacklevel=2)
+    if hf_trainer and model_spec.moe:
+        # ZeRO-3 gathers a transformers model's experts together (ModelSpec.experts_gathered_whole)
+        model_spec = replace(model_spec, experts_gathered_whole=True)
     return Problem(model_spec, cluster, train, pins)
 
 
@@ -330,6 +335,11 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
                       f"{'model chunks' if best.virtual_stages > 1 else 'pipeline stages'}, which hold {widest} at "
                       f"most: its files write --recompute-num-layers {widest}, the same layers.", DsautoWarning,
                       stacklevel=2)
+    if best.hpz > 1 and best.hpz >= best.dp:
+        # ZeRO++'s secondary partition over the whole data-parallel group is the primary one again
+        warnings.warn(f"--hpz {best.hpz} spans the plan's whole data-parallel group (dp {best.dp}), so its secondary "
+                      f"copy of the parameters is partitioned as the primary one: it adds their memory and saves no "
+                      f"traffic; leave --hpz out, or give it fewer ranks than dp.", DsautoWarning, stacklevel=2)
     if best.zero_stage == 3 and not any(run.shard_params for run in best.layers):
         # Every layer resident (ds_persist): no partition is gathered, so these pins move nothing.
         idle = []  # (what does nothing, what gives the same plan)

@@ -170,7 +170,8 @@ MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj"
 
 
 def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engine | None = None,
-                             experts: bool | None = None, fp8_delayed: bool = False) -> str | None:
+                             experts: bool | None = None, fp8_delayed: bool = False,
+                             pre_norms: bool = True) -> str | None:
     """Why dsauto cannot plan selective recomputation of module ``name`` on ``engine`` (None: on
     either), or None when it can (:data:`dsauto.plan.RECOMPUTE_MODULES`: the attention core, the
     norms, the dense MLP, the routed experts' activation). Megatron-core runs them through
@@ -191,12 +192,20 @@ def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engin
     itself without end (seen on CPU ranks, where the process grew to gigabytes). The DeepSpeed hook
     checkpoints the whole MLP, biases included, and has no such limit.
 
+    ``pre_norms``: the model normalises before attention and the MLP (ModelSpec.norm_position
+    ``pre``). The DeepSpeed hook's ``layernorm`` recomputes those norms' outputs
+    (dsauto.runtime.recompute, ``_target``); a model that normalises after each residual add (BERT) or
+    each branch's output (OLMo 2) has none to drop.
+
     ``fp8_delayed``: the plan trains in FP8 with delayed scaling (:func:`fp8_refusal`), under which
     Megatron-core's ``TransformerConfig`` refuses recomputing ``moe_act`` and ``layernorm``
     (megatron/core/transformer/transformer_config.py, ``__post_init__``)."""
     if fp8_delayed and name in ("moe_act", "layernorm"):
         return (f"Megatron-core does not recompute '{name}' under FP8 with delayed scaling (use "
                 f"--fp8-recipe tensorwise)")
+    if name == "layernorm" and not pre_norms and engine != "megatron":
+        return ("dsauto's DeepSpeed hook recomputes the norms before attention and the MLP ('layernorm'), and "
+                "the model normalises after them")
     if name == "moe_act" and experts is False:
         return "'moe_act' recomputes the routed experts' activation, and the model has no experts"
     if name == "moe_act" and engine == "deepspeed":
@@ -306,8 +315,8 @@ ones only for inference or on newer cuDNN: transformer_engine/common/fused_attn/
 
 CUDNN_HOPPER_MAX_HEAD_DIM = 256
 """The widest head cuDNN 9.5 and later train on Hopper (sm90; the same function's "9.5: <= 256 +
-Hopper + bprop"). dsauto plans it only for latent attention, which has no other fused kernel in
-Transformer Engine; equal-width heads over 128 keep FlashAttention, which runs them on any cuDNN."""
+Hopper + bprop"), which every container that ships Transformer Engine 2.x carries; Transformer Engine
+then prefers it to FlashAttention there (``get_attention_backend``)."""
 
 
 def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dtype, flash_attention: bool,
@@ -319,8 +328,8 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
     backends' variables to 0: megatron/core/models/common/language_module/language_module.py,
     ``_set_attention_backend``); dsauto's DeepSpeed plans run the model's own attention (PyTorch's SDPA
     or FlashAttention-2). Its kernels take 16-bit inputs and heads of :data:`CUDNN_MAX_HEAD_DIM` or
-    less, latent attention's up to :data:`CUDNN_HOPPER_MAX_HEAD_DIM` on Hopper (``hopper``: the device
-    has a fused attention efficiency); chunked attention is left to FlashAttention, which a run with
+    less, up to :data:`CUDNN_HOPPER_MAX_HEAD_DIM` on Hopper (``hopper``: the device has a fused
+    attention efficiency); chunked attention is left to FlashAttention, which a run with
     the backend forced to ``fused`` could not fall back to.
 
     FlashAttention (``--attention-backend flash``) does not run latent attention in Megatron-core:
@@ -367,9 +376,9 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
                     f"({CUDNN_HOPPER_MAX_HEAD_DIM} on Hopper with cuDNN 9.5 or later), not latent attention's "
                     f"{'/'.join(map(str, widths))}")
         return None
-    if model.head_dim > CUDNN_MAX_HEAD_DIM or model.head_dim % 16:
-        return (f"cuDNN's fused attention trains heads up to {CUDNN_MAX_HEAD_DIM} wide in multiples of 16, "
-                f"not {model.head_dim}")
+    if model.head_dim > (CUDNN_HOPPER_MAX_HEAD_DIM if hopper else CUDNN_MAX_HEAD_DIM) or model.head_dim % 16:
+        return (f"cuDNN's fused attention trains heads in multiples of 16 up to {CUDNN_MAX_HEAD_DIM} wide "
+                f"({CUDNN_HOPPER_MAX_HEAD_DIM} on Hopper with cuDNN 9.5 or later), not {model.head_dim}")
     return None
 
 

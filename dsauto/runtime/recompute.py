@@ -53,14 +53,18 @@ SUBMODULES: dict[str, str] = {
 }
 """The attribute of a block that each checkpointed module (``core_attn``, ``mlp``) is."""
 
-PRE_NORMS: tuple[tuple[str, str], ...] = (
+PRE_NORMS: tuple[tuple[str, ...], ...] = (
     ("attention_norm", "mlp_norm"),  # dsauto.models.gpt.Block (mlp_norm None: one shared norm)
     ("input_layernorm", "pre_feedforward_layernorm"),  # Gemma 2/3 (post_attention_layernorm follows attention)
-    ("input_layernorm", "post_attention_layernorm"),  # Llama, Mistral, Qwen: the second is the MLP's pre-norm
+    ("input_layernorm", "post_attention_layernorm"),  # Llama, Mistral, Qwen, GPT-NeoX: the MLP's pre-norm second
     ("ln_1", "ln_2"),  # GPT-2
+    ("ln_attn", "ln_mlp"),  # Falcon's new decoder (40B, 180B): one norm per parallel branch
+    ("input_layernorm",),  # one norm feeding attention and the MLP in parallel: Falcon-7B, Command R, Phi-2
+    ("ln_1",),  # GPT-J's
 )
 """The attributes of a block's pre-norms (attention's, the MLP's) that ``layernorm`` recomputes; the
-first spelling whose attributes the block has all of is taken."""
+first spelling whose attributes the block has all of is taken, one of a single norm only for a model
+with one norm a layer (ModelSpec.norms_per_layer 1)."""
 
 _NORMS_KEY = "_dsauto_norm_outputs"
 
@@ -100,6 +104,8 @@ def _target(block: nn.Module, layer: int, name: str, plan: Plan, moe: bool) -> A
                               f"after {after}, so {where} has no pre-norm outputs to drop; re-plan "
                               f"without layernorm in --recompute-modules.")
         for names in PRE_NORMS:
+            if len(names) == 1 and plan.model.norms_per_layer != 1:
+                continue  # a block with a norm per branch recomputes both, as priced
             found = [getattr(block, n, False) for n in names]  # None: no such norm (a shared one)
             norms = [m for m in found if isinstance(m, nn.Module)]
             if norms and all(m is None or isinstance(m, nn.Module) for m in found):

@@ -913,10 +913,12 @@ class Planner:
                 spilled.append(i)
             if progress:
                 progress(done + 1, len(order))
+        offloaded_tried = []
         for i, offloaded, bound in self._offloaded(spilled, priced, bounds, bounded_out):
+            offloaded_tried.append(offloaded)
             consider(i, offloaded, bound)
-        if not kept:
-            raise DsautoError(self._does_not_fit([p for p in priced if p is not None], host_short))
+        if not kept:  # the bounds quoted cover the offloaded variants too
+            raise DsautoError(self._does_not_fit([p for p in priced if p is not None] + offloaded_tried, host_short))
         near = [e for e in near if -e[0] <= best * (1 + within)] if within > 0 else []
         return [plan for _, _, plan in sorted(kept + near, key=lambda e: (-e[0], -e[1]))]
 

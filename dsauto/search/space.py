@@ -308,6 +308,12 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     check_search_size(model, cluster, train, pins)  # before building any: huge inputs answer at once
     if pins.recompute_num_layers is not None and (why := recompute_num_layers_refusal(pins)):
         raise DsautoError(f"--recompute-num-layers {pins.recompute_num_layers} {why}.")
+    if pins.hf_trainer and model.transformers_dense_experts:
+        raise DsautoError(f"A plan for Hugging Face's Trainer (--for hf) cannot price {model.name}'s experts as "
+                          f"transformers computes them: each of its {model.num_experts} experts on every token (Llama "
+                          f"4's Llama4TextMoe), {model.num_experts // model.moe_top_k}x the top-{model.moe_top_k} "
+                          f"work dsauto prices; plan without --for hf, for Megatron-core or a DeepSpeed model that "
+                          f"routes each token to its top-{model.moe_top_k}.")
     if pins.hf_trainer and (why := pinned_hf_trainer_refusal(pins, model)):
         raise DsautoError(f"A plan for Hugging Face's Trainer (--for hf) cannot run {why}; drop it, or plan "
                           f"without --for hf.")
@@ -850,7 +856,8 @@ def parse_recompute_modules(text: str, model: ModelSpec | None = None,
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     for name in names:
         reason = recompute_module_refusal(name, model is not None and model.linear_bias, engine,
-                                          None if model is None else model.moe, fp8_delayed)
+                                          None if model is None else model.moe, fp8_delayed,
+                                          model is None or model.norm_position == "pre")
         if reason:
             raise DsautoError(f"--recompute-modules {text}: {reason}.")
     return names
@@ -917,11 +924,13 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
     if pins.recompute_modules is not None:
         modules = parse_recompute_modules(pins.recompute_modules, model, pins.engine, pins.fp8_delayed)
         if modules and (pins.checkpoint is True
-                        or any(recompute_module_refusal(m, model.linear_bias, engine, model.moe) for m in modules)):
+                        or any(recompute_module_refusal(m, model.linear_bias, engine, model.moe,
+                                                        pre_norms=model.norm_position == "pre") for m in modules)):
             return ()
         return (modules,)
     searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention] + (("moe_act",) if model.moe else ())
-                     if recompute_module_refusal(m, model.linear_bias, engine, model.moe, pins.fp8_delayed) is None
+                     if recompute_module_refusal(m, model.linear_bias, engine, model.moe, pins.fp8_delayed,
+                                                 model.norm_position == "pre") is None
                      and not (pins.hf_trainer and hf_trainer_refusal(recompute_modules=(m,))))
     if pins.checkpoint is True or pins.recompute_num_layers is not None or not searched:
         return ((),)

@@ -169,6 +169,8 @@ class Family:
 def read_kv_heads(key: str = "num_key_value_heads") -> Reader:
     def read(cfg: Config, spec: dict[str, Any]) -> None:
         kv = cfg.whole(key)
+        if kv is not None and kv <= 0:  # ModelSpec's 0 means one per head; the config's would build no heads
+            raise cfg.error(f"{key} must be a positive number of key/value heads, got {kv}")
         spec["num_kv_heads"] = 0 if kv in (None, spec["num_attention_heads"]) else kv
     return read
 
@@ -264,11 +266,15 @@ def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
     scaling = {**params, **(scaling or {})}
     kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
+    if cfg.model_type == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"  # transformers' Phi3Config reads its older 'su' and 'yarn' as longrope
     if kind == "default":
         return
     if kind not in _ROPE_SCALINGS:
         raise cfg.unsupported(f"rope scaling {kind!r} (rope_scaling.rope_type)")
     factor = scaling.pop("factor", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf:
+        raise cfg.error(f"rope_scaling.factor must be a number above 0, got {factor!r}")
     spec["rope_scaling"] = kind
     if local_scaled is not None:
         spec["rope_scaling_local"] = local_scaled
@@ -610,7 +616,9 @@ def read_llama4(cfg: Config, spec: dict[str, Any]) -> None:
     bias whose weight scales the expert's input, and in the layers with rotary positions chunked
     attention (``attention_chunk_size``) and parameter-free query/key norms (``use_qk_norm``)."""
     spec["shared_expert_ffn_hidden_size"] = spec["moe_ffn_hidden_size"]
-    spec.update(moe_router="sigmoid", moe_router_balancing_bias=False, moe_probs_on_input=True)
+    # transformers' Llama4TextMoe repeats every token for every expert (models/llama4/modeling_llama4.py)
+    spec.update(moe_router="sigmoid", moe_router_balancing_bias=False, moe_probs_on_input=True,
+                transformers_dense_experts=True)
     layers = spec["num_layers"]
     step = cfg.whole("interleave_moe_layer_step", 1)
     if not step or step < 1:
@@ -1125,6 +1133,11 @@ CONFIG_KEYS = {
     "moe_top_k": ("num_experts_per_tok", "experts_per_token", "moe_topk"),
     "num_experts": ("num_local_experts", "n_routed_experts", "num_experts"),
     "moe_ffn_hidden_size": ("moe_intermediate_size",),
+    "tied_embeddings": ("tie_word_embeddings",),
+    "rotary_base": ("rope_theta", "rotary_emb_base"),
+    "rope_scaling_factor": ("rope_scaling.factor",),
+    "rotary_percent": ("partial_rotary_factor", "rotary_pct"),
+    "norm_epsilon": ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"),
 }
 """The Hugging Face config keys of ModelSpec fields its readers set (besides each family's shape keys),
 for errors in the config's words: the first the config gives, else the first."""

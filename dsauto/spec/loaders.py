@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsauto.errors import DsautoError
+from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.serde import from_dict, read_data, to_dict
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec
 from dsauto.spec.hf import HfConfigLike, model_from_hf_config
@@ -117,10 +118,24 @@ def load_cluster(name_or_path: str, nodes: int | None = None, gpus_per_node: int
         raise DsautoError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; known keys "
                           f"are {', '.join(known)}.")
     hardware = from_dict(HardwareSpec, {k: v for k, v in data.items() if k not in _CLUSTER_KEYS}, where)
+    device = data.get("device")
+    generic = [k for k in FITTED_DEVICE_KEYS if k not in device] if path is not None and isinstance(device, Mapping) else []
+    if generic:
+        values = ", ".join(f"{k} {getattr(hardware.device, k):g}" for k in generic)
+        warnings.warn(f"{where}'s device leaves out {', '.join(generic)}, so the plan takes dsauto's generic "
+                      f"{values}, not the measured values of a device; copy them from the nearest preset "
+                      f"({', '.join(list_presets('hardware'))}) for its time and memory budget.", DsautoWarning,
+                      stacklevel=2)
     # from_dict builds from plain data only, so the checked hardware goes back in as a dict.
     cluster_keys = {k: data[k] for k in _CLUSTER_KEYS if k in data}
     cluster = from_dict(ClusterSpec, {"hardware": to_dict(hardware), **cluster_keys}, where)
     return override_cluster(cluster, nodes, gpus_per_node, memory_limit, where)
+
+
+FITTED_DEVICE_KEYS = ("matmul_efficiency", "memory_bandwidth_efficiency", "comm_overlap_efficiency",
+                      "attention_efficiency", "memory_reserve_bytes")
+"""The device fields a preset holds from measurements (fitted constants, the memory the runtime keeps),
+which a cluster file that leaves them out takes dsauto's generic values of: named in a warning."""
 
 
 def override_cluster(cluster: ClusterSpec, nodes: int | None = None, gpus_per_node: int | None = None,
@@ -165,6 +180,9 @@ def _existing_file(name_or_path: str, kind: PresetKind) -> Path:
         return path / "config.json"  # a Hugging Face model folder
     if path.is_file():
         return path
+    if path.is_dir() and kind == "models":
+        raise DsautoError(f"{path} is a folder without a config.json; give a Hugging Face model folder, "
+                          f"{_FILE_HINT[kind]}, or a preset name.")
     if path.exists():
         raise DsautoError(f"{path} is not a file; give {_FILE_HINT[kind]}, or a preset name.")
     presets = ", ".join(list_presets(kind))

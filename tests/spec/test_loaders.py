@@ -254,7 +254,7 @@ BAD_FILES = [
     ("config.json", json.dumps({**GPT2_XL_CONFIG, "n_layer": "48"}), load_model,
      r"n_layer must be a whole number, got '48'"),
     ("config.json", json.dumps({**LLAMA3_8B_CONFIG, "tie_word_embeddings": "no"}), load_model,
-     r"tied_embeddings must be true or false"),
+     r"tie_word_embeddings must be true or false"),
     ("cluster.yaml", GOOD_CLUSTER + "node: 2\n", load_cluster,
      r"unknown key\(s\) 'node'; known keys are .*, nodes, memory_limit_bytes"),
     ("cluster.yaml", GOOD_CLUSTER.replace("bandwidth_gbps: 1.5", "bandwidth_gbps: fast"), load_hardware,
