@@ -533,7 +533,7 @@ def configure(record: dict) -> PublishedRun | str:
     # The attention kernel, the tensor-parallel overlap and the gradients' dtype are the ones the
     # run's stack ran.
     kernel = _attention_kernel(record, source)
-    if kernel == "flash" and model.attention_sinks:
+    if source.key == "automodel" and model.attention_sinks:
         # AutoModel's GPT-OSS runs its sinks in FlexAttention, priced at FlashAttention-2's rate; Megatron-core's
         # Transformer Engine path runs them in cuDNN's kernel alone (rules.attention_kernel_refusal)
         model = dataclasses.replace(model, attention_sinks=False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,8 +67,8 @@ class Problem:
 def default_seq_len(model: ModelSpec, seq_len: int | None = None) -> int:
     """``seq_len``, or min(2048, the model's maximum) when it is None. Longer than the model's
     positions: a DsautoError for learned position embeddings (the table has no row for them); a
-    warning for rotary or no position embeddings, where training at a longer length is how a
-    context is extended (Llama 3.1 extended Llama 3's 8K to 128K that way)."""
+    warning for rotary positions or ALiBi, where training at a longer length is how a context is
+    extended (Llama 3.1 extended Llama 3's 8K to 128K that way)."""
     seq_len = min(DEFAULT_SEQ_LEN, model.max_position_embeddings) if seq_len is None else seq_len
     if seq_len > model.max_position_embeddings and model.position_embedding != "learned":
         # ALiBi's biases grow with the distance and need no setting; rotary positions are rescaled
@@ -277,9 +277,6 @@ def make_problem(
     if attention_kernel == "cudnn" and not cluster.device.fused_attention_efficiency:
         warnings.warn(f"{cluster.device.name} has no fused attention efficiency of its own; cuDNN's fused "
                       f"attention is priced at its FlashAttention efficiency.", DsautoWarning, stacklevel=2)
-    if hf_trainer and model_spec.moe:
-        # ZeRO-3 gathers a transformers model's experts together (ModelSpec.experts_gathered_whole)
-        model_spec = replace(model_spec, experts_gathered_whole=True)
     return Problem(model_spec, cluster, train, pins)
 
 

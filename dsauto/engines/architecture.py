@@ -105,8 +105,9 @@ def add_bias_linear(model: ModelSpec) -> bool:
     projections, the MLPs' matrices (a dense layer's, each expert's, the shared expert's) and the
     router's (megatron/core/transformer/moe/router.py, ``TopKRouter``: a bias under
     ``add_bias_linear``). True where the model has a bias on each of these it has: besides the models
-    whose every linear layer does (``linear_bias``), gpt-oss, whose attention, experts and router
-    carry biases and which has no dense MLP."""
+    whose every linear layer does (``linear_bias``; of the MoE families only gpt-oss has biases, and it
+    has no dense MLP), gpt-oss, whose attention, experts and router carry biases. A shared expert's
+    biases are the MLP's (``mlp_bias``)."""
     if model.linear_bias:
         return True
     qkv_bias, proj_bias, mlp_bias = model.biases

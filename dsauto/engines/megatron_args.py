@@ -444,7 +444,7 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     else:
         _check_undescribed_model(flags, model, where)
     if model is not None and described is not None:
-        _check_model(described, model, where, _int(flags, "--seq-length", where, 0))
+        _check_model(described, model, where, flags, _int(flags, "--seq-length", where, 0))
     launch = MegatronLaunch(model=model or described, environment=dict(environment or {}),
                             world=launcher_world(_launcher_words(words)))
     if model is not None and undescribed:
@@ -497,21 +497,30 @@ def _check_undescribed_model(flags: dict[str, str], model: ModelSpec, where: str
         if flag in flags and _int(flags, flag, where) != getattr(model, name):
             raise DsautoError(f"{where} describes a model with {name} {flags[flag]}, and --model {model.name} has "
                               f"{getattr(model, name)}; plan the model the launch trains.")
-    if "--num-layers" in flags:  # the flags describe the layers: their biases and softmax too
-        _check_biases("--disable-bias-linear" not in flags, model, where)
-        sinks = flags.get("--softmax-type", "vanilla") == "learnable"
-        if sinks != model.attention_sinks:
-            has = "has no" if sinks else "has"
-            raise DsautoError(f"{where} {'sets' if sinks else 'does not set'} --softmax-type learnable, and --model "
-                              f"{model.name} {has} learned attention sinks; plan the model the launch trains.")
+    if "--num-layers" in flags:  # the flags describe the layers: their MLP, biases and softmax too
+        _check_layers(flags, model, where)
 
 
-def _check_biases(biased: bool, model: ModelSpec, where: str) -> None:
-    """Refuses flags whose linear layers' biases (Megatron's ``add_bias_linear``) are not ``model``'s."""
+def _check_layers(flags: dict[str, str], model: ModelSpec, where: str) -> None:
+    """Refuses flags whose layers are not ``model``'s in what the shapes do not say: the MLP's
+    activation (gpt-oss's clamped gate included), the linear layers' biases (Megatron's
+    ``add_bias_linear``, which gpt-oss's pattern is too) and the learned sinks of its softmax."""
+    mlp, clamp = _mlp(flags, where)
+    if (mlp, clamp) != (model.mlp, model.glu_clamp):
+        said, named = (f"{kind} MLP{f' clamped at {c:g}' if c else ''}" for kind, c in ((mlp, clamp),
+                                                                                       (model.mlp, model.glu_clamp)))
+        raise DsautoError(f"{where} describes a {said}, and --model {model.name} has a {named}; plan the model the "
+                          f"launch trains.")
+    biased = "--disable-bias-linear" not in flags
     if biased != add_bias_linear(model):
+        has = ("them on only some" if any(model.biases) else "none") if biased else "them"
         raise DsautoError(f"{where} describes a model {'with' if biased else 'without'} biases on its linear "
-                          f"layers, and --model {model.name} has {'none' if biased else 'them'}; plan the model "
-                          f"the launch trains.")
+                          f"layers, and --model {model.name} has {has}; plan the model the launch trains.")
+    sinks = flags.get("--softmax-type", "vanilla") == "learnable"
+    if sinks != model.attention_sinks:
+        has = "has no" if sinks else "has"
+        raise DsautoError(f"{where} {'sets' if sinks else 'does not set'} --softmax-type learnable, and --model "
+                          f"{model.name} {has} learned attention sinks; plan the model the launch trains.")
 
 
 def _sets(flags: dict[str, str], spelling: str) -> bool:
@@ -658,6 +667,30 @@ def _window(flags: dict[str, str], where: str) -> int:
     return int(left) + 1
 
 
+def _mlp(flags: dict[str, str], where: str) -> tuple[str, float]:
+    """The MLP's activation the flags build (ModelSpec.mlp) and gpt-oss's clamp (ModelSpec.glu_clamp).
+    --quick-geglu gates with x * sigmoid(1.702 x), GeGLU's shapes and cost; with --glu-linear-offset
+    (the linear half + 1) and --activation-func-clamp-value it is gpt-oss's clamped gate, as Megatron-LM
+    launches gpt-oss. Megatron-core's TransformerConfig takes an offset only with quick_gelu under its
+    fused activation, and dsauto prices no other clamp (a clamped SwiGLU's is numerics, not cost, but
+    dsauto names what it does not read)."""
+    if "--glu-linear-offset" in flags and "--quick-geglu" not in flags:
+        raise DsautoError(f"{where} sets --glu-linear-offset without --quick-geglu, which Megatron-core's "
+                          f"TransformerConfig takes only with quick_gelu (gpt-oss's gate); add --quick-geglu or "
+                          f"drop it.")
+    if "--activation-func-clamp-value" in flags and "--glu-linear-offset" not in flags:
+        raise DsautoError(f"{where} sets --activation-func-clamp-value without --quick-geglu --glu-linear-offset 1 "
+                          f"(gpt-oss's clamped gate, the one clamp dsauto reads); name the model with --model, or "
+                          f"drop it.")
+    if "--swiglu" in flags:
+        return "swiglu", 0.0
+    if "--quick-geglu" in flags:
+        if "--glu-linear-offset" in flags:
+            return "swiglu", _float(flags, "--activation-func-clamp-value", where, 0.0)
+        return "geglu", 0.0
+    return ("relu2" if "--squared-relu" in flags else "gelu"), 0.0
+
+
 def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSpec | None:
     """The model of the flags, with Megatron-LM's defaults (GPT: GeLU, LayerNorm, learned positions,
     tied embeddings, biases, dropout 0.1); None without ``--num-layers``."""
@@ -678,13 +711,7 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
     position = _choice(flags, "--position-embedding-type", where, "rope" if rotary else "learned_absolute", positions)
     normalization = _choice(flags, "--normalization", where, "LayerNorm", ("LayerNorm", "RMSNorm"))
     biases = "--disable-bias-linear" not in flags
-    # --quick-geglu: a gate of x * sigmoid(1.702 x), GeGLU's shapes and cost; with --glu-linear-offset
-    # (the linear half + 1) it is gpt-oss's clamped SwiGLU, as Megatron-LM launches gpt-oss
-    gated = "swiglu" if "--glu-linear-offset" in flags else "geglu"
-    mlp = ("swiglu" if "--swiglu" in flags else gated if "--quick-geglu" in flags
-           else "relu2" if "--squared-relu" in flags else "gelu")
-    # gpt-oss's clamped gate (ModelSpec.glu_clamp)
-    clamp = _float(flags, "--activation-func-clamp-value", where, 0.0) if gated == mlp == "swiglu" else 0.0
+    mlp, clamp = _mlp(flags, where)
     dropout = (_float(flags, "--hidden-dropout", where, 0.1) > 0, _float(flags, "--attention-dropout", where, 0.1) > 0)
     if dropout[0] != dropout[1]:
         raise DsautoError(f"{where} applies dropout to {'the hidden states' if dropout[0] else 'attention'} only; "
@@ -1077,16 +1104,16 @@ def _recompute(flags: dict[str, str], launch: MegatronLaunch, where: str) -> Non
                           f"--recompute-method uniform or block, as Megatron-LM requires.")
 
 
-def _check_model(described: ModelSpec, model: ModelSpec, where: str, seq_len: int | None = None) -> None:
+def _check_model(described: ModelSpec, model: ModelSpec, where: str, flags: dict[str, str],
+                 seq_len: int | None = None) -> None:
     """Refuses flags that describe a model other than ``model`` (the one named with ``--model``):
     the shapes, the vocabulary, the MLP, the norm, the positions, the biases, dropout, the head's
     tying and the experts. Megatron-LM's defaults count as said: a launch without
     ``--disable-bias-linear`` trains with biases, one without ``--hidden-dropout 0`` with dropout."""
-    compared = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_heads", "head_dim", "mlp",
-                "norm", "position_embedding", "tied_embeddings", "dropout", "vocab_size", "glu_clamp",
-                "attention_sinks", "num_experts", "moe_top_k", "moe_router_pre_softmax", "moe_router_topk_scaling",
-                "moe_router_groups", "moe_router_group_topk")
-    _check_biases(described.linear_bias, model, where)  # add_bias_linear, which gpt-oss's pattern is too
+    compared = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_heads", "head_dim",
+                "norm", "position_embedding", "tied_embeddings", "dropout", "vocab_size", "num_experts", "moe_top_k",
+                "moe_router_pre_softmax", "moe_router_topk_scaling", "moe_router_groups", "moe_router_group_topk")
+    _check_layers(flags, model, where)
     # a window the flags give is the model's; one they leave out must slide over none of the launch's
     # sequences (dsauto's own file then states none: ModelSpec.window_slides)
     compared += ("sliding_window", "global_attention_every") if described.sliding_window else ()

@@ -203,9 +203,9 @@ def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engin
     if fp8_delayed and name in ("moe_act", "layernorm"):
         return (f"Megatron-core does not recompute '{name}' under FP8 with delayed scaling (use "
                 f"--fp8-recipe tensorwise)")
-    if name == "layernorm" and not pre_norms and engine != "megatron":
+    if name == "layernorm" and not pre_norms and engine == "deepspeed":
         return ("dsauto's DeepSpeed hook recomputes the norms before attention and the MLP ('layernorm'), and "
-                "the model normalises after them")
+                "the model normalises after them; leave out layernorm, or plan with --engine megatron")
     if name == "moe_act" and experts is False:
         return "'moe_act' recomputes the routed experts' activation, and the model has no experts"
     if name == "moe_act" and engine == "deepspeed":

@@ -59,6 +59,7 @@ PRE_NORMS: tuple[tuple[str, ...], ...] = (
     ("input_layernorm", "post_attention_layernorm"),  # Llama, Mistral, Qwen, GPT-NeoX: the MLP's pre-norm second
     ("ln_1", "ln_2"),  # GPT-2
     ("ln_attn", "ln_mlp"),  # Falcon's new decoder (40B, 180B): one norm per parallel branch
+    ("self_attn_layer_norm", "final_layer_norm"),  # OPT (do_layer_norm_before: pre-norm)
     ("input_layernorm",),  # one norm feeding attention and the MLP in parallel: Falcon-7B, Command R, Phi-2
     ("ln_1",),  # GPT-J's
 )

@@ -913,12 +913,11 @@ class Planner:
                 spilled.append(i)
             if progress:
                 progress(done + 1, len(order))
-        offloaded_tried = []
-        for i, offloaded, bound in self._offloaded(spilled, priced, bounds, bounded_out):
-            offloaded_tried.append(offloaded)
-            consider(i, offloaded, bound)
-        if not kept:  # the bounds quoted cover the offloaded variants too
-            raise DsautoError(self._does_not_fit([p for p in priced if p is not None] + offloaded_tried, host_short))
+        offloaded: list[_Priced] = []  # every offloaded variant priced, for the bounds a no-fit error quotes
+        for i, candidate, bound in self._offloaded(spilled, priced, bounds, bounded_out, offloaded):
+            consider(i, candidate, bound)
+        if not kept:
+            raise DsautoError(self._does_not_fit([p for p in priced if p is not None] + offloaded, host_short))
         near = [e for e in near if -e[0] <= best * (1 + within)] if within > 0 else []
         return [plan for _, _, plan in sorted(kept + near, key=lambda e: (-e[0], -e[1]))]
 
@@ -943,7 +942,7 @@ class Planner:
         why = (f"the smallest plan needs at least {format_bytes(least)} per device" if budget < least < math.inf else
                "no plan priced stays within it at every moment of the step")
         state = min((p.least_state(self.model.num_layers) for p in priced), default=math.inf)
-        if budget < least < math.inf and state < math.inf:
+        if budget < least < math.inf and 0 < state < math.inf:  # 0: all of it offloaded
             # Which remedy can work: a state over the budget needs more sharding or devices, one
             # within it leaves the activations and buffers to cut (checkpointing, micro-batch).
             why += (f", its model state alone at least {format_bytes(state)}" if state > budget else
@@ -964,13 +963,14 @@ class Planner:
         return f"{where}: {why}; {remedy}."
 
     def _offloaded(self, spilled: list[int], priced: Sequence[_Priced], bounds: Sequence[float],
-                   bounded_out: Callable[[float], bool]) -> Iterator[tuple[int, _Priced, float]]:
+                   bounded_out: Callable[[float], bool],
+                   tried: list[_Priced]) -> Iterator[tuple[int, _Priced, float]]:
         """The post-pass of the search: each strategy that fitted nowhere (``spilled``, filled while
         the main pass runs) once more with its optimizer offloaded, and under DeepSpeed ZeRO-3 with
         its parameters too, unless the user pinned ``offload``. Offloading only adds time (the host
         link and the CPU's update), so a strategy that fits without it is never offloaded, and the
         offloaded strategies, priced lazily, are bounded out like the others (their bound includes
-        the CPU's update)."""
+        the CPU's update). Every variant priced is appended to ``tried``, those over the budget too."""
         by_base: dict[Strategy, _Priced] = {}  # priced once for all virtual-stage counts
         for i in sorted(spilled, key=lambda i: (bounds[i], i)):
             for strategy in offloaded_variants(priced[i].strategy, self.cluster, self.pins):
@@ -980,6 +980,7 @@ class Planner:
                 if unchunked not in by_base:
                     by_base[unchunked] = self._price(unchunked)
                 candidate = dataclasses.replace(by_base[unchunked], strategy=strategy)
+                tried.append(candidate)
                 bound = candidate.lower_bound(self.model.num_layers)
                 if candidate.least_memory(self.model.num_layers, self.pins.recompute_num_layers) > \
                         self.cluster.memory_budget_bytes:

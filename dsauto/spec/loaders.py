@@ -121,11 +121,12 @@ def load_cluster(name_or_path: str, nodes: int | None = None, gpus_per_node: int
     device = data.get("device")
     generic = [k for k in FITTED_DEVICE_KEYS if k not in device] if path is not None and isinstance(device, Mapping) else []
     if generic:
-        values = ", ".join(f"{k} {getattr(hardware.device, k):g}" for k in generic)
-        warnings.warn(f"{where}'s device leaves out {', '.join(generic)}, so the plan takes dsauto's generic "
-                      f"{values}, not the measured values of a device; copy them from the nearest preset "
-                      f"({', '.join(list_presets('hardware'))}) for its time and memory budget.", DsautoWarning,
-                      stacklevel=2)
+        values = ", ".join(f"{k} {format_bytes(v) if k.endswith('_bytes') else f'{v:g}'}"
+                           for k, v in ((k, getattr(hardware.device, k)) for k in generic))
+        warnings.warn(f"{where}'s device leaves out {', '.join(generic)}, so plans on it take dsauto's generic "
+                      f"{values}, not what the presets fit on published runs; copy them from the nearest preset "
+                      f"({', '.join(list_presets('hardware'))}), or price with a measured profile (--profile).",
+                      DsautoWarning, stacklevel=2)
     # from_dict builds from plain data only, so the checked hardware goes back in as a dict.
     cluster_keys = {k: data[k] for k in _CLUSTER_KEYS if k in data}
     cluster = from_dict(ClusterSpec, {"hardware": to_dict(hardware), **cluster_keys}, where)
@@ -133,7 +134,7 @@ def load_cluster(name_or_path: str, nodes: int | None = None, gpus_per_node: int
 
 
 FITTED_DEVICE_KEYS = ("matmul_efficiency", "memory_bandwidth_efficiency", "comm_overlap_efficiency",
-                      "attention_efficiency", "memory_reserve_bytes")
+                      "memory_reserve_bytes")
 """The device fields a preset holds from measurements (fitted constants, the memory the runtime keeps),
 which a cluster file that leaves them out takes dsauto's generic values of: named in a warning."""
 

@@ -252,14 +252,6 @@ class ModelSpec:
     """The router's linear layer has a bias (gpt-oss)."""
     moe_expert_bias: bool = False
     """The routed experts' matrices carry biases (gpt-oss)."""
-    experts_gathered_whole: bool = False
-    """ZeRO-3 gathers an MoE layer's experts as one unit, as it runs a ``transformers`` model (a plan
-    for Hugging Face's Trainer): transformers 5 keeps all experts' matrices in one 3-D parameter each
-    (``MixtralExperts.gate_up_proj``), DeepSpeed gathers a module's parameters together
-    (deepspeed/runtime/zero/partitioned_param_coordinator.py, ``fetch_sub_module``), and its default
-    leaf modules are whole sparse blocks, router and shared expert included (Mixtral, Qwen2-MoE,
-    Qwen3-MoE: deepspeed/runtime/zero/leaf_module_config.py, DeepSpeed 0.19). False: one expert's
-    matrix at a time (dsauto's own model, DeepSpeed-MoE's experts)."""
     transformers_dense_experts: bool = False
     """transformers' module for the family runs every routed expert on every token, weighted by the
     router's scores (Llama 4's ``Llama4TextMoe``: the routed outputs of top-k routing, at num_experts /
@@ -366,7 +358,7 @@ class ModelSpec:
                     "moe_first_dense_layers": self.moe_first_dense_layers}
         stray = [f"{k}={v}" for k, v in moe_only.items() if v] + [
             k for k in ("shared_expert_gate", "moe_router_bias", "moe_expert_bias", "moe_probs_on_input",
-                        "transformers_dense_experts", "experts_gathered_whole",
+                        "transformers_dense_experts",
                         "moe_router_pre_softmax", "moe_router_topk_scaling")
             if getattr(self, k)]
         if stray and not self.num_experts:
@@ -664,8 +656,6 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         ops += [mlp_in, mlp_out]
     if moe_fraction:
         ops += [gm * h * fe, fe * h, gm * h * fs, router_weights]
-        if model.experts_gathered_whole:  # the sparse block: every expert, the shared one and the router
-            ops.append(experts * expert_weights + shared_weights + router_weights)
     # Per-layer numbers average the dense and the MoE layers of the stack (one block group; see
     # LayerGroup.moe_layer_fraction): the whole stack is exact; a pipeline stage's prediction takes
     # its own layers' kinds (layer_group_per_layer).

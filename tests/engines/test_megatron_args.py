@@ -184,6 +184,13 @@ def test_gpt_oss_launched_as_megatron_lm_does_reads_as_gpt_oss(tmp_path):
     path.write_text(text.replace("--quick-geglu\n", "--quick-geglu\n--disable-bias-linear\n"))
     with pytest.raises(DsautoError, match="without biases on its linear layers"):
         read_megatron_args(path, plan.model)
+    path.write_text(text.replace("--quick-geglu\n--glu-linear-offset 1\n--activation-func-clamp-value 7\n", "--swiglu\n"))
+    with pytest.raises(DsautoError, match="describes a swiglu MLP, and --model openai/gpt-oss-20b has a swiglu MLP "
+                                          "clamped at 7"):
+        read_megatron_args(path, plan.model)  # YaRN: the named model is taken, its gate checked
+    path.write_text(text.replace("--quick-geglu\n", "--swiglu\n"))
+    with pytest.raises(DsautoError, match="sets --glu-linear-offset without --quick-geglu"):
+        read_megatron_args(path, plan.model)
     path.write_text(text.replace("--softmax-type learnable", "--softmax-type off-by-one")
                     .replace("--position-embedding-type yarn", "--position-embedding-type rope"))
     with pytest.raises(DsautoError, match="--softmax-type off-by-one; dsauto prices vanilla and learnable"):

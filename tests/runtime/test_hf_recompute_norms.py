@@ -51,6 +51,7 @@ def test_a_model_normalising_after_its_branches_is_refused_at_plan_time():
                                           "norms before attention and the MLP"):
         parse_recompute_modules("layernorm", spec, "deepspeed")
     assert parse_recompute_modules("layernorm", spec, "megatron") == ("layernorm",)
+    assert parse_recompute_modules("layernorm", spec, None) == ("layernorm",)  # engine auto: Megatron-core's plans
 
 
 def test_llama4_experts_as_transformers_computes_them_are_refused_for_the_trainer():
