@@ -420,6 +420,15 @@ class Plan:
     """Megatron-core's ``--overlap-moe-expert-parallel-comm``: the expert all-to-alls of one
     micro-batch overlap another's compute; only in a 16-bit Megatron-core plan of a mixture of
     experts with ep > 1, the interleaved schedule when pp > 1 and no checkpointed layer."""
+    experts_gathered_whole: bool = False
+    """True: the model is a ``transformers`` model (a plan for Hugging Face's Trainer), whose MoE layers ZeRO-3
+    gathers whole: transformers 5 keeps every expert's matrix in one 3-D parameter
+    (``MixtralExperts.gate_up_proj``), DeepSpeed gathers a module's parameters together
+    (deepspeed/runtime/zero/partitioned_param_coordinator.py, ``fetch_sub_module``), and its default
+    leaf modules are whole sparse blocks, router and shared expert included (Mixtral, Qwen2-MoE,
+    Qwen3-MoE: deepspeed/runtime/zero/leaf_module_config.py, DeepSpeed 0.19). False: one expert's
+    matrix at a time (dsauto's own model, DeepSpeed-MoE's experts) (:attr:`dsauto.cost.strategy.Strategy.experts_gathered_whole`); only in a
+    DeepSpeed plan of a mixture of experts."""
     expert_load_balanced: bool = False
     """Megatron-core's ``--moe-router-force-load-balancing``: the routers spread the tokens evenly over
     the experts (a benchmarking option, only when pinned); only in a Megatron-core plan of a mixture of
@@ -475,6 +484,9 @@ class Plan:
         if self.expert_dispatcher not in EXPERT_DISPATCHERS:
             raise ValueError(f"expert_dispatcher must be one of {', '.join(EXPERT_DISPATCHERS)}, "
                              f"got {self.expert_dispatcher!r}")
+        if self.experts_gathered_whole and (self.engine != "deepspeed" or not self.model.moe):
+            raise ValueError(f"experts_gathered_whole needs a DeepSpeed plan (not {self.engine}) of a mixture of "
+                             f"experts")
         if self.expert_load_balanced and (self.engine != "megatron" or not self.model.moe):
             raise ValueError(f"expert_load_balanced needs a Megatron-core plan (not {self.engine}) of a mixture of "
                              f"experts ({self.model.name} has {self.model.num_experts} experts)")

@@ -138,3 +138,33 @@ def test_routing_forced_to_balance_is_priced_emitted_and_applied(tmp_path, capsy
     with pytest.raises(ValueError, match="expert_load_balanced needs"):
         dataclasses.replace(even, engine="deepspeed", attention_kernel="flash")
 
+
+
+def test_a_plan_for_the_trainer_gathers_each_sparse_block_whole(tmp_path):
+    """transformers 5 keeps each MoE layer's experts in one 3-D parameter per matrix and DeepSpeed 0.19
+    gathers Qwen2-MoE's sparse block as one leaf module: a ZeRO-3 plan for Hugging Face's Trainer
+    prices that unit, and its stage3_max_live_parameters lets two of them live (the one in use and
+    the one prefetched), where a plan for dsauto's own experts gathers one expert matrix at a time.
+    The plan says so in plan.yaml, and its model is the config's, which the runtime checks."""
+    from dsauto.api import make_plan
+    from dsauto.emit.ds_config import ds_config
+    from dsauto.plan_io import write_plan_yaml
+    from dsauto.refine.space import strategy_of
+    from dsauto.spec.loaders import load_model
+
+    path = str(CONFIGS / "qwen1.5-moe-a2.7b.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pins = dict(gpus_per_node=8, global_batch=64, seq_len=4096, engine="deepspeed", zero_stage=3)
+        trainer = make_plan(path, "h100-80gb", hf_trainer=True, **pins)
+        own = make_plan(path, "h100-80gb", **pins)
+        model = load_model(path)
+    h, fe, fs = model.hidden_size, model.expert_ffn_hidden_size, model.shared_expert_ffn_hidden_size
+    block = model.num_experts * 3 * h * fe + 3 * h * fs + model.num_experts * h + h  # experts, shared, router, gate
+    assert trainer.experts_gathered_whole and not own.experts_gathered_whole
+    assert trainer.model == model  # a pricing choice of the plan, not of the model
+    assert ds_config(trainer)["zero_optimization"]["stage3_max_live_parameters"] == 2 * block
+    assert ds_config(own)["zero_optimization"]["stage3_max_live_parameters"] < block
+    assert trainer.prediction.peak_memory_bytes <= trainer.memory_budget_bytes
+    written = read_plan(write_plan_yaml(trainer, tmp_path / "plan.yaml"))
+    assert written.experts_gathered_whole and strategy_of(written).experts_gathered_whole

@@ -181,6 +181,7 @@ class CostModel:
             if strategy.dist_opt_instances > 1 else None,
             recompute_early_stop=strategy.recompute_early_stop,
             expert_load_balanced=strategy.expert_load_balanced,
+            experts_gathered_whole=strategy.experts_gathered_whole,
             expert_dispatcher=strategy.expert_dispatcher,
             # Only under sequence parallelism (megatron/training/arguments.py, validate_args asserts it).
             tp_comm_overlap=strategy.tp_comm_overlap,

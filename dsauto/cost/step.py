@@ -202,12 +202,12 @@ def bucket_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int) -> int
 
 
 def prefetch_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int,
-                   options: Sequence[LayerOption], num_layers: int) -> int:
+                   options: Sequence[LayerOption], num_layers: int, experts_whole: bool = False) -> int:
     """ZeRO-3 prefetch bucket: the largest unit any sharded layer gathers at once, so that one unit
     is gathered ahead of the one in use; the emitted ``stage3_max_live_parameters`` is twice it,
     the gathered parameters the cost model prices (:func:`dsauto.cost.zero3.gathered_params_bytes`);
     0 when nothing is sharded."""
-    units = [gathered_unit_params(layer_group_of(groups, j, num_layers), option, tp)
+    units = [gathered_unit_params(layer_group_of(groups, j, num_layers), option, tp, experts_whole)
              for j, option in enumerate(options) if option.shard_params]
     return int(max(units, default=0) * dtype_bytes)
 
@@ -668,7 +668,8 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     exposures: list[float] = []  # each stage's transfers per micro-batch that the step waits for
     bucket = bucket_bytes(groups, strategy.tp, train.dtype_bytes) if reduce_bucket is None else reduce_bucket
     # The emitted ZeRO-3 prefetch bucket, which bounds the parameters held gathered (dsauto.cost.zero3).
-    default_prefetch = prefetch_bytes(groups, strategy.tp, train.dtype_bytes, options, num_layers)
+    default_prefetch = prefetch_bytes(groups, strategy.tp, train.dtype_bytes, options, num_layers,
+                                      strategy.experts_gathered_whole)
 
     stages, tails, times = [], [], []
     dispatch: list[float] = []  # each stage's expert all-to-alls per micro-batch
@@ -720,7 +721,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         grads = sum(c.grads_bytes for c in costs)
         optim = sum(c.optimizer_bytes for c in costs)
         layer_transient = max((c.transient_bytes for c in costs), default=0.0)  # a stage may be empty
-        largest_grad = max((gathered_unit_params(by_layer[j], options[j], strategy.tp)
+        largest_grad = max((gathered_unit_params(by_layer[j], options[j], strategy.tp, strategy.experts_gathered_whole)
                             for j in held), default=0.0) * train.dtype_bytes
         staging, host_staging = offload_staging_bytes(
             strategy, max((by_layer[j].largest_op_params for j in held), default=0.0)

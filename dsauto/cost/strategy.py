@@ -73,6 +73,14 @@ class Strategy:
     and is forwarded over NVLink inside it (DeepSeek-V3 technical report, Sec. 3.2.2;
     :func:`dsauto.cost.terms.expert_dispatch_seconds`). The search never picks DeepEP (it is a
     separate install): a plan runs it when pinned (``--moe-dispatcher deepep``)."""
+    experts_gathered_whole: bool = False
+    """True: the model is a ``transformers`` model (a plan for Hugging Face's Trainer), whose MoE layers ZeRO-3
+    gathers whole: transformers 5 keeps every expert's matrix in one 3-D parameter
+    (``MixtralExperts.gate_up_proj``), DeepSpeed gathers a module's parameters together
+    (deepspeed/runtime/zero/partitioned_param_coordinator.py, ``fetch_sub_module``), and its default
+    leaf modules are whole sparse blocks, router and shared expert included (Mixtral, Qwen2-MoE,
+    Qwen3-MoE: deepspeed/runtime/zero/leaf_module_config.py, DeepSpeed 0.19). False: one expert's
+    matrix at a time (dsauto's own model, DeepSpeed-MoE's experts)."""
     expert_load_balanced: bool = False
     """Megatron-core's ``--moe-router-force-load-balancing``, a benchmarking option: the router
     ignores its scores and spreads the tokens evenly over the experts, so the busiest

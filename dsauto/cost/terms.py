@@ -227,6 +227,9 @@ class LayerContext:
     """The MoE token dispatcher (:attr:`dsauto.cost.strategy.Strategy.expert_dispatcher`)."""
     expert_load_balanced: bool = False
     """Routing forced to balance (:attr:`dsauto.cost.strategy.Strategy.expert_load_balanced`)."""
+    experts_gathered_whole: bool = False
+    """ZeRO-3 gathers an MoE layer's experts as one unit
+    (:attr:`dsauto.cost.strategy.Strategy.experts_gathered_whole`)."""
     tp_comm_overlap: bool = False
     """Tensor-parallel collectives overlapped with the linear layers' matrix multiplies
     (:attr:`dsauto.cost.strategy.Strategy.tp_comm_overlap`)."""
@@ -324,11 +327,13 @@ def rank_params(group: LayerGroup, ctx: LayerContext) -> float:
     return dense_local_params(group, ctx) + expert_local_params(group, ctx)
 
 
-def gathered_unit_params(group: LayerGroup, option: LayerOption, tp: int) -> float:
+def gathered_unit_params(group: LayerGroup, option: LayerOption, tp: int, experts_whole: bool = False) -> float:
     """Parameters ZeRO-3 gathers at once for a sharded layer: its largest matrix, or one slice of it
-    when split (OSDP). The head's split chunks its loss, not its matrix, which is gathered whole."""
+    when split (OSDP); with ``experts_whole`` (Strategy.experts_gathered_whole) an MoE layer's whole
+    sparse block. The head's split chunks its loss, not its matrix, which is gathered whole."""
     split = 1 if group.kind == "head" else option.split
-    return group.largest_op_params / tp / split
+    unit = max(group.largest_op_params, group.expert_block_params if experts_whole else 0)
+    return unit / tp / split
 
 
 def sharded_gather_bytes(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> float:
@@ -351,7 +356,7 @@ def sharded_gather_bytes(group: LayerGroup, option: LayerOption, ctx: LayerConte
     gathered and transposed."""
     if not ctx.shards(option):
         return 0.0
-    unit = gathered_unit_params(group, option, ctx.tp)
+    unit = gathered_unit_params(group, option, ctx.tp, ctx.experts_gathered_whole)
     if ctx.engine != "deepspeed":
         unit_bytes = ctx.dtype_bytes
         if group.kind == "transformer":

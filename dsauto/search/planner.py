@@ -290,7 +290,7 @@ def _zero3_moment_rows(model: ModelSpec, groups: Sequence[LayerGroup], options: 
             if ctx.shards(option):
                 sharded[gi, oi] = True
                 params[gi, oi] = dynamic * sharded_param_bytes([group], [option], [0], ctx.tp, ctx.dtype_bytes)
-                units[gi, oi] = dynamic * gathered_unit_params(group, option, ctx.tp) * ctx.dtype_bytes
+                units[gi, oi] = dynamic * gathered_unit_params(group, option, ctx.tp, ctx.experts_gathered_whole) * ctx.dtype_bytes
                 in_use[gi, oi] = dynamic * sharded_gather_bytes(group, option, ctx)
     trans -= in_use
     trans[BLOCK] += dynamic * layer_backward_bytes(cost.tokens, model.hidden_size, model.ffn_hidden_size, ctx.tp,
@@ -404,7 +404,8 @@ class Planner:
             grads += group.count * first.grads_bytes
         bucket = bucket_bytes(groups, strategy.tp, self.train.dtype_bytes)
         # Any stage may hold the model's largest matrix (a bound: predict_step uses its own stage's).
-        largest_grad = max(gathered_unit_params(g, o, strategy.tp) for g in groups for o in options) * self.train.dtype_bytes
+        largest_grad = max(gathered_unit_params(g, o, strategy.tp, strategy.experts_gathered_whole)
+                           for g in groups for o in options) * self.train.dtype_bytes
         zero3 = None
         if zero3_moments_apply(strategy):
             zero3 = _zero3_moment_rows(self.model, groups, options, cost, time, act, trans,
@@ -1032,7 +1033,7 @@ class Planner:
             stage_layers=tuple(stage_layers),
             reduce_bucket_bytes=bucket if reduce_bucket is None else reduce_bucket,
             prefetch_bucket_bytes=(prefetch_bytes(groups, strategy.tp, self.train.dtype_bytes, options,
-                                                  self.model.num_layers)
+                                                  self.model.num_layers, strategy.experts_gathered_whole)
                                    if prefetch_bucket is None else prefetch_bucket),
             layers=tuple(runs), stages=step.stages, prediction=step.prediction, engine=strategy.engine,
             virtual_stages=strategy.virtual_stages, offload=strategy.offload, hpz=strategy.hpz,
@@ -1041,6 +1042,7 @@ class Planner:
             fp8_recipe=strategy.fp8_recipe, fp8_param_gather=strategy.fp8_param_gather,
             cp_comm_type=strategy.cp_comm_type, expert_a2a_overlap=strategy.expert_a2a_overlap,
             expert_load_balanced=strategy.expert_load_balanced,
+            experts_gathered_whole=strategy.experts_gathered_whole,
             precision_aware_optimizer=strategy.precision_aware_optimizer,
             attention_softmax_in_fp32=strategy.attention_softmax_in_fp32 or not (
                 strategy.engine == "megatron" and self.train.dtype != "fp32" and not self.train.flash_attention),

@@ -386,6 +386,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                tp_comm_overlap=bool(pins.tp_comm_overlap),
                                expert_dispatcher=pins.expert_dispatcher or "alltoall",
                                expert_load_balanced=bool(pins.expert_load_balanced),
+                               # a transformers model's experts (Strategy.experts_gathered_whole)
+                               experts_gathered_whole=bool(pins.hf_trainer and model.moe),
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
                                precision_aware_optimizer=pins.precision_aware_optimizer,
                                attention_softmax_in_fp32=pins.attention_softmax_in_fp32 is not False,

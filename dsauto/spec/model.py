@@ -523,6 +523,9 @@ class LayerGroup:
     tp_comm_bytes_per_token: float
     """Bytes per token all-reduced across the tensor-parallel group in the forward pass
     (the backward pass moves as much again)."""
+    expert_block_params: float = 0.0
+    """An MoE layer's routed experts, shared expert and router together: the unit ZeRO-3 gathers in a
+    transformers model (Strategy.experts_gathered_whole); 0 without experts."""
     gemm_dim: int = 0
     """Smallest dimension of the layer's matrix multiplies before tensor-parallel splitting (the
     hidden size); sets how close to peak they run. 0 for layers without matrix multiplies."""
@@ -720,6 +723,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         params=round(layer_params),
         tp_params=round(split_params),
         largest_op_params=max(ops),
+        expert_block_params=experts * expert_weights + shared_weights + router_weights if moe_fraction else 0.0,
         matmul_flops_per_token=2.0 * weights,
         attention_flops_per_token=2.0 * s * (q_width + out_width),
         elementwise_bytes_per_token=elementwise,
