@@ -183,6 +183,7 @@ def prepare_model(plan: Plan, model: nn.Module) -> AppliedPlan:
                           f"(its layers are split or wrapped); build a fresh model for another engine.")
     layers = find_layers(model)
     check_plan_matches(plan, layers)
+    _check_transformers_experts(plan, layers)
     if any(run.split > 1 for run in plan.layers) and any(hasattr(p, "ds_id") for p in model.parameters()):
         raise DsautoError(
             "The plan splits operators, but this model was built inside deepspeed.zero.Init (its "
@@ -211,6 +212,24 @@ def prepare_model(plan: Plan, model: nn.Module) -> AppliedPlan:
         checkpoint_module(layers.block(layer))
     setattr(model, _PREPARED, True)
     return applied
+
+
+def _check_transformers_experts(plan: Plan, layers: ModelLayers) -> None:
+    """Refuses a plan of a mixture of experts whose pricing is not how a ``transformers`` model's
+    experts run: Llama 4's ``Llama4TextMoe`` computes every expert on every token
+    (ModelSpec.transformers_dense_experts), and ZeRO-3 gathers a transformers MoE layer's experts
+    whole, which only a plan for Hugging Face's Trainer prices (Plan.experts_gathered_whole)."""
+    if not plan.model.moe or not type(layers.blocks[0]).__module__.startswith("transformers."):
+        return
+    if plan.model.transformers_dense_experts:
+        raise DsautoError(f"This {type(layers.blocks[0]).__name__} computes each of its {plan.model.num_experts} "
+                          f"experts on every token, and the plan prices top-{plan.model.moe_top_k} routing; train a "
+                          f"model that routes each token to its experts (or Megatron-core's).")
+    sharded = any(run.shard_params for run in plan.layers)
+    if plan.zero_stage == 3 and sharded and not plan.experts_gathered_whole:
+        raise DsautoError("The plan prices ZeRO-3 gathering one expert matrix at a time, and a transformers model's "
+                          "MoE layer is gathered whole (its experts are one 3-D parameter per matrix); re-plan with "
+                          "--for hf.")
 
 
 def repoint_parameters(model_parameters: Any, replacements: Replacements) -> Any:
