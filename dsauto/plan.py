@@ -421,14 +421,9 @@ class Plan:
     micro-batch overlap another's compute; only in a 16-bit Megatron-core plan of a mixture of
     experts with ep > 1, the interleaved schedule when pp > 1 and no checkpointed layer."""
     experts_gathered_whole: bool = False
-    """True: the model is a ``transformers`` model (a plan for Hugging Face's Trainer), whose MoE layers ZeRO-3
-    gathers whole: transformers 5 keeps every expert's matrix in one 3-D parameter
-    (``MixtralExperts.gate_up_proj``), DeepSpeed gathers a module's parameters together
-    (deepspeed/runtime/zero/partitioned_param_coordinator.py, ``fetch_sub_module``), and its default
-    leaf modules are whole sparse blocks, router and shared expert included (Mixtral, Qwen2-MoE,
-    Qwen3-MoE: deepspeed/runtime/zero/leaf_module_config.py, DeepSpeed 0.19). False: one expert's
-    matrix at a time (dsauto's own model, DeepSpeed-MoE's experts) (:attr:`dsauto.cost.strategy.Strategy.experts_gathered_whole`); only in a
-    DeepSpeed plan of a mixture of experts."""
+    """True: ZeRO-3 gathers each MoE layer's experts at once, as DeepSpeed runs a ``transformers``
+    model (a plan for Hugging Face's Trainer: :attr:`dsauto.cost.strategy.Strategy.experts_gathered_whole`);
+    only in a DeepSpeed plan of a mixture of experts."""
     expert_load_balanced: bool = False
     """Megatron-core's ``--moe-router-force-load-balancing``: the routers spread the tokens evenly over
     the experts (a benchmarking option, only when pinned); only in a Megatron-core plan of a mixture of

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from dsauto.emit.ds_config import ds_config
 from dsauto.errors import DsautoError
 from dsauto.parallel import ParallelDims
 from dsauto.plan import Plan
-from dsauto.profile.launch import free_port, launch, stop
+from dsauto.profile.launch import free_port
 from dsauto.profile.memory import MemoryTracker
 from dsauto.profile.steps import StepMeasurement
 from dsauto.refine.trial_hook import (
@@ -30,6 +29,8 @@ from dsauto.refine.trial_hook import (
 from dsauto.search.planner import Planner
 from dsauto.spec.loaders import load_cluster, load_model
 from dsauto.spec.training import TrainSpec
+
+from guarded_run import guarded_run  # tests/ is on sys.path through its conftest
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 1_000_000
@@ -119,19 +120,12 @@ def trial_plan() -> Plan:
 
 def deepspeed_launch(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     """Runs ``args`` on 2 CPU ranks with DeepSpeed's launcher, from the repository root, under dsauto's
-    launch guard: a run past its (generous, loaded-machine) limit is stopped with all its ranks, not
-    left computing beside the tests that follow."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1", **env}
+    launch guard (tests/guarded_run.py)."""
     port = free_port()
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:0,1",
                "--master_port", str(port), *args]
-    process = launch(command, env, port, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        stdout, stderr = process.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        stop(process)
-        raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return guarded_run(command, {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1", **env}, port,
+                       cwd=ROOT)
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from dsauto.profile.launch import all_reduce_buffers, free_port
 from dsauto.search.planner import Planner
 from dsauto.spec.loaders import load_cluster, load_model
 from dsauto.spec.training import TrainSpec
+from guarded_run import guarded_run  # tests/ is on sys.path through its conftest
 
 WORKER = Path(__file__).with_name("ds_worker.py")
 STEPS = 6
@@ -119,10 +120,9 @@ def launch(cases_: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                           os.environ.get("PYTHONPATH", "")])}
     port = free_port()
-    result = subprocess.run(
+    result = guarded_run(
         [sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:0,1", "--master_port", str(port),
-         str(WORKER), "--cases", str(cases_file), "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=600)
+         str(WORKER), "--cases", str(cases_file), "--out", str(out)], env, port)
     assert result.returncode == 0 and out.exists(), result.stdout[-4000:] + result.stderr[-4000:]
     # The ranks built their engines through dsauto.deepspeed.initialize, which unlinks their CPU
     # all-reduce buffers at exit (DeepSpeed alone leaves them in /dev/shm).

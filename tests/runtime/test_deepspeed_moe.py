@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
@@ -27,6 +25,7 @@ from dsauto.search.planner import Planner
 from dsauto.spec.loaders import load_cluster
 from dsauto.spec.model import ModelSpec
 from dsauto.spec.training import TrainSpec
+from guarded_run import guarded_run  # tests/ is on sys.path through its conftest
 
 MOE = ModelSpec(name="moe-tiny", architecture="decoder", num_layers=3, hidden_size=64, num_attention_heads=4,
                 ffn_hidden_size=128, vocab_size=100, max_position_embeddings=64, mlp="swiglu", norm="rmsnorm",
@@ -66,11 +65,11 @@ def test_moe_plans_train_on_two_ranks(tmp_path):
     plans = [make_plan(ep=2, zero_stage=0), make_plan(ep=1, zero_stage=2)]
     plans_file, out = tmp_path / "plans.json", tmp_path / "measured.json"
     plans_file.write_text(json.dumps([p.to_dict() for p in plans]))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    port = free_port()
+    result = guarded_run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
          "-m", "dsauto.profile.steps", "--plans", str(plans_file), "--out", str(out), "--steps", "2", "--warmup", "1"],
-        capture_output=True, text=True, env=env, timeout=600)
+        {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, port)
     assert result.returncode == 0 and out.exists(), result.stdout[-4000:] + result.stderr[-4000:]
     measured = json.loads(out.read_text())
     assert len(measured) == 2 and all(math.isfinite(loss) for m in measured for loss in m["losses"])
