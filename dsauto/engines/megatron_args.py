@@ -680,8 +680,8 @@ def _mlp(flags: dict[str, str], where: str) -> tuple[str, float]:
                           f"drop it.")
     if "--activation-func-clamp-value" in flags and "--glu-linear-offset" not in flags:
         raise DsautoError(f"{where} sets --activation-func-clamp-value without --quick-geglu --glu-linear-offset 1 "
-                          f"(gpt-oss's clamped gate, the one clamp dsauto reads); name the model with --model, or "
-                          f"drop it.")
+                          f"(gpt-oss's clamped gate, the one clamp dsauto reads); drop it to plan the same cost "
+                          f"unclamped.")
     if "--swiglu" in flags:
         return "swiglu", 0.0
     if "--quick-geglu" in flags:
@@ -780,6 +780,7 @@ MODEL_FLAGS = {
     "num_kv_heads": "--num-query-groups", "attention_head_dim": "--kv-channels", "ffn_hidden_size": "--ffn-hidden-size",
     "vocab_size": "--vocab-size", "max_position_embeddings": "--max-position-embeddings",
     "num_experts": "--num-experts", "moe_top_k": "--moe-router-topk", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "glu_clamp": "--activation-func-clamp-value",
 }
 """The Megatron-LM flag of each ModelSpec field a launch gives, for errors in the launch's words."""
 

@@ -1134,6 +1134,7 @@ CONFIG_KEYS = {
     "num_experts": ("num_local_experts", "n_routed_experts", "num_experts"),
     "moe_ffn_hidden_size": ("moe_intermediate_size",),
     "tied_embeddings": ("tie_word_embeddings",),
+    "glu_clamp": ("swiglu_limit",),
     "rotary_base": ("rope_theta", "rotary_emb_base"),
     "rope_scaling_factor": ("rope_scaling.factor",),
     "rotary_percent": ("partial_rotary_factor", "rotary_pct"),
