@@ -366,3 +366,11 @@ def test_an_offload_nobody_asked_for_is_warned_of():
     with warnings.catch_warnings():
         warnings.simplefilter("error", DsautoWarning)
         assert main([*one_gpu, "--offload", "optimizer"]) == 0
+
+
+def test_a_cp_neither_engine_runs_says_each_engines_reason(capsys):
+    assert main(["tune", "--model", "llama3-8b", "--hardware", "h100-80gb", "--global-batch", "64", "--cp", "3",
+                 "--out", "unused"]) == 2
+    assert ("--cp 3 cannot run: DeepSpeed-Ulysses splits the 32 attention heads over cp 3, which does not divide them "
+            "(DeepSpeed), and the sequence (2048 tokens) must split into 2 x cp = 6 equal chunks (Megatron-core); pin "
+            "a cp that divides them, or leave --cp out.") in capsys.readouterr().err

@@ -762,7 +762,10 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
             advice = ("pin --pp 1 or --engine megatron, or leave --cp out" if engines == ("deepspeed",) and pp > 1
                       else "pin --engine megatron, or leave --cp out" if engines == ("deepspeed",) and learned
                       else "pin a cp that divides them, or leave --cp out")
-            return DsautoError(f"--cp {pins.cp} cannot run: {'; and '.join(dict.fromkeys(reasons))}; {advice}.")
+            said = dict(zip(engines, reasons))
+            why = reasons[0] if len(engines) == 1 else (
+                f"{said['deepspeed']} (DeepSpeed), and {said['megatron']} (Megatron-core)")
+            return DsautoError(f"--cp {pins.cp} cannot run: {why}; {advice}.")
         if world % (tp * pp * pins.cp):
             return DsautoError(f"tp({tp}) * pp({pp}) * cp({pins.cp}) does not divide the world size {world}; "
                                f"change --cp, --tp or --pp.")
