@@ -620,7 +620,9 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     ``mlp``: the dense MLP's inner activations (:attr:`LayerGroup.mlp_act_bytes_per_token`).
     ``moe_act``: the routed experts' activation outputs (:attr:`LayerGroup.
     expert_act_output_bytes_per_token`), at the busiest rank's load like the experts' other
-    activations (:func:`expert_load_factor`)."""
+    activations (:func:`expert_load_factor`). ``mla_up_proj``: latent attention's queries, keys and
+    values (:attr:`LayerGroup.mla_up_output_bytes_per_token`), which the attention core keeps as its
+    inputs until Megatron-core drops their storage after it has run."""
     modules = option.recompute_modules
     if not modules or option.checkpoint or group.kind != "transformer":
         return 0.0
@@ -641,6 +643,8 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
         saved += (group.mlp_act_bytes_per_token - kept_in_fp8) / ctx.tp
     if "moe_act" in modules:
         saved += group.expert_act_output_bytes_per_token * shrink / ctx.tp * expert_load_factor(ctx)
+    if "mla_up_proj" in modules:
+        saved += group.mla_up_output_bytes_per_token / ctx.tp
     return saved
 
 
@@ -670,7 +674,7 @@ def selective_recompute_flops_per_token(group: LayerGroup, option: LayerOption, 
     """Forward FLOPs per token re-run in backward by selective recomputation (the whole layer,
     before tensor parallelism divides it): the attention core's two batched matrix multiplies
     (causal ones at half under a fused kernel, as :func:`attention_passes` runs them) and the dense
-    MLP's matrix multiplies; the norms are bandwidth-bound."""
+    MLP's matrix multiplies and latent attention's up projections; the norms are bandwidth-bound."""
     modules = option.recompute_modules
     if not modules or option.checkpoint or group.kind != "transformer":
         return 0.0
@@ -682,6 +686,8 @@ def selective_recompute_flops_per_token(group: LayerGroup, option: LayerOption, 
         flops += attention
     if "mlp" in modules:
         flops += group.mlp_matmul_flops_per_token
+    if "mla_up_proj" in modules:
+        flops += group.mla_up_flops_per_token
     return flops
 
 
@@ -693,7 +699,8 @@ def selective_recompute_seconds(group: LayerGroup, option: LayerOption, ctx: Lay
     writes. ``mlp``: its matrix multiplies and activation function, and the tensor-parallel
     collective closing it (one of the layer's two: Megatron's checkpoint re-runs the module's
     forward, the row-parallel reduction included). ``moe_act``: the routed experts' activation
-    function on the busiest rank's tokens (bandwidth-bound)."""
+    function on the busiest rank's tokens (bandwidth-bound). ``mla_up_proj``: latent attention's up
+    projections (Megatron-core's ``recompute_up_proj``; no collective: they are column-parallel)."""
     modules = option.recompute_modules
     if not modules or option.checkpoint or group.kind != "transformer":
         return 0.0
@@ -712,6 +719,8 @@ def selective_recompute_seconds(group: LayerGroup, option: LayerOption, ctx: Lay
     if "moe_act" in modules:
         seconds += device.memory_seconds(tokens * group.expert_act_elementwise_bytes_per_token / t
                                          * expert_load_factor(ctx))
+    if "mla_up_proj" in modules:
+        seconds += linear_seconds(group, ctx, group.mla_up_flops_per_token * tokens / t, min(group.gemm_dim / t, tokens))
     seconds *= ctx.calibration.compute
     if "mlp" in modules and t > 1:
         dense = 1.0 - group.moe_layer_fraction

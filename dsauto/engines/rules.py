@@ -171,7 +171,7 @@ MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj"
 
 def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engine | None = None,
                              experts: bool | None = None, fp8_delayed: bool = False,
-                             pre_norms: bool = True) -> str | None:
+                             pre_norms: bool = True, latent: bool | None = None) -> str | None:
     """Why dsauto cannot plan selective recomputation of module ``name`` on ``engine`` (None: on
     either), or None when it can (:data:`dsauto.plan.RECOMPUTE_MODULES`: the attention core, the
     norms, the dense MLP, the routed experts' activation). Megatron-core runs them through
@@ -192,6 +192,12 @@ def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engin
     itself without end (seen on CPU ranks, where the process grew to gigabytes). The DeepSpeed hook
     checkpoints the whole MLP, biases included, and has no such limit.
 
+    ``mla_up_proj`` needs latent attention (``latent``; None: not known) and Megatron-core: its
+    ``MLASelfAttention`` re-runs the up projections and the rotary embedding under
+    ``CheckpointWithoutOutput`` and drops the queries, keys and values they made once the attention
+    core has run (megatron/core/transformer/multi_latent_attention.py, ``recompute_up_proj``);
+    TransformerConfig refuses it without multi-latent attention.
+
     ``pre_norms``: the model normalises before attention and the MLP (ModelSpec.norm_position
     ``pre``). The DeepSpeed hook's ``layernorm`` recomputes those norms' outputs
     (dsauto.runtime.recompute, ``_target``); a model that normalises after each residual add (BERT) or
@@ -206,6 +212,11 @@ def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engin
     if name == "layernorm" and not pre_norms and engine == "deepspeed":
         return ("dsauto's DeepSpeed hook recomputes the norms before attention and the MLP ('layernorm'), and "
                 "the model normalises after them; leave out layernorm, or plan with --engine megatron")
+    if name == "mla_up_proj" and latent is False:
+        return "'mla_up_proj' recomputes latent attention's up projections, and the model's attention is not latent"
+    if name == "mla_up_proj" and engine == "deepspeed":
+        return ("'mla_up_proj' is Megatron-core's recomputation of latent attention's up projections; plan with "
+                "--engine megatron")
     if name == "moe_act" and experts is False:
         return "'moe_act' recomputes the routed experts' activation, and the model has no experts"
     if name == "moe_act" and engine == "deepspeed":

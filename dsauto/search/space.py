@@ -135,10 +135,11 @@ class Constraints:
     recompute_modules: str | None = field(default=None, metadata={
         "flag": "--recompute-modules",
         "help": "selective recomputation in every transformer layer: comma-separated modules among "
-                "core_attn, layernorm, mlp, moe_act (Megatron-core's --recompute-modules; under "
-                "DeepSpeed the dsauto hook checkpoints the first three in each block; moe_act, the "
-                "routed experts' activation, is Megatron-core's alone), or 'none' (default: chosen "
-                "by the search)"})
+                "core_attn, layernorm, mlp, moe_act, mla_up_proj (Megatron-core's --recompute-modules; "
+                "under DeepSpeed the dsauto hook checkpoints the first three in each block; moe_act, "
+                "the routed experts' activation, and mla_up_proj, latent attention's up projections, "
+                "are Megatron-core's alone), or 'none' (default: chosen by the search, which does not "
+                "try mla_up_proj)"})
     """Modules every transformer layer recomputes, comma-separated (``"core_attn,mlp"``), or
     ``"none"`` for no selective recomputation; None lets the search choose."""
     offload: Offload | None = field(default=None, metadata={
@@ -862,7 +863,8 @@ def parse_recompute_modules(text: str, model: ModelSpec | None = None,
     for name in names:
         reason = recompute_module_refusal(name, model is not None and model.linear_bias, engine,
                                           None if model is None else model.moe, fp8_delayed,
-                                          model is None or model.norm_position == "pre")
+                                          model is None or model.norm_position == "pre",
+                                          None if model is None else model.latent_attention)
         if reason:
             raise DsautoError(f"--recompute-modules {text}: {reason}.")
     return names
@@ -930,7 +932,8 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
         modules = parse_recompute_modules(pins.recompute_modules, model, pins.engine, pins.fp8_delayed)
         if modules and (pins.checkpoint is True
                         or any(recompute_module_refusal(m, model.linear_bias, engine, model.moe,
-                                                        pre_norms=model.norm_position == "pre") for m in modules)):
+                                                        pre_norms=model.norm_position == "pre",
+                                                        latent=model.latent_attention) for m in modules)):
             return ()
         return (modules,)
     searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention] + (("moe_act",) if model.moe else ())

@@ -607,6 +607,13 @@ class LayerGroup:
     expert_act_elementwise_bytes_per_token: float = 0.0
     """The routed experts' activation function's reads and writes (the first matrix's output in,
     the activation out), averaged over the layers: what recomputing ``moe_act`` re-runs."""
+    mla_up_output_bytes_per_token: float = 0.0
+    """Latent attention: the queries, keys and values its up projections make (all heads), what
+    recomputing ``mla_up_proj`` frees; 0 for other attention."""
+    mla_up_flops_per_token: float = 0.0
+    """Latent attention: the forward FLOPs of its up projections (the query's from its latent, or its
+    one projection from the hidden state, and the keys' and values' from theirs), what recomputing
+    ``mla_up_proj`` re-runs; the rotary embedding's few bytes are not counted."""
 
     # FP8 training (Transformer Engine's linear layers; see cost.terms): elements per token, before
     # tensor parallelism, averaged over the group's layers.
@@ -761,6 +768,9 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         mlp_elementwise_bytes_per_token=dense_fraction * inner * f * b,
         norm_elementwise_bytes_per_token=model.norms_per_layer * 2 * h * b,
         expert_act_output_bytes_per_token=moe_fraction * top_k * fe * b,
+        mla_up_output_bytes_per_token=(q_width + k_width + v_width) * b if model.latent_attention else 0.0,
+        mla_up_flops_per_token=2.0 * (((model.q_lora_rank or h) * q_width) + model.kv_lora_rank * model.num_attention_heads
+                                      * (model.qk_nope_head_dim + model.v_head_dim)) if model.latent_attention else 0.0,
         expert_act_elementwise_bytes_per_token=moe_fraction * top_k * inner * fe * b,
         linear_input_elements_per_token=linear_inputs,
         attention_output_elements_per_token=out_width,

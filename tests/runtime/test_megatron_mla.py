@@ -65,3 +65,27 @@ def test_dense_attention_keeps_transformer_config():
     model = hf("mixtral-8x7b")
     assert dm.transformer_config_class(model) is TransformerConfig
     assert "multi_latent_attention" not in dm.transformer_config_kwargs(model)
+
+
+def test_latent_attentions_up_projections_recomputed_as_megatron_core_does():
+    """--recompute-modules mla_up_proj (Megatron-core's recompute_up_proj: the up projections and the
+    rotary embedding re-run, their queries, keys and values dropped after the attention core) frees
+    (q + k + v) x 2 bytes a token in every layer, costs the up projections' matrix multiplies again,
+    reaches MLATransformerConfig, and is refused for DeepSpeed and for attention that is not latent."""
+    from dsauto.api import make_plan
+    from dsauto.errors import DsautoError
+
+    model = hf("deepseek-v2-lite")
+    pins = dict(engine="megatron", ep=8, tp=1, pp=1, micro_batch=1, checkpoint=False, global_batch=64,
+                seq_len=4096, gpus_per_node=8, nodes=2)
+    none, up = (make_plan(model, "h100-80gb", recompute_modules=m, **pins) for m in ("none", "mla_up_proj"))
+    width = model.num_attention_heads * (2 * (model.qk_nope_head_dim + model.qk_rope_head_dim) + model.v_head_dim)
+    freed = width * 2 * 4096 * model.num_layers
+    assert none.stages[0].activation_bytes - up.stages[0].activation_bytes == pytest.approx(freed, rel=1e-6)
+    assert up.stages[0].backward_seconds > none.stages[0].backward_seconds
+    config = dm.transformer_config_class(model)(**dm.transformer_config_kwargs(model), use_cpu_initialization=True)
+    assert "mla_up_proj" in dm.apply(up, config).recompute_modules
+    with pytest.raises(DsautoError, match="'mla_up_proj' is Megatron-core's"):
+        make_plan(model, "h100-80gb", engine="deepspeed", recompute_modules="mla_up_proj", nodes=2, global_batch=64)
+    with pytest.raises(DsautoError, match="the model's attention is not latent"):
+        make_plan("llama3-8b", "h100-80gb", engine="megatron", recompute_modules="mla_up_proj", global_batch=64)
