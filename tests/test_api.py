@@ -14,7 +14,7 @@ import pytest
 import dsauto
 from dsauto.api import find_plans, make_plan, make_problem
 from dsauto.cli import main
-from dsauto.errors import DsautoError
+from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.plan_io import read_plan
 from dsauto.search.space import Constraints
 from dsauto.spec.loaders import load_cluster, load_model
@@ -187,3 +187,14 @@ def test_ids_do_not_move_when_a_field_with_its_default_is_added():
     assert content_dict(later) == content_dict(plan.model)
     assert plan_id(dc.replace(plan, model=later)) == plan_id(plan)
     assert plan_id(dc.replace(plan, model=dc.replace(later, added=1))) != plan_id(plan)  # a value that counts
+
+
+def test_hpz_over_all_of_dp_and_alibi_context_are_said_as_they_are():
+    with pytest.warns(DsautoWarning, match=r"--hpz 8 spans the plan's whole data-parallel group \(dp 8\), so its "
+                                           r"secondary copy of the parameters is partitioned as the primary one"):
+        make_plan("llama2-7b", "a100-80gb", gpus_per_node=8, global_batch=64, engine="deepspeed", zero_stage=3, hpz=8)
+    bloom = load_model(str(Path(__file__).parent / "spec" / "configs" / "bloom-560m.json"))
+    with pytest.warns(DsautoWarning) as said:
+        make_problem(bloom, "a100-80gb", seq_len=4096)
+    text = " ".join(str(w.message) for w in said)
+    assert "planning 4096-token sequences extends its context." in text and "rotary" not in text

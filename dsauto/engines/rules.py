@@ -378,18 +378,16 @@ def attention_kernel_refusal(engine: Engine, kernel: AttentionKernel, dtype: Dty
                 f"without attention dropout")
     if model.attention_chunk:
         return f"chunked attention ({model.attention_chunk} tokens) is planned with FlashAttention"
+    # latent attention's query/key and value heads (multiples of 8), or the one head width (of 16)
     if model.latent_attention:
         qk, _, v, _ = attention_widths(model)
-        widths = (qk // model.num_attention_heads, v // model.num_attention_heads)
-        widest = max(widths)
-        if widest > (CUDNN_HOPPER_MAX_HEAD_DIM if hopper else CUDNN_MAX_HEAD_DIM) or any(w % 8 for w in widths):
-            return (f"cuDNN's fused attention trains heads in multiples of 8 up to {CUDNN_MAX_HEAD_DIM} wide "
-                    f"({CUDNN_HOPPER_MAX_HEAD_DIM} on Hopper with cuDNN 9.5 or later), not latent attention's "
-                    f"{'/'.join(map(str, widths))}")
-        return None
-    if model.head_dim > (CUDNN_HOPPER_MAX_HEAD_DIM if hopper else CUDNN_MAX_HEAD_DIM) or model.head_dim % 16:
-        return (f"cuDNN's fused attention trains heads in multiples of 16 up to {CUDNN_MAX_HEAD_DIM} wide "
-                f"({CUDNN_HOPPER_MAX_HEAD_DIM} on Hopper with cuDNN 9.5 or later), not {model.head_dim}")
+        widths, multiple = (qk // model.num_attention_heads, v // model.num_attention_heads), 8
+        what = f"latent attention's {'/'.join(map(str, widths))}"
+    else:
+        widths, multiple, what = (model.head_dim,), 16, str(model.head_dim)
+    if max(widths) > (CUDNN_HOPPER_MAX_HEAD_DIM if hopper else CUDNN_MAX_HEAD_DIM) or any(w % multiple for w in widths):
+        return (f"cuDNN's fused attention trains heads in multiples of {multiple} up to {CUDNN_MAX_HEAD_DIM} wide "
+                f"({CUDNN_HOPPER_MAX_HEAD_DIM} on Hopper with cuDNN 9.5 or later), not {what}")
     return None
 
 

@@ -861,13 +861,18 @@ def parse_recompute_modules(text: str, model: ModelSpec | None = None,
         return ()
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
     for name in names:
-        reason = recompute_module_refusal(name, model is not None and model.linear_bias, engine,
-                                          None if model is None else model.moe, fp8_delayed,
-                                          model is None or model.norm_position == "pre",
-                                          None if model is None else model.latent_attention)
-        if reason:
+        if reason := _module_refusal(name, model, engine, fp8_delayed):
             raise DsautoError(f"--recompute-modules {text}: {reason}.")
     return names
+
+
+def _module_refusal(name: str, model: ModelSpec | None, engine: Engine | None,
+                    fp8_delayed: bool = False) -> str | None:
+    """:func:`recompute_module_refusal` with what it asks of ``model`` (None: not known) read from it."""
+    if model is None:
+        return recompute_module_refusal(name, engine=engine, fp8_delayed=fp8_delayed)
+    return recompute_module_refusal(name, model.linear_bias, engine, model.moe, fp8_delayed,
+                                    model.norm_position == "pre", model.latent_attention)
 
 
 EVEN_STAGES = "even"
@@ -931,14 +936,11 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
     if pins.recompute_modules is not None:
         modules = parse_recompute_modules(pins.recompute_modules, model, pins.engine, pins.fp8_delayed)
         if modules and (pins.checkpoint is True
-                        or any(recompute_module_refusal(m, model.linear_bias, engine, model.moe,
-                                                        pre_norms=model.norm_position == "pre",
-                                                        latent=model.latent_attention) for m in modules)):
+                        or any(_module_refusal(m, model, engine, pins.fp8_delayed) for m in modules)):
             return ()
         return (modules,)
     searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention] + (("moe_act",) if model.moe else ())
-                     if recompute_module_refusal(m, model.linear_bias, engine, model.moe, pins.fp8_delayed,
-                                                 model.norm_position == "pre") is None
+                     if _module_refusal(m, model, engine, pins.fp8_delayed) is None
                      and not (pins.hf_trainer and hf_trainer_refusal(recompute_modules=(m,))))
     if pins.checkpoint is True or pins.recompute_num_layers is not None or not searched:
         return ((),)

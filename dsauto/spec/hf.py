@@ -273,8 +273,8 @@ def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
     if kind not in _ROPE_SCALINGS:
         raise cfg.unsupported(f"rope scaling {kind!r} (rope_scaling.rope_type)")
     factor = scaling.pop("factor", 1.0)
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf:
-        raise cfg.error(f"rope_scaling.factor must be a number above 0, got {factor!r}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):  # its bounds: ModelSpec's
+        raise cfg.error(f"rope_scaling.factor must be a number, got {factor!r}")
     spec["rope_scaling"] = kind
     if local_scaled is not None:
         spec["rope_scaling_local"] = local_scaled

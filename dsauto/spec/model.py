@@ -309,7 +309,9 @@ class ModelSpec:
                 raise ValueError(f"{name} must be between 0 and {MAX_POSITIONS}, got {getattr(self, name)}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be above 0 and at most 1, got {self.rotary_percent}")
-        for name in ("norm_epsilon", "rotary_base", "rotary_base_local", "rope_scaling_factor",
+        if not 0.0 < self.rope_scaling_factor < float("inf"):  # Megatron divides the positions by it
+            raise ValueError(f"rope_scaling_factor must be a finite number above 0, got {self.rope_scaling_factor}")
+        for name in ("norm_epsilon", "rotary_base", "rotary_base_local",
                      "attention_softcap", "final_logit_softcap", "attention_scale_dim"):
             if not 0.0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number of at least 0, got {getattr(self, name)}")
@@ -730,7 +732,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         params=round(layer_params),
         tp_params=round(split_params),
         largest_op_params=max(ops),
-        expert_block_params=experts * expert_weights + shared_weights + router_weights if moe_fraction else 0.0,
+        expert_block_params=parts.moe_mlp() if moe_fraction else 0.0,
         matmul_flops_per_token=2.0 * weights,
         attention_flops_per_token=2.0 * s * (q_width + out_width),
         elementwise_bytes_per_token=elementwise,
@@ -769,8 +771,9 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         norm_elementwise_bytes_per_token=model.norms_per_layer * 2 * h * b,
         expert_act_output_bytes_per_token=moe_fraction * top_k * fe * b,
         mla_up_output_bytes_per_token=(q_width + k_width + v_width) * b if model.latent_attention else 0.0,
-        mla_up_flops_per_token=2.0 * (((model.q_lora_rank or h) * q_width) + model.kv_lora_rank * model.num_attention_heads
-                                      * (model.qk_nope_head_dim + model.v_head_dim)) if model.latent_attention else 0.0,
+        # the query's up (or one) projection and the keys' and values' up projection: the fourth and second
+        # matrices from the end of attention_matrix_params, with or without a query latent
+        mla_up_flops_per_token=2.0 * (attention_matrices[-4] + attention_matrices[-2]) if model.latent_attention else 0.0,
         expert_act_elementwise_bytes_per_token=moe_fraction * top_k * inner * fe * b,
         linear_input_elements_per_token=linear_inputs,
         attention_output_elements_per_token=out_width,

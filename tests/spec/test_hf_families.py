@@ -728,3 +728,13 @@ def test_an_invalid_config_is_told_in_its_own_keys(change, message):
 def test_an_invalid_mixture_of_experts_is_told_in_its_own_keys():
     with pytest.raises(DsautoError, match=r"num_experts_per_tok must be between 1 and num_local_experts \(8\), got 10"):
         model_from_hf_config({**config("mixtral-8x7b"), "num_experts_per_tok": 10}, "mixtral")
+
+
+@pytest.mark.parametrize("kind", ["su", "yarn"])
+def test_phi3s_older_rope_types_read_as_longrope(kind):
+    """transformers' Phi3Config rewrites rope_scaling type 'su' and 'yarn' to longrope (per-dimension
+    short and long factors, no single factor), so dsauto reads them so too, not as YaRN."""
+    data = {**config("phi-3-mini-4k"), "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+            "rope_scaling": {"type": kind, "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}
+    model = model_from_hf_config(data, "phi-3-mini-128k")
+    assert (model.rope_scaling, model.rope_scaling_factor) == ("longrope", 1.0)

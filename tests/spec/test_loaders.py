@@ -2,11 +2,12 @@
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 import yaml
 
-from dsauto.errors import DsautoError
+from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.serde import to_dict
 from dsauto.spec.loaders import load_cluster, load_hardware, load_model
 from dsauto.spec.presets import list_hardware_presets, list_model_presets
@@ -224,6 +225,24 @@ def test_missing_file(tmp_path, load):
         load(str(path))
 
 
+def test_folder_without_a_config_is_not_a_model(tmp_path):
+    with pytest.raises(DsautoError, match=rf"{tmp_path} is a folder without a config.json"):
+        load_model(str(tmp_path))
+
+
+def test_a_cluster_file_without_the_fitted_device_fields_is_named(tmp_path):
+    data = to_dict(load_hardware("h100-80gb"))
+    for key in ("matmul_efficiency", "memory_reserve_bytes"):
+        del data["device"][key]
+    path = write(tmp_path / "cluster.yaml", yaml.safe_dump(data))
+    with pytest.warns(DsautoWarning, match=r"leaves out matmul_efficiency, memory_reserve_bytes, so plans on it "
+                                           r"take dsauto's generic matmul_efficiency 0.8, memory_reserve_bytes 0 B"):
+        load_cluster(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_cluster("h100-80gb")  # a preset holds them all
+
+
 def test_folder_is_not_a_cluster_file(tmp_path):
     with pytest.raises(DsautoError, match=rf"{tmp_path} is not a file"):
         load_hardware(str(tmp_path))
@@ -255,6 +274,13 @@ BAD_FILES = [
      r"n_layer must be a whole number, got '48'"),
     ("config.json", json.dumps({**LLAMA3_8B_CONFIG, "tie_word_embeddings": "no"}), load_model,
      r"tie_word_embeddings must be true or false"),
+    # the config's own keys, and values transformers would build a broken model from
+    ("config.json", json.dumps({**LLAMA3_8B_CONFIG, "rope_theta": -1}), load_model,
+     r"is invalid: rope_theta must be a finite number of at least 0, got -1.0"),
+    ("config.json", json.dumps({**LLAMA3_8B_CONFIG, "num_key_value_heads": 0}), load_model,
+     r"num_key_value_heads must be a positive number of key/value heads, got 0"),
+    ("config.json", json.dumps({**LLAMA3_8B_CONFIG, "rope_scaling": {"rope_type": "linear", "factor": 0}}),
+     load_model, r"is invalid: rope_scaling.factor must be a finite number above 0, got 0.0"),
     ("cluster.yaml", GOOD_CLUSTER + "node: 2\n", load_cluster,
      r"unknown key\(s\) 'node'; known keys are .*, nodes, memory_limit_bytes"),
     ("cluster.yaml", GOOD_CLUSTER.replace("bandwidth_gbps: 1.5", "bandwidth_gbps: fast"), load_hardware,
