@@ -539,6 +539,11 @@ def configure(record: dict) -> PublishedRun | str:
         model = dataclasses.replace(model, attention_sinks=False)
         notes.append("sinks in FlexAttention (attn: flex), priced at FlashAttention-2's rate without the per-head "
                      "sink logits, which Transformer Engine's FlashAttention does not run")
+    if source.key == "automodel" and model.mtp_layers:
+        # the checkpoint's multi-token-prediction layer, which Megatron-core would train beside the model
+        # (ModelSpec.mtp_layers): AutoModel's own DeepSeek V3 is not stated to build it
+        model = dataclasses.replace(model, mtp_layers=0)
+        notes.append("the checkpoint's multi-token-prediction layer left out: AutoModel is not stated to train it")
     fp32_reduce, early_stop = _engine_options(record, source)
     zero = source.zero_stage
     if "megatron-fsdp" in str(p.get("zero_or_dist_optimizer") or "").lower():

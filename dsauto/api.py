@@ -325,6 +325,11 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
                       f"{plans[0].tp}{'' if plans[0].tp == 1 else ' without sequence parallelism'}, so it is off; "
                       f"{remedy}.", DsautoWarning, stacklevel=2)
     best = plans[0]
+    if problem.model.mtp_layers and best.engine == "deepspeed":
+        warnings.warn(f"{problem.model.name}'s {problem.model.mtp_layers} multi-token-prediction layer(s) are not "
+                      f"in the DeepSpeed plan: transformers, which DeepSpeed trains, does not build them; the "
+                      f"plan, its memory and its time are the main model's (a Megatron-core plan, --engine "
+                      f"megatron, trains them on its last pipeline stage).", DsautoWarning, stacklevel=2)
     pinned_n = problem.pins.recompute_num_layers
     widest = max((len(layers) for layers in best.stage_ranges()), default=0)
     if pinned_n and best.engine == "megatron" and pinned_n > widest:

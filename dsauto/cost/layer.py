@@ -235,6 +235,9 @@ class CostModel:
         return self.device.memory_seconds(num_bytes)
 
     def layer(self, group: LayerGroup, option: LayerOption) -> LayerCost:
+        if group.mtp_layers:
+            own = self.layer(dataclasses.replace(group, mtp_layers=0, mtp_block=None, mtp_embedding=None), option)
+            return self._with_mtp(own, group, option) if self.strategy.engine == "megatron" else own
         ctx = self.context
         sample = self._measured_layer(group, option.checkpoint)
         uncheckpointed = self._measured_layer(group, False) if option.checkpoint else sample
@@ -280,6 +283,43 @@ class CostModel:
             measured=sample is not None,
             offloaded_bytes=host_bytes(state.optimizer_params, partition, ctx.dtype_bytes, offload),
         )
+
+    def _with_mtp(self, own: LayerCost, head: LayerGroup, option: LayerOption) -> LayerCost:
+        """The head's cost ``own`` with Megatron-core's multi-token-prediction layers beside it
+        (:attr:`LayerGroup.mtp_block`), as ``MultiTokenPredictionBlock`` and ``process_mtp_loss`` run
+        them on the last pipeline stage (megatron/core/transformer/multi_token_prediction.py), each
+        depth: the next tokens' embedding lookup, the layer (with the plan's selective
+        recomputation; under whole-layer recomputation Megatron-core checkpoints it too, which is
+        not priced: its activations are counted kept, its forward not run again), and the loss
+        through the head's output weight, whose gradient accumulates into the head's. Each depth's
+        fp32 softmax, kept by ``vocab_parallel_cross_entropy`` for backward, is held from its loss
+        through the main loss to the backward: a kept activation. The word table the lookups read
+        is priced as state on a last stage that lacks the embedding (pp > 1) when it is not tied
+        (tied, its copy is the output weight's, :func:`dsauto.cost.step.megatron_stage_bytes`)."""
+        assert head.mtp_block is not None and head.mtp_embedding is not None
+        depth = head.mtp_layers
+        plain = LayerOption(checkpoint=False, shard_params=option.shard_params, split=1)
+        layer = self.layer(head.mtp_block, dataclasses.replace(plain, recompute_modules=self.strategy.recompute_modules))
+        again = self.layer(dataclasses.replace(head, params=0, tp_params=0, mtp_layers=0, mtp_block=None,
+                                               mtp_embedding=None), option)
+        lookup = self.layer(head.mtp_embedding, plain)
+        table = lookup if self.strategy.pp > 1 and head.mtp_embedding.params else dataclasses.replace(
+            lookup, params_bytes=0.0, grads_bytes=0.0, optimizer_bytes=0.0, grad_sync_bytes=0.0,
+            step_seconds=0.0, optimizer_seconds=0.0, offloaded_bytes=0.0)
+        vocab = head.largest_op_params / head.gemm_dim
+        softmax = self.tokens * vocab / self.strategy.tp * 4 * self.calibration.activation_memory
+
+        def total(name: str) -> float:
+            return (getattr(own, name) + getattr(table, name)
+                    + depth * (getattr(layer, name) + getattr(again, name)))
+
+        per_depth = ("forward_seconds", "backward_seconds")
+        return dataclasses.replace(
+            own, **{name: total(name) + (depth - 1) * getattr(lookup, name) for name in per_depth},
+            **{name: total(name) for name in ("step_seconds", "params_bytes", "grads_bytes", "optimizer_bytes",
+                                              "grad_sync_bytes", "optimizer_seconds", "offloaded_bytes")},
+            activation_bytes=total("activation_bytes") + depth * softmax,
+            transient_bytes=max(own.transient_bytes, layer.transient_bytes, again.transient_bytes))
 
     def expert_dispatch_seconds(self, group: LayerGroup) -> float:
         """The expert all-to-alls of one micro-batch through one layer of ``group``, forward and

@@ -51,7 +51,7 @@ def megatron_args(plan: Plan, file_name: str = MEGATRON_ARGS_NAME) -> list[str]:
     lines += _model_shape(plan)
     lines += _batch_and_precision(plan)
     lines += _data_parallel(plan)
-    lines += _pipeline_layout(plan.stage_layers, plan.virtual_stages)
+    lines += _pipeline_layout(plan.stage_layers, plan.virtual_stages, plan.model.mtp_layers)
     lines += _recompute(plan)
     lines += _hook_only(plan)
     quoted = [_shell_words(line) for line in lines]
@@ -151,6 +151,8 @@ def _model_shape(plan: Plan) -> list[str]:
         lines.append("--moe-router-force-load-balancing")  # a benchmarking option, emitted only when pinned
     if not model.tied_embeddings:
         lines.append("--untie-embeddings-and-output-weights")
+    if model.mtp_layers:  # on the last pipeline stage (mtp_on_this_rank), at Megatron's loss scale 0.1
+        lines.append(f"--mtp-num-layers {model.mtp_layers}")
     if not model.dropout:
         lines += ["--hidden-dropout 0.0", "--attention-dropout 0.0"]  # Megatron's defaults are 0.1
     if model.architecture == "encoder":
@@ -432,10 +434,10 @@ def optimizer_offload_flags(plan: Plan) -> list[str]:
             "--use-precision-aware-optimizer"]
 
 
-def _pipeline_layout(stage_layers: tuple[int, ...], virtual_stages: int = 1) -> list[str]:
+def _pipeline_layout(stage_layers: tuple[int, ...], virtual_stages: int = 1, mtp_layers: int = 0) -> list[str]:
     """Flags placing the plan's layers per stage (and per virtual stage, which the layout string's
     chunk count sets); none when Megatron's even split already does."""
-    layout = pipeline_layout(stage_layers, virtual_stages)
+    layout = pipeline_layout(stage_layers, virtual_stages, mtp_layers)
     if layout.layout is not None:
         return [f"--pipeline-model-parallel-layout {layout.layout}"]
     if layout.first_stage_layers is not None:

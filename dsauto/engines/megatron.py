@@ -167,7 +167,7 @@ def ddp_bucket_size(plan: Plan) -> int:
     return max(1, plan.reduce_bucket_bytes // megatron_grad_bytes(plan))
 
 
-def pipeline_layout(stage_layers: Sequence[int], virtual_stages: int = 1) -> PipelineLayout:
+def pipeline_layout(stage_layers: Sequence[int], virtual_stages: int = 1, mtp_layers: int = 0) -> PipelineLayout:
     """The Megatron setting that places ``stage_layers`` transformer layers on each stage.
 
     Megatron splits layers evenly when nothing is set. First and last stage counts cover layouts
@@ -176,27 +176,32 @@ def pipeline_layout(stage_layers: Sequence[int], virtual_stages: int = 1) -> Pip
     other layout, stages without transformer layers included, is a layout string. With virtual
     stages the layout string lists every model chunk in Megatron's order (chunk s * pp + r is rank
     r's s-th; :func:`dsauto.plan.chunk_layers`), from which Megatron reads the virtual pipeline size
-    (PipelineParallelLayerLayout: len(layout) // pp).
+    (PipelineParallelLayerLayout: len(layout) // pp). A layout string places the ``mtp_layers``
+    multi-token-prediction layers before the loss, where Megatron builds them without one.
     """
     if virtual_stages > 1:
-        return PipelineLayout(layout=layout_string(chunk_layers(stage_layers, virtual_stages)))
+        return PipelineLayout(layout=layout_string(chunk_layers(stage_layers, virtual_stages), mtp_layers))
     stages = list(stage_layers)
     if len(stages) == 1 or len(set(stages)) == 1:
         return PipelineLayout()
     first, *middle, last = stages
     if first > 0 and last > 0 and len(set(middle)) <= 1:
         return PipelineLayout(first_stage_layers=first, last_stage_layers=last)
-    return PipelineLayout(layout=layout_string(stages))
+    return PipelineLayout(layout=layout_string(stages, mtp_layers))
 
 
-def layout_string(stage_layers: Sequence[int]) -> str:
+def layout_string(stage_layers: Sequence[int], mtp_layers: int = 0) -> str:
     """Megatron's pipeline layout string (megatron/core/transformer/pipeline_parallel_layer_layout.py):
-    stages split by "|", E the embedding, t a transformer layer, L the loss (head), x*n repeats x."""
+    stages split by "|", E the embedding, t a transformer layer, m a multi-token-prediction layer
+    (all of them in the last stage, after its transformer layers), L the loss (head), x*n repeats x."""
+    def run(char: str, count: int) -> str:
+        return char if count == 1 else f"{char}*{count}" if count > 1 else ""
+
     stages = []
     for stage, count in enumerate(stage_layers):
-        text = "E" if stage == 0 else ""
-        text += "t" if count == 1 else f"t*{count}" if count > 1 else ""
-        text += "L" if stage == len(stage_layers) - 1 else ""
+        last = stage == len(stage_layers) - 1
+        text = ("E" if stage == 0 else "") + run("t", count)
+        text += run("m", mtp_layers) + "L" if last else ""
         stages.append(text)
     return "|".join(stages)
 

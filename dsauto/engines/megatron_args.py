@@ -16,6 +16,7 @@ gradient buckets, overlap flags the launch leaves out).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import shlex
 from collections.abc import Iterable, Sequence
@@ -53,7 +54,7 @@ VALUED = {
     "--ddp-bucket-size", "--pipeline-model-parallel-layout", "--transformer-impl", "--window-size",
     "--window-attn-skip-freq", "--glu-linear-offset", "--activation-func-clamp-value", "--softmax-type",
     "--moe-router-topk-scaling-factor", "--moe-router-num-groups", "--moe-router-group-topk",
-    "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
+    "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--mtp-num-layers",
 }
 """Flags read here that take a value (``--recompute-modules`` takes several)."""
 
@@ -77,7 +78,7 @@ UNPRICED = (
     "--data-", "--split", "--tokenizer-", "--vocab-file", "--merge-file", "--mock-data", "--distributed-backend",
     "--distributed-timeout-minutes", "--no-load-", "--exit-", "--timing-log-level", "--ckpt-format",
     "--use-checkpoint-args", "--finetune", "--override-opt_param-scheduler", "--use-mcore-models",
-    "--no-gradient-accumulation-fusion", "--manual-gc", "--async-save",
+    "--no-gradient-accumulation-fusion", "--manual-gc", "--async-save", "--mtp-loss-scaling-factor",
     "--dist-ckpt-", "--no-create-attention-mask-in-dataloader", "--num-workers",
     "--no-async-tensor-model-parallel-allreduce",
     "--overlap-p2p-communication", "--cross-entropy-loss-fusion",
@@ -445,7 +446,15 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
         _check_undescribed_model(flags, model, where)
     if model is not None and described is not None:
         _check_model(described, model, where, flags, _int(flags, "--seq-length", where, 0))
-    launch = MegatronLaunch(model=model or described, environment=dict(environment or {}),
+    mtp = _int(flags, "--mtp-num-layers", where, 0) or 0
+    notes = []
+    if model is not None and model.mtp_layers != mtp:
+        # the launch trains the multi-token-prediction layers it builds, whatever the model's config has
+        notes.append(f"{where} sets {f'--mtp-num-layers {mtp}' if mtp else 'no --mtp-num-layers'}, and --model "
+                     f"{model.name} has {model.mtp_layers} multi-token-prediction layer(s): the plan trains "
+                     f"{mtp}, as the launch does.")
+        model = _with_mtp_layers(model, mtp, where)
+    launch = MegatronLaunch(model=model or described, environment=dict(environment or {}), notes=notes,
                             world=launcher_world(_launcher_words(words)))
     if model is not None and undescribed:
         launch.notes.append(f"{where} sets {', '.join(undescribed)}, which dsauto reads from no flag, so the model is "
@@ -468,6 +477,15 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     launch.unknown = sorted(launch.unknown + [name for name in flags
                                               if name not in known and not name.startswith(UNPRICED)])
     return launch
+
+
+def _with_mtp_layers(model: ModelSpec, mtp: int, where: str) -> ModelSpec:
+    """``model`` training the ``mtp`` multi-token-prediction layers a launch's ``--mtp-num-layers`` builds."""
+    try:
+        return dataclasses.replace(model, mtp_layers=mtp)
+    except ValueError as error:
+        raise DsautoError(f"{where} sets --mtp-num-layers {mtp}, which --model {model.name} cannot train: "
+                          f"{in_own_words(str(error), MODEL_FLAGS)}; correct the flag.") from None
 
 
 REFUSED_NAMES = {spelling.split(" ")[0] for spelling in REFUSED}
@@ -737,7 +755,7 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
         norm_epsilon=_float(flags, "--norm-epsilon", where, 1e-5), norm_plus_one="--apply-layernorm-1p" in flags,
         position_embedding=positions[position], tied_embeddings="--untie-embeddings-and-output-weights" not in flags,
         linear_bias=biases, qkv_bias="--add-qkv-bias" in flags, qk_norm="--qk-layernorm" in flags,
-        glu_clamp=clamp,
+        glu_clamp=clamp, mtp_layers=_int(flags, "--mtp-num-layers", where, 0),
         # a learned logit per head in each softmax (gpt-oss's sinks); off-by-one's fixed one is not priced
         attention_sinks=_choice(flags, "--softmax-type", where, "vanilla", ("vanilla", "learnable")) == "learnable",
         dropout=dropout[0],
@@ -780,7 +798,7 @@ MODEL_FLAGS = {
     "num_kv_heads": "--num-query-groups", "attention_head_dim": "--kv-channels", "ffn_hidden_size": "--ffn-hidden-size",
     "vocab_size": "--vocab-size", "max_position_embeddings": "--max-position-embeddings",
     "num_experts": "--num-experts", "moe_top_k": "--moe-router-topk", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
-    "glu_clamp": "--activation-func-clamp-value",
+    "glu_clamp": "--activation-func-clamp-value", "mtp_layers": "--mtp-num-layers",
 }
 """The Megatron-LM flag of each ModelSpec field a launch gives, for errors in the launch's words."""
 
@@ -1050,17 +1068,28 @@ def _layout(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
 def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:
     """A layout string of the form dsauto writes (megatron/core/transformer/
     pipeline_parallel_layer_layout.py): model chunks split by "|", in Megatron's chunk order, each
-    ``E`` (the embedding, first), ``t`` or ``t*N`` (transformer layers) and ``L`` (the head, last)."""
+    ``E`` (the embedding, first), ``t`` or ``t*N`` (transformer layers), the multi-token-prediction
+    layers (``m`` or ``m*N``, the launch's ``--mtp-num-layers`` of them, last) and ``L`` (the head, last)."""
     pins, pp = launch.pins, launch.pins["pp"]
     chunks = []
     for index, chunk in enumerate(text.split("|")):
         body = chunk.removeprefix("E") if index == 0 else chunk
-        body = body.removesuffix("L") if index == text.count("|") else body
+        if index == text.count("|"):
+            body = body.removesuffix("L")
+            found = re.search(r"m(?:\*(\d+))?$", body)
+            placed = (int(found.group(1) or 1) if found else 0)
+            body = body[:found.start()] if found else body
+            wanted = launch.model.mtp_layers if launch.model is not None else 0
+            if placed != wanted:
+                raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which places {placed} "
+                                  f"multi-token-prediction layer(s) on the last stage, and "
+                                  f"{f'--mtp-num-layers gives {wanted}' if wanted else 'it sets no --mtp-num-layers'}; "
+                                  f"make them agree (Megatron asserts it).")
         if body in ("", "t") or (body.startswith("t*") and body[2:].isdigit()):
             chunks.append(0 if not body else 1 if body == "t" else int(body[2:]))
         else:
             raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, whose chunk {chunk!r} dsauto "
-                              f"does not read (E, t or t*N, L); give --stage-layers instead.")
+                              f"does not read (E, t or t*N, m or m*N, L); give --stage-layers instead.")
     if len(chunks) % pp:
         raise DsautoError(f"{where} lays out {len(chunks)} model chunks, not a multiple of pp {pp}; give one chunk "
                           f"per pipeline rank and virtual stage.")

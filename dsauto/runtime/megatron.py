@@ -227,7 +227,7 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
         fields["expert_tensor_parallel_size"] = plan.tp
     if config.microbatch_group_size_per_vp_stage == config.pipeline_model_parallel_size:
         fields["microbatch_group_size_per_vp_stage"] = plan.pp
-    fields.update(pipeline_layout_fields(plan.stage_layers, plan.virtual_stages))
+    fields.update(pipeline_layout_fields(plan.stage_layers, plan.virtual_stages, plan.model.mtp_layers))
     fields.update(recompute_fields(plan, config))
     if plan.tp_comm_overlap:
         fields["tp_comm_overlap"] = True  # Transformer Engine's userbuffers (its layers only)
@@ -301,11 +301,12 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
     return applied
 
 
-def pipeline_layout_fields(stage_layers: Iterable[int], virtual_stages: int = 1) -> dict[str, Any]:
-    """TransformerConfig fields that place ``stage_layers`` transformer layers on each stage: first
-    and last stage counts or a layout string, by the rule ``megatron_args.txt`` uses too
+def pipeline_layout_fields(stage_layers: Iterable[int], virtual_stages: int = 1, mtp_layers: int = 0) -> dict[str, Any]:
+    """TransformerConfig fields that place ``stage_layers`` transformer layers on each stage (and
+    ``mtp_layers`` multi-token-prediction layers on the last): first and last stage counts or a
+    layout string, by the rule ``megatron_args.txt`` uses too
     (:func:`dsauto.engines.megatron.pipeline_layout`)."""
-    layout = pipeline_layout(list(stage_layers), virtual_stages)
+    layout = pipeline_layout(list(stage_layers), virtual_stages, mtp_layers)
     return dict(num_layers_in_first_pipeline_stage=layout.first_stage_layers,
                 num_layers_in_last_pipeline_stage=layout.last_stage_layers,
                 pipeline_model_parallel_layout=layout.layout,
@@ -515,6 +516,9 @@ def transformer_config_kwargs(model: ModelSpec) -> dict[str, Any]:
         # output and a copy of the linear half (MLP.forward's glu adds glu_linear_offset). Its fused
         # bias-GeLU is the tanh approximation, so the exact GeLU keeps it off.
         bias_activation_fusion=model.mlp == "swiglu",
+        # the multi-token-prediction layers (the script passes GPTModel an mtp_block_spec for them:
+        # get_gpt_mtp_block_spec)
+        mtp_num_layers=model.mtp_layers or None,
     )
     if model.glu_clamp:
         # gpt-oss's gate, as Megatron-LM's --quick-geglu --glu-linear-offset 1 --activation-func-clamp-value
@@ -630,7 +634,9 @@ def _check_model(model: ModelSpec, config: TransformerConfig) -> None:
                     ffn_hidden_size=model.ffn_hidden_size,
                     num_query_groups=model.kv_heads,
                     # the experts the plan splits over ep (None: a dense model, Megatron's default)
-                    num_moe_experts=model.num_experts or None)
+                    num_moe_experts=model.num_experts or None,
+                    # the multi-token-prediction layers priced on the last stage (None: none)
+                    mtp_num_layers=model.mtp_layers or None)
     if model.moe:
         expected.update(moe_router_topk=model.moe_top_k, moe_ffn_hidden_size=model.expert_ffn_hidden_size)
     # the MLP's gate, the norm and the linear layers' biases set the activations priced

@@ -568,6 +568,13 @@ def read_glm4_moe(cfg: Config, spec: dict[str, Any]) -> None:
     spec["qk_norm"] = cfg.flag("use_qk_norm")
 
 
+def read_mtp(cfg: Config, spec: dict[str, Any]) -> None:
+    """DeepSeek-V3's and GLM-4.5's multi-token-prediction layers (``num_nextn_predict_layers``), which
+    Megatron-Bridge builds as Megatron-core's ``mtp_num_layers`` (deepseek_v3_bridge.py, glm45_bridge.py)
+    and transformers does not build: priced for Megatron-core plans only (ModelSpec.mtp_layers)."""
+    spec["mtp_layers"] = cfg.whole("num_nextn_predict_layers", 0) or 0
+
+
 def read_cohere(cfg: Config, spec: dict[str, Any]) -> None:
     """Command R: the logits multiplied by ``logit_scale``; Command R+'s query/key LayerNorms hold one
     weight per head (``use_qk_norm``), which dsauto does not model."""
@@ -951,9 +958,6 @@ _DEEPSEEK_IGNORED = _ROUTER_TRAINING | {
     "routed_scaling_factor", "topk_method", "n_group", "topk_group", "aux_loss_alpha", "seq_aux",
     "ep_size",  # the original code's inference-time expert parallelism
     "rope_interleave", "pretraining_tp",  # numerics of the rotary embedding and of the matmuls
-    # the multi-token-prediction module of DeepSeek-V3, which transformers does not build either;
-    # the plan is for the main model (671B of V3's 685B)
-    "num_nextn_predict_layers",
 }
 _DEEPSEEK_DEFAULTS = {**_LLAMA_DEFAULTS, "first_k_dense_replace": 0, "moe_layer_freq": 1, "n_shared_experts": None,
                       "num_experts_per_tok": None, "scoring_func": "softmax"}
@@ -987,12 +991,14 @@ FAMILIES.update({
     "deepseek_v2": Family(
         _SHAPE, _LLAMA, {**_DEEPSEEK_DEFAULTS, "n_routed_experts": 64, "norm_topk_prob": False,
                          "routed_scaling_factor": 1.0, "topk_method": "greedy"},
-        (*_LLAMA_READERS, read_experts("n_routed_experts", "num_local_experts", "num_experts"), read_deepseek),
+        (*_LLAMA_READERS, read_experts("n_routed_experts", "num_local_experts", "num_experts"), read_deepseek,
+         read_mtp),
         expected=_DEEPSEEK_EXPECTED, ignored=_DEEPSEEK_IGNORED),
     "deepseek_v3": Family(
         _SHAPE, _LLAMA, {**_DEEPSEEK_DEFAULTS, "n_routed_experts": 256, "scoring_func": "sigmoid",
                          "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4},
-        (*_LLAMA_READERS, read_experts("n_routed_experts", "num_local_experts", "num_experts"), read_deepseek),
+        (*_LLAMA_READERS, read_experts("n_routed_experts", "num_local_experts", "num_experts"), read_deepseek,
+         read_mtp),
         expected=_DEEPSEEK_EXPECTED, ignored=_DEEPSEEK_IGNORED),
     "gpt_oss": Family(
         _SHAPE, {**_LLAMA, "attention_sinks": True, "moe_router_bias": True, "moe_expert_bias": True},
@@ -1032,11 +1038,9 @@ FAMILIES.update({
          "num_experts_per_tok": 8, "moe_intermediate_size": 1408, "n_shared_experts": 1,
          "first_k_dense_replace": 1, "use_qk_norm": False},
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv",)),
-         read_experts("n_routed_experts", "num_local_experts", "num_experts"), read_glm4_moe),
-        # DeepSeek's group-limited routing and scaling, and the multi-token-prediction layer, which
-        # transformers does not build either (the plan is for the main model)
-        ignored=_ROUTER_TRAINING | {"routed_scaling_factor", "n_group", "topk_group", "num_nextn_predict_layers",
-                                    "pretraining_tp"}),
+         read_experts("n_routed_experts", "num_local_experts", "num_experts"), read_glm4_moe, read_mtp),
+        # DeepSeek's group-limited routing and scaling
+        ignored=_ROUTER_TRAINING | {"routed_scaling_factor", "n_group", "topk_group", "pretraining_tp"}),
     "granitemoe": Family(
         _SHAPE, _LLAMA, {**_LLAMA_DEFAULTS, **_GRANITE_DEFAULTS, "num_local_experts": 8, "num_experts_per_tok": 2},
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_granite,
@@ -1135,6 +1139,7 @@ CONFIG_KEYS = {
     "moe_ffn_hidden_size": ("moe_intermediate_size",),
     "tied_embeddings": ("tie_word_embeddings",),
     "glu_clamp": ("swiglu_limit",),
+    "mtp_layers": ("num_nextn_predict_layers",),
     "rotary_base": ("rope_theta", "rotary_emb_base"),
     "rope_scaling_factor": ("rope_scaling.factor",),
     "rotary_percent": ("partial_rotary_factor", "rotary_pct"),
@@ -1185,10 +1190,10 @@ QUICK_GELU_ALPHA = 1.702
 fused_bias_geglu.py, ``quick_gelu``), which gpt-oss's gate computes (its ``swiglu_alpha``)."""
 
 
-UNPLANNED_MODULE_KEYS = ("num_nextn_predict_layers", "num_mtp_modules", "use_mtp")
-"""Config keys (each family ignores them) that add multi-token-prediction layers beside the model
-(DeepSeek-V3, GLM-4.5, MiniMax-M2), which transformers does not build and dsauto does not plan: named
-in a warning where set."""
+UNPLANNED_MODULE_KEYS = ("num_mtp_modules", "use_mtp")
+"""Config keys (each family ignores them) that add multi-token-prediction modules beside the model
+(MiniMax-M2's, of several layers each), which transformers does not build and dsauto does not plan:
+named in a warning where set. DeepSeek-V3's and GLM-4.5's are read (:func:`read_mtp`)."""
 
 
 NOT_ATTENTION_ONLY = {

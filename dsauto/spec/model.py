@@ -12,6 +12,7 @@ here to grouped-query attention, SwiGLU MLPs, layers without dropout and any act
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -256,6 +257,13 @@ class ModelSpec:
     """transformers' module for the family runs every routed expert on every token, weighted by the
     router's scores (Llama 4's ``Llama4TextMoe``: the routed outputs of top-k routing, at num_experts /
     top-k times the expert work priced), which a plan for Hugging Face's Trainer cannot price."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers trained beside the model (DeepSeek-V3's and GLM-4.5's
+    ``num_nextn_predict_layers``; Megatron-core's ``--mtp-num-layers``): each normalises the hidden
+    state and the next token's embedding, projects the two (2h x h), runs one transformer layer of the
+    stack's last layer's kind and a final norm, and adds a loss through the shared output layer, on the
+    last pipeline stage (megatron/core/transformer/multi_token_prediction.py). Priced for Megatron-core
+    plans only: transformers, which DeepSpeed plans train, does not build them. 0: none."""
     unmodelled: tuple[str, ...] = ()
     """Details of the model that change neither its parameters nor the work dsauto prices and that
     dsauto's Megatron-core flags and plugin do not build (a router's scaling and grouping, an
@@ -300,6 +308,11 @@ class ModelSpec:
                              "need position_embedding rope")
         if self.attention_chunk and self.sliding_window:
             raise ValueError("attention_chunk and sliding_window are two kinds of local attention; give one")
+        if not 0 <= self.mtp_layers <= MAX_LAYERS:
+            raise ValueError(f"mtp_layers must be between 0 and {MAX_LAYERS}, got {self.mtp_layers}")
+        if self.mtp_layers and self.architecture != "decoder":
+            raise ValueError("mtp_layers predicts later tokens of a causal language model: it needs architecture "
+                             "decoder")
         if self.glu_clamp and (self.mlp != "swiglu" or not 0.0 < self.glu_clamp < float("inf")):
             raise ValueError(f"glu_clamp clamps a gated MLP's inputs (gpt-oss): it needs mlp swiglu and a finite "
                              f"value above 0, got mlp {self.mlp} and {self.glu_clamp}")
@@ -617,6 +630,20 @@ class LayerGroup:
     one projection from the hidden state, and the keys' and values' from theirs), what recomputing
     ``mla_up_proj`` re-runs; the rotary embedding's few bytes are not counted."""
 
+    # Multi-token prediction (ModelSpec.mtp_layers): set on the head only.
+    mtp_layers: int = 0
+    """Head only: the multi-token-prediction layers that run beside it on the last pipeline stage of a
+    Megatron-core plan, each :attr:`mtp_block` and then a loss through the head's own output weight."""
+    mtp_block: LayerGroup | None = None
+    """Head only, with ``mtp_layers``: one multi-token-prediction layer (its two input norms, the 2h x h
+    projection, the transformer layer of the stack's last layer's kind and its final norm)."""
+    mtp_embedding: LayerGroup | None = None
+    """Head only, with ``mtp_layers``: the word-table lookup each prediction layer runs for the next
+    tokens, and as its parameters the table a last pipeline stage allocates for it when the embedding is
+    not tied to the head (GPTModel builds ``self.embedding`` where ``mtp_process``;
+    megatron/core/models/gpt/gpt_model.py), kept equal to the first stage's like a tied output weight;
+    no parameters when tied (the stage holds that copy already)."""
+
     # FP8 training (Transformer Engine's linear layers; see cost.terms): elements per token, before
     # tensor parallelism, averaged over the group's layers.
     linear_input_elements_per_token: float = 0.0
@@ -835,7 +862,42 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         # benchmarks/accuracy.py --plans variants).
         logits_bytes_per_token=vocab * 3 * 4,
     )
+    if model.mtp_layers:
+        head = dataclasses.replace(head, mtp_layers=model.mtp_layers,
+                                   mtp_block=_mtp_block(model, block, seq_len, dtype_bytes, tp, pad_vocab),
+                                   mtp_embedding=dataclasses.replace(
+                                       embedding, params=0 if model.tied_embeddings else vocab * h,
+                                       tp_params=0 if model.tied_embeddings else vocab * h))
     return embedding, block, head
+
+
+def _mtp_block(model: ModelSpec, block: LayerGroup, seq_len: int, dtype_bytes: int, tp: int,
+               pad_vocab: bool) -> LayerGroup:
+    """One multi-token-prediction layer as Megatron-core's MultiTokenPredictionLayer runs it
+    (megatron/core/transformer/multi_token_prediction.py): ``enorm`` and ``hnorm`` normalise the next
+    tokens' embedding and the hidden state, ``eh_proj`` (a column-parallel 2h x h linear layer without
+    bias) projects their concatenation, then one transformer layer of the stack's last layer's kind
+    (``get_gpt_mtp_block_spec`` takes the decoder's last layer spec: an MoE layer in DeepSeek-V3)
+    and ``final_layernorm``. Its tensor-parallel traffic adds the projection's input gradient (2h) and
+    the lookup's result (h), as two more collectives."""
+    h, b = model.hidden_size, dtype_bytes
+    last = layer_kinds(model, seq_len)[-1]
+    if last != (None, None):  # the stack mixes kinds: the MTP layer is of the last layer's
+        block = layer_groups(dataclasses.replace(model, mtp_layers=0), seq_len, dtype_bytes, tp, pad_vocab,
+                             moe_fraction=last[0], local_attention=last[1])[1]
+    projection = 2 * h * h
+    return dataclasses.replace(
+        block, name="mtp", count=1,
+        params=block.params + projection + 3 * model.norm_unit * h,
+        tp_params=block.tp_params + projection,
+        largest_op_params=max(block.largest_op_params, projection),
+        matmul_flops_per_token=block.matmul_flops_per_token + 2.0 * projection,
+        elementwise_bytes_per_token=block.elementwise_bytes_per_token + 3 * 2 * h * b + 2 * 2 * h * b,
+        act_replicated_bytes_per_token=block.act_replicated_bytes_per_token + 5 * h * b,
+        tp_comm_bytes_per_token=block.tp_comm_bytes_per_token + 3 * h * b,
+        tp_collectives=block.tp_collectives + 2,
+        linear_input_elements_per_token=block.linear_input_elements_per_token + 2 * h,
+    )
 
 
 def in_own_words(message: str, names: Mapping[str, str]) -> str:

@@ -126,19 +126,30 @@ def load(name: str):
         return model_from_hf_config(config(name), name)
 
 
-@pytest.mark.parametrize("name, layers", [("deepseek-v3", "num_nextn_predict_layers=1"),
-                                          ("glm-4.5-air", "num_nextn_predict_layers=1"), ("deepseek-v2-lite", None)])
-def test_multi_token_prediction_layers_are_named_as_not_planned(name, layers):
-    """DeepSeek-V3's and GLM-4.5's configs add a multi-token-prediction layer that transformers does
-    not build and dsauto does not plan: a warning names it; a config without one says nothing."""
+@pytest.mark.parametrize("name, layers", [("deepseek-v3", 1), ("glm-4.5-air", 1), ("deepseek-v2-lite", 0)])
+def test_multi_token_prediction_layers_are_read(name, layers):
+    """DeepSeek-V3's and GLM-4.5's configs add a multi-token-prediction layer (num_nextn_predict_layers),
+    which Megatron-Bridge builds as Megatron-core's mtp_num_layers: read into the model, without a
+    warning; a config without one has none."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DsautoWarning)
-        model_from_hf_config(config(name), name)
+        model = model_from_hf_config(config(name), name)
+    assert model.mtp_layers == layers
+    assert not [w for w in caught if "multi-token-prediction" in str(w.message)]
+
+
+def test_minimax_multi_token_prediction_modules_are_named_as_not_planned():
+    """MiniMax-M2's multi-token-prediction modules (several layers each), which neither transformers nor
+    dsauto builds, are named in a warning; its model plans without them."""
+    given = {**config("minimax-m2"), "use_mtp": True, "num_mtp_modules": 3, "mtp_transformer_layers": 1}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DsautoWarning)
+        model = model_from_hf_config(given, "minimax-m2")
     said = [str(w.message) for w in caught if "multi-token-prediction" in str(w.message)]
-    assert said == ([] if layers is None else [
-        f"{name}: its multi-token-prediction layers ({layers}) are not planned, as transformers does not build "
-        f"them either: the plan, its memory and its time are the main model's, and a last pipeline stage that "
-        f"trains them holds one more layer and loss."])
+    assert said == ["minimax-m2: its multi-token-prediction layers (num_mtp_modules=3, use_mtp=True) are not "
+                    "planned, as transformers does not build them either: the plan, its memory and its time are "
+                    "the main model's, and a last pipeline stage that trains them holds one more layer and loss."]
+    assert model.mtp_layers == 0
 
 
 # Hub model types whose config transformers reads as another family's (the config's auto_map)
