@@ -79,6 +79,10 @@ class Case:
     """False: gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (Megatron-core's interleaved 1F1B)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers on the last stage (ModelSpec.mtp_layers, Megatron's mtp_num_layers)."""
+    tied: bool = True
+    """The head reuses the word embedding (False: an output weight of its own, as DeepSeek-V3's)."""
 
     def label(self) -> str:
         degrees = f"tp{self.tp}" if self.tp > 1 else f"pp{self.pp}" if self.pp > 1 else f"dp{self.dp}"
@@ -93,6 +97,10 @@ class Case:
             extra += f" mb{self.micro_batch}x{self.micro_batches // self.dp}"
         if not self.grad_reduce_in_fp32:
             extra += " bf16-grads"
+        if self.mtp_layers:
+            extra += f" mtp{self.mtp_layers}"
+        if not self.tied:
+            extra += " untied"
         return f"{degrees}{zero}{extra} {recompute}"
 
     def stage_layers(self, num_layers: int) -> list[int]:
@@ -117,21 +125,27 @@ CASES = tuple(Case(**dims, recompute=recompute)
               for recompute in (False, True)) + tuple(
     Case(dp=2, zero_stage=zero, recompute=recompute, grad_reduce_in_fp32=False)
     for zero in (1, 0) for recompute in (False, True)) + (
-    Case(pp=2, virtual_stages=2, layout=(1, 3)),)
+    Case(pp=2, virtual_stages=2, layout=(1, 3)),) + tuple(
+    Case(**dims, mtp_layers=1, tied=False) for dims in ({"pp": 2}, {"tp": 2}, {"pp": 2, "recompute": True}))
 """TP 2, PP 2, DP 2 with and without the distributed optimizer, each with and without recomputation;
 the DP plans again with bf16 gradients (recomputed, their optimizer update is the peak); and PP 2
 interleaved over 2 chunks a rank with 1 and 3 layers, whose first rank's second chunk holds none
-(the warm-up's passes fall unevenly on the chunks: dsauto.cost.step.chunk_passes)."""
+(the warm-up's passes fall unevenly on the chunks: dsauto.cost.step.chunk_passes); and PP 2 and TP 2
+with one multi-token-prediction layer (its layer, projection and second loss on the last stage) and
+an untied head, as DeepSeek-V3 has (the last stage then holds a word table for the layer's lookups),
+PP 2 also with every layer recomputed (Megatron-core then checkpoints the prediction layer too, which
+dsauto prices kept: an over-prediction)."""
 
 
-def bench_model():
+def bench_model(mtp_layers: int = 0, tied: bool = True):
     from dsauto.spec.model import ModelSpec
 
     # GPT-2 shaped (GeLU, LayerNorm, learned positions, tied head, biases), no dropout so that the
     # runs are deterministic. The vocabulary is a multiple of 128 x 2: tp 1 and 2 pad it alike.
     return ModelSpec(name="bench-gpt", architecture="decoder", num_layers=4, hidden_size=256,
                      num_attention_heads=4, ffn_hidden_size=1024, vocab_size=4096,
-                     max_position_embeddings=SEQ_LEN, dropout=False)
+                     max_position_embeddings=SEQ_LEN, dropout=False, mtp_layers=mtp_layers,
+                     tied_embeddings=tied)
 
 
 def planner_of(case: Case, profile=None):
@@ -147,7 +161,7 @@ def planner_of(case: Case, profile=None):
     # keeps the s x s scores: priced as eager attention.
     train = TrainSpec(global_batch=case.micro_batch * case.micro_batches, seq_len=SEQ_LEN, dtype=case.dtype,
                       flash_attention=False)
-    return Planner(bench_model(), cluster, train, Constraints(engine="megatron"), profile=profile)
+    return Planner(bench_model(case.mtp_layers, case.tied), cluster, train, Constraints(engine="megatron"), profile=profile)
 
 
 def build_plan(case: Case, profile=None):
@@ -155,7 +169,7 @@ def build_plan(case: Case, profile=None):
     from dsauto.cost.strategy import LayerOption, Strategy
     from dsauto.parallel import ParallelDims
 
-    model = bench_model()
+    model = bench_model(case.mtp_layers, case.tied)
     strategy = Strategy(dims=ParallelDims(dp=case.dp, tp=case.tp, pp=case.pp), zero_stage=case.zero_stage,
                         micro_batch=case.micro_batch, grad_accum=case.micro_batches // case.dp,
                         sequence_parallel=False, engine="megatron", grad_reduce_in_fp32=case.grad_reduce_in_fp32,
@@ -196,7 +210,7 @@ def build(plan, cuda: bool = False):
     process's GPU (else on the CPU, through dsauto's Megatron CPU shim)."""
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.module import Float16Module
@@ -208,9 +222,16 @@ def build(plan, cuda: bool = False):
     config = dm.apply(plan, TransformerConfig(**dm.transformer_config_kwargs(plan.model),
                                               use_cpu_initialization=not cuda,
                                               attention_backend=AttnBackend.local))
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+
+    def mtp(vp_stage=None, **_):  # the decoder's layer spec for the multi-token-prediction layers (None
+        # but on the chunk that builds them: GPTModel builds them wherever it is given one)
+        return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage) \
+            if config.mtp_num_layers else None
+
     chunks = dm.model_chunks(plan, lambda **where: GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
-        **dm.gpt_model_kwargs(plan), **where))
+        config=config, transformer_layer_spec=spec, mtp_block_spec=mtp(**where), **dm.gpt_model_kwargs(plan),
+        **where))
     if config.bf16 or config.fp16:
         # As Megatron-LM's get_model: every parameter (the norms and the position table too) in 16
         # bits, inputs cast on the first stage, the loss returned in fp32 (transformer/module.py).

@@ -66,8 +66,8 @@ def describe_plan(plan: Plan) -> str:
         f"{' with FP8 weights' if plan.fp8_param_gather else ''}, {attention}",
         f"  layout      {plan.pp} stage{'s' if plan.pp > 1 else ''}, transformer layers per stage "
         f"{_run_lengths(plan.stage_layers)}" + _interleaving_text(plan),
-        "  layers      (0 = embedding, 1-{0} = {1} layers, {2} = head)".format(
-            plan.model.num_layers, plan.model.architecture, plan.model.num_layers + 1),
+        "  layers      (0 = embedding, 1-{0} = {1} layers, {2} = head{3})".format(
+            plan.model.num_layers, plan.model.architecture, plan.model.num_layers + 1, _mtp_text(plan)),
     ]
     for run in plan.layers:
         lines.append(f"    {_layer_range(run):>9}  {run.group:<10} stage {run.stage:<3} {_choice_text(plan, run)}")
@@ -179,6 +179,14 @@ def _ranking_text(plan: Plan) -> str:
 def _relative(predicted: float, measured: float) -> str:
     """How far off a prediction was, as the prediction's signed error: ``+12%`` is 12% too high."""
     return f"{(predicted - measured) / measured:+.0%}" if measured else "n/a"
+
+
+def _mtp_text(plan: Plan) -> str:
+    """The multi-token-prediction layers the head's stage runs beside it, where the plan trains them."""
+    layers = plan.model.mtp_layers
+    if not layers or plan.engine != "megatron":
+        return ""
+    return f" with {counted(layers, 'multi-token-prediction layer')} and {'their' if layers > 1 else 'its'} loss"
 
 
 def _run_lengths(values: Sequence[int]) -> str:

@@ -289,13 +289,16 @@ class CostModel:
         (:attr:`LayerGroup.mtp_block`), as ``MultiTokenPredictionBlock`` and ``process_mtp_loss`` run
         them on the last pipeline stage (megatron/core/transformer/multi_token_prediction.py), each
         depth: the next tokens' embedding lookup, the layer (with the plan's selective
-        recomputation; under whole-layer recomputation Megatron-core checkpoints it too, which is
-        not priced: its activations are counted kept, its forward not run again), and the loss
+        recomputation, its activations kept: under whole-layer recomputation Megatron-core 0.16.1's
+        MultiTokenPredictionLayer has a checkpointed path, yet checkpointing every layer lowered the
+        measured peak by the decoder layers' activations alone), and the loss
         through the head's output weight, whose gradient accumulates into the head's. Each depth's
         fp32 softmax, kept by ``vocab_parallel_cross_entropy`` for backward, is held from its loss
-        through the main loss to the backward: a kept activation. The word table the lookups read
-        is priced as state on a last stage that lacks the embedding (pp > 1) when it is not tied
-        (tied, its copy is the output weight's, :func:`dsauto.cost.step.megatron_stage_bytes`)."""
+        through the main loss to the backward: a kept activation. The embedding the lookups read is
+        priced as state on a last stage that lacks the embedding (pp > 1): its position table, and its
+        word table when not tied (tied, its copy is the output weight's,
+        :func:`dsauto.cost.step.megatron_stage_bytes`). Measured on two CPU ranks against
+        Megatron-core 0.16.1 (benchmarks/megatron_memory.py, the mtp1 plans)."""
         assert head.mtp_block is not None and head.mtp_embedding is not None
         depth = head.mtp_layers
         plain = LayerOption(checkpoint=False, shard_params=option.shard_params, split=1)
@@ -307,7 +310,13 @@ class CostModel:
             lookup, params_bytes=0.0, grads_bytes=0.0, optimizer_bytes=0.0, grad_sync_bytes=0.0,
             step_seconds=0.0, optimizer_seconds=0.0, offloaded_bytes=0.0)
         vocab = head.largest_op_params / head.gemm_dim
-        softmax = self.tokens * vocab / self.strategy.tp * 4 * self.calibration.activation_memory
+        dynamic, b = self.calibration.activation_memory, self.context.dtype_bytes
+        softmax = self.tokens * vocab / self.strategy.tp * 4 * dynamic
+        # The block returns the main and the prediction hidden states concatenated (torch.cat), which
+        # the output layer's inputs keep as views until their backward; and the last depth's logits are
+        # still referenced (GPTModel._postprocess's loop variable) when the main loss runs.
+        joined = self.tokens * head.gemm_dim * b / self.context.replicated_div * dynamic
+        logits = self.tokens * vocab / self.strategy.tp * b * dynamic
 
         def total(name: str) -> float:
             return (getattr(own, name) + getattr(table, name)
@@ -318,8 +327,8 @@ class CostModel:
             own, **{name: total(name) + (depth - 1) * getattr(lookup, name) for name in per_depth},
             **{name: total(name) for name in ("step_seconds", "params_bytes", "grads_bytes", "optimizer_bytes",
                                               "grad_sync_bytes", "optimizer_seconds", "offloaded_bytes")},
-            activation_bytes=total("activation_bytes") + depth * softmax,
-            transient_bytes=max(own.transient_bytes, layer.transient_bytes, again.transient_bytes))
+            activation_bytes=total("activation_bytes") + depth * (softmax + joined),
+            transient_bytes=max(own.transient_bytes + logits, layer.transient_bytes, again.transient_bytes))
 
     def expert_dispatch_seconds(self, group: LayerGroup) -> float:
         """The expert all-to-alls of one micro-batch through one layer of ``group``, forward and

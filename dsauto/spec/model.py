@@ -638,11 +638,11 @@ class LayerGroup:
     """Head only, with ``mtp_layers``: one multi-token-prediction layer (its two input norms, the 2h x h
     projection, the transformer layer of the stack's last layer's kind and its final norm)."""
     mtp_embedding: LayerGroup | None = None
-    """Head only, with ``mtp_layers``: the word-table lookup each prediction layer runs for the next
-    tokens, and as its parameters the table a last pipeline stage allocates for it when the embedding is
-    not tied to the head (GPTModel builds ``self.embedding`` where ``mtp_process``;
-    megatron/core/models/gpt/gpt_model.py), kept equal to the first stage's like a tied output weight;
-    no parameters when tied (the stage holds that copy already)."""
+    """Head only, with ``mtp_layers``: the embedding lookup each prediction layer runs for the next
+    tokens, and as its parameters the embedding a last pipeline stage allocates for it (GPTModel builds
+    ``self.embedding`` where ``mtp_process``; megatron/core/models/gpt/gpt_model.py), kept equal to the
+    first stage's like a tied output weight: the learned position table, and the word table when it is
+    not tied to the head (tied, the stage holds that copy already)."""
 
     # FP8 training (Transformer Engine's linear layers; see cost.terms): elements per token, before
     # tensor parallelism, averaged over the group's layers.
@@ -866,7 +866,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         head = dataclasses.replace(head, mtp_layers=model.mtp_layers,
                                    mtp_block=_mtp_block(model, block, seq_len, dtype_bytes, tp, pad_vocab),
                                    mtp_embedding=dataclasses.replace(
-                                       embedding, params=0 if model.tied_embeddings else vocab * h,
+                                       embedding, params=positions + (0 if model.tied_embeddings else vocab * h),
                                        tp_params=0 if model.tied_embeddings else vocab * h))
     return embedding, block, head
 

@@ -649,3 +649,30 @@ def test_values_a_shell_would_read_otherwise_are_quoted_and_read_back(tmp_path):
     assert read[read.index("--pipeline-model-parallel-layout") + 1] == layout.split(" ", 1)[1].strip("'")
     launch = read_megatron_args(path)
     assert launch.pins["stage_layers"] in ((9, 8, 8, 7), "9,8,8,7")
+
+
+def test_multi_token_prediction_layers_read_back_and_a_named_model_trains_the_launchs(tmp_path):
+    """dsauto's file launches a model's multi-token-prediction layer (--mtp-num-layers, and an m before
+    the loss in a layout string) and reads back into the same plan, named or not; a named model takes
+    the launch's layers (a DeepSeek-V3 launch without --mtp-num-layers trains none), said in a note;
+    a layout whose m's disagree with the flag is refused, as Megatron asserts."""
+    model = dataclasses.replace(load_model("llama3-8b"), mtp_layers=1)
+    plan = make_plan(model, "h100-80gb", nodes=2, global_batch=64, seq_len=4096, engine="megatron", pp=4, vpp=1,
+                     stage_layers=(8, 8, 9, 7))
+    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    text = path.read_text()
+    assert "--mtp-num-layers 1\n" in text and "--pipeline-model-parallel-layout 'Et*8|t*8|t*9|t*7mL'" in text
+    launch = read_megatron_args(path, plan.model)
+    assert launch.unknown == [] and launch.notes == [] and launch.model == plan.model
+    [again] = find_plans(make_problem(launch.model, "h100-80gb", nodes=2, **launch.train, **launch.pins))
+    assert dataclasses.replace(again, ranking=None) == dataclasses.replace(plan, ranking=None)
+    assert read_megatron_args(path).model.mtp_layers == 1  # the flags describe it too
+    path.write_text(text.replace("--mtp-num-layers 1\n", ""))
+    with pytest.raises(DsautoError, match="places 1 multi-token-prediction layer.s. on the last stage, and it sets "
+                                          "no --mtp-num-layers; make them agree"):
+        read_megatron_args(path, plan.model)
+    path.write_text(text.replace("--mtp-num-layers 1\n", "").replace("t*7mL", "t*7L"))
+    launch = read_megatron_args(path, plan.model)
+    assert launch.model == dataclasses.replace(plan.model, mtp_layers=0)
+    assert launch.notes == [f"{path} sets no --mtp-num-layers, and --model {model.name} has 1 "
+                            f"multi-token-prediction layer(s): the plan trains 0, as the launch does."]

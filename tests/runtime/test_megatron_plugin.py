@@ -130,6 +130,25 @@ def test_an_interleaved_plan_gives_the_layout_megatron_reads_back(monkeypatch, s
     assert config.microbatch_group_size_per_vp_stage == 2
 
 
+@pytest.mark.parametrize(("stages", "virtual", "layout"), [((2, 1, 2, 3), 1, "Et*2|t|t*2|t*3mL"),
+                                                            ((4, 4), 2, "Et*2|t*2|t*2|t*2mL")])
+def test_multi_token_prediction_layers_reach_the_config_and_megatrons_layout(stages, virtual, layout):
+    """A model with a multi-token-prediction layer: mtp_num_layers in the TransformerConfig, and a
+    layout string with the layer on the last stage, before the loss, which Megatron's
+    PipelineParallelLayerLayout reads back and validates against mtp_num_layers (in the config's
+    __post_init__); the plan's checks refuse a config without it."""
+    model = dataclasses.replace(TINY8, mtp_layers=1, tied_embeddings=False)
+    plan = make_plan(pp=len(stages), stage_layers=stages, virtual_stages=virtual, model=model)
+    config = dm.apply(plan, config_for(model))
+    assert config.mtp_num_layers == 1
+    parsed = config.pipeline_model_parallel_layout
+    assert pipeline_layout_fields(stages, virtual, 1)["pipeline_model_parallel_layout"] == layout
+    assert parsed.layout[-1][-1][-2:] == [LayerType.mtp, LayerType.loss]
+    assert sum(chunk.count(LayerType.mtp) for rank in parsed.layout for chunk in rank) == 1
+    with pytest.raises(DsautoError, match="mtp_num_layers=None but the plan was made for"):
+        dm.apply(plan, config_for(dataclasses.replace(model, mtp_layers=0)))
+
+
 def test_a_plan_without_interleaving_turns_overlapped_sends_off():
     # Megatron-core's non-interleaved schedules refuse overlap_p2p_comm.
     config = dm.apply(make_plan(pp=2), config_for(overlap_p2p_comm=True, batch_p2p_comm=False))
