@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory per rank of real Megatron-core training, on two CPU ranks.
 
-    python benchmarks/megatron_memory.py              # 12 plans, one torchrun launch each; ~4 minutes
+    python benchmarks/megatron_memory.py              # 16 plans, one torchrun launch each; ~4 minutes
     python benchmarks/megatron_memory.py --only pp2   # the plans whose label contains "pp2"
 
 Megatron-core's own modules train a small GPT in bf16 (GPTModel with the local layer spec, wrapped in
@@ -10,7 +10,9 @@ initialize_model_parallel, apply, model_chunks, ddp_config, optimizer_config), o
 (torchrun, gloo, one thread each) with :mod:`dsauto.compat.megatron_cpu`. The plans: TP=2, PP=2
 (1F1B over 4 micro-batches), DP=2 with the distributed optimizer (ZeRO-1) and DP=2 with plain DDP
 (ZeRO-0), each with full recomputation of every layer and with none, and the four DP=2 plans again
-with their gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``). Each is built and priced by
+with their gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``), an interleaved PP=2, and
+PP=2 and TP=2 with a multi-token-prediction layer and an untied head (GPTModel given the decoder's
+layer spec for it, ``get_gpt_mtp_block_spec``). Each is built and priced by
 dsauto's planner with engine ``megatron``. Every rank tracks the bytes of live tensors
 (:class:`dsauto.profile.memory.MemoryTracker`, started before the model is built) over
 :data:`STEPS` optimizer steps, with regions around each forward and backward of a micro-batch (as the
