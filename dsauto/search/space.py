@@ -932,14 +932,19 @@ def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
     (:func:`recompute_module_refusal`). Megatron-core runs them through ``recompute_modules``, DeepSpeed
     through the dsauto hook (dsauto.runtime.recompute). A mixture of experts on Megatron-core also
     tries ``moe_act``: it frees top-k x the expert width of each token's activations in every MoE
-    layer for one elementwise pass in backward."""
+    layer for one elementwise pass in backward; latent attention on Megatron-core ``mla_up_proj``:
+    it frees the queries, keys and values of every head (DeepSeek-V3: 128 heads of 192 + 192 + 128)
+    for the up projections' matrix multiplies again, as NVIDIA's DeepSeek-V3 recipes recompute them
+    (Megatron-Bridge's perf_recipes/deepseek/b200/deepseek_v3.py, NeMo's llm/recipes/deepseek_v3.py).
+    One set of them all: the per-layer choice is that set or none."""
     if pins.recompute_modules is not None:
         modules = parse_recompute_modules(pins.recompute_modules, model, pins.engine, pins.fp8_delayed)
         if modules and (pins.checkpoint is True
                         or any(_module_refusal(m, model, engine, pins.fp8_delayed) for m in modules)):
             return ()
         return (modules,)
-    searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention] + (("moe_act",) if model.moe else ())
+    extra = (("moe_act",) if model.moe else ()) + (("mla_up_proj",) if model.latent_attention else ())
+    searched = tuple(m for m in SEARCHED_RECOMPUTE[train.flash_attention] + extra
                      if _module_refusal(m, model, engine, pins.fp8_delayed) is None
                      and not (pins.hf_trainer and hf_trainer_refusal(recompute_modules=(m,))))
     if pins.checkpoint is True or pins.recompute_num_layers is not None or not searched:
