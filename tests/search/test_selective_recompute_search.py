@@ -1,6 +1,7 @@
 """Selective recomputation in the search, the plan, megatron_args.txt and the command line."""
 
 import dataclasses
+import warnings
 
 import pytest
 
@@ -9,10 +10,12 @@ from dsauto.cli import main
 from dsauto.describe import describe_plan
 from dsauto.emit.megatron import megatron_args, megatron_argv
 from dsauto.engines.megatron import selective_recompute_modules
-from dsauto.errors import DsautoError
+from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.plan import LayerChoice, Plan
 from dsauto.plan_io import read_plan, write_plan_yaml
-from dsauto.search.space import Constraints, strategies
+from dsauto.search.space import Constraints, recompute_module_sets, strategies
+from dsauto.spec.loaders import load_model
+from dsauto.spec.training import TrainSpec
 
 # Eager attention keeps each layer's s x s scores: llama2-13b on 8 A100-40GB at 2048 tokens does not
 # fit with them in every layer, and recomputing the attention core (Korthikanti et al. 2022, Sec. 5)
@@ -122,3 +125,22 @@ def test_deepspeed_recomputes_the_mlp_of_a_biased_model_that_megatron_cannot():
     plans = find_plans(make_problem("gpt-tiny", "cpu", global_batch=8, seq_len=64, recompute_modules="mlp"), top_k=50)
     assert plans and {p.engine for p in plans} == {"deepspeed"}
     assert all(p.uniform_recompute_modules() == ("mlp",) for p in plans)
+
+
+def test_latent_attention_tries_its_up_projections_recomputation_on_megatron_core_only():
+    """DeepSeek-V3 at NVIDIA's DGX Cloud layout (tp 2, pp 16, ep 64 on 1024 H100s, 4096 tokens) fits
+    80 GiB only with its up projections and experts' activation recomputed in every layer, which the
+    search finds itself; DeepSpeed cannot run mla_up_proj, so its strategies never carry it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        model = load_model("tests/spec/configs/deepseek-v3.json")
+    train = TrainSpec(global_batch=8192, seq_len=4096, dtype="bf16", flash_attention=True)
+    assert recompute_module_sets("megatron", model, train, Constraints()) == ((), ("moe_act", "mla_up_proj"))
+    assert recompute_module_sets("deepspeed", model, train, Constraints()) == ((),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        [plan] = find_plans(make_problem(model, "h100-80gb", nodes=128, gpus_per_node=8, global_batch=8192,
+                                         seq_len=4096, tp=2, pp=16, ep=64, engine="megatron", micro_batch=1,
+                                         checkpoint=False))
+    assert plan.uniform_recompute_modules() == ("moe_act", "mla_up_proj")
+    assert plan.prediction.peak_memory_bytes <= plan.memory_budget_bytes
