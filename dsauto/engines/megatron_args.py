@@ -488,6 +488,34 @@ def _with_mtp_layers(model: ModelSpec, mtp: int, where: str) -> ModelSpec:
                           f"{in_own_words(str(error), MODEL_FLAGS)}; correct the flag.") from None
 
 
+MAX_LAYOUT_CHARACTERS = 1_000_000
+"""The most characters an expanded layout string may have (a real one has a few hundred)."""
+
+
+def expand_layout(text: str, where: str) -> str:
+    """``text``, a Megatron-core layout string, with its repeats unrolled and its commas dropped, as
+    Megatron-core reads it: ``(group)*N`` innermost first, then ``x*N``; refused where it holds other
+    characters than E, t, m, L and |, or unrolls past :data:`MAX_LAYOUT_CHARACTERS`."""
+    expanded = text.replace(",", "").replace(" ", "")
+    group, single = re.compile(r"\(([^()]*)\)\*(\d+)"), re.compile(r"([^()|*\d])\*(\d+)")
+
+    def unroll(found: re.Match[str]) -> str:
+        if len(found.group(1)) * int(found.group(2)) > MAX_LAYOUT_CHARACTERS:
+            raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which repeats past "
+                              f"{MAX_LAYOUT_CHARACTERS:,} characters; give the layout the launch runs.")
+        return found.group(1) * int(found.group(2))
+
+    expanded = group.sub(unroll, expanded)  # one pass, as Megatron-core: a nested group stays and is refused
+    if len(expanded) > MAX_LAYOUT_CHARACTERS:
+        raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which repeats past "
+                          f"{MAX_LAYOUT_CHARACTERS:,} characters; give the layout the launch runs.")
+    expanded = single.sub(unroll, expanded)
+    if set(expanded) - set("EtmL|"):
+        raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which dsauto does not read: it "
+                          f"knows E, t, m, L, |, x*N and (...)*N; give --stage-layers instead.")
+    return expanded
+
+
 REFUSED_NAMES = {spelling.split(" ")[0] for spelling in REFUSED}
 
 DESCRIBED_BY_MODEL = ("--multi-latent-attention", "--position-embedding-type yarn")
@@ -1066,30 +1094,30 @@ def _layout(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
 
 
 def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:
-    """A layout string of the form dsauto writes (megatron/core/transformer/
-    pipeline_parallel_layer_layout.py): model chunks split by "|", in Megatron's chunk order, each
-    ``E`` (the embedding, first), ``t`` or ``t*N`` (transformer layers), the multi-token-prediction
-    layers (``m`` or ``m*N``, the launch's ``--mtp-num-layers`` of them, last) and ``L`` (the head, last)."""
+    """A layout string as Megatron-core reads it (megatron/core/transformer/
+    pipeline_parallel_layer_layout.py): model chunks split by "|", in Megatron's chunk order, of ``E``
+    (the embedding), ``t`` (a transformer layer), ``m`` (a multi-token-prediction layer) and ``L`` (the
+    loss); ``x*N`` repeats a character and ``(...)*N`` a group, commas are cosmetic. dsauto prices the
+    embedding first, the loss last, and the launch's ``--mtp-num-layers`` prediction layers just
+    before the loss, in its chunk."""
     pins, pp = launch.pins, launch.pins["pp"]
-    chunks = []
-    for index, chunk in enumerate(text.split("|")):
-        body = chunk.removeprefix("E") if index == 0 else chunk
-        if index == text.count("|"):
-            body = body.removesuffix("L")
-            found = re.search(r"m(?:\*(\d+))?$", body)
-            placed = (int(found.group(1) or 1) if found else 0)
-            body = body[:found.start()] if found else body
-            wanted = launch.model.mtp_layers if launch.model is not None else 0
-            if placed != wanted:
-                raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which places {placed} "
-                                  f"multi-token-prediction layer(s) on the last stage, and "
-                                  f"{f'--mtp-num-layers gives {wanted}' if wanted else 'it sets no --mtp-num-layers'}; "
-                                  f"make them agree (Megatron asserts it).")
-        if body in ("", "t") or (body.startswith("t*") and body[2:].isdigit()):
-            chunks.append(0 if not body else 1 if body == "t" else int(body[2:]))
-        else:
-            raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, whose chunk {chunk!r} dsauto "
-                              f"does not read (E, t or t*N, m or m*N, L); give --stage-layers instead.")
+    expanded = expand_layout(text, where)
+    chunks_text = expanded.split("|")
+    wanted = launch.model.mtp_layers if launch.model is not None else 0
+    placed = expanded.count("m")
+    if placed != wanted:
+        raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which places {placed} "
+                          f"multi-token-prediction layer(s), and "
+                          f"{f'--mtp-num-layers gives {wanted}' if wanted else 'it sets no --mtp-num-layers'}; "
+                          f"make them agree (Megatron asserts it).")
+    last = chunks_text[-1]
+    if (expanded.count("E") != 1 or not chunks_text[0].startswith("E") or expanded.count("L") != 1
+            or not last.endswith("L") or not last.removesuffix("L").endswith("m" * placed)
+            or "m" in expanded[:len(expanded) - len(last)]):
+        raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}; dsauto prices the embedding (E) "
+                          f"first, the loss (L) at the end of the last chunk and the multi-token-prediction layers "
+                          f"(m) just before it, so give that layout or --stage-layers.")
+    chunks = [chunk.count("t") for chunk in chunks_text]
     if len(chunks) % pp:
         raise DsautoError(f"{where} lays out {len(chunks)} model chunks, not a multiple of pp {pp}; give one chunk "
                           f"per pipeline rank and virtual stage.")

@@ -17,7 +17,7 @@ import pytest
 from dsauto.api import find_plans, make_plan, make_problem
 from dsauto.cli import main
 from dsauto.emit.megatron import megatron_args, write_megatron_args
-from dsauto.engines.megatron_args import parse_megatron_args, read_megatron_args
+from dsauto.engines.megatron_args import expand_layout, parse_megatron_args, read_megatron_args
 from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.spec.loaders import load_model
 from dsauto.units import format_bytes, format_seconds
@@ -279,7 +279,7 @@ def test_each_choice_a_launch_fixes_becomes_a_pin(extra, pins):
     ("--recompute-granularity full", "without --recompute-method"),
     ("--use-torch-fsdp2", "dsauto prices Megatron-FSDP"),
     ("--optimizer-cpu-offload --optimizer-offload-fraction 0.5", "offloads part of the optimizer"),
-    ("--pipeline-model-parallel-layout Et*3|tmL", "places 1 multi-token-prediction layer.s. on the last stage, and it sets no --mtp-num-layers"),
+    ("--pipeline-model-parallel-layout Et*3|tmL", "places 1 multi-token-prediction layer.s., and it sets no --mtp-num-layers"),
     ("--pipeline-model-parallel-layout Et*3|txL", "does not read"),
     ("--pipeline-model-parallel-layout Et|t*2|tL", "not a multiple of pp 2"),
     ("--decoder-first-pipeline-num-layers 5", "no even split"),
@@ -668,7 +668,7 @@ def test_multi_token_prediction_layers_read_back_and_a_named_model_trains_the_la
     assert dataclasses.replace(again, ranking=None) == dataclasses.replace(plan, ranking=None)
     assert read_megatron_args(path).model.mtp_layers == 1  # the flags describe it too
     path.write_text(text.replace("--mtp-num-layers 1\n", ""))
-    with pytest.raises(DsautoError, match="places 1 multi-token-prediction layer.s. on the last stage, and it sets "
+    with pytest.raises(DsautoError, match="places 1 multi-token-prediction layer.s., and it sets "
                                           "no --mtp-num-layers; make them agree"):
         read_megatron_args(path, plan.model)
     path.write_text(text.replace("--mtp-num-layers 1\n", "").replace("t*7mL", "t*7L"))
@@ -676,3 +676,47 @@ def test_multi_token_prediction_layers_read_back_and_a_named_model_trains_the_la
     assert launch.model == dataclasses.replace(plan.model, mtp_layers=0)
     assert launch.notes == [f"{path} sets no --mtp-num-layers, and --model {model.name} has 1 "
                             f"multi-token-prediction layer(s): the plan trains 0, as the launch does."]
+
+
+@pytest.mark.parametrize("layout", ["Et|(tt|)*30mL", "Et*4|(t*4|)*14tmL", "Ettt|(tt|)*29,m|L", "E|t*4L",
+                                    "Et*2||t|tL", "(Et|)*1,(tt|)*2,t*3L"])
+def test_layout_strings_unroll_as_megatron_core_reads_them(layout):
+    """NVIDIA's DeepSeek-V3 recipes write layouts with repeated groups and commas (Megatron-Bridge's
+    perf_recipes/deepseek: "Et|(tt|)*30mL" on H100, "Et*4|(t*4|)*14tmL" on GB300); dsauto unrolls them
+    to the chunks Megatron-core's own parser builds."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    letters = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
+    parsed = PipelineParallelLayerLayout.parse_str_to_list(layout)
+    assert expand_layout(layout, "the layout").split("|") == [
+        "".join(letters[layer.name] for layer in chunk) for chunk in parsed]
+
+
+def test_nvidias_deepseek_v3_layouts_read_or_are_refused_in_one_sentence():
+    """GB300's layout (pp 16: 4 layers on the first stage, 4 on the next 14, 1 and the prediction layer
+    with the loss on the last) reads as those stages; H100's interleaved one splits a rank's layers
+    unevenly over its two chunks (rank 0: 1 and 2), and a standalone prediction chunk puts the layer
+    apart from the loss: neither is priced, and each refusal says so."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        model = load_model(str(CONFIGS / "deepseek-v3.json"))
+    flags = ("--multi-latent-attention --seq-length 4096 --micro-batch-size 1 --global-batch-size 8192 "
+             "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 16 --expert-model-parallel-size 64 "
+             "--moe-token-dispatcher-type alltoall --mtp-num-layers 1 --bf16 ")
+    launch = parse_megatron_args(shlex.split(flags + "--pipeline-model-parallel-layout 'Et*4|(t*4|)*14tmL'"),
+                                 "train.sh", model)
+    assert launch.pins["stage_layers"] == (4,) * 15 + (1,) and launch.pins["vpp"] == 1
+    assert launch.model.mtp_layers == 1
+    with pytest.raises(DsautoError, match=r"lays out the chunks \[1, 2, 2,.*dsauto splits a pipeline rank's layers "
+                                          r"over its virtual stages as evenly as possible"):
+        parse_megatron_args(shlex.split(flags + "--pipeline-model-parallel-layout 'Et|(tt|)*30mL'"), "train.sh",
+                            model)
+    with pytest.raises(DsautoError, match="dsauto prices the embedding .E. first, the loss .L. at the end of the last "
+                                          "chunk and the multi-token-prediction layers .m. just before it"):
+        parse_megatron_args(shlex.split(flags + "--pipeline-model-parallel-layout 'Et*3|(t*4|)*14,m|L'"),
+                            "train.sh", model)
+
+
+def test_a_nested_layout_group_megatron_core_does_not_read_is_refused():
+    with pytest.raises(DsautoError, match=r"which dsauto does not read: it knows E, t, m, L"):
+        expand_layout("E((t|)*2t)*2L", "train.sh")
