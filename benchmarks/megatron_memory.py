@@ -135,8 +135,8 @@ interleaved over 2 chunks a rank with 1 and 3 layers, whose first rank's second 
 (the warm-up's passes fall unevenly on the chunks: dsauto.cost.step.chunk_passes); and PP 2 and TP 2
 with one multi-token-prediction layer (its layer, projection and second loss on the last stage) and
 an untied head, as DeepSeek-V3 has (the last stage then holds a word table for the layer's lookups),
-PP 2 also with every layer recomputed (Megatron-core then checkpoints the prediction layer too, which
-dsauto prices kept: an over-prediction)."""
+PP 2 also with every layer recomputed (the plugin's recompute_method block, under which Megatron-core
+0.16.1 does not checkpoint the prediction layer: MultiTokenPredictionLayer._checkpointed_forward)."""
 
 
 def bench_model(mtp_layers: int = 0, tied: bool = True):

@@ -289,9 +289,8 @@ class CostModel:
         (:attr:`LayerGroup.mtp_block`), as ``MultiTokenPredictionBlock`` and ``process_mtp_loss`` run
         them on the last pipeline stage (megatron/core/transformer/multi_token_prediction.py), each
         depth: the next tokens' embedding lookup, the layer (with the plan's selective
-        recomputation, its activations kept: under whole-layer recomputation Megatron-core 0.16.1's
-        MultiTokenPredictionLayer has a checkpointed path, yet checkpointing every layer lowered the
-        measured peak by the decoder layers' activations alone), and the loss
+        recomputation, its activations kept: MultiTokenPredictionLayer checkpoints itself under
+        ``recompute_method`` uniform only, and skips it under block, which dsauto's plans run), and the loss
         through the head's output weight, whose gradient accumulates into the head's. Each depth's
         fp32 softmax, kept by ``vocab_parallel_cross_entropy`` for backward, is held from its loss
         through the main loss to the backward: a kept activation. The embedding the lookups read is
