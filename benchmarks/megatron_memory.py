@@ -134,7 +134,8 @@ the DP plans again with bf16 gradients (recomputed, their optimizer update is th
 interleaved over 2 chunks a rank with 1 and 3 layers, whose first rank's second chunk holds none
 (the warm-up's passes fall unevenly on the chunks: dsauto.cost.step.chunk_passes); and PP 2 and TP 2
 with one multi-token-prediction layer (its layer, projection and second loss on the last stage) and
-an untied head, as DeepSeek-V3 has (the last stage then holds a word table for the layer's lookups),
+an untied head and rotary positions, as DeepSeek-V3 has (the last stage then holds a word table for the
+layer's lookups),
 PP 2 also with every layer recomputed (the plugin's recompute_method block, under which Megatron-core
 0.16.1 does not checkpoint the prediction layer: MultiTokenPredictionLayer._checkpointed_forward)."""
 
@@ -143,11 +144,12 @@ def bench_model(mtp_layers: int = 0, tied: bool = True):
     from dsauto.spec.model import ModelSpec
 
     # GPT-2 shaped (GeLU, LayerNorm, learned positions, tied head, biases), no dropout so that the
-    # runs are deterministic. The vocabulary is a multiple of 128 x 2: tp 1 and 2 pad it alike.
+    # runs are deterministic. The vocabulary is a multiple of 128 x 2: tp 1 and 2 pad it alike. With
+    # prediction layers, rotary positions (Megatron-LM runs multi-token prediction with no others).
     return ModelSpec(name="bench-gpt", architecture="decoder", num_layers=4, hidden_size=256,
                      num_attention_heads=4, ffn_hidden_size=1024, vocab_size=4096,
                      max_position_embeddings=SEQ_LEN, dropout=False, mtp_layers=mtp_layers,
-                     tied_embeddings=tied)
+                     tied_embeddings=tied, position_embedding="rope" if mtp_layers else "learned")
 
 
 def planner_of(case: Case, profile=None):
@@ -576,7 +578,8 @@ def write_results(rows: list[Row], summary: str, command: str, wall: float) -> N
          f"{version('torch')}, gloo, one thread per rank)."),
         "",
         (f"Model: GPT of {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
-         f"FFN {model.ffn_hidden_size}, vocabulary {model.vocab_size} (tied head), {SEQ_LEN} tokens per sequence; "
+         f"FFN {model.ffn_hidden_size}, vocabulary {model.vocab_size} (tied head, learned positions; the mtp plans: "
+         f"one multi-token-prediction layer, an untied head, rotary positions), {SEQ_LEN} tokens per sequence; "
          f"micro-batches of {MICRO_BATCH}, {GLOBAL_MICRO_BATCHES} per step over all data-parallel ranks; "
          f"**{DTYPE}** (Megatron-core trains in bf16 on CPU: Float16Module, fp32 main gradients, bf16 ones in the "
          "bf16-grads plans, fp32 main weights, torch's AdamW); Megatron-core's unfused local attention, no dropout, no sequence "

@@ -157,8 +157,10 @@ def _interleaving_text(plan: Plan) -> str:
     text = f"; interleaved 1F1B, {plan.virtual_stages} chunks per rank"
     plain = plan.prediction.plain_bubble_seconds
     if plain is not None:
+        change = plain - plan.prediction.bubble_seconds
+        effect = f"saves {format_seconds(change)}" if change >= 0 else f"costs {format_seconds(-change)} more"
         text += (f": bubble {format_seconds(plan.prediction.bubble_seconds)} instead of "
-                 f"{format_seconds(plain)} with plain 1F1B (saves {format_seconds(plain - plan.prediction.bubble_seconds)})")
+                 f"{format_seconds(plain)} with plain 1F1B ({effect})")
     return text
 
 

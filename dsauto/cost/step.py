@@ -149,6 +149,17 @@ def executed_flops_per_token(group: LayerGroup, flash_attention: bool) -> float:
     return group.matmul_flops_per_token + attention
 
 
+def mtp_flops_per_token(group: LayerGroup, engine: str, flash_attention: bool) -> float:
+    """Forward FLOPs per token of the multi-token-prediction layers a Megatron-core head runs beside it
+    (:attr:`LayerGroup.mtp_block`, each with its loss through the head's output weight), as
+    :func:`executed_flops_per_token` counts them; 0 for any other layer or engine (transformers, which
+    DeepSpeed plans train, does not build them). Megatron-LM's own FLOPs count includes them."""
+    if engine != "megatron" or group.mtp_block is None:
+        return 0.0
+    return group.mtp_layers * (executed_flops_per_token(group.mtp_block, flash_attention)
+                               + group.matmul_flops_per_token)
+
+
 def first_chunk_share(layers: int, virtual_stages: int) -> float:
     """The share of a pipeline rank's transformer layers in its first model chunk: ceil(n / v) of its
     n layers, the earlier chunks taking the remainder (:func:`dsauto.plan.chunk_layers`); 1/v when
@@ -687,10 +698,17 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
             passes = 4 if options[j].checkpoint else 3  # forward, backward (2x), recomputation
             hardware_flops += passes * executed_flops_per_token(group, train.flash_attention) * cost.tokens
             hardware_flops += selective_recompute_flops_per_token(group, options[j], train.flash_attention) * cost.tokens
+            hardware_flops += 3 * mtp_flops_per_token(group, strategy.engine, train.flash_attention) * cost.tokens
+        # the multi-token-prediction layers beside a Megatron-core head (priced in its layer cost)
+        beside = [block for j in held if strategy.engine == "megatron" and (block := by_layer[j].mtp_block)
+                  for _ in range(by_layer[j].mtp_layers)]
         if model.moe:
             dispatch.append(sum(cost.expert_dispatch_seconds(by_layer[j])
-                                * (1.5 if options[j].checkpoint else 1.0) for j in held))  # recomputed forward
+                                * (1.5 if options[j].checkpoint else 1.0) for j in held)  # recomputed forward
+                            + sum(cost.expert_dispatch_seconds(g) for g in beside))
         tp_passes = [tp_comm_passes(by_layer[j], options[j], cost.context) for j in held]
+        tp_passes += [tp_comm_passes(g, LayerOption(False, False, 1, strategy.recompute_modules), cost.context)
+                      for g in beside]
         tp_comm.append(sum(t.forward_seconds + t.backward_seconds for t in tp_passes))
         # Each of the rank's v chunks receives its input and sends its output once per micro-batch,
         # in forward and in backward; what the step waits for of them, half in each.
@@ -884,6 +902,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     step_hardware_flops = hardware_flops * m * strategy.dims.replicas  # each cp rank its share
     tokens = train.global_batch * train.seq_len
     model_flops = 3 * tokens * sum(g.count * executed_flops_per_token(g, train.flash_attention)
+                                   + mtp_flops_per_token(g, strategy.engine, train.flash_attention)
                                    for g in layer_groups(model, train.seq_len, train.dtype_bytes, 1,
                                                          pad_vocab=False))
     world = cluster.world_size

@@ -185,6 +185,8 @@ def _positions(model: ModelSpec) -> list[str]:
     if model.position_embedding == "alibi":
         return ["--position-embedding-type none"]  # ALiBi: a gap (engines/architecture.py)
     params = dict(model.rope_scaling_params)
+    if model.latent_attention:
+        return _latent_positions(model, params)
     kind = "yarn" if model.rope_scaling == "yarn" else "rope"
     lines = [f"--position-embedding-type {kind}"]
     if model.rotary_base.is_integer():  # Megatron-LM reads --rotary-base as a whole number
@@ -224,6 +226,36 @@ def _positions(model: ModelSpec) -> list[str]:
         lines.append(f"{COMMENT}Not expressed: {scaling} rope scaling (factor {factor:g}"
                      f"{', ' + _pairs(params) if params else ''}); Megatron-LM has llama3, linear "
                      f"(whole factors) and YaRN scaling.")
+    return lines
+
+
+# Latent attention's YaRN parameters that Megatron-LM has no flag for, at MLATransformerConfig's defaults
+# (megatron/core/transformer/transformer_config.py): original_max_position_embeddings, beta_fast, beta_slow.
+_MLA_YARN_FIXED = {"original_max_position_embeddings": 4096.0, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _latent_positions(model: ModelSpec, params: dict[str, float]) -> list[str]:
+    """Latent attention's rotary positions: MLA builds its own rotary embedding, YaRN or plain by
+    ``--rope-type``, under ``--position-embedding-type rope`` (GPTModel builds a model-wide one for
+    ``rope`` only without latent attention, and for ``yarn`` always, which would be a second; and
+    Megatron-LM's multi-token prediction asserts rope or none). YaRN's factor and mscales are flags
+    MLATransformerConfig reads by name; its other parameters are fixed at the config's defaults."""
+    lines = ["--position-embedding-type rope", f"--rope-type {'yarn' if model.rope_scaling == 'yarn' else 'rope'}"]
+    if model.rotary_base.is_integer():
+        lines.append(f"--rotary-base {int(model.rotary_base)}")
+    else:
+        lines.append(f"{COMMENT}Not expressed: the rotary base {model.rotary_base} (Megatron-LM takes a "
+                     f"whole number).")
+    if model.rope_scaling == "yarn":
+        lines.append(f"--rotary-scaling-factor {model.rope_scaling_factor:g}")
+        lines += [f"{_YARN_FLAGS[k]} {params[k]:g}" for k in ("mscale", "mscale_all_dim") if k in params]
+        differ = {k: v for k, v in params.items() if k in _MLA_YARN_FIXED and _MLA_YARN_FIXED[k] != v}
+        rest = {k: v for k, v in params.items() if k not in _MLA_YARN_FIXED and k not in ("mscale", "mscale_all_dim")}
+        if differ or rest:
+            lines.append(f"{COMMENT}Not expressed: YaRN's {_pairs({**differ, **rest})} (latent attention takes "
+                         f"{_pairs(_MLA_YARN_FIXED)}).")
+    elif model.rope_scaling:
+        lines.append(f"{COMMENT}Not expressed: {model.rope_scaling} rope scaling; latent attention has YaRN's.")
     return lines
 
 

@@ -446,11 +446,11 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
         _check_undescribed_model(flags, model, where)
     if model is not None and described is not None:
         _check_model(described, model, where, flags, _int(flags, "--seq-length", where, 0))
-    mtp = _int(flags, "--mtp-num-layers", where, 0) or 0
+    mtp = _int(flags, "--mtp-num-layers", where, 0, minimum=0) or 0
     notes = []
     if model is not None and model.mtp_layers != mtp:
         # the launch trains the multi-token-prediction layers it builds, whatever the model's config has
-        notes.append(f"{where} sets {f'--mtp-num-layers {mtp}' if mtp else 'no --mtp-num-layers'}, and --model "
+        notes.append(f"{where} sets {'--mtp-num-layers ' + str(mtp) if '--mtp-num-layers' in flags else 'no --mtp-num-layers'}, and --model "
                      f"{model.name} has {model.mtp_layers} multi-token-prediction layer(s): the plan trains "
                      f"{mtp}, as the launch does.")
         model = _with_mtp_layers(model, mtp, where)
@@ -496,8 +496,8 @@ def expand_layout(text: str, where: str) -> str:
     """``text``, a Megatron-core layout string, with its repeats unrolled and its commas dropped, as
     Megatron-core reads it: ``(group)*N`` innermost first, then ``x*N``; refused where it holds other
     characters than E, t, m, L and |, or unrolls past :data:`MAX_LAYOUT_CHARACTERS`."""
-    expanded = text.replace(",", "").replace(" ", "")
-    group, single = re.compile(r"\(([^()]*)\)\*(\d+)"), re.compile(r"([^()|*\d])\*(\d+)")
+    expanded = text.replace(",", "")
+    group, single = re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)")
 
     def unroll(found: re.Match[str]) -> str:
         if len(found.group(1)) * int(found.group(2)) > MAX_LAYOUT_CHARACTERS:
@@ -505,11 +505,11 @@ def expand_layout(text: str, where: str) -> str:
                               f"{MAX_LAYOUT_CHARACTERS:,} characters; give the layout the launch runs.")
         return found.group(1) * int(found.group(2))
 
-    expanded = group.sub(unroll, expanded)  # one pass, as Megatron-core: a nested group stays and is refused
-    if len(expanded) > MAX_LAYOUT_CHARACTERS:
-        raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which repeats past "
-                          f"{MAX_LAYOUT_CHARACTERS:,} characters; give the layout the launch runs.")
-    expanded = single.sub(unroll, expanded)
+    for pattern in (group, single):  # one pass each, as Megatron-core: a nested group stays and is refused
+        expanded = pattern.sub(unroll, expanded)
+        if len(expanded) > MAX_LAYOUT_CHARACTERS:
+            raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which repeats past "
+                              f"{MAX_LAYOUT_CHARACTERS:,} characters; give the layout the launch runs.")
     if set(expanded) - set("EtmL|"):
         raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which dsauto does not read: it "
                           f"knows E, t, m, L, |, x*N and (...)*N; give --stage-layers instead.")
@@ -525,7 +525,8 @@ among them, then reads with that model."""
 
 
 MODEL_DESCRIPTION_PREFIXES = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
-                              "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--yarn-", "--window-")
+                              "--v-head-dim", "--rotary-scaling-factor", "--mscale", "--yarn-", "--window-",
+                              "--rope-type")
 """Flags of latent attention's widths and of YaRN's scaling (:data:`DESCRIBED_BY_MODEL`), known where
 the model named with ``--model`` describes them."""
 
@@ -783,7 +784,7 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
         norm_epsilon=_float(flags, "--norm-epsilon", where, 1e-5), norm_plus_one="--apply-layernorm-1p" in flags,
         position_embedding=positions[position], tied_embeddings="--untie-embeddings-and-output-weights" not in flags,
         linear_bias=biases, qkv_bias="--add-qkv-bias" in flags, qk_norm="--qk-layernorm" in flags,
-        glu_clamp=clamp, mtp_layers=_int(flags, "--mtp-num-layers", where, 0),
+        glu_clamp=clamp, mtp_layers=_int(flags, "--mtp-num-layers", where, 0, minimum=0),
         # a learned logit per head in each softmax (gpt-oss's sinks); off-by-one's fixed one is not priced
         attention_sinks=_choice(flags, "--softmax-type", where, "vanilla", ("vanilla", "learnable")) == "learnable",
         dropout=dropout[0],
@@ -1077,6 +1078,12 @@ def _layout(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     last = _int(flags, "--decoder-last-pipeline-num-layers", where)
     if first is None and last is None:
         if pins["pp"] > 1:
+            layers = launch.model.num_layers if launch.model is not None else None
+            if layers is not None and layers % pins["pp"]:
+                raise DsautoError(f"{where} sets --pipeline-model-parallel-size {pins['pp']} and no layout flag, so "
+                                  f"Megatron-core splits the {layers} transformer layers evenly, which {pins['pp']} "
+                                  f"stages cannot; add --decoder-first-pipeline-num-layers and "
+                                  f"--decoder-last-pipeline-num-layers, or --pipeline-model-parallel-layout.")
             pins["stage_layers"] = "even"  # Megatron-core's split without a layout flag
         return
     if launch.model is None:
@@ -1091,6 +1098,8 @@ def _layout(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     stages = (([first] if first is not None else []) + ([rest // middle] * middle if middle else [])
               + ([last] if last is not None else []))
     pins["stage_layers"] = tuple(stages)
+    launch.spelled["stage_layers"] = ("--decoder-first-pipeline-num-layers" if first is not None
+                                      else "--decoder-last-pipeline-num-layers")
 
 
 def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:
@@ -1126,10 +1135,15 @@ def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:
                           f"transformer layers, and the model has {launch.model.num_layers}; make them agree.")
     virtual = len(chunks) // pp
     stages = tuple(sum(chunks[s * pp + rank] for s in range(virtual)) for rank in range(pp))
-    if chunk_layers(stages, virtual) != chunks:
-        raise DsautoError(f"{where} lays out the chunks {chunks}; dsauto splits a pipeline rank's layers over its "
-                          f"virtual stages as evenly as possible, earlier ones taking the remainder "
-                          f"({chunk_layers(stages, virtual)}), and prices only that.")
+    even = chunk_layers(stages, virtual)
+    if even != chunks:
+        rank = next(r for r in range(pp) if any(chunks[s * pp + r] != even[s * pp + r] for s in range(virtual)))
+        held, split = ([layout[s * pp + rank] for s in range(virtual)] for layout in (chunks, even))
+        raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, whose pipeline rank {rank} holds "
+                          f"{', '.join(map(str, held))} transformer layers in its {virtual} model chunks; dsauto "
+                          f"prices a rank's layers split as evenly as its chunks allow, the earlier ones taking the "
+                          f"remainder ({', '.join(map(str, split))}), so give such a layout.")
+    launch.spelled["stage_layers"] = "--pipeline-model-parallel-layout"
     if pins.get("vpp", 1) not in (1, virtual):
         raise DsautoError(f"{where} sets {pins['vpp']} virtual stages a rank and a layout of {virtual}; keep one.")
     pins["vpp"], pins["stage_layers"] = virtual, stages

@@ -37,6 +37,20 @@ def refusal(engine: Engine, dims: ParallelDims, zero_stage: int, dtype: Dtype | 
     return None
 
 
+def mtp_pipeline_refusal(engine: Engine, pp: int, model: ModelSpec) -> str | None:
+    """Why Megatron-core cannot pipeline ``model``'s multi-token-prediction layers, or None: with a tied
+    head, its last stage builds an output weight beside the embedding the layers read, and uses the
+    embedding's for the loss (GPTModel: ``skip_weight_param_allocation`` on the first stage only,
+    ``shared_embedding_or_output_weight`` returns the embedding's where ``mtp_process``), so that
+    weight never gets a gradient, which the overlapped gradient reduction dsauto's plans run refuses
+    (``_ParamAndGradBucketGroup.reset`` asserts every parameter's gradient came; measured: the second
+    step's first call stops there)."""
+    if engine == "megatron" and pp > 1 and model.mtp_layers and model.tied_embeddings:
+        return ("Megatron-core's last pipeline stage of a tied head with multi-token-prediction layers holds an "
+                "output weight that gets no gradient, which its overlapped gradient reduction refuses")
+    return None
+
+
 def deepspeed_bf16_pipeline_refusal(engine: Engine, dims: ParallelDims, zero_stage: int,
                                     dtype: Dtype | None) -> str | None:
     """Why a DeepSpeed pipeline of data-parallel replicas does not run bf16 without ZeRO, or None.

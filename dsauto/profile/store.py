@@ -9,6 +9,7 @@ one unless told ``--force``, and ``dsauto tune --profile DIR`` loads the one mat
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -214,12 +215,19 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
+def profiled_model(model: ModelSpec) -> ModelSpec:
+    """What a profile measures of ``model``: its layers, not the multi-token-prediction layers a
+    Megatron-core plan trains beside them (a launch with or without them prices from the same
+    profile, and profiles made before dsauto read them still match)."""
+    return dataclasses.replace(model, mtp_layers=0) if model.mtp_layers else model
+
+
 def profile_key(model: ModelSpec, device: str, dtype: str, seq_len: int, versions: dict[str, str],
                 engine: str = REFERENCE_ENGINE, factory: str = "") -> str:
     """File stem of a profile: readable parts, then a hash of everything that keys it (the engine
     only when it is not the reference layers', and the user's layer factory only when given, so that
     earlier profiles keep their keys)."""
-    keyed: list[Any] = [content_dict(model), device, dtype, seq_len, versions]
+    keyed: list[Any] = [content_dict(profiled_model(model)), device, dtype, seq_len, versions]
     name = f"{model.name}-{device}-{dtype}-s{seq_len}"
     if engine != REFERENCE_ENGINE:
         keyed.append(engine)
@@ -283,7 +291,8 @@ def find_profile(source: Path | str, model: ModelSpec, dtype: str, seq_len: int,
     else:
         raise DsautoError(f"The profile {source} does not exist; run `dsauto profile --out {source}` first.")
     versions = software_versions()
-    matching = [p for p in candidates if p.model == model and p.dtype == dtype and p.seq_len == seq_len]
+    matching = [p for p in candidates if profiled_model(p.model) == profiled_model(model) and p.dtype == dtype
+                and p.seq_len == seq_len]
     # Same engine first, then current versions: other versions are still the best measurement there
     # is (the plan says so), but another engine's layers are other code.
     matching.sort(key=lambda p: (p.engine != (engine or REFERENCE_ENGINE), p.versions != versions))

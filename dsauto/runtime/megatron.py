@@ -147,7 +147,10 @@ def model_chunks(plan: Plan, build: Callable[..., M]) -> list[M]:
     ``vp_stage`` (None without interleaving) picks its layers from the pipeline layout
     (transformer_block.get_num_layers_to_build, transformer_layer.get_transformer_layer_offset).
     Give the list to ``get_forward_backward_func()(model=...)`` with one data iterator per chunk;
-    the interleaved schedule runs when :func:`initialize_model_parallel` set the virtual size.
+    the interleaved schedule runs when :func:`initialize_model_parallel` set the virtual size. A
+    model with multi-token-prediction layers also passes GPTModel ``mtp_block_spec=
+    get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine, vp_stage=vp_stage)``, which
+    is None except on the chunk that builds them (GPTModel builds them wherever it is given a spec).
 
     Needs the process groups of :func:`initialize_model_parallel`. Refuses chunks whose transformer
     layers (``decoder.layers``, Megatron's 1-based ``layer_number``) are not those the plan places
@@ -176,6 +179,10 @@ def model_chunks(plan: Plan, build: Callable[..., M]) -> list[M]:
                               f"{layers_text(built) if built else 'no transformer layers'} but the plan "
                               f"places {layers_text(planned) if planned else 'none'} there; build it from the "
                               f"TransformerConfig returned by dm.apply(plan, config).")
+        if plan.model.mtp_layers and hasattr(chunk, "decoder") and last and getattr(chunk, "mtp", None) is None:
+            raise DsautoError(f"The plan trains {plan.model.mtp_layers} multi-token-prediction layer(s) on the last "
+                              f"model chunk, and the chunk built has none; pass GPTModel mtp_block_spec="
+                              f"get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine, vp_stage=vp_stage).")
         chunks.append(chunk)
     return chunks
 

@@ -30,7 +30,11 @@ MAX_PIPELINE_OPERATIONS = 2**19
 """Stages x micro-batches of one simulated 1F1B step (about 0.2 s of simulation; a search simulates
 the steps of tens of plans)."""
 
-_WHAT_TO_PIN = "pin --tp, --pp or --micro-batch, or use a global batch with fewer divisors"
+def _what_to_pin(model: ModelSpec) -> str:
+    """What a user pins to make the search smaller; a mixture of experts multiplies the strategies by
+    its expert degrees, which --ep fixes."""
+    pins = "--tp, --pp, --ep or --micro-batch" if model.moe else "--tp, --pp or --micro-batch"
+    return f"pin {pins}, or use a global batch with fewer divisors"
 
 
 def _where(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> str:
@@ -62,7 +66,7 @@ def check_search_size(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, 
     count = choices(model, cluster, train, pins)
     if count > MAX_CHOICES:
         raise DsautoError(f"The search for {_where(model, cluster, train)} would weigh {count} pairs of degrees "
-                          f"and micro-batch size, more than the {MAX_CHOICES} it can in seconds; {_WHAT_TO_PIN}.")
+                          f"and micro-batch size, more than the {MAX_CHOICES} it can in seconds; {_what_to_pin(model)}.")
 
 
 def check_strategies(built: list[Strategy], model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> list[Strategy]:
@@ -71,7 +75,7 @@ def check_strategies(built: list[Strategy], model: ModelSpec, cluster: ClusterSp
     where = _where(model, cluster, train)
     if len(built) > MAX_STRATEGIES:
         raise DsautoError(f"The search for {where} would price {len(built)} strategies, more than the "
-                          f"{MAX_STRATEGIES} it can in seconds; {_WHAT_TO_PIN}.")
+                          f"{MAX_STRATEGIES} it can in seconds; {_what_to_pin(model)}.")
     operations = max((s.pp * s.grad_accum * getattr(s, "virtual_stages", 1) for s in built if s.pp > 1), default=0)
     if operations > MAX_PIPELINE_OPERATIONS:
         raise DsautoError(f"The search for {where} would simulate pipelines of up to {operations} stage "

@@ -22,6 +22,7 @@ from dsauto.engines.rules import (
     expert_a2a_overlap_refusal,
     expert_dispatcher_refusal,
     force_load_balancing_refusal,
+    mtp_pipeline_refusal,
     grad_reduce_refusal,
     precision_aware_refusal,
     softmax_16_bit_refusal,
@@ -138,8 +139,7 @@ class Constraints:
                 "core_attn, layernorm, mlp, moe_act, mla_up_proj (Megatron-core's --recompute-modules; "
                 "under DeepSpeed the dsauto hook checkpoints the first three in each block; moe_act, "
                 "the routed experts' activation, and mla_up_proj, latent attention's up projections, "
-                "are Megatron-core's alone), or 'none' (default: chosen by the search, which does not "
-                "try mla_up_proj)"})
+                "are Megatron-core's alone), or 'none' (default: chosen by the search)"})
     """Modules every transformer layer recomputes, comma-separated (``"core_attn,mlp"``), or
     ``"none"`` for no selective recomputation; None lets the search choose."""
     offload: Offload | None = field(default=None, metadata={
@@ -353,7 +353,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
             for zero in zero_stages:
                 for sp in sp_values:
                     for engine in engines:
-                        if sp and engine == "megatron" and not sp_runs:
+                        if (sp and engine == "megatron" and not sp_runs) or mtp_pipeline_refusal(engine, pp, model):
                             continue
                         if refusal(engine, dims, zero, train.dtype) is not None or context_parallel_refusal(
                                 engine, dims.cp, train.seq_len, train.flash_attention, heads=model.num_attention_heads,
@@ -695,6 +695,9 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                                f"node; tensor parallelism must stay inside a node.")
     if pins.pp is not None and pins.pp > model.num_layers:
         return DsautoError(f"--pp {pins.pp} exceeds the {model.num_layers} layers of {model.name}.")
+    if (pins.pp or 1) > 1 and pins.engine == "megatron" and (why := mtp_pipeline_refusal("megatron", pins.pp, model)):
+        return DsautoError(f"--pp {pins.pp} cannot run {model.name} on Megatron-core: {why}; pin --pp 1, or untie "
+                           f"the head (tied_embeddings false) in a model YAML.")
     tp, pp = pins.tp or 1, pins.pp or 1
     if world % (tp * pp):
         return DsautoError(f"tp({tp}) * pp({pp}) does not divide the world size {world} "

@@ -313,6 +313,10 @@ class ModelSpec:
         if self.mtp_layers and self.architecture != "decoder":
             raise ValueError("mtp_layers predicts later tokens of a causal language model: it needs architecture "
                              "decoder")
+        if self.mtp_layers and self.position_embedding != "rope":
+            # megatron/training/arguments.py: MTP asserts position_embedding_type rope or none
+            raise ValueError(f"mtp_layers needs rotary positions (position_embedding rope), as Megatron-LM runs "
+                             f"multi-token prediction with no others, got {self.position_embedding}")
         if self.glu_clamp and (self.mlp != "swiglu" or not 0.0 < self.glu_clamp < float("inf")):
             raise ValueError(f"glu_clamp clamps a gated MLP's inputs (gpt-oss): it needs mlp swiglu and a finite "
                              f"value above 0, got mlp {self.mlp} and {self.glu_clamp}")

@@ -199,3 +199,28 @@ def test_flags_parse_with_megatron_lm(plan):
     assert args.tensor_model_parallel_size == plan.tp
     assert args.pipeline_model_parallel_size == plan.pp
     assert args.global_batch_size == plan.global_batch
+
+
+def test_latent_attention_runs_its_own_yarn_under_rope_positions():
+    """Megatron-core's latent attention builds its own rotary embedding (YaRN by --rope-type), and
+    GPTModel adds a model-wide one for --position-embedding-type yarn whatever the attention, which
+    Megatron-LM's multi-token prediction refuses too: DeepSeek-V3 launches with rope positions, its
+    YaRN factor and mscales as the flags MLATransformerConfig reads, and its multi-token-prediction layer."""
+    import warnings
+
+    from dsauto.api import make_plan
+    from dsauto.emit.megatron import megatron_args
+    from dsauto.errors import DsautoWarning
+    from dsauto.spec.loaders import load_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        model = load_model("tests/spec/configs/deepseek-v3.json")
+        plan = make_plan(model, "h100-80gb", nodes=128, gpus_per_node=8, global_batch=8192, seq_len=4096,
+                         engine="megatron", tp=2, pp=16, ep=64, micro_batch=1)
+    lines = megatron_args(plan)
+    assert "--position-embedding-type yarn" not in lines and "--mtp-num-layers 1" in lines
+    at = lines.index("--position-embedding-type rope")
+    assert lines[at:at + 6] == ["--position-embedding-type rope", "--rope-type yarn", "--rotary-base 10000",
+                                "--rotary-scaling-factor 40", "--mscale 1", "--mscale-all-dim 1"]
+    assert not any(line.startswith("# Not expressed: YaRN") for line in lines)

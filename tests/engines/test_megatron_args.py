@@ -707,8 +707,9 @@ def test_nvidias_deepseek_v3_layouts_read_or_are_refused_in_one_sentence():
                                  "train.sh", model)
     assert launch.pins["stage_layers"] == (4,) * 15 + (1,) and launch.pins["vpp"] == 1
     assert launch.model.mtp_layers == 1
-    with pytest.raises(DsautoError, match=r"lays out the chunks \[1, 2, 2,.*dsauto splits a pipeline rank's layers "
-                                          r"over its virtual stages as evenly as possible"):
+    with pytest.raises(DsautoError, match=r"whose pipeline rank 0 holds 1, 2 transformer layers in its 2 model "
+                                          r"chunks; dsauto prices a rank's layers split as evenly as its chunks "
+                                          r"allow, the earlier ones taking the remainder \(2, 1\), so give such a"):
         parse_megatron_args(shlex.split(flags + "--pipeline-model-parallel-layout 'Et|(tt|)*30mL'"), "train.sh",
                             model)
     with pytest.raises(DsautoError, match="dsauto prices the embedding .E. first, the loss .L. at the end of the last "
@@ -720,3 +721,40 @@ def test_nvidias_deepseek_v3_layouts_read_or_are_refused_in_one_sentence():
 def test_a_nested_layout_group_megatron_core_does_not_read_is_refused():
     with pytest.raises(DsautoError, match=r"which dsauto does not read: it knows E, t, m, L"):
         expand_layout("E((t|)*2t)*2L", "train.sh")
+
+
+@pytest.mark.parametrize("layout", ["E t|tL", "()*3Et|tL", "E(t|(t|)*2)*2L", "t*-1"])
+def test_layouts_megatron_core_refuses_are_refused(layout):
+    with pytest.raises(DsautoError, match=r"which dsauto does not read: it knows E, t, m, L"):
+        expand_layout(layout, "train.sh")
+
+
+def test_a_layout_that_repeats_past_any_real_one_is_refused_at_once():
+    with pytest.raises(DsautoError, match="which repeats past 1,000,000 characters"):
+        expand_layout("E" + "t*900000" * 5 + "L", "train.sh")
+    with pytest.raises(DsautoError, match="which repeats past 1,000,000 characters"):
+        expand_layout("E(t|)*999999999L", "train.sh")
+
+
+def test_mtp_num_layers_0_is_megatrons_none():
+    launch = parse_megatron_args(shlex.split(MINIMAL + " --mtp-num-layers 0"), "train.sh")
+    assert launch.model.mtp_layers == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        model = load_model(str(CONFIGS / "deepseek-v3.json"))
+    flags = ("--multi-latent-attention --seq-length 4096 --micro-batch-size 1 --global-batch-size 8192 "
+             "--moe-token-dispatcher-type alltoall --mtp-num-layers 0 --bf16")
+    launch = parse_megatron_args(shlex.split(flags), "train.sh", model)
+    assert launch.model.mtp_layers == 0
+    assert launch.notes[0].startswith("train.sh sets --mtp-num-layers 0, and --model deepseek-ai/DeepSeek-V3 has 1 ")
+
+
+def test_a_launch_whose_layers_megatron_cannot_split_evenly_says_so():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        model = load_model(str(CONFIGS / "deepseek-v3.json"))
+    flags = ("--multi-latent-attention --seq-length 4096 --micro-batch-size 1 --global-batch-size 8192 "
+             "--moe-token-dispatcher-type alltoall --mtp-num-layers 1 --bf16 --pipeline-model-parallel-size 16")
+    with pytest.raises(DsautoError, match="sets --pipeline-model-parallel-size 16 and no layout flag, so Megatron-core "
+                                          "splits the 61 transformer layers evenly, which 16 stages cannot"):
+        parse_megatron_args(shlex.split(flags), "train.sh", model)
