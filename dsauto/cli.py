@@ -156,8 +156,9 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     from dsauto.spec.training import TrainSpec
 
     p.add_argument("--model", default=None, help=f"{_MODEL_HELP} (default: {DEFAULT_MODEL})")
-    p.add_argument("--hardware", default=DEFAULT_HARDWARE,
-                   help=f"hardware preset name or a cluster YAML (default: {DEFAULT_HARDWARE})")
+    p.add_argument("--hardware", default=None,
+                   help=f"hardware preset name or a cluster YAML (default: {DEFAULT_HARDWARE}, or the one dsauto's "
+                        f"own --megatron-args file was planned on)")
     p.add_argument("--nodes", type=_positive_int, default=None, help="number of nodes (default: 1)")
     p.add_argument("--gpus-per-node", type=_positive_int, default=None,
                    help="devices per node (default: the hardware's)")
@@ -290,18 +291,24 @@ def build_parser() -> argparse.ArgumentParser:
 def problem_from_args(args: argparse.Namespace) -> Problem:
     """The problem ``dsauto tune`` / ``dsauto plan`` solve: :func:`dsauto.api.make_problem` of the
     options, so the command line and Python share every default."""
-    from dsauto.api import DEFAULT_MODEL, make_problem
+    from dsauto.api import DEFAULT_HARDWARE, DEFAULT_MODEL, make_problem
     from dsauto.search.space import Constraints
+    from dsauto.spec.presets import list_presets
     from dsauto.spec.training import TrainSpec
 
     pins, train = field_values(args, Constraints), field_values(args, TrainSpec)
     model: Any = args.model or DEFAULT_MODEL
-    nodes, gpus_per_node = args.nodes, args.gpus_per_node
+    nodes, gpus_per_node, hardware = args.nodes, args.gpus_per_node, args.hardware
     if args.megatron_args is not None:
         if pins.get("hf_trainer"):
             raise DsautoError("--for hf plans for Hugging Face's Trainer, which runs DeepSpeed, and --megatron-args "
                               "reads a Megatron-LM launch; drop one of them.")
-        model, launch_train, launch_pins, world, spelled, planned = _launch_from_args(args)
+        model, launch_train, launch_pins, world, spelled, planned, planned_on = _launch_from_args(args)
+        if hardware is None and planned_on is not None:
+            if planned_on not in list_presets("hardware"):
+                raise DsautoError(f"{args.megatron_args} was planned on {planned_on}, which is not a hardware preset; "
+                                  f"give --hardware with the cluster YAML it was planned on.")
+            hardware = planned_on
         args.launch_spelled = {key: flag for key, flag in spelled.items() if key not in train and key not in pins}
         train, pins = _merged(train, launch_train, "--megatron-args"), _merged(pins, launch_pins, "--megatron-args")
         if planned:
@@ -310,14 +317,15 @@ def problem_from_args(args: argparse.Namespace) -> Problem:
             nodes = _launched(nodes, world.get("nodes"), "nodes", "--nodes", args.megatron_args)
             gpus_per_node = _launched(gpus_per_node, world.get("gpus_per_node"), "ranks a node", "--gpus-per-node",
                                       args.megatron_args)
-    return make_problem(model, args.hardware, nodes=nodes, gpus_per_node=gpus_per_node,
+    return make_problem(model, hardware or DEFAULT_HARDWARE, nodes=nodes, gpus_per_node=gpus_per_node,
                         memory_limit=args.memory_limit, **train, **pins)
 
 
 def _launch_from_args(args: argparse.Namespace
-                      ) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int], dict[str, str], bool]:
+                      ) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, int], dict[str, str], bool, str | None]:
     """The model, batch, pins, launcher's world (nodes, gpus_per_node), flag spellings of
-    ``--megatron-args`` and whether the world is the one dsauto's own file was planned for, warning
+    ``--megatron-args``, whether the world is the one dsauto's own file was planned for and the
+    hardware that file names, warning
     of what it sets that dsauto does not read or prices otherwise."""
     from dsauto.engines.megatron_args import read_megatron_args
     from dsauto.errors import DsautoWarning
@@ -334,7 +342,8 @@ def _launch_from_args(args: argparse.Namespace
     for note in launch.notes:
         warnings.warn(note, DsautoWarning, stacklevel=2)
     args.launch_bucket = launch.ddp_bucket_size
-    return launch.model, launch.train, launch.pins, launch.world, launch.spelled, launch.world_planned
+    return (launch.model, launch.train, launch.pins, launch.world, launch.spelled, launch.world_planned,
+            launch.hardware)
 
 
 def in_launch_spelling(message: str, spelled: Mapping[str, str]) -> str:

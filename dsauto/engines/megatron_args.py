@@ -128,6 +128,8 @@ class MegatronLaunch:
     (:func:`planned_world`)."""
     world_planned: bool = False
     """Whether :attr:`world` is the one dsauto's own file was planned for, not a launcher's."""
+    hardware: str | None = None
+    """The hardware dsauto's own file was planned on, as its first line names it; None for another file."""
 
 
 ENVIRONMENT = ("NVTE_MASKED_SOFTMAX_FUSION",)
@@ -161,6 +163,7 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
                             f"file if they differ.")
     if not launch.world and not _launcher_words(words) and (planned := planned_world(text)):
         launch.world, launch.world_planned = planned, True
+        launch.hardware = planned_hardware(text)
     return launch
 
 
@@ -176,6 +179,18 @@ def planned_world(text: str) -> dict[str, int]:
         if found := re.fullmatch(rf"#\s*{re.escape(PLANNED_FOR)} .* on (\d+) x (\d+) .+\.", line):
             return {"nodes": int(found.group(1)), "gpus_per_node": int(found.group(2))}
     return {}
+
+
+def planned_hardware(text: str) -> str | None:
+    """The hardware dsauto's own megatron_args.txt was planned on, as its first line names it
+    (:func:`planned_world`), or None for another file."""
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            break
+        if found := re.fullmatch(rf"#\s*{re.escape(PLANNED_FOR)} .* on \d+ x \d+ (.+)\.", line):
+            return found.group(1)
+    return None
 
 
 _ASSIGNMENT = re.compile(r"(?:export[ \t]+|declare[ \t]+-a[ \t]+)?([A-Za-z_]\w*)(\+?)=")

@@ -610,6 +610,14 @@ def test_dsauto_s_own_file_reads_back_on_the_cluster_it_was_planned_for(tmp_path
     script = tmp_path / "train.sh"
     script.write_text(f"{header}\ntorchrun --nnodes $NNODES pretrain_gpt.py {MINIMAL}\n")
     assert read_megatron_args(script).world == {}
+    # and on the hardware it names, where the command line gives none
+    assert read_megatron_args(path).hardware == "h100-80gb"
+    assert main(["plan", "--megatron-args", str(path)]) == 0
+    assert "on 2 x 8 h100-80gb (16 devices)" in capsys.readouterr().out
+    path.write_text(path.read_text().replace("h100-80gb.", "my-cluster.", 1))
+    assert main(["plan", "--megatron-args", str(path)]) == 2
+    assert (f"{path} was planned on my-cluster, which is not a hardware preset; give --hardware with the cluster "
+            f"YAML it was planned on." in capsys.readouterr().err)
 
 
 def test_rotary_positions_beyond_the_model_s_are_sized_to_the_sequence(tmp_path):
