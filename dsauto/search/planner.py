@@ -572,9 +572,12 @@ class Planner:
         # A pinned layout (--stage-layers) is the one layout tried, and may leave chunks empty.
         mids = p - 2
         pinned = pinned_stage_layers(self.pins, L, p)
+        # The last stage may hold a single layer: its chunks then leave the last one to the head (and
+        # the prediction layers beside it), as NVIDIA's DeepSeek-V3 layouts do ("...|tt|mL").
+        least_last = 1
         if pinned is None:
             q_values = [q for q in range(max(1, L // p - 1), -(-L // p) + 2)
-                        if mids * q <= L - 2 * v and q >= v] if mids else [0]
+                        if mids * q <= L - v - least_last and q >= v] if mids else [0]
             if not q_values:
                 return None
             middles = [[q + (1 if i >= mids - r else 0) for i in range(mids)]
@@ -582,7 +585,7 @@ class Planner:
             # The first and last stages share the layers the middle ones leave, at most
             # L - mids * min(q), and each keeps at least v of them: no layout reads either DP past
             # that less v layers (and its embedding or head).
-            ends, most_mid = L - mids * min(q_values) - v + 1, max(q_values) + 1
+            ends, most_mid = L - mids * min(q_values) - least_last + 1, max(q_values) + 1
         else:
             middles = [list(pinned[1:-1])]
             ends, most_mid = max(pinned[0], pinned[-1]) + 1, max(pinned[1:-1], default=0)
@@ -615,12 +618,12 @@ class Planner:
         best, best_layout = math.inf, None
         for counts in middles:
             rest = L - sum(counts)
-            if rest < 2 * v and pinned is None:
+            if rest < v + least_last and pinned is None:
                 continue
             mid_times = mid_waited[mid_rows, counts]
             if mids and not np.isfinite(mid_times).all():
                 continue
-            n_first = np.arange(v, rest - v + 1) if pinned is None else np.array([pinned[0]])
+            n_first = np.arange(v, rest - least_last + 1) if pinned is None else np.array([pinned[0]])
             t_first = first_waited[n_first + 1]
             t_last = last_waited[rest - n_first + 1]
             mid_sum = mid_times.sum() if mids else 0.0

@@ -176,21 +176,40 @@ def test_a_profile_prices_the_model_with_or_without_its_prediction_layers(tmp_pa
 
 
 def test_an_interleaved_schedule_that_lengthens_the_bubble_says_what_it_costs():
-    """DeepSeek-V3 at pp 16 with 2 chunks a rank: the last chunk holds a layer beside the head and the
-    prediction layer, and the bubble comes out longer than plain 1F1B's; the description says what it
-    costs, not a negative saving."""
+    """Where the interleaved schedule's bubble comes out longer than plain 1F1B's (uneven chunks: a
+    heavy last chunk), the description says what it costs, not a negative saving."""
+    from dsauto.api import make_plan
+    from dsauto.describe import describe_plan
+
+    plan = make_plan(PLAIN, "cpu", nodes=1, gpus_per_node=2, global_batch=8, seq_len=256, engine="megatron", pp=2,
+                     vpp=2, micro_batch=1)
+    longer = dataclasses.replace(plan, prediction=dataclasses.replace(
+        plan.prediction, bubble_seconds=2.5, plain_bubble_seconds=1.0))
+    line = next(line for line in describe_plan(longer).splitlines() if "interleaved 1F1B" in line)
+    assert line.endswith("bubble 2.500 s instead of 1.000 s with plain 1F1B (costs 1.500 s more)")
+    line = next(line for line in describe_plan(plan).splitlines() if "interleaved 1F1B" in line)
+    assert "(saves " in line
+
+
+def test_an_interleaved_last_stage_leaves_its_last_chunk_to_the_head_and_the_prediction_layer():
+    """The layout search lets the last stage hold a single layer, so that under 2 chunks a rank its
+    last chunk holds only the head and the prediction layer, as NVIDIA's DeepSeek-V3 layouts place
+    them ("...|mL"): the prediction layer then costs the interleaved step next to nothing, where a
+    layer beside them made the last chunk the slowest."""
     import warnings
 
     from dsauto.api import make_plan
-    from dsauto.describe import describe_plan
+    from dsauto.emit.megatron import megatron_args
     from dsauto.errors import DsautoWarning
     from dsauto.spec.loaders import load_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DsautoWarning)
         model = load_model("tests/spec/configs/deepseek-v3.json")
-        plan = make_plan(model, "h100-80gb", nodes=128, gpus_per_node=8, global_batch=8192, seq_len=4096,
-                         engine="megatron", tp=2, pp=16, ep=64, micro_batch=1, vpp=2)
-    assert plan.prediction.plain_bubble_seconds < plan.prediction.bubble_seconds
-    line = next(line for line in describe_plan(plan).splitlines() if "interleaved 1F1B" in line)
-    assert "with plain 1F1B (costs " in line and "more)" in line and "saves" not in line
+        plans = [make_plan(m, "h100-80gb", nodes=128, gpus_per_node=8, global_batch=8192, seq_len=4096,
+                           engine="megatron", tp=2, pp=16, ep=64, micro_batch=1, vpp=2)
+                 for m in (model, dataclasses.replace(model, mtp_layers=0))]
+    assert plans[0].stage_layers[-1] == 1
+    layout = next(line for line in megatron_args(plans[0]) if line.startswith("--pipeline-model-parallel-layout"))
+    assert layout.endswith("|mL'")
+    assert plans[0].prediction.step_seconds <= 1.01 * plans[1].prediction.step_seconds
