@@ -1119,9 +1119,9 @@ def model_from_hf_config(config: Mapping[str, Any], where: str, default_name: st
                       f"include that.", DsautoWarning, stacklevel=3)
     left_out = [f"{key}={config[key]!r}" for key in UNPLANNED_MODULE_KEYS if config.get(key)]
     if left_out:
-        warnings.warn(f"{where}: its multi-token-prediction layers ({', '.join(left_out)}) are not planned, as "
-                      f"transformers does not build them either: the plan, its memory and its time are the main "
-                      f"model's, and a last pipeline stage that trains them holds one more layer and loss.",
+        warnings.warn(f"{where}: its multi-token-prediction modules ({', '.join(left_out)}) are not planned: "
+                      f"transformers does not build them, and Megatron-core's --mtp-num-layers builds one layer a "
+                      f"depth, not these; the plan, its memory and its time are the main model's.",
                       DsautoWarning, stacklevel=3)
     try:
         return from_dict(ModelSpec, spec, where)

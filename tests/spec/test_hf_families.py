@@ -121,7 +121,7 @@ def config(name: str) -> dict:
 def load(name: str):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DsautoWarning)  # the public configs leave no key unread
-        warnings.filterwarnings("ignore", ".*its multi-token-prediction layers", DsautoWarning)  # named on purpose
+        warnings.filterwarnings("ignore", ".*its multi-token-prediction modules", DsautoWarning)  # named on purpose
         warnings.filterwarnings("ignore", ".*its checkpoint is stored in", DsautoWarning)  # named on purpose
         return model_from_hf_config(config(name), name)
 
@@ -146,9 +146,9 @@ def test_minimax_multi_token_prediction_modules_are_named_as_not_planned():
         warnings.simplefilter("always", DsautoWarning)
         model = model_from_hf_config(given, "minimax-m2")
     said = [str(w.message) for w in caught if "multi-token-prediction" in str(w.message)]
-    assert said == ["minimax-m2: its multi-token-prediction layers (num_mtp_modules=3, use_mtp=True) are not "
-                    "planned, as transformers does not build them either: the plan, its memory and its time are "
-                    "the main model's, and a last pipeline stage that trains them holds one more layer and loss."]
+    assert said == ["minimax-m2: its multi-token-prediction modules (num_mtp_modules=3, use_mtp=True) are not "
+                    "planned: transformers does not build them, and Megatron-core's --mtp-num-layers builds one "
+                    "layer a depth, not these; the plan, its memory and its time are the main model's."]
     assert model.mtp_layers == 0
 
 
@@ -241,7 +241,7 @@ def test_config_object_reads_like_its_json(name):
         data = transformers.AutoConfig.for_model(**as_transformers(config(name))).to_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("error", DsautoWarning)
-        warnings.filterwarnings("ignore", ".*its multi-token-prediction layers", DsautoWarning)  # named on purpose
+        warnings.filterwarnings("ignore", ".*its multi-token-prediction modules", DsautoWarning)  # named on purpose
         warnings.filterwarnings("ignore", ".*its checkpoint is stored in", DsautoWarning)  # named on purpose
         assert model_from_hf_config(data, name) == load(name)
 
