@@ -214,7 +214,7 @@ def build(plan, cuda: bool = False):
     process's GPU (else on the CPU, through dsauto's Megatron CPU shim)."""
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.module import Float16Module
@@ -227,15 +227,9 @@ def build(plan, cuda: bool = False):
                                               use_cpu_initialization=not cuda,
                                               attention_backend=AttnBackend.local))
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
-
-    def mtp(vp_stage=None, **_):  # the decoder's layer spec for the multi-token-prediction layers (None
-        # but on the chunk that builds them: GPTModel builds them wherever it is given one)
-        return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage) \
-            if config.mtp_num_layers else None
-
     chunks = dm.model_chunks(plan, lambda **where: GPTModel(
-        config=config, transformer_layer_spec=spec, mtp_block_spec=mtp(**where), **dm.gpt_model_kwargs(plan),
-        **where))
+        config=config, transformer_layer_spec=spec, mtp_block_spec=dm.mtp_block_spec(config, spec, where["vp_stage"]),
+        **dm.gpt_model_kwargs(plan), **where))
     if config.bf16 or config.fp16:
         # As Megatron-LM's get_model: every parameter (the norms and the position table too) in 16
         # bits, inputs cast on the first stage, the loss returned in fp32 (transformer/module.py).

@@ -34,6 +34,7 @@ from dsauto.runtime.megatron import (
     ddp_config,
     gpt_model_kwargs,
     initialize_model_parallel,
+    mtp_block_spec,
     optimizer_config,
     transformer_config_kwargs,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "initialize_model_parallel",
     "load_plan",
     "model_chunks",
+    "mtp_block_spec",
     "optimizer_config",
     "transformer_config_kwargs",
 ]

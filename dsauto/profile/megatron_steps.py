@@ -131,8 +131,9 @@ def build(plan: Plan, on_cpu: bool, lr: float = 1e-4) -> tuple[list[torch.nn.Mod
                                               use_cpu_initialization=on_cpu, attention_backend=AttnBackend.local))
     spec = get_gpt_layer_local_spec(num_experts=plan.model.num_experts or None, qk_layernorm=qk_layernorm(plan.model),
                                     normalization=config.normalization)
-    chunks = dm.model_chunks(plan, lambda **where: GPTModel(config=config, transformer_layer_spec=spec,
-                                                             **dm.gpt_model_kwargs(plan), **where))
+    chunks = dm.model_chunks(plan, lambda **where: GPTModel(
+        config=config, transformer_layer_spec=spec, mtp_block_spec=dm.mtp_block_spec(config, spec, where["vp_stage"]),
+        **dm.gpt_model_kwargs(plan), **where))
     if config.bf16 or config.fp16:
         # As get_model: every parameter in 16 bits, inputs cast on the first stage, the loss in fp32.
         chunks = [Float16Module(config, chunk) for chunk in chunks]

@@ -182,7 +182,7 @@ def model_chunks(plan: Plan, build: Callable[..., M]) -> list[M]:
         if plan.model.mtp_layers and hasattr(chunk, "decoder") and last and getattr(chunk, "mtp", None) is None:
             raise DsautoError(f"The plan trains {plan.model.mtp_layers} multi-token-prediction layer(s) on the last "
                               f"model chunk, and the chunk built has none; pass GPTModel mtp_block_spec="
-                              f"get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine, vp_stage=vp_stage).")
+                              f"dm.mtp_block_spec(config, layer_spec, vp_stage).")
         chunks.append(chunk)
     return chunks
 
@@ -626,6 +626,20 @@ def gpt_model_kwargs(plan: Plan) -> dict[str, Any]:
             _report(f"Megatron-core's GPTModel builds no {model.rope_scaling} rope scaling; the rotary "
                     f"embedding is built unscaled.")
     return kwargs
+
+
+def mtp_block_spec(config: TransformerConfig, layer_spec: Any, vp_stage: int | None = None,
+                   use_transformer_engine: bool = False) -> Any:
+    """GPTModel's ``mtp_block_spec`` for the model chunk at ``vp_stage`` of a config with
+    multi-token-prediction layers (``mtp_num_layers``, set by :func:`transformer_config_kwargs`):
+    Megatron-core's ``get_gpt_mtp_block_spec`` over the decoder's ``layer_spec``, None on the chunks
+    that do not build them and without them (GPTModel builds them wherever it is given a spec)."""
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_transformer_engine,
+                                  vp_stage=vp_stage)
 
 
 def _torch_dtype(plan: Plan) -> torch.dtype:

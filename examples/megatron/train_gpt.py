@@ -101,10 +101,13 @@ def build_model(plan: Plan, on_cpu: bool) -> list[torch.nn.Module]:
     )
     config = dm.apply(plan, config)  # dsauto
 
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+
     def chunk(pre_process: bool, post_process: bool, vp_stage: int | None) -> GPTModel:
         return GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
+            transformer_layer_spec=spec,
+            mtp_block_spec=dm.mtp_block_spec(config, spec, vp_stage),  # dsauto: multi-token prediction, if any
             **dm.gpt_model_kwargs(plan),  # dsauto: vocabulary, positions, tied head
             pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
         )
