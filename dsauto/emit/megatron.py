@@ -241,6 +241,10 @@ def _latent_positions(model: ModelSpec, params: dict[str, float]) -> list[str]:
     Megatron-LM's multi-token prediction asserts rope or none). YaRN's factor and mscales are flags
     MLATransformerConfig reads by name; its other parameters are fixed at the config's defaults."""
     lines = ["--position-embedding-type rope", f"--rope-type {'yarn' if model.rope_scaling == 'yarn' else 'rope'}"]
+    if model.rope_scaling != "yarn":
+        # MLATransformerConfig refuses Megatron-LM's default rope fusion without YaRN ("apply_rope_fusion for
+        # MLA only works with YARN RoPE", megatron/core/transformer/transformer_config.py)
+        lines.append("--no-rope-fusion")
     if model.rotary_base.is_integer():
         lines.append(f"--rotary-base {int(model.rotary_base)}")
     else:

@@ -25,6 +25,7 @@ from dsauto.refine.calibrate import CONTENDED_WEIGHT, Observation, fit_calibrati
 from dsauto.refine.space import Candidate, Knobs, options_of, plan_label, strategy_of
 from dsauto.refine.study import TuneResult
 from dsauto.search.planner import Planner
+from dsauto.spec.model import ModelSpec
 
 
 def study_record(planner: Planner, result: TuneResult) -> StudyRecord:
@@ -47,15 +48,19 @@ def with_study(history: Sequence[StudyRecord], record: StudyRecord) -> tuple[Stu
 
 def observations(profile: Profile, history: Sequence[StudyRecord]) -> list[Observation]:
     """The steps of ``history`` as observations, each priced by its own study's planner (measured
-    layers from ``profile``); a step whose plan this dsauto cannot read any more is left out."""
+    layers from ``profile``) for the model its plan trained (a profile serves the model with and
+    without its multi-token-prediction layers: store.profiled_model); a step whose plan this dsauto
+    cannot read any more is left out."""
     found = []
     for record in history:
-        planner = Planner(profile.model, record.cluster, record.train, profile=profile)
+        planners: dict[ModelSpec, Planner] = {}
         for step in record.steps:
             try:
                 plan = Plan.from_dict(step.plan, f"a plan measured by study {record.study}")
             except DsautoError:
                 continue
+            model = dataclasses.replace(profile.model, mtp_layers=plan.model.mtp_layers)
+            planner = planners.setdefault(model, Planner(model, record.cluster, record.train, profile=profile))
             candidate = Candidate(Knobs(plan_label(plan)), strategy_of(plan), plan.stage_layers,
                                   options_of(plan), plan)
             found.append(Observation(candidate, step.step_seconds, step.peak_bytes,

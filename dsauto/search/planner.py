@@ -568,8 +568,9 @@ class Planner:
         # (later stages hold fewer micro-batches in flight, so they have room to spare); the first
         # and last stages take any split of the rest. Equal middle stages (r = 0) are Megatron's
         # first/last-stage flags; the rest need its pipeline layout string.
-        # With v chunks per rank (interleaved 1F1B) every stage holds at least v layers, one a chunk.
-        # A pinned layout (--stage-layers) is the one layout tried, and may leave chunks empty.
+        # With v chunks per rank (interleaved 1F1B) every stage but the last holds at least v layers, one
+        # a chunk; the last holds at least one (below). A pinned layout (--stage-layers) is the one
+        # layout tried, and may leave chunks empty.
         mids = p - 2
         pinned = pinned_stage_layers(self.pins, L, p)
         # The last stage may hold a single layer: its chunks then leave the last one to the head (and
@@ -583,8 +584,8 @@ class Planner:
             middles = [[q + (1 if i >= mids - r else 0) for i in range(mids)]
                        for q in q_values for r in range(mids if mids else 1)]
             # The first and last stages share the layers the middle ones leave, at most
-            # L - mids * min(q), and each keeps at least v of them: no layout reads either DP past
-            # that less v layers (and its embedding or head).
+            # L - mids * min(q), the first keeping at least v of them and the last least_last: no
+            # layout reads either DP past that less least_last layers (and its embedding or head).
             ends, most_mid = L - mids * min(q_values) - least_last + 1, max(q_values) + 1
         else:
             middles = [list(pinned[1:-1])]

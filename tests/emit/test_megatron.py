@@ -224,3 +224,26 @@ def test_latent_attention_runs_its_own_yarn_under_rope_positions():
     assert lines[at:at + 6] == ["--position-embedding-type rope", "--rope-type yarn", "--rotary-base 10000",
                                 "--rotary-scaling-factor 40", "--mscale 1", "--mscale-all-dim 1"]
     assert not any(line.startswith("# Not expressed: YaRN") for line in lines)
+
+
+def test_latent_attention_without_yarn_turns_megatron_lms_rope_fusion_off(tmp_path):
+    """MLATransformerConfig refuses Megatron-LM's default rope fusion unless the rope is YaRN: a latent
+    model without YaRN scaling launches with --rope-type rope --no-rope-fusion, and the file reads back."""
+    import warnings
+
+    from dsauto.api import make_plan
+    from dsauto.emit.megatron import megatron_args, write_megatron_args
+    from dsauto.engines.megatron_args import read_megatron_args
+    from dsauto.errors import DsautoWarning
+    from dsauto.spec.loaders import load_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        model = load_model("tests/spec/configs/deepseek-v2-lite.json")
+        plan = make_plan(model, "h100-80gb", nodes=1, gpus_per_node=8, global_batch=64, seq_len=4096,
+                         engine="megatron", pp=2, ep=4)
+    assert model.latent_attention and not model.rope_scaling
+    lines = megatron_args(plan)
+    assert "--rope-type rope" in lines and "--no-rope-fusion" in lines
+    launch = read_megatron_args(write_megatron_args(plan, tmp_path / "megatron_args.txt"), plan.model)
+    assert launch.unknown == []

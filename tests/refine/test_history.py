@@ -22,6 +22,7 @@ from dsauto.refine.history import fit_history, record_study, with_study
 from dsauto.refine.space import base_plans, calibrated_planner, candidates
 from dsauto.refine.study import TuneResult
 from dsauto.search.planner import Planner
+from dsauto.search.space import Constraints
 from dsauto.spec.loaders import load_cluster, load_model
 from dsauto.spec.training import TrainSpec
 
@@ -63,6 +64,27 @@ def test_the_fit_covers_every_study_each_priced_by_its_own_planner():
     assert fitted.trials == sum(len(r.steps) for r in history)
     assert fitted.compute == pytest.approx(TRUTH.compute, rel=0.05)
     assert fitted.time_error_after < 0.02 < fitted.time_error_before
+
+
+def test_steps_of_a_model_with_prediction_layers_are_priced_with_them():
+    """One profile serves a model with and without its multi-token-prediction layers (the layers it
+    measures are the same: store.profiled_model); a Megatron-core study of the model with them is
+    priced with them, so the fit finds the truth (priced without them, the compute factor came out
+    2.05 for a truth of 1.5)."""
+    plain = dataclasses.replace(MODEL, name="gpt-tiny-rope", position_embedding="rope", tied_embeddings=False)
+    profile = dataclasses.replace(empty_profile(), model=plain)
+    mtp = dataclasses.replace(plain, mtp_layers=1)
+    cluster, train = load_cluster("cpu", nodes=1, gpus_per_node=2), TrainSpec(8, 64, "fp32")
+    planner = Planner(mtp, cluster, train, Constraints(engine="megatron"), profile=profile)
+    real = calibrated_planner(planner, TRUTH)
+    steps = []
+    for candidate in candidates(planner, base_plans(planner, top_k=2))[:6]:
+        measured = candidate.price(real).prediction
+        steps.append(MeasuredStep(plan=candidate.plan.to_dict(), step_seconds=measured.step_seconds,
+                                  peak_bytes=measured.peak_memory_bytes, other_load=0.0, cores=2, contended=False))
+    fitted = fit_history(profile, (StudyRecord(study="mtp", host="h", cluster=cluster, train=train,
+                                               steps=tuple(steps)),))
+    assert fitted.compute == pytest.approx(TRUTH.compute, rel=0.05)
 
 
 def test_steps_measured_under_contention_count_less():
