@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from dsauto.plan import LayerChoice, Plan
+from dsauto.spec.model import layer_groups
 from dsauto.units import format_bytes, format_count, format_flops, format_seconds, counted
 
 
@@ -48,7 +49,8 @@ def describe_plan(plan: Plan) -> str:
                  if plan.flash_attention else "eager attention")
     lines = [
         f"dsauto plan: {plan.model.name} on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} "
-        f"({counted(plan.world_size, 'device')}), {format_count(plan.model.num_parameters())} parameters",
+        f"({counted(plan.world_size, 'device')}), {format_count(plan.model.num_parameters())} parameters"
+        f"{_mtp_parameters_text(plan)}",
         f"  engine      {plan.engine}" + ("" if plan.ranking is None else f"; {_ranking_text(plan)}"),
         f"  degrees     {plan.dims.describe()}; {counted(plan.world_size, 'device')} = "
         f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "")
@@ -189,6 +191,15 @@ def _mtp_text(plan: Plan) -> str:
     if not layers or plan.engine != "megatron":
         return ""
     return f" with {counted(layers, 'multi-token-prediction layer')} and {'their' if layers > 1 else 'its'} loss"
+
+
+def _mtp_parameters_text(plan: Plan) -> str:
+    """The parameters of the multi-token-prediction layers a Megatron-core plan trains beside the model."""
+    if not plan.model.mtp_layers or plan.engine != "megatron":
+        return ""
+    head = layer_groups(plan.model, plan.seq_len, 2)[2]
+    assert head.mtp_block is not None
+    return f" and {format_count(plan.model.mtp_layers * head.mtp_block.params)} in its multi-token prediction"
 
 
 def _run_lengths(values: Sequence[int]) -> str:

@@ -125,9 +125,14 @@ def test_a_deepspeed_plan_of_a_model_with_prediction_layers_says_it_leaves_them_
 def test_the_plans_description_names_the_prediction_layers_beside_the_head():
     from dsauto.api import make_plan
     from dsauto.describe import describe_plan
+    from dsauto.units import format_count
 
     plan = make_plan(MODEL, "cpu", nodes=1, gpus_per_node=2, global_batch=8, seq_len=256, engine="megatron", pp=2)
     assert "5 = head with 1 multi-token-prediction layer and its loss)" in describe_plan(plan)
+    # the layer (12h^2 + 13h), its projection (2h^2) and its three norms (2h each)
+    mtp = 12 * H * H + 13 * H + 2 * H * H + 3 * 2 * H
+    assert describe_plan(plan).splitlines()[0].endswith(f"parameters and {format_count(mtp)} in its multi-token "
+                                                        f"prediction")
     assert "= head)" in describe_plan(make_plan(PLAIN, "cpu", nodes=1, gpus_per_node=2, global_batch=8, seq_len=256,
                                                 engine="megatron", pp=2))
 
