@@ -137,7 +137,7 @@ def test_multi_token_prediction_layers_reach_the_config_and_megatrons_layout(sta
     layout string with the layer on the last stage, before the loss, which Megatron's
     PipelineParallelLayerLayout reads back and validates against mtp_num_layers (in the config's
     __post_init__); the plan's checks refuse a config without it."""
-    model = dataclasses.replace(TINY8, mtp_layers=1, tied_embeddings=False)
+    model = dataclasses.replace(TINY8, mtp_layers=1, tied_embeddings=False, position_embedding="rope")
     plan = make_plan(pp=len(stages), stage_layers=stages, virtual_stages=virtual, model=model)
     config = dm.apply(plan, config_for(model))
     assert config.mtp_num_layers == 1
