@@ -178,6 +178,11 @@ def test_a_profile_prices_the_model_with_or_without_its_prediction_layers(tmp_pa
 
     assert profile_key(MODEL, "cpu", "bf16", 256, {}) == profile_key(PLAIN, "cpu", "bf16", 256, {})
     assert profiled_model(MODEL) == PLAIN and profiled_model(PLAIN) is PLAIN
+    from dsauto.profile.store import Profile, find_profile, save_profile, software_versions
+
+    save_profile(Profile(model=PLAIN, device="cpu", dtype="bf16", seq_len=256, threads=1,
+                         versions=software_versions(), layers=(), optimizer_seconds_per_param=1e-9), tmp_path)
+    assert find_profile(tmp_path, MODEL, "bf16", 256).model == PLAIN  # the model with the layer finds it
 
 
 def test_an_interleaved_schedule_that_lengthens_the_bubble_says_what_it_costs():
