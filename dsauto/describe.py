@@ -185,21 +185,27 @@ def _relative(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured:+.0%}" if measured else "n/a"
 
 
+def _mtp_layers(plan: Plan) -> int:
+    """The multi-token-prediction layers the plan trains: Megatron-core's, beside its head."""
+    return plan.model.mtp_layers if plan.engine == "megatron" else 0
+
+
 def _mtp_text(plan: Plan) -> str:
     """The multi-token-prediction layers the head's stage runs beside it, where the plan trains them."""
-    layers = plan.model.mtp_layers
-    if not layers or plan.engine != "megatron":
+    layers = _mtp_layers(plan)
+    if not layers:
         return ""
     return f" with {counted(layers, 'multi-token-prediction layer')} and {'their' if layers > 1 else 'its'} loss"
 
 
 def _mtp_parameters_text(plan: Plan) -> str:
-    """The parameters of the multi-token-prediction layers a Megatron-core plan trains beside the model."""
-    if not plan.model.mtp_layers or plan.engine != "megatron":
+    """The parameters of the multi-token-prediction layers the plan trains beside the model."""
+    layers = _mtp_layers(plan)
+    if not layers:
         return ""
     head = layer_groups(plan.model, plan.seq_len, 2)[2]
     assert head.mtp_block is not None
-    return f" and {format_count(plan.model.mtp_layers * head.mtp_block.params)} in its multi-token prediction"
+    return f" and {format_count(layers * head.mtp_block.params)} in its multi-token prediction"
 
 
 def _run_lengths(values: Sequence[int]) -> str:

@@ -294,8 +294,8 @@ class CostModel:
         through the head's output weight, whose gradient accumulates into the head's. Each depth's
         fp32 softmax, kept by ``vocab_parallel_cross_entropy`` for backward, is held from its loss
         through the main loss to the backward: a kept activation. The embedding the lookups read is
-        priced as state on a last stage that lacks the embedding (pp > 1): its position table, and its
-        word table when not tied (tied, its copy is the output weight's,
+        priced as state on a last stage that lacks the embedding (pp > 1): its word table when not
+        tied (tied, its copy is the output weight's,
         :func:`dsauto.cost.step.megatron_stage_bytes`). Measured on two CPU ranks against
         Megatron-core 0.16.1 (benchmarks/megatron_memory.py, the mtp1 plans)."""
         assert head.mtp_block is not None and head.mtp_embedding is not None

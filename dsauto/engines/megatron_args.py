@@ -172,24 +172,26 @@ def planned_world(text: str) -> dict[str, int]:
     as its first line states it (:data:`PLANNED_FOR`; a shebang or a note may stand above it), or
     nothing for another file: the flags' data-parallel degree is the world size over the
     model-parallel ones, so pricing them on another world would price another launch."""
-    for line in text.splitlines():  # the comments before the first flag
-        line = line.strip()
-        if line and not line.startswith("#"):
-            break
-        if found := re.fullmatch(rf"#\s*{re.escape(PLANNED_FOR)} .* on (\d+) x (\d+) .+\.", line):
-            return {"nodes": int(found.group(1)), "gpus_per_node": int(found.group(2))}
-    return {}
+    found = _planned_line(text)
+    return {"nodes": int(found.group(1)), "gpus_per_node": int(found.group(2))} if found else {}
 
 
 def planned_hardware(text: str) -> str | None:
     """The hardware dsauto's own megatron_args.txt was planned on, as its first line names it
     (:func:`planned_world`), or None for another file."""
+    found = _planned_line(text)
+    return found.group(3) if found else None
+
+
+def _planned_line(text: str) -> re.Match[str] | None:
+    """The first line of dsauto's own megatron_args.txt (:data:`PLANNED_FOR`) among the comments
+    before the first flag, its nodes, ranks a node and hardware as groups; None for another file."""
     for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             break
-        if found := re.fullmatch(rf"#\s*{re.escape(PLANNED_FOR)} .* on \d+ x \d+ (.+)\.", line):
-            return found.group(1)
+        if found := re.fullmatch(rf"#\s*{re.escape(PLANNED_FOR)} .* on (\d+) x (\d+) (.+)\.", line):
+            return found
     return None
 
 
@@ -509,22 +511,22 @@ MAX_LAYOUT_CHARACTERS = 1_000_000
 
 def expand_layout(text: str, where: str) -> str:
     """``text``, a Megatron-core layout string, with its repeats unrolled and its commas dropped, as
-    Megatron-core reads it: ``(group)*N`` innermost first, then ``x*N``; refused where it holds other
-    characters than E, t, m, L and |, or unrolls past :data:`MAX_LAYOUT_CHARACTERS`."""
-    expanded = text.replace(",", "")
-    group, single = re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)")
+    Megatron-core reads it: each ``(group)*N`` once, then each ``x*N``; refused where it holds other
+    characters than E, t, m, L and |, or unrolls past :data:`MAX_LAYOUT_CHARACTERS` (checked before
+    each repeat is made and after each pass)."""
+    too_long = DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which repeats past "
+                           f"{MAX_LAYOUT_CHARACTERS:,} characters; give the layout the launch runs.")
 
     def unroll(found: re.Match[str]) -> str:
         if len(found.group(1)) * int(found.group(2)) > MAX_LAYOUT_CHARACTERS:
-            raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which repeats past "
-                              f"{MAX_LAYOUT_CHARACTERS:,} characters; give the layout the launch runs.")
+            raise too_long
         return found.group(1) * int(found.group(2))
 
-    for pattern in (group, single):  # one pass each, as Megatron-core: a nested group stays and is refused
-        expanded = pattern.sub(unroll, expanded)
+    expanded = text.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):  # one pass each: a nested group stays, refused below
+        expanded = re.sub(pattern, unroll, expanded)
         if len(expanded) > MAX_LAYOUT_CHARACTERS:
-            raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which repeats past "
-                              f"{MAX_LAYOUT_CHARACTERS:,} characters; give the layout the launch runs.")
+            raise too_long
     if set(expanded) - set("EtmL|"):
         raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which dsauto does not read: it "
                           f"knows E, t, m, L, |, x*N and (...)*N; give --stage-layers instead.")
@@ -1136,8 +1138,7 @@ def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:
                           f"make them agree (Megatron asserts it).")
     last = chunks_text[-1]
     if (expanded.count("E") != 1 or not chunks_text[0].startswith("E") or expanded.count("L") != 1
-            or not last.endswith("L") or not last.removesuffix("L").endswith("m" * placed)
-            or "m" in expanded[:len(expanded) - len(last)]):
+            or not last.endswith("L") or not last.removesuffix("L").endswith("m" * placed)):
         raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}; dsauto prices the embedding (E) "
                           f"first, the loss (L) at the end of the last chunk and the multi-token-prediction layers "
                           f"(m) just before it, so give that layout or --stage-layers.")

@@ -645,8 +645,8 @@ class LayerGroup:
     """Head only, with ``mtp_layers``: the embedding lookup each prediction layer runs for the next
     tokens, and as its parameters the embedding a last pipeline stage allocates for it (GPTModel builds
     ``self.embedding`` where ``mtp_process``; megatron/core/models/gpt/gpt_model.py), kept equal to the
-    first stage's like a tied output weight: the learned position table, and the word table when it is
-    not tied to the head (tied, the stage holds that copy already)."""
+    first stage's like a tied output weight: the word table when it is not tied to the head (tied, the
+    stage holds that copy already; the positions are rotary, ModelSpec.mtp_layers needs them)."""
 
     # FP8 training (Transformer Engine's linear layers; see cost.terms): elements per token, before
     # tensor parallelism, averaged over the group's layers.
@@ -869,8 +869,8 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     if model.mtp_layers:
         head = dataclasses.replace(head, mtp_layers=model.mtp_layers,
                                    mtp_block=_mtp_block(model, block, seq_len, dtype_bytes, tp, pad_vocab),
-                                   mtp_embedding=dataclasses.replace(
-                                       embedding, params=positions + (0 if model.tied_embeddings else vocab * h),
+                                   mtp_embedding=dataclasses.replace(  # rotary positions: no table
+                                       embedding, params=0 if model.tied_embeddings else vocab * h,
                                        tp_params=0 if model.tied_embeddings else vocab * h))
     return embedding, block, head
 
