@@ -30,15 +30,18 @@ priced (DeepSpeed's ZeRO partitions and buffers, or Megatron-core's fp32 gradien
 distributed optimizer and overlapped reductions)."""
 ENGINES: tuple[Engine, ...] = ("deepspeed", "megatron")
 
-RecomputeModule = Literal["core_attn", "layernorm", "mlp", "moe_act", "mla_up_proj"]
+RecomputeModule = Literal["core_attn", "layernorm", "mlp", "moe_act", "mla_up_proj", "moe", "shared_experts"]
 """A part of a transformer layer that selective recomputation re-runs in backward instead of
 keeping its activations (Korthikanti et al. 2022, Sec. 5; Megatron-core's ``recompute_modules``
 names): ``core_attn`` the attention core (scores, softmax, dropout, attention over values),
 ``layernorm`` the pre-norms (their outputs are dropped), ``mlp`` the dense MLP, ``moe_act`` the
 routed experts' activation function (its output, the second expert matrix's input, is dropped;
 Megatron-core only), ``mla_up_proj`` latent attention's up projections and rotary embedding (the
-queries, keys and values they make are dropped once the attention core has run; Megatron-core only)."""
-RECOMPUTE_MODULES: tuple[RecomputeModule, ...] = ("core_attn", "layernorm", "mlp", "moe_act", "mla_up_proj")
+queries, keys and values they make are dropped once the attention core has run; Megatron-core only),
+``moe`` an MoE layer's whole MLP (router, dispatch, experts, combine and shared experts: only its input
+is kept; Megatron-core only), ``shared_experts`` an MoE layer's shared experts (Megatron-core only)."""
+RECOMPUTE_MODULES: tuple[RecomputeModule, ...] = ("core_attn", "layernorm", "mlp", "moe_act", "mla_up_proj", "moe",
+                                                  "shared_experts")
 
 ExpertDispatcher = Literal["alltoall", "deepep"]
 """Megatron-core's MoE token dispatcher: ``alltoall`` (``--moe-token-dispatcher-type alltoall``) or

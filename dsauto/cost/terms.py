@@ -469,7 +469,8 @@ def expert_dispatch_seconds(group: LayerGroup, option: LayerOption, ctx: LayerCo
     compute (unless ``--overlap-moe-expert-parallel-comm``: :func:`overlapped_dispatch`). Under sequence
     parallelism a rank dispatches its 1/tp of the tokens; the busiest rank receives
     :data:`EXPERT_LOAD_IMBALANCE` times the mean. A checkpointed layer dispatches again when it is
-    recomputed. The tensor-parallel all-gather and reduce-scatter around a dense MLP are not run for
+    recomputed, and so does an MoE layer under ``moe`` recomputation (its checkpoint re-runs the
+    dispatcher). The tensor-parallel all-gather and reduce-scatter around a dense MLP are not run for
     an MoE layer (``LayerGroup.tp_comm_bytes_per_token``); with etp > 1 the experts' own are here.
 
     Under DeepEP (``ctx.expert_dispatcher`` deepep) a group spanning nodes sends a token over the
@@ -496,7 +497,8 @@ def expert_dispatch_seconds(group: LayerGroup, option: LayerOption, ctx: LayerCo
         # like the tensor-parallel one, whose link prices it.
         exchange += dataclasses.replace(ctx.tp_group, size=ctx.etp).all_reduce(size * ctx.etp)
     exchange *= share_of_layers
-    return Passes(exchange, exchange * (2 if option.checkpoint else 1))
+    again = option.checkpoint or "moe" in option.recompute_modules
+    return Passes(exchange, exchange * (2 if again else 1))
 
 
 def attention_passes(group: LayerGroup, ctx: LayerContext) -> Passes:
@@ -622,7 +624,11 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     expert_act_output_bytes_per_token`), at the busiest rank's load like the experts' other
     activations (:func:`expert_load_factor`). ``mla_up_proj``: latent attention's queries, keys and
     values (:attr:`LayerGroup.mla_up_output_bytes_per_token`), which the attention core keeps as its
-    inputs until Megatron-core drops their storage after it has run."""
+    inputs until Megatron-core drops their storage after it has run. ``moe``: everything an MoE
+    layer's MLP keeps but its input (the pre-MLP norm's output, kept as the checkpoint's): the routed
+    experts' top-k copies and inner activations (``moe_act``'s among them), the shared experts' inner
+    activations and the router's fp32 logits and probabilities. ``shared_experts``: the shared
+    experts' inner activations (:attr:`LayerGroup.shared_expert_act_bytes_per_token`)."""
     modules = option.recompute_modules
     if not modules or option.checkpoint or group.kind != "transformer":
         return 0.0
@@ -641,8 +647,17 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     if "mlp" in modules:
         kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * mlp_out_input_elements(group) if ctx.fp8 else 0.0
         saved += (group.mlp_act_bytes_per_token - kept_in_fp8) / ctx.tp
-    if "moe_act" in modules:
-        saved += group.expert_act_output_bytes_per_token * shrink / ctx.tp * expert_load_factor(ctx)
+    if "moe" in modules:  # the routed experts' (at the busiest rank's load), the shared experts', the router's
+        load = expert_load_factor(ctx)
+        kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * group.expert_out_input_elements_per_token * load if ctx.fp8 else 0.0
+        saved += (group.expert_act_bytes_per_token * load + group.shared_expert_act_bytes_per_token
+                  + group.router_act_bytes_per_token - kept_in_fp8) / ctx.tp
+    else:
+        if "moe_act" in modules:
+            saved += group.expert_act_output_bytes_per_token * shrink / ctx.tp * expert_load_factor(ctx)
+        if "shared_experts" in modules:
+            kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * group.shared_expert_out_input_elements_per_token if ctx.fp8 else 0.0
+            saved += (group.shared_expert_act_bytes_per_token - kept_in_fp8) / ctx.tp
     if "mla_up_proj" in modules:
         saved += group.mla_up_output_bytes_per_token / ctx.tp
     return saved
@@ -674,7 +689,8 @@ def selective_recompute_flops_per_token(group: LayerGroup, option: LayerOption, 
     """Forward FLOPs per token re-run in backward by selective recomputation (the whole layer,
     before tensor parallelism divides it): the attention core's two batched matrix multiplies
     (causal ones at half under a fused kernel, as :func:`attention_passes` runs them) and the dense
-    MLP's matrix multiplies and latent attention's up projections; the norms are bandwidth-bound."""
+    MLP's matrix multiplies, latent attention's up projections and an MoE layer's (``moe``: router,
+    routed and shared experts; ``shared_experts``: the shared experts'); the norms are bandwidth-bound."""
     modules = option.recompute_modules
     if not modules or option.checkpoint or group.kind != "transformer":
         return 0.0
@@ -688,6 +704,11 @@ def selective_recompute_flops_per_token(group: LayerGroup, option: LayerOption, 
         flops += group.mlp_matmul_flops_per_token
     if "mla_up_proj" in modules:
         flops += group.mla_up_flops_per_token
+    if "moe" in modules:
+        flops += (group.expert_matmul_flops_per_token + group.shared_expert_matmul_flops_per_token
+                  + group.router_matmul_flops_per_token)
+    elif "shared_experts" in modules:
+        flops += group.shared_expert_matmul_flops_per_token
     return flops
 
 
@@ -700,7 +721,11 @@ def selective_recompute_seconds(group: LayerGroup, option: LayerOption, ctx: Lay
     collective closing it (one of the layer's two: Megatron's checkpoint re-runs the module's
     forward, the row-parallel reduction included). ``moe_act``: the routed experts' activation
     function on the busiest rank's tokens (bandwidth-bound). ``mla_up_proj``: latent attention's up
-    projections (Megatron-core's ``recompute_up_proj``; no collective: they are column-parallel)."""
+    projections (Megatron-core's ``recompute_up_proj``; no collective: they are column-parallel).
+    ``moe``: the MoE layer's forward again (router, routed experts on the busiest rank's tokens, shared
+    experts, the activation functions and the top-k copies' permutation; its all-to-alls again are
+    :func:`expert_dispatch_seconds`'). ``shared_experts``: the shared experts' matrix multiplies and
+    activation function."""
     modules = option.recompute_modules
     if not modules or option.checkpoint or group.kind != "transformer":
         return 0.0
@@ -716,9 +741,23 @@ def selective_recompute_seconds(group: LayerGroup, option: LayerOption, ctx: Lay
         gemm_dim = min(group.gemm_dim / t, tokens)
         seconds += linear_seconds(group, ctx, group.mlp_matmul_flops_per_token * tokens / t, gemm_dim)
         seconds += device.memory_seconds(tokens * group.mlp_elementwise_bytes_per_token / t)
-    if "moe_act" in modules:
-        seconds += device.memory_seconds(tokens * group.expert_act_elementwise_bytes_per_token / t
-                                         * expert_load_factor(ctx))
+    if "moe" in modules:
+        # the router's and shared experts' GEMMs, the routed experts' grouped GEMMs, their activation
+        # functions and the permutation of the top-k copies to and from expert order
+        dense = group.shared_expert_matmul_flops_per_token + group.router_matmul_flops_per_token
+        seconds += linear_seconds(group, ctx, dense * tokens / t, min(group.gemm_dim / t, tokens))
+        seconds += expert_gemm_seconds(group, ctx)
+        seconds += device.memory_seconds(tokens / t * (
+            (group.expert_act_elementwise_bytes_per_token + 4 * group.dispatch_bytes_per_token) * expert_load_factor(ctx)
+            + group.shared_expert_act_bytes_per_token))
+    else:
+        if "moe_act" in modules:
+            seconds += device.memory_seconds(tokens * group.expert_act_elementwise_bytes_per_token / t
+                                             * expert_load_factor(ctx))
+        if "shared_experts" in modules:
+            seconds += linear_seconds(group, ctx, group.shared_expert_matmul_flops_per_token * tokens / t,
+                                      min(group.gemm_dim / t, tokens))
+            seconds += device.memory_seconds(tokens * group.shared_expert_act_bytes_per_token / t)
     if "mla_up_proj" in modules:
         seconds += linear_seconds(group, ctx, group.mla_up_flops_per_token * tokens / t, min(group.gemm_dim / t, tokens))
     seconds *= ctx.calibration.compute

@@ -67,7 +67,7 @@ SWITCHES = {
     "--swiglu", "--quick-geglu", "--squared-relu", "--disable-bias-linear", "--add-qkv-bias", "--untie-embeddings-and-output-weights",
     "--qk-layernorm", "--apply-layernorm-1p", "--no-bias-gelu-fusion", "--moe-shared-expert-gate",
     "--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--use-rotary-position-embeddings",
-    "--moe-router-pre-softmax",
+    "--moe-router-pre-softmax", "--moe-layer-recompute",
     "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-masked-softmax-fusion",
 }
 """Flags read here that take no value."""
@@ -1170,6 +1170,15 @@ def _recompute(flags: dict[str, str], launch: MegatronLaunch, where: str) -> Non
     granularity = flags.get("--recompute-granularity")
     if "--recompute-activations" in flags:
         granularity = granularity or "selective"
+    if "--moe-layer-recompute" in flags:
+        # Megatron-core's TransformerConfig turns the deprecated flag into selective recomputation
+        # with 'moe' added to the modules, and refuses it beside full recomputation.
+        if granularity == "full":
+            raise DsautoError(f"{where} sets --moe-layer-recompute with --recompute-granularity full, which "
+                              f"Megatron-core refuses; keep one.")
+        granularity = "selective"
+        modules = flags.get("--recompute-modules", "core_attn").split()
+        flags = {**flags, "--recompute-modules": " ".join(modules + ["moe"] * ("moe" not in modules))}
     if granularity != "selective":
         pins["recompute_modules"] = "none"  # no selective recomputation beside what the flags say
     if granularity is None:

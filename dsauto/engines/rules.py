@@ -178,17 +178,14 @@ def virtual_stage_refusal(engine: Engine, pp: int, virtual_stages: int, micro_ba
     return None
 
 
-MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-"""The module names Megatron-core 0.16 accepts in ``recompute_modules``
-(megatron/core/transformer/transformer_config.py, ``TransformerConfig.__post_init__``)."""
-
-
 def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engine | None = None,
                              experts: bool | None = None, fp8_delayed: bool = False,
-                             pre_norms: bool = True, latent: bool | None = None) -> str | None:
+                             pre_norms: bool = True, latent: bool | None = None,
+                             shared_experts: bool | None = None) -> str | None:
     """Why dsauto cannot plan selective recomputation of module ``name`` on ``engine`` (None: on
     either), or None when it can (:data:`dsauto.plan.RECOMPUTE_MODULES`: the attention core, the
-    norms, the dense MLP, the routed experts' activation). Megatron-core runs them through
+    norms, the dense MLP, the routed experts' activation, latent attention's up projections, an MoE
+    layer's whole MLP or its shared experts). Megatron-core runs them through
     ``recompute_modules`` (one set for every layer), DeepSpeed the first three through the dsauto
     hook (dsauto.runtime.recompute, per layer).
 
@@ -217,6 +214,13 @@ def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engin
     (dsauto.runtime.recompute, ``_target``); a model that normalises after each residual add (BERT) or
     each branch's output (OLMo 2) has none to drop.
 
+    ``moe`` and ``shared_experts`` need a mixture of experts (the latter shared experts:
+    ``shared_experts``; None: not known) and Megatron-core: its ``MoELayer`` runs its whole forward
+    (router, dispatch, experts, combine, shared experts) under ``tensor_parallel.checkpoint`` for
+    ``moe``, and its shared experts alone for ``shared_experts`` (megatron/core/transformer/moe/
+    moe_layer.py, ``moe_layer_recompute`` and ``shared_experts_recompute``; Megatron-LM's deprecated
+    ``--moe-layer-recompute`` is ``moe``). DeepSpeed-MoE has no such option.
+
     ``fp8_delayed``: the plan trains in FP8 with delayed scaling (:func:`fp8_refusal`), under which
     Megatron-core's ``TransformerConfig`` refuses recomputing ``moe_act`` and ``layernorm``
     (megatron/core/transformer/transformer_config.py, ``__post_init__``)."""
@@ -236,15 +240,19 @@ def recompute_module_refusal(name: str, linear_bias: bool = False, engine: Engin
     if name == "moe_act" and engine == "deepspeed":
         return ("'moe_act' is Megatron-core's recomputation of its grouped experts' activation; plan with "
                 "--engine megatron")
+    if name in ("moe", "shared_experts") and experts is False:
+        return f"'{name}' recomputes part of a mixture of experts' layers, and the model has no experts"
+    if name == "shared_experts" and shared_experts is False:
+        return "'shared_experts' recomputes an MoE layer's shared experts, and the model has none"
+    if name in ("moe", "shared_experts") and engine == "deepspeed":
+        return (f"'{name}' is Megatron-core's recomputation of its MoE layers' "
+                f"{'whole MLP' if name == 'moe' else 'shared experts'}; plan with --engine megatron")
     if name == "mlp" and linear_bias and engine == "megatron":
         return ("Megatron-core 0.16 cannot recompute the MLP of a model whose linear layers have biases "
                 "(the MLP's output bias passes through the checkpoint, whose backward then never ends); leave "
                 "out mlp (core_attn recomputes the attention core), or plan with --engine deepspeed")
     if name in RECOMPUTE_MODULES:
         return None
-    if name in MEGATRON_RECOMPUTE_MODULES:
-        return (f"Megatron-core's '{name}' recomputation is not priced by dsauto (it prices "
-                f"{', '.join(RECOMPUTE_MODULES)}); leave it out")
     return (f"'{name}' is not a module Megatron-core recomputes (dsauto plans "
             f"{', '.join(RECOMPUTE_MODULES)})")
 
@@ -496,12 +504,16 @@ def cp_comm_type_refusal(engine: Engine, cp_comm_type: CpCommType, cp: int, tp: 
     return None
 
 
-def expert_a2a_overlap_refusal(engine: Engine, moe: bool, dtype: Dtype, checkpoint: bool | None) -> str | None:
+def expert_a2a_overlap_refusal(engine: Engine, moe: bool, dtype: Dtype, checkpoint: bool | None,
+                               recompute_modules: Iterable[str] = ()) -> str | None:
     """Why ``--moe-a2a-overlap`` (Megatron-core's ``--overlap-moe-expert-parallel-comm``) cannot be
     asked, or None. Megatron-core's TransformerConfig asserts (megatron/core/transformer/
     transformer_config.py, ``__post_init__``): expert parallelism, bf16 or fp16, no full
     recomputation; a strategy also needs ep > 1 and, when pp > 1, the interleaved schedule
-    (:func:`dsauto.search.space.strategies` keeps only those)."""
+    (:func:`dsauto.search.space.strategies` keeps only those). The combined 1F1B schedule calls an MoE
+    layer's router, dispatch, experts and combine one by one (megatron/core/models/gpt/
+    fine_grained_callables.py), never the ``MoELayer.forward`` that ``moe`` recomputation
+    checkpoints, so that recomputation would not run."""
     if not moe:
         return "the expert all-to-alls' overlap is for a mixture of experts, and the model has no experts"
     if engine != "megatron":
@@ -510,6 +522,9 @@ def expert_a2a_overlap_refusal(engine: Engine, moe: bool, dtype: Dtype, checkpoi
         return "Megatron-core overlaps the expert all-to-alls of bf16 or fp16 models only, not fp32"
     if checkpoint:
         return "Megatron-core refuses full recomputation (--checkpoint) beside the expert all-to-alls' overlap"
+    if "moe" in recompute_modules:
+        return ("Megatron-core's overlapped schedule runs an MoE layer's parts one by one and never recomputes "
+                "it whole ('moe' in --recompute-modules)")
     return None
 
 

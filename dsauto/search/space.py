@@ -136,10 +136,11 @@ class Constraints:
     recompute_modules: str | None = field(default=None, metadata={
         "flag": "--recompute-modules",
         "help": "selective recomputation in every transformer layer: comma-separated modules among "
-                "core_attn, layernorm, mlp, moe_act, mla_up_proj (Megatron-core's --recompute-modules; "
-                "under DeepSpeed the dsauto hook checkpoints the first three in each block; moe_act, "
-                "the routed experts' activation, and mla_up_proj, latent attention's up projections, "
-                "are Megatron-core's alone), or 'none' (default: chosen by the search)"})
+                "core_attn, layernorm, mlp, moe_act, mla_up_proj, moe, shared_experts (Megatron-core's "
+                "--recompute-modules; under DeepSpeed the dsauto hook checkpoints the first three in each "
+                "block; moe_act, the routed experts' activation, mla_up_proj, latent attention's up "
+                "projections, moe, an MoE layer's whole MLP, and shared_experts are Megatron-core's "
+                "alone), or 'none' (default: chosen by the search)"})
     """Modules every transformer layer recomputes, comma-separated (``"core_attn,mlp"``), or
     ``"none"`` for no selective recomputation; None lets the search choose."""
     offload: Offload | None = field(default=None, metadata={
@@ -502,7 +503,9 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--moe-router-force-load-balancing"] = why, "leave it out"
     if pins.fp8 and (why := fp8_refusal(engine, train.dtype, model)):
         out["--fp8"] = why, "leave it out"
-    if pins.expert_a2a_overlap and (why := expert_a2a_overlap_refusal(engine, model.moe, train.dtype, pins.checkpoint)):
+    if pins.expert_a2a_overlap and (why := expert_a2a_overlap_refusal(
+            engine, model.moe, train.dtype, pins.checkpoint,
+            (pins.recompute_modules or "").replace(" ", "").split(","))):
         out["--moe-a2a-overlap"] = why, "leave it out"
     if pins.cp_comm_type is not None and engine != "megatron" and (
             why := cp_comm_type_refusal(engine, pins.cp_comm_type, pins.cp or 1, pins.tp or 1, model, train.seq_len)):
@@ -858,8 +861,8 @@ price of two thirds of the layer's forward). A pin (``--recompute-modules``) ask
 def parse_recompute_modules(text: str, model: ModelSpec | None = None,
                             engine: Engine | None = None, fp8_delayed: bool = False) -> tuple[str, ...]:
     """The modules of a ``--recompute-modules`` value (``"none"``: no selective recomputation); a
-    name dsauto does not know, or knows but does not price, or that ``engine`` (None: either)
-    cannot recompute for ``model``, is refused in one sentence."""
+    name dsauto does not know, or that ``engine`` (None: either) cannot recompute for ``model``, is
+    refused in one sentence."""
     if text.strip().lower() in ("", "none"):
         return ()
     names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
@@ -875,7 +878,8 @@ def _module_refusal(name: str, model: ModelSpec | None, engine: Engine | None,
     if model is None:
         return recompute_module_refusal(name, engine=engine, fp8_delayed=fp8_delayed)
     return recompute_module_refusal(name, model.linear_bias, engine, model.moe, fp8_delayed,
-                                    model.norm_position == "pre", model.latent_attention)
+                                    model.norm_position == "pre", model.latent_attention,
+                                    model.shared_expert_ffn_hidden_size > 0)
 
 
 EVEN_STAGES = "even"

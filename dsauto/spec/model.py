@@ -633,6 +633,19 @@ class LayerGroup:
     """Latent attention: the forward FLOPs of its up projections (the query's from its latent, or its
     one projection from the hidden state, and the keys' and values' from theirs), what recomputing
     ``mla_up_proj`` re-runs; the rotary embedding's few bytes are not counted."""
+    shared_expert_act_bytes_per_token: float = 0.0
+    """Of ``act_tp_bytes_per_token``, the shared experts' inner activations, averaged over the layers:
+    what recomputing ``shared_experts`` frees (``moe`` frees them with the routed experts' and the
+    router's)."""
+    router_act_bytes_per_token: float = 0.0
+    """Of ``act_tp_bytes_per_token``, the router's fp32 logits and probabilities, averaged over the
+    layers."""
+    shared_expert_matmul_flops_per_token: float = 0.0
+    """Of ``matmul_flops_per_token``, the shared experts' (averaged over the layers)."""
+    router_matmul_flops_per_token: float = 0.0
+    """Of ``matmul_flops_per_token``, the router's (and the shared experts' gate's)."""
+    shared_expert_out_input_elements_per_token: float = 0.0
+    """Of ``expert_out_input_elements_per_token``, the shared experts' output projection's inputs."""
 
     # Multi-token prediction (ModelSpec.mtp_layers): set on the head only.
     mtp_layers: int = 0
@@ -722,7 +735,8 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     # Layers normalising queries and keys (each norm keeps its input): all with qk_norm, those with
     # rotary positions with Llama 4's parameter-free L2 norm
     qk_norm_share = 1.0 if model.qk_norm else (model.rotary_layers() / model.num_layers if model.qk_l2_norm else 0.0)
-    expert_act = moe_fraction * (top_k * (inner * fe * b + 2 * h * b) + inner * fs * b + 2 * experts * 4)
+    shared_act, router_act = moe_fraction * inner * fs * b, moe_fraction * 2 * experts * 4
+    expert_act = moe_fraction * top_k * (inner * fe * b + 2 * h * b) + shared_act + router_act
     act_tp = ((q_width + k_width + v_width + out_width) * b + dense_fraction * inner * f * b + expert_act + 4 * a
               + qk_norm_share * (qd + kvd) * b)
     latent = (2 * model.q_lora_rank + 2 * model.kv_lora_rank + model.qk_rope_head_dim) * b  # MLA latents and their norms
@@ -806,6 +820,11 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         # matrices from the end of attention_matrix_params, with or without a query latent
         mla_up_flops_per_token=2.0 * (attention_matrices[-4] + attention_matrices[-2]) if model.latent_attention else 0.0,
         expert_act_elementwise_bytes_per_token=moe_fraction * top_k * inner * fe * b,
+        shared_expert_act_bytes_per_token=shared_act,
+        router_act_bytes_per_token=router_act,
+        shared_expert_matmul_flops_per_token=2.0 * moe_fraction * shared_weights,
+        router_matmul_flops_per_token=2.0 * moe_fraction * router_weights,
+        shared_expert_out_input_elements_per_token=moe_fraction * fs,
         linear_input_elements_per_token=linear_inputs,
         attention_output_elements_per_token=out_width,
         expert_out_input_elements_per_token=expert_out_inputs,

@@ -70,10 +70,11 @@ def run(job: dict, spec: dict) -> dict:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dp)
+    recomputed = bool(gpt.decoder.layers[0].mlp.moe_layer_recompute)
     held = sum(1 for name, _ in gpt.named_parameters() if name.startswith("decoder.layers.0.mlp.experts.")
                and name.endswith("linear_fc1.weight"))
     parallel_state.destroy_model_parallel()
-    return {"losses": losses, "experts_per_rank": held}
+    return {"losses": losses, "experts_per_rank": held, "moe_layer_recompute": recomputed}
 
 
 def main() -> None:

@@ -25,18 +25,22 @@ experts add theirs in place on a view at ep 1, which autograd refuses)."""
 WORKER = Path(__file__).resolve().parent / "megatron_moe_worker.py"
 
 
-def moe_plan(ep: int):
+def moe_plan(ep: int, recompute_modules: str = "none"):
     plan = dsauto.make_plan(MOE, "cpu", nodes=1, gpus_per_node=2, engine="megatron", tp=1, pp=1, zero_stage=1,
-                            ep=ep, global_batch=4, seq_len=32)
+                            ep=ep, global_batch=4, seq_len=32, recompute_modules=recompute_modules)
     assert (plan.ep, plan.dp) == (ep, 2)
     return plan
 
 
 @pytest.mark.slow
 def test_expert_parallelism_trains_like_one_expert_rank(tmp_path):
-    results = launch(2, {"ep1": {"plan": moe_plan(1)}, "ep2": {"plan": moe_plan(2)}}, tmp_path,
-                     steps=4, lr=1e-2, worker=WORKER)
+    """And a plan recomputing each MoE layer's MLP ('moe': Megatron-core's MoELayer runs its forward
+    under tensor_parallel.checkpoint) trains the same network to the same losses."""
+    results = launch(2, {"ep1": {"plan": moe_plan(1)}, "ep2": {"plan": moe_plan(2)},
+                         "ep2-moe": {"plan": moe_plan(2, "moe")}}, tmp_path, steps=4, lr=1e-2, worker=WORKER)
     assert (results["ep1"]["experts_per_rank"], results["ep2"]["experts_per_rank"]) == (4, 2)
     one, two = results["ep1"]["losses"], results["ep2"]["losses"]
     assert one[-1] < one[0]  # it trains
     assert two == pytest.approx(one, rel=1e-5), (one, two)
+    assert [results[run]["moe_layer_recompute"] for run in ("ep2", "ep2-moe")] == [False, True]
+    assert results["ep2-moe"]["losses"] == pytest.approx(two, rel=1e-5)

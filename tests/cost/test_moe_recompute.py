@@ -1,0 +1,143 @@
+"""Megatron-core's recomputation of a whole MoE layer's MLP (``moe``) and of its shared experts
+(``shared_experts``), as the cost model prices them: what each frees a token, what it runs again in
+backward (the all-to-alls included), and the pins and launches that ask for them."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+
+from dsauto.api import find_plans, make_problem
+from dsauto.cost.layer import CostModel
+from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.cost.terms import EXPERT_LOAD_IMBALANCE
+from dsauto.emit.megatron import megatron_args
+from dsauto.engines.megatron_args import read_megatron_args
+from dsauto.errors import DsautoError
+from dsauto.parallel import ParallelDims
+from dsauto.spec.loaders import load_cluster
+from dsauto.spec.model import ModelSpec, layer_groups
+from dsauto.spec.training import TrainSpec
+
+H, EXPERTS, TOP_K, FE, FS = 256, 8, 2, 128, 256
+MODEL = ModelSpec(name="moe-bench", architecture="decoder", num_layers=4, hidden_size=H, num_attention_heads=4,
+                  ffn_hidden_size=1024, vocab_size=4096, max_position_embeddings=256, dropout=False, mlp="swiglu",
+                  norm="rmsnorm", linear_bias=False, position_embedding="rope", num_experts=EXPERTS,
+                  moe_top_k=TOP_K, moe_ffn_hidden_size=FE, shared_expert_ffn_hidden_size=FS)
+TRAIN = TrainSpec(global_batch=16, seq_len=256, dtype="bf16", flash_attention=True)
+TOKENS = 2 * 256
+
+
+def layer(modules: tuple[str, ...] = (), ep: int = 1, tp: int = 1, model: ModelSpec = MODEL):
+    """One transformer layer of ``model`` on a bf16 Megatron-core plan (micro-batch 2 x 256) recomputing
+    ``modules``; its group and its cost."""
+    dims = ParallelDims(dp=2, tp=tp, ep=ep)
+    strategy = Strategy(dims=dims, zero_stage=1, micro_batch=2, grad_accum=4, sequence_parallel=tp > 1,
+                        engine="megatron", recompute_modules=modules)
+    cluster = load_cluster("h100-80gb", nodes=1, gpus_per_node=dims.world_size)
+    cost = CostModel(cluster, TRAIN, strategy, model.hidden_size)
+    group = layer_groups(model, TRAIN.seq_len, TRAIN.dtype_bytes, tp)[1]
+    return group, cost.layer(group, LayerOption(False, False, 1, recompute_modules=modules))
+
+
+def test_moe_recomputation_frees_everything_the_moe_mlp_keeps_but_its_input():
+    """Megatron-core's MoELayer under 'moe' runs its forward inside tensor_parallel.checkpoint, which keeps
+    its input alone (the pre-MLP norm's output, kept either way as the norm's): the top-k copies of each
+    token going in and out of its experts (2h each), their SwiGLU inner activations (gate, up and their
+    product: 3 x the expert width each), the shared experts' (3 x their width) and the router's fp32
+    logits and probabilities (2 x 4 bytes an expert), all in bf16 and, at ep 2, at the busiest rank's
+    load for the routed copies."""
+    for ep, load in ((1, 1.0), (2, EXPERT_LOAD_IMBALANCE)):
+        _, kept = layer(ep=ep)
+        _, recomputed = layer(("moe",), ep=ep)
+        routed = TOP_K * (3 * FE * 2 + 2 * H * 2) * load
+        freed = TOKENS * (routed + 3 * FS * 2 + 2 * EXPERTS * 4)
+        assert kept.activation_bytes - recomputed.activation_bytes == pytest.approx(freed)
+        assert recomputed.transient_bytes - kept.transient_bytes == pytest.approx(freed)  # rebuilt for its backward
+
+
+def test_moe_recomputation_covers_the_experts_activation_and_the_shared_experts():
+    _, whole = layer(("moe",))
+    for modules in (("moe", "moe_act"), ("moe", "shared_experts"), ("moe", "moe_act", "shared_experts")):
+        _, both = layer(modules)
+        assert both.activation_bytes == pytest.approx(whole.activation_bytes)
+        assert both.backward_seconds == pytest.approx(whole.backward_seconds)
+
+
+def test_shared_expert_recomputation_frees_their_inner_activations():
+    _, kept = layer()
+    _, shared = layer(("shared_experts",))
+    assert kept.activation_bytes - shared.activation_bytes == pytest.approx(TOKENS * 3 * FS * 2)
+    assert kept.backward_seconds < shared.backward_seconds
+
+
+def test_moe_recomputation_runs_the_layer_and_its_all_to_alls_again_in_backward():
+    """The recomputed forward is the MoE layer's matrix multiplies (router, routed and shared experts)
+    and, at ep > 1, its dispatch and combine again: it costs more than the shared experts' alone and
+    than the activation function's alone, and its all-to-alls add to the backward of an expert-parallel
+    plan what they take in forward."""
+    group, kept = layer(ep=2)
+    _, whole = layer(("moe",), ep=2)
+    _, act = layer(("moe_act",), ep=2)
+    _, shared = layer(("shared_experts",), ep=2)
+    added = whole.backward_seconds - kept.backward_seconds
+    assert added > shared.backward_seconds - kept.backward_seconds > 0
+    assert added > act.backward_seconds - kept.backward_seconds > 0
+    assert whole.forward_seconds == pytest.approx(kept.forward_seconds)
+    # without expert parallelism there is no exchange to repeat
+    _, kept1 = layer(ep=1)
+    _, whole1 = layer(("moe",), ep=1)
+    assert added > whole1.backward_seconds - kept1.backward_seconds
+
+
+def test_a_model_without_shared_experts_refuses_their_recomputation():
+    plain = dataclasses.replace(MODEL, shared_expert_ffn_hidden_size=0)
+    problem = make_problem(plain, "h100-80gb", nodes=1, gpus_per_node=8, global_batch=16, seq_len=256,
+                           engine="megatron", recompute_modules="shared_experts")
+    with pytest.raises(DsautoError, match="recomputes an MoE layer's shared experts, and the model has none"):
+        find_plans(problem)
+
+
+@pytest.mark.parametrize(("pins", "message"), [
+    (dict(engine="deepspeed"), "'moe' is Megatron-core's recomputation of its MoE layers' whole MLP"),
+    (dict(engine="megatron", expert_a2a_overlap=True, ep=8),
+     "overlapped schedule runs an MoE layer's parts one by one and never recomputes it whole"),
+])
+def test_pins_the_engine_cannot_run_with_moe_recomputation_are_refused(pins, message):
+    problem = make_problem(MODEL, "h100-80gb", nodes=1, gpus_per_node=8, global_batch=16, seq_len=256,
+                           recompute_modules="moe", **pins)
+    with pytest.raises(DsautoError, match=message):
+        find_plans(problem)
+
+
+def test_a_pinned_moe_recomputation_is_planned_and_emitted():
+    """A mixture of experts on 8 H100s with 'moe' pinned: every layer recomputes it and the launch says so."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = find_plans(make_problem(MODEL, "h100-80gb", nodes=1, gpus_per_node=8, global_batch=16, seq_len=256,
+                                       engine="megatron", recompute_modules="moe"))[0]
+    assert plan.uniform_recompute_modules() == ("moe",)
+    lines = megatron_args(plan)
+    assert "--recompute-granularity selective" in lines and "--recompute-modules moe" in lines
+
+
+def test_megatron_lms_deprecated_moe_layer_recompute_flag_reads_as_moe(tmp_path):
+    """Megatron-core's TransformerConfig turns --moe-layer-recompute into selective recomputation with
+    'moe' added to the modules, and refuses it beside full recomputation."""
+    base = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 --seq-length 256 "
+            "--max-position-embeddings 256 --micro-batch-size 2 --global-batch-size 16 --bf16 "
+            "--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 128 --swiglu --disable-bias-linear "
+            "--normalization RMSNorm --position-embedding-type rope --hidden-dropout 0 --attention-dropout 0 "
+            "--untie-embeddings-and-output-weights --vocab-size 4096 --moe-token-dispatcher-type alltoall ")
+    path = tmp_path / "args.txt"
+    path.write_text(base + "--moe-layer-recompute")
+    launch = read_megatron_args(path)
+    assert launch.pins["recompute_modules"] == "core_attn,moe"
+    path.write_text(base + "--moe-layer-recompute --recompute-granularity selective --recompute-modules mla_up_proj moe")
+    assert read_megatron_args(path).pins["recompute_modules"] == "mla_up_proj,moe"
+    path.write_text(base + "--moe-layer-recompute --recompute-granularity full --recompute-method block "
+                           "--recompute-num-layers 1")
+    with pytest.raises(DsautoError, match="--moe-layer-recompute with --recompute-granularity full"):
+        read_megatron_args(path)
