@@ -94,13 +94,20 @@ def stage_bounds(stage_layers: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
-def chunk_layers(stage_layers: Sequence[int], virtual_stages: int = 1) -> list[int]:
+def chunk_layers(stage_layers: Sequence[int], virtual_stages: int = 1,
+                 chunks: Sequence[int] | None = None) -> list[int]:
     """Transformer layers of each model chunk, in Megatron's chunk order: chunk ``s * pp + r`` is
     the ``s``-th virtual stage of pipeline rank ``r`` (megatron/core/transformer/
-    pipeline_parallel_layer_layout.py reads a layout's stages in that order). Rank r's layers are
-    split over its chunks as evenly as possible, the earlier chunks taking the remainder; with one
-    virtual stage the chunks are the stages."""
-    pp, out = len(stage_layers), [0] * (len(stage_layers) * virtual_stages)
+    pipeline_parallel_layer_layout.py reads a layout's stages in that order). ``chunks``: the counts
+    a layout gives each chunk (:attr:`Plan.chunk_layout`), which must add up to each rank's; None:
+    rank r's layers split over its chunks as evenly as possible, the earlier chunks taking the
+    remainder; with one virtual stage the chunks are the stages."""
+    pp = len(stage_layers)
+    if chunks is not None:
+        if problem := chunk_layout_problem(stage_layers, virtual_stages, chunks):
+            raise ValueError(problem)
+        return list(chunks)
+    out = [0] * (pp * virtual_stages)
     for rank, count in enumerate(stage_layers):
         base, extra = divmod(count, virtual_stages)
         for s in range(virtual_stages):
@@ -108,38 +115,62 @@ def chunk_layers(stage_layers: Sequence[int], virtual_stages: int = 1) -> list[i
     return out
 
 
-def block_recompute_set(stage_layers: Sequence[int], virtual_stages: int, n: int) -> frozenset[int]:
+def chunk_layout_problem(stage_layers: Sequence[int], virtual_stages: int, chunks: Sequence[int]) -> str | None:
+    """Why ``chunks`` (layers per model chunk, in chunk order) is not a layout of ``stage_layers``
+    over ``virtual_stages`` chunks a rank, or None."""
+    pp = len(stage_layers)
+    if len(chunks) != pp * virtual_stages:
+        return f"chunk_layout {list(chunks)} must have pp x vpp = {pp * virtual_stages} entries"
+    if any(n < 0 for n in chunks):
+        return f"chunk_layout {list(chunks)} must not be negative"
+    held = [sum(chunks[s * pp + r] for s in range(virtual_stages)) for r in range(pp)]
+    if held != list(stage_layers):
+        return (f"chunk_layout {list(chunks)} gives the pipeline ranks {held} transformer layers, and "
+                f"stage_layers {list(stage_layers)}")
+    return None
+
+
+def even_chunks(stage_layers: Sequence[int], virtual_stages: int, chunks: Sequence[int]) -> bool:
+    """Whether ``chunks`` is the split :func:`chunk_layers` makes without a layout."""
+    return list(chunks) == chunk_layers(stage_layers, virtual_stages)
+
+
+def block_recompute_set(stage_layers: Sequence[int], virtual_stages: int, n: int,
+                        chunks: Sequence[int] | None = None) -> frozenset[int]:
     """The transformer layers (flat numbering, 1..L) that Megatron's block recomputation of ``n``
     layers checkpoints: the first ``n`` of every model chunk (megatron/core/recompute.py, the 'block'
     method, run by each TransformerBlock, i.e. each chunk; chunks as :func:`chunk_layers`)."""
     out, start = set(), 1
-    for count in chunk_layers(stage_layers, virtual_stages):
+    for count in chunk_layers(stage_layers, virtual_stages, chunks):
         out.update(range(start, start + min(n, count)))
         start += count
     return frozenset(out)
 
 
-def rank_layers(stage_layers: Sequence[int], virtual_stages: int = 1) -> list[list[int]]:
+def rank_layers(stage_layers: Sequence[int], virtual_stages: int = 1,
+                chunks: Sequence[int] | None = None) -> list[list[int]]:
     """The flat layers each pipeline rank holds, in order: the layers of its chunks (chunks hold
-    consecutive layers, in chunk order), the embedding on rank 0 and the head on the last rank.
-    With one virtual stage, rank r holds the contiguous layers of :func:`stage_bounds`."""
+    consecutive layers, in chunk order; ``chunks`` as :func:`chunk_layers`), the embedding on rank 0
+    and the head on the last rank. With one virtual stage, rank r holds the contiguous layers of
+    :func:`stage_bounds`."""
     pp = len(stage_layers)
     ranks: list[list[int]] = [[] for _ in range(pp)]
     ranks[0].append(0)
     start = 1
-    for k, count in enumerate(chunk_layers(stage_layers, virtual_stages)):
+    for k, count in enumerate(chunk_layers(stage_layers, virtual_stages, chunks)):
         ranks[k % pp].extend(range(start, start + count))
         start += count
     ranks[-1].append(start)
     return [sorted(layers) for layers in ranks]
 
 
-def rank_chunks(stage_layers: Sequence[int], virtual_stages: int, rank: int) -> list[int]:
+def rank_chunks(stage_layers: Sequence[int], virtual_stages: int, rank: int,
+                chunks: Sequence[int] | None = None) -> list[int]:
     """The model chunk (0..v-1) of each flat layer pipeline rank ``rank`` holds, in the order of
     :func:`rank_layers`: the embedding in the first rank's first chunk, the head in the last rank's
     last chunk, the transformer layers as :func:`chunk_layers` places them."""
     pp = len(stage_layers)
-    counts = chunk_layers(stage_layers, virtual_stages)
+    counts = chunk_layers(stage_layers, virtual_stages, chunks)
     out = [0] if rank == 0 else []
     for s in range(virtual_stages):
         out += [s] * counts[s * pp + rank]
@@ -379,6 +410,11 @@ class Plan:
     """Model chunks per pipeline rank: more than 1 is Megatron's interleaved 1F1B schedule, which
     cuts the pipeline bubble by this factor for that many times the point-to-point traffic; rank
     r holds chunks r, r + pp, ... (:func:`chunk_layers`)."""
+    chunk_layout: tuple[int, ...] | None = None
+    """Transformer layers of each model chunk in chunk order (pp x virtual_stages entries, each rank's
+    adding up to its ``stage_layers``) where a layout splits a rank's layers otherwise than evenly
+    (NVIDIA's DeepSeek-V3 layouts give a last chunk one layer beside the loss); None: the even split
+    of :func:`chunk_layers`. Emitted as Megatron-core's ``--pipeline-model-parallel-layout``."""
     ep: int = 1
     """Expert-parallel degree (mixtures of experts): ranks splitting the routed experts, folded inside
     tp x cp x dp (:class:`dsauto.parallel.ParallelDims`)."""
@@ -537,8 +573,14 @@ class Plan:
                              f"into instances of at least 2 ranks")
         if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.pp == 1):
             raise ValueError(f"virtual_stages {self.virtual_stages} needs pp > 1, got pp={self.pp}")
+        if self.chunk_layout is not None and (
+                problem := chunk_layout_problem(self.stage_layers, self.virtual_stages, self.chunk_layout)):
+            raise ValueError(problem)
+        if self.chunk_layout is not None and self.engine != "megatron":
+            raise ValueError("chunk_layout is Megatron-core's --pipeline-model-parallel-layout; the plan's engine "
+                             f"is {self.engine}")
         stage_of = [0] * (self.model.num_layers + 2)
-        for rank, layers in enumerate(rank_layers(self.stage_layers, self.virtual_stages)):
+        for rank, layers in enumerate(rank_layers(self.stage_layers, self.virtual_stages, self.chunk_layout)):
             for layer in layers:
                 stage_of[layer] = rank
         expected = 0
@@ -609,14 +651,18 @@ class Plan:
         """The transformer layers (flat numbering, 1..L) of each model chunk, in chunk order: the
         pipeline stages, or with virtual stages each rank's chunks (see :func:`chunk_layers`)."""
         ranges, start = [], 1
-        for count in chunk_layers(self.stage_layers, self.virtual_stages):
+        for count in chunk_layers(self.stage_layers, self.virtual_stages, self.chunk_layout):
             ranges.append(range(start, start + count))
             start += count
         return ranges
 
     def rank_layers(self) -> list[list[int]]:
         """The flat layers each pipeline rank holds (:func:`rank_layers`)."""
-        return rank_layers(self.stage_layers, self.virtual_stages)
+        return rank_layers(self.stage_layers, self.virtual_stages, self.chunk_layout)
+
+    def chunks(self) -> list[int]:
+        """Transformer layers of each model chunk, in chunk order (:func:`chunk_layers`)."""
+        return chunk_layers(self.stage_layers, self.virtual_stages, self.chunk_layout)
 
     def checkpointed_layers(self) -> tuple[int, ...]:
         """Transformer layers (1..L) that the plan checkpoints."""

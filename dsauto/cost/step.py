@@ -689,7 +689,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     plain_bubble: float | None = None
     hardware_flops = 0.0
     v = strategy.virtual_stages
-    for i, held in enumerate(rank_layers(stage_layers, v)):
+    for i, held in enumerate(rank_layers(stage_layers, v, strategy.chunk_layout)):
         first, last = held[0], held[-1]
         costs: list[LayerCost] = []
         for j in held:
@@ -723,7 +723,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         passes_f: list[float] = []  # interleaved: each chunk's forward and backward, the waits spread evenly
         passes_b: list[float] = []
         if v > 1:
-            chunk_of = rank_chunks(stage_layers, v, i)
+            chunk_of = rank_chunks(stage_layers, v, i, strategy.chunk_layout)
             passes_f, passes_b = [waits / (2 * v)] * v, [waits / (2 * v)] * v
             for k, c in zip(chunk_of, costs):
                 passes_f[k] += c.forward_seconds

@@ -26,6 +26,9 @@ class Strategy:
     """The engine that runs it, which decides how memory and overlap are priced."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (Megatron's interleaved 1F1B when more than 1)."""
+    chunk_layout: tuple[int, ...] | None = None
+    """Transformer layers of each model chunk in chunk order where a pinned layout splits a rank's
+    layers otherwise than evenly (:attr:`dsauto.plan.Plan.chunk_layout`); None: the even split."""
     recompute_modules: tuple[str, ...] = ()
     """Megatron-core: the modules every transformer layer recomputes (``recompute_granularity``
     selective), which then rules out checkpointing whole layers (the engine has one granularity per

@@ -51,7 +51,7 @@ def megatron_args(plan: Plan, file_name: str = MEGATRON_ARGS_NAME) -> list[str]:
     lines += _model_shape(plan)
     lines += _batch_and_precision(plan)
     lines += _data_parallel(plan)
-    lines += _pipeline_layout(plan.stage_layers, plan.virtual_stages, plan.model.mtp_layers)
+    lines += _pipeline_layout(plan.stage_layers, plan.virtual_stages, plan.model.mtp_layers, plan.chunk_layout)
     lines += _recompute(plan)
     lines += _hook_only(plan)
     quoted = [_shell_words(line) for line in lines]
@@ -470,10 +470,11 @@ def optimizer_offload_flags(plan: Plan) -> list[str]:
             "--use-precision-aware-optimizer"]
 
 
-def _pipeline_layout(stage_layers: tuple[int, ...], virtual_stages: int = 1, mtp_layers: int = 0) -> list[str]:
+def _pipeline_layout(stage_layers: tuple[int, ...], virtual_stages: int = 1, mtp_layers: int = 0,
+                     chunks: tuple[int, ...] | None = None) -> list[str]:
     """Flags placing the plan's layers per stage (and per virtual stage, which the layout string's
     chunk count sets); none when Megatron's even split already does."""
-    layout = pipeline_layout(stage_layers, virtual_stages, mtp_layers)
+    layout = pipeline_layout(stage_layers, virtual_stages, mtp_layers, chunks)
     if layout.layout is not None:
         return [f"--pipeline-model-parallel-layout {layout.layout}"]
     if layout.first_stage_layers is not None:

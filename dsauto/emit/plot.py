@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dsauto.cost.pipeline import ChunkOp, simulate_1f1b, simulate_interleaved
-from dsauto.plan import Plan, chunk_layers
+from dsauto.plan import Plan
 from dsauto.units import GiB, format_bytes, format_seconds
 
 MAX_DRAWN_OPS = 4000
@@ -200,7 +200,7 @@ def _schedule(plan: Plan) -> tuple[list[list[ChunkOp]], float, bool, bool]:
     capped = m * pp * v > MAX_DRAWN_OPS and m > DRAWN_MICRO_BATCHES
     if v > 1:
         chunk_forward, chunk_backward, split = [], [], False
-        counts = chunk_layers(plan.stage_layers, v)
+        counts = plan.chunks()
         for rank, st in enumerate(plan.stages):
             if len(st.chunk_forward_seconds) == len(st.chunk_backward_seconds) == v:
                 chunk_forward.append(list(st.chunk_forward_seconds))

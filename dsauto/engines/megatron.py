@@ -167,7 +167,8 @@ def ddp_bucket_size(plan: Plan) -> int:
     return max(1, plan.reduce_bucket_bytes // megatron_grad_bytes(plan))
 
 
-def pipeline_layout(stage_layers: Sequence[int], virtual_stages: int = 1, mtp_layers: int = 0) -> PipelineLayout:
+def pipeline_layout(stage_layers: Sequence[int], virtual_stages: int = 1, mtp_layers: int = 0,
+                    chunks: Sequence[int] | None = None) -> PipelineLayout:
     """The Megatron setting that places ``stage_layers`` transformer layers on each stage.
 
     Megatron splits layers evenly when nothing is set. First and last stage counts cover layouts
@@ -175,12 +176,13 @@ def pipeline_layout(stage_layers: Sequence[int], virtual_stages: int = 1, mtp_la
     evenly over the middle stages: TransformerConfig.num_layers_in_first/last_pipeline_stage); any
     other layout, stages without transformer layers included, is a layout string. With virtual
     stages the layout string lists every model chunk in Megatron's order (chunk s * pp + r is rank
-    r's s-th; :func:`dsauto.plan.chunk_layers`), from which Megatron reads the virtual pipeline size
-    (PipelineParallelLayerLayout: len(layout) // pp). A layout string places the ``mtp_layers``
-    multi-token-prediction layers before the loss, where Megatron builds them without one.
+    r's s-th; :func:`dsauto.plan.chunk_layers`, ``chunks`` where the plan gives each its own count), from
+    which Megatron reads the virtual pipeline size (PipelineParallelLayerLayout: len(layout) // pp). A
+    layout string places the ``mtp_layers`` multi-token-prediction layers before the loss, where
+    Megatron builds them without one.
     """
     if virtual_stages > 1:
-        return PipelineLayout(layout=layout_string(chunk_layers(stage_layers, virtual_stages), mtp_layers))
+        return PipelineLayout(layout=layout_string(chunk_layers(stage_layers, virtual_stages, chunks), mtp_layers))
     stages = list(stage_layers)
     if len(stages) == 1 or len(set(stages)) == 1:
         return PipelineLayout()

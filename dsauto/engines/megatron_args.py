@@ -34,7 +34,7 @@ from dsauto.engines.megatron import (
     te_softmax_fuses,
 )
 from dsauto.errors import DsautoError
-from dsauto.plan import MOMENT_BYTES, chunk_layers
+from dsauto.plan import MOMENT_BYTES, even_chunks
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec, in_own_words
 from dsauto.units import format_bytes
 
@@ -1151,18 +1151,14 @@ def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:
                           f"transformer layers, and the model has {launch.model.num_layers}; make them agree.")
     virtual = len(chunks) // pp
     stages = tuple(sum(chunks[s * pp + rank] for s in range(virtual)) for rank in range(pp))
-    even = chunk_layers(stages, virtual)
-    if even != chunks:
-        rank = next(r for r in range(pp) if any(chunks[s * pp + r] != even[s * pp + r] for s in range(virtual)))
-        held, split = ([layout[s * pp + rank] for s in range(virtual)] for layout in (chunks, even))
-        raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, whose pipeline rank {rank} holds "
-                          f"{', '.join(map(str, held))} transformer layers in its {virtual} model chunks; dsauto "
-                          f"prices a rank's layers split as evenly as its chunks allow, the earlier ones taking the "
-                          f"remainder ({', '.join(map(str, split))}), so give such a layout.")
+    if min(stages) < 1:
+        raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which leaves pipeline rank "
+                          f"{stages.index(min(stages))} without a transformer layer; dsauto plans every rank with one.")
     launch.spelled["stage_layers"] = "--pipeline-model-parallel-layout"
     if pins.get("vpp", 1) not in (1, virtual):
         raise DsautoError(f"{where} sets {pins['vpp']} virtual stages a rank and a layout of {virtual}; keep one.")
-    pins["vpp"], pins["stage_layers"] = virtual, stages
+    # a rank's layers split otherwise than evenly over its chunks are pinned chunk by chunk
+    pins["vpp"], pins["stage_layers"] = virtual, stages if even_chunks(stages, virtual, chunks) else tuple(chunks)
 
 
 def _recompute(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:

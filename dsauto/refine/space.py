@@ -132,7 +132,8 @@ def strategy_of(plan: Plan) -> Strategy:
     return Strategy(dims=plan.dims, zero_stage=plan.zero_stage,
                     micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
                     sequence_parallel=plan.sequence_parallel, engine=plan.engine,
-                    virtual_stages=plan.virtual_stages, recompute_modules=plan.uniform_recompute_modules(),
+                    virtual_stages=plan.virtual_stages, chunk_layout=plan.chunk_layout,
+                    recompute_modules=plan.uniform_recompute_modules(),
                     offload=plan.offload, hpz=plan.hpz, dist_opt_instances=plan.dist_opt_instances,
                     attention_kernel=plan.attention_kernel, tp_comm_overlap=plan.tp_comm_overlap,
                     grad_reduce_in_fp32=plan.grad_reduce_in_fp32, expert_dispatcher=plan.expert_dispatcher,
@@ -298,7 +299,7 @@ def _megatron_checkpoint_delta(plan: Plan, delta: int) -> tuple[LayerOption, ...
     longest = max(len(layers) for layers in chunks)
     if n < 0 or n > longest:
         return None
-    recomputed = block_recompute_set(plan.stage_layers, plan.virtual_stages, n)
+    recomputed = block_recompute_set(plan.stage_layers, plan.virtual_stages, n, plan.chunk_layout)
     return tuple(dataclasses.replace(option, checkpoint=j in recomputed)
                  for j, option in enumerate(options_of(plan)))
 

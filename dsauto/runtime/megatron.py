@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -63,7 +63,7 @@ from dsauto.engines.megatron import (
     te_softmax_fuses,
 )
 from dsauto.errors import DsautoError
-from dsauto.plan import Plan, chunk_layers
+from dsauto.plan import Plan
 from dsauto.plan_io import read_plan
 from dsauto.spec.model import ModelSpec, attention_widths
 from dsauto.units import counted, format_bytes
@@ -234,7 +234,8 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
         fields["expert_tensor_parallel_size"] = plan.tp
     if config.microbatch_group_size_per_vp_stage == config.pipeline_model_parallel_size:
         fields["microbatch_group_size_per_vp_stage"] = plan.pp
-    fields.update(pipeline_layout_fields(plan.stage_layers, plan.virtual_stages, plan.model.mtp_layers))
+    fields.update(pipeline_layout_fields(plan.stage_layers, plan.virtual_stages, plan.model.mtp_layers,
+                                         plan.chunk_layout))
     fields.update(recompute_fields(plan, config))
     if plan.tp_comm_overlap:
         fields["tp_comm_overlap"] = True  # Transformer Engine's userbuffers (its layers only)
@@ -308,12 +309,13 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
     return applied
 
 
-def pipeline_layout_fields(stage_layers: Iterable[int], virtual_stages: int = 1, mtp_layers: int = 0) -> dict[str, Any]:
+def pipeline_layout_fields(stage_layers: Iterable[int], virtual_stages: int = 1, mtp_layers: int = 0,
+                           chunks: Sequence[int] | None = None) -> dict[str, Any]:
     """TransformerConfig fields that place ``stage_layers`` transformer layers on each stage (and
-    ``mtp_layers`` multi-token-prediction layers on the last): first and last stage counts or a
-    layout string, by the rule ``megatron_args.txt`` uses too
-    (:func:`dsauto.engines.megatron.pipeline_layout`)."""
-    layout = pipeline_layout(list(stage_layers), virtual_stages, mtp_layers)
+    ``mtp_layers`` multi-token-prediction layers on the last; ``chunks`` layers on each model chunk where
+    the plan gives them): first and last stage counts or a layout string, by the rule
+    ``megatron_args.txt`` uses too (:func:`dsauto.engines.megatron.pipeline_layout`)."""
+    layout = pipeline_layout(list(stage_layers), virtual_stages, mtp_layers, chunks)
     return dict(num_layers_in_first_pipeline_stage=layout.first_stage_layers,
                 num_layers_in_last_pipeline_stage=layout.last_stage_layers,
                 pipeline_model_parallel_layout=layout.layout,
@@ -370,7 +372,7 @@ def recompute_fields(plan: Plan, config: TransformerConfig) -> dict[str, Any]:
         if n is None:
             n = _covering_block(plan, checkpointed)
             covered = {layer for layers in plan.stage_ranges() for layer in list(layers)[:n]}
-            blocks = (f"model chunks of {chunk_layers(plan.stage_layers, plan.virtual_stages)} layers"
+            blocks = (f"model chunks of {plan.chunks()} layers"
                       if plan.virtual_stages > 1 else f"stages {list(plan.stage_layers)}")
             _report(f"Megatron-core checkpoints the first N transformer layers of every "
                     f"{'model chunk' if plan.virtual_stages > 1 else 'pipeline stage'}, and the plan "

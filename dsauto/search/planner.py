@@ -166,18 +166,19 @@ class _Priced:
         return (state[BLOCK] * num_layers + state[EMBEDDING] + state[HEAD]) / self.strategy.pp
 
 
-def chunk_checkpoints(options: Sequence[LayerOption], stage_layers: Sequence[int], virtual_stages: int) -> list[int]:
+def chunk_checkpoints(options: Sequence[LayerOption], stage_layers: Sequence[int], virtual_stages: int,
+                      chunks: Sequence[int] | None = None) -> list[int]:
     """How many transformer layers each model chunk checkpoints whole under per-layer ``options``
     (embedding, transformer layers 1..L, head), chunks in the order of :func:`dsauto.plan.chunk_layers`."""
     counts, start = [], 1
-    for count in chunk_layers(stage_layers, virtual_stages):
+    for count in chunk_layers(stage_layers, virtual_stages, chunks):
         counts.append(sum(options[layer].checkpoint for layer in range(start, start + count)))
         start += count
     return counts
 
 
 def block_recompute_options(options: Sequence[LayerOption], stage_layers: Sequence[int],
-                            virtual_stages: int) -> list[LayerOption]:
+                            virtual_stages: int, chunks: Sequence[int] | None = None) -> list[LayerOption]:
     """Per-layer ``options`` (embedding, transformer layers 1..L, head) with their whole-layer
     checkpointing as Megatron-core runs it: ``--recompute-method block --recompute-num-layers N``
     checkpoints the first N layers of every model chunk (:func:`dsauto.plan.block_recompute_set`), one
@@ -187,8 +188,8 @@ def block_recompute_options(options: Sequence[LayerOption], stage_layers: Sequen
     layers = range(1, len(options) - 1)
     if any(options[layer].recompute_modules for layer in layers):
         return list(options)
-    covered = block_recompute_set(stage_layers, virtual_stages, max(chunk_checkpoints(options, stage_layers,
-                                                                                      virtual_stages)))
+    covered = block_recompute_set(stage_layers, virtual_stages,
+                                  max(chunk_checkpoints(options, stage_layers, virtual_stages, chunks)), chunks)
     return [dataclasses.replace(option, checkpoint=layer in covered) if layer in layers else option
             for layer, option in enumerate(options)]
 
@@ -497,7 +498,7 @@ class Planner:
         return np.arange(max(blocks, 0)) // virtual_stages < n
 
     def _block_order(self, options: Sequence[LayerOption], stage_layers: Sequence[int],
-                     virtual_stages: int, n: int | None) -> list[LayerOption]:
+                     virtual_stages: int, n: int | None, chunks: Sequence[int] | None = None) -> list[LayerOption]:
         """``options`` (one per flat layer) with each rank's transformer layers reordered so that,
         under ``--recompute-num-layers N``, its checkpointed ones are the first N of each of its model
         chunks (the DP checkpoints the right number per rank, by position: :meth:`_pinned_recompute`);
@@ -505,8 +506,8 @@ class Planner:
         if n is None:
             return list(options)
         out, L = list(options), self.model.num_layers
-        wanted = block_recompute_set(stage_layers, virtual_stages, n)
-        for held in rank_layers(stage_layers, virtual_stages):
+        wanted = block_recompute_set(stage_layers, virtual_stages, n, chunks)
+        for held in rank_layers(stage_layers, virtual_stages, chunks):
             blocks = [j for j in held if 1 <= j <= L]
             picked = {flag: [out[j] for j in blocks if out[j].checkpoint == flag] for flag in (True, False)}
             assert len(picked[True]) == sum(j in wanted for j in blocks), \
@@ -523,8 +524,14 @@ class Planner:
         (:meth:`_pinned_recompute`), and the fastest whose predicted peak fits is the strategy's plan.
         An N above them checkpoints more than every chunk needed; far below them, the chunk that
         needed most must shed layers to others."""
-        solved = self._solve_layout(priced, self.pins.recompute_num_layers)
         s = priced.strategy
+        if s.chunk_layout is not None and not s.recompute_modules and self.pins.recompute_num_layers is None:
+            # A pinned layout whose chunks hold unequal counts: the DP places a rank's checkpointed layers
+            # by position, exactly for none and for every layer (an N of the largest chunk), which are
+            # the two tried (recompute_num_layers_refusal refuses the others).
+            candidates = [c for n in (0, max(s.chunk_layout)) if (c := self._solve_layout(priced, n)) is not None]
+            return self._fastest_fitting(candidates)
+        solved = self._solve_layout(priced, self.pins.recompute_num_layers)
         if solved is None or s.engine != "megatron" or s.recompute_modules or self.pins.recompute_num_layers is not None:
             return solved
         counts = chunk_checkpoints(solved.options, solved.stage_layers, s.virtual_stages)
@@ -536,6 +543,10 @@ class Planner:
             candidate = self._solve_layout(priced, n)
             if candidate is not None:
                 candidates.append(candidate)
+        return self._fastest_fitting(candidates)
+
+    def _fastest_fitting(self, candidates: list[_Solved]) -> _Solved | None:
+        """Of one strategy's solutions, the fastest by the DP whose predicted peak fits, else the DP's fastest."""
         # The DP bounds memory at its moments; the prediction decides: the fastest by the DP whose
         # predicted peak fits (where none does, the DP's fastest goes on to the planner's own fitting).
         candidates.sort(key=lambda c: c.objective)
@@ -572,7 +583,7 @@ class Planner:
         # a chunk; the last holds at least one (below). A pinned layout (--stage-layers) is the one
         # layout tried, and may leave chunks empty.
         mids = p - 2
-        pinned = pinned_stage_layers(self.pins, L, p)
+        pinned = pinned_stage_layers(self.pins, L, p, v)
         # The last stage may hold a single layer: its chunks then leave the last one to the head (and
         # the prediction layers beside it), as NVIDIA's DeepSeek-V3 layouts do ("...|tt|mL").
         least_last = 1
@@ -660,11 +671,12 @@ class Planner:
         tail = last.choices(n_last + 1)
         per_rank.append(list(tail[1:]) + [tail[0]])  # the head is the rank's last layer
         flat = [0] * (L + 2)
-        for choices, layers in zip(per_rank, rank_layers(stage_layers, v)):
+        for choices, layers in zip(per_rank, rank_layers(stage_layers, v, s.chunk_layout)):
             for choice, layer in zip(choices, layers):
                 flat[layer] = choice
         return _Solved(s, stage_layers,
-                       tuple(self._block_order([priced.options[o] for o in flat], stage_layers, v, recompute_n)),
+                       tuple(self._block_order([priced.options[o] for o in flat], stage_layers, v, recompute_n,
+                                               s.chunk_layout)),
                        float(best))
 
     def _fit_looser(self, priced: _Priced, solved: _Solved, fits: Plan) -> Plan:
@@ -760,7 +772,7 @@ class Planner:
         flight and the largest transient)."""
         s, L = priced.strategy, self.model.num_layers
         out = []
-        for i, held in enumerate(rank_layers(plan.stage_layers, s.virtual_stages)):
+        for i, held in enumerate(plan.rank_layers()):
             flight = in_flight(i, s.pp, s.grad_accum, s.virtual_stages)
             cells = [(EMBEDDING if j == 0 else HEAD if j == L + 1 else BLOCK, priced.options.index(options[j]))
                      for j in held]
@@ -842,7 +854,7 @@ class Planner:
         by_base: dict[Strategy, _Priced] = {}
 
         def price(s: Strategy) -> _Priced:
-            base = s if s.expert_a2a_overlap else dataclasses.replace(s, virtual_stages=1)
+            base = s if s.expert_a2a_overlap else dataclasses.replace(s, virtual_stages=1, chunk_layout=None)
             if base not in by_base:
                 plain = by_base.get(dataclasses.replace(base, recompute_modules=()))
                 by_base[base] = self._price_selective(base, plain) if base.recompute_modules and plain else \
@@ -981,7 +993,7 @@ class Planner:
             for strategy in offloaded_variants(priced[i].strategy, self.cluster, self.pins):
                 if bounded_out(bounds[i]):
                     return  # offloading only adds to the bound
-                unchunked = dataclasses.replace(strategy, virtual_stages=1)
+                unchunked = dataclasses.replace(strategy, virtual_stages=1, chunk_layout=None)
                 if unchunked not in by_base:
                     by_base[unchunked] = self._price(unchunked)
                 candidate = dataclasses.replace(by_base[unchunked], strategy=strategy)
@@ -1010,7 +1022,7 @@ class Planner:
                             self.profile, self.calibration, reduce_bucket, prefetch_bucket)
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
         stage_of = [0] * (self.model.num_layers + 2)
-        for rank, held in enumerate(rank_layers(stage_layers, strategy.virtual_stages)):
+        for rank, held in enumerate(rank_layers(stage_layers, strategy.virtual_stages, strategy.chunk_layout)):
             for layer in held:
                 stage_of[layer] = rank
         runs: list[LayerChoice] = []
@@ -1040,7 +1052,8 @@ class Planner:
                                                   self.model.num_layers, strategy.experts_gathered_whole)
                                    if prefetch_bucket is None else prefetch_bucket),
             layers=tuple(runs), stages=step.stages, prediction=step.prediction, engine=strategy.engine,
-            virtual_stages=strategy.virtual_stages, offload=strategy.offload, hpz=strategy.hpz,
+            virtual_stages=strategy.virtual_stages, chunk_layout=strategy.chunk_layout, offload=strategy.offload,
+            hpz=strategy.hpz,
             dist_opt_instances=strategy.dist_opt_instances, attention_kernel=strategy.attention_kernel,
             tp_comm_overlap=strategy.tp_comm_overlap, expert_dispatcher=strategy.expert_dispatcher, fp8=strategy.fp8,
             fp8_recipe=strategy.fp8_recipe, fp8_param_gather=strategy.fp8_param_gather,

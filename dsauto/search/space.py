@@ -53,6 +53,7 @@ from dsauto.plan import (
     Fp8Recipe,
     MomentsDtype,
     Offload,
+    even_chunks,
 )
 from dsauto.search.limits import check_search_size, check_strategies
 from dsauto.spec.cluster import ClusterSpec
@@ -252,10 +253,14 @@ class Constraints:
     stage_layers: str | None = field(default=None, metadata={
         "flag": "--stage-layers",
         "help": "pin the transformer layers of each pipeline stage: 'even' (split evenly over the pp x vpp "
-                "model chunks, what Megatron-core does without a layout flag) or one count per stage, "
-                "comma-separated, first stage first (default: balanced by the search)"})
-    """The pipeline layout: ``"even"``, or the transformer layers of each pipeline rank, comma-separated
-    (:func:`parse_stage_layers`); None lets the search balance the stages."""
+                "model chunks, what Megatron-core does without a layout flag), one count per stage, "
+                "comma-separated, first stage first, or with --vpp one count per model chunk, in Megatron's "
+                "chunk order (pp x vpp counts: every rank's first chunk, then every rank's second, ...) "
+                "(default: balanced by the search)"})
+    """The pipeline layout: ``"even"``, the transformer layers of each pipeline rank, comma-separated
+    (:func:`parse_stage_layers`), or of each model chunk in chunk order (pp x vpp counts, a rank's
+    chunks as Megatron-core's ``--pipeline-model-parallel-layout`` places them); None lets the search
+    balance the stages."""
 
     recompute_num_layers: int | None = field(default=None, metadata={
         "flag": "--recompute-num-layers",
@@ -375,9 +380,13 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                 if virtual_stage_refusal(engine, pp, v, accum) is None and (
                                         model.num_layers // pp >= v if pins.stage_layers is None
                                         else stage_layout_refusal(pinned_layout, model.num_layers, pp, v) is None):
+                                    chunk_layout = pinned_chunk_layout(pins, pp, v)
+                                    if chunk_layout is not None and engine != "megatron":
+                                        continue  # a layout string is Megatron-core's
                                     out.extend(_host_and_hpz(Strategy(
                                         dims=expert_dims, zero_stage=zero, micro_batch=micro, grad_accum=accum,
-                                        sequence_parallel=sp, engine=engine, virtual_stages=v), cluster, pins))
+                                        sequence_parallel=sp, engine=engine, virtual_stages=v,
+                                        chunk_layout=chunk_layout), cluster, pins))
     # Each with the selective recomputations its engine runs (none among them unless pinned), the
     # attention kernel it runs and the pinned engine options; an engine refusing a pin is dropped.
     hopper = bool(cluster.device.fused_attention_efficiency)
@@ -648,7 +657,9 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
             without := strategies_or_none(model, cluster, train, dataclasses.replace(pins, stage_layers=None))):
         layout = parse_stage_layers(pins.stage_layers, model.num_layers)
         shapes = sorted({(s.pp, s.virtual_stages) for s in without})
-        reason = stage_layout_refusal(layout, model.num_layers, *shapes[0])
+        # the reason of a shape the layout's count of stages or chunks names, where one does
+        named = [(p, v) for p, v in shapes if layout is not None and len(layout) in (p, p * v)]
+        reason = stage_layout_refusal(layout, model.num_layers, *(named or shapes)[0])
         tried = ", ".join(f"pp {p}" + (f" x vpp {v}" if v > 1 else "") for p, v in shapes[:6])
         return DsautoError(f"--stage-layers {pins.stage_layers} cannot run: {reason} (the other settings allow "
                            f"{tried}{' and more' if len(shapes) > 6 else ''}); pin a --pp (and --vpp) it fits, or "
@@ -892,6 +903,17 @@ def parse_stage_layers(text: str, num_layers: int) -> tuple[int, ...] | None:
     """The transformer layers per pipeline stage that a ``--stage-layers`` value names, or None for
     :data:`EVEN_STAGES`; a malformed value, or counts that do not add up to ``num_layers``, is
     refused in one sentence."""
+    counts = _stage_counts(text)
+    if counts is None:
+        return None
+    if sum(counts) != num_layers:
+        raise DsautoError(f"--stage-layers {text} places {sum(counts)} transformer layers and the model has "
+                          f"{num_layers}; give counts that add up to {num_layers}, or '{EVEN_STAGES}'.")
+    return counts
+
+
+def _stage_counts(text: str) -> tuple[int, ...] | None:
+    """The counts of a ``--stage-layers`` value, or None for :data:`EVEN_STAGES`."""
     if text.strip().lower() == EVEN_STAGES:
         return None
     try:
@@ -899,11 +921,8 @@ def parse_stage_layers(text: str, num_layers: int) -> tuple[int, ...] | None:
     except ValueError:
         raise DsautoError(f"--stage-layers {text}: give '{EVEN_STAGES}' or one whole number of transformer layers "
                           f"per pipeline stage, comma-separated (such as 8,8,8,8).") from None
-    if min(counts) < 1:
-        raise DsautoError(f"--stage-layers {text}: every pipeline stage needs at least one transformer layer.")
-    if sum(counts) != num_layers:
-        raise DsautoError(f"--stage-layers {text} places {sum(counts)} transformer layers and the model has "
-                          f"{num_layers}; give counts that add up to {num_layers}, or '{EVEN_STAGES}'.")
+    if min(counts) < 0:
+        raise DsautoError(f"--stage-layers {text}: a count of transformer layers cannot be negative.")
     return counts
 
 
@@ -911,24 +930,49 @@ def stage_layout_refusal(layout: tuple[int, ...] | None, num_layers: int, pp: in
                          virtual_stages: int) -> str | None:
     """Why a pinned layout (:func:`parse_stage_layers`: the counts, or None for the even split) cannot
     place ``num_layers`` transformer layers on pp ranks of ``virtual_stages`` model chunks each; None
-    when it can. A rank may hold fewer layers than chunks: its last chunks are then empty
-    (:func:`dsauto.plan.chunk_layers`), which Megatron-core's layout string runs."""
+    when it can. Counts per rank split over the rank's chunks as :func:`dsauto.plan.chunk_layers` does;
+    pp x vpp counts are the chunks' own, in chunk order. A chunk may hold no layer (Megatron-core's
+    layout string runs it), a rank may not."""
     if layout is None:
         if num_layers % (pp * virtual_stages):
             chunks = f"pp {pp} x vpp {virtual_stages} = {pp * virtual_stages}" if virtual_stages > 1 else f"pp {pp}"
             return f"{num_layers} transformer layers do not split evenly over {chunks} model chunks"
         return None
+    if virtual_stages > 1 and len(layout) == pp * virtual_stages:
+        ranks = [sum(layout[s * pp + r] for s in range(virtual_stages)) for r in range(pp)]
+        if min(ranks) < 1:
+            return f"it leaves pipeline rank {ranks.index(min(ranks))} without a transformer layer"
+        return None
     if len(layout) != pp:
-        return f"it names {len(layout)} stage{'s' if len(layout) > 1 else ''} and the plan has pp {pp}"
+        chunks = f" (or pp x vpp = {pp * virtual_stages} model chunks)" if virtual_stages > 1 else ""
+        return f"it names {len(layout)} stage{'s' if len(layout) > 1 else ''} and the plan has pp {pp}{chunks}"
+    if min(layout) < 1:
+        return "every pipeline stage needs at least one transformer layer"
     return None
 
 
-def pinned_stage_layers(pins: Constraints, num_layers: int, pp: int) -> tuple[int, ...] | None:
+def pinned_stage_layers(pins: Constraints, num_layers: int, pp: int,
+                        virtual_stages: int = 1) -> tuple[int, ...] | None:
     """The transformer layers of each pipeline rank that ``pins`` sets (for a strategy that
     :func:`strategies` kept), or None when the search balances them."""
     if pins.stage_layers is None:
         return None
-    return parse_stage_layers(pins.stage_layers, num_layers) or (num_layers // pp,) * pp
+    layout = parse_stage_layers(pins.stage_layers, num_layers) or (num_layers // pp,) * pp
+    if len(layout) == pp * virtual_stages and virtual_stages > 1:
+        return tuple(sum(layout[s * pp + r] for s in range(virtual_stages)) for r in range(pp))
+    return layout
+
+
+def pinned_chunk_layout(pins: Constraints, pp: int, virtual_stages: int) -> tuple[int, ...] | None:
+    """The layers of each model chunk that ``pins`` sets where they split a rank's layers otherwise than
+    evenly (:attr:`dsauto.plan.Plan.chunk_layout`), or None."""
+    if pins.stage_layers is None or virtual_stages == 1:
+        return None
+    layout = _stage_counts(pins.stage_layers)
+    if layout is None or len(layout) != pp * virtual_stages:
+        return None
+    stages = [sum(layout[s * pp + r] for s in range(virtual_stages)) for r in range(pp)]
+    return None if even_chunks(stages, virtual_stages, layout) else layout
 
 
 def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
@@ -994,6 +1038,10 @@ def recompute_num_layers_refusal(pins: Constraints) -> str | None:
     if pins.expert_a2a_overlap:
         return ("recomputes whole layers, which Megatron-core refuses beside the expert all-to-alls' overlap "
                 "(--moe-a2a-overlap); drop one of the two")
+    if n and pins.vpp and pins.pp and (chunks := pinned_chunk_layout(pins, pins.pp, pins.vpp)) and n < max(chunks):
+        return (f"checkpoints the first {n} layers of every model chunk, and --stage-layers {pins.stage_layers} gives "
+                f"the chunks {min(chunks)} to {max(chunks)} layers, which dsauto prices with none or all of them "
+                f"checkpointed; give 0 or at least {max(chunks)}, or --checkpoint all or none")
     return None
 
 

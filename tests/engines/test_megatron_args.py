@@ -703,8 +703,9 @@ def test_layout_strings_unroll_as_megatron_core_reads_them(layout):
 def test_nvidias_deepseek_v3_layouts_read_or_are_refused_in_one_sentence():
     """GB300's layout (pp 16: 4 layers on the first stage, 4 on the next 14, 1 and the prediction layer
     with the loss on the last) reads as those stages; H100's interleaved one splits a rank's layers
-    unevenly over its two chunks (rank 0: 1 and 2), and a standalone prediction chunk puts the layer
-    apart from the loss: neither is priced, and each refusal says so."""
+    unevenly over its two chunks (rank 0: 1 and 2, rank 15: 2 and none beside the loss) and reads
+    chunk by chunk; a standalone prediction chunk puts the layer apart from the loss, which is not
+    priced, and the refusal says so."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DsautoWarning)
         model = load_model(str(CONFIGS / "deepseek-v3.json"))
@@ -715,11 +716,9 @@ def test_nvidias_deepseek_v3_layouts_read_or_are_refused_in_one_sentence():
                                  "train.sh", model)
     assert launch.pins["stage_layers"] == (4,) * 15 + (1,) and launch.pins["vpp"] == 1
     assert launch.model.mtp_layers == 1
-    with pytest.raises(DsautoError, match=r"whose pipeline rank 0 holds 1, 2 transformer layers in its 2 model "
-                                          r"chunks; dsauto prices a rank's layers split as evenly as its chunks "
-                                          r"allow, the earlier ones taking the remainder \(2, 1\), so give such a"):
-        parse_megatron_args(shlex.split(flags + "--pipeline-model-parallel-layout 'Et|(tt|)*30mL'"), "train.sh",
-                            model)
+    h100 = parse_megatron_args(shlex.split(flags + "--pipeline-model-parallel-layout 'Et|(tt|)*30mL'"), "train.sh",
+                               model)
+    assert h100.pins["stage_layers"] == (1,) + (2,) * 30 + (0,) and h100.pins["vpp"] == 2
     with pytest.raises(DsautoError, match="dsauto prices the embedding .E. first, the loss .L. at the end of the last "
                                           "chunk and the multi-token-prediction layers .m. just before it"):
         parse_megatron_args(shlex.split(flags + "--pipeline-model-parallel-layout 'Et*3|(t*4|)*14,m|L'"),
