@@ -44,7 +44,7 @@ def make_plan(*, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
               split: Mapping[int, int] | None = None, resident: Collection[int] = (),
               flash_attention: bool = False, sequence_parallel: bool = True,
               virtual_stages: int = 1, model: ModelSpec = TINY,
-              recompute_modules: tuple[str, ...] = ()) -> Plan:
+              recompute_modules: tuple[str, ...] = (), chunk_layout: tuple[int, ...] | None = None) -> Plan:
     """A plan for an explicit assignment, priced by dsauto's own planner (Planner.build_plan).
 
     ``checkpoint``, ``split`` and ``resident`` use the plan's flat layer numbering (0 = embedding,
@@ -52,7 +52,8 @@ def make_plan(*, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
     Megatron-core attention is unfused, and a flash plan adds selective recomputation.
     ``virtual_stages`` > 1 interleaves the pipeline (model chunks per rank; the 4 global
     micro-batches must then be a multiple of pp). ``recompute_modules``: selective recomputation of
-    these modules in every transformer layer.
+    these modules in every transformer layer. ``chunk_layout``: the layers of each model chunk, in
+    chunk order, where they split a rank's otherwise than evenly.
     """
     stage_layers = stage_layers or tuple([model.num_layers // pp] * pp)
     grad_accum = GLOBAL_MICRO_BATCHES // dp
@@ -61,7 +62,8 @@ def make_plan(*, tp: int = 1, pp: int = 1, dp: int = 1, zero_stage: int = 0,
                       flash_attention=flash_attention)
     strategy = Strategy(dims=ParallelDims(dp=dp, tp=tp, pp=pp), zero_stage=zero_stage, micro_batch=MICRO_BATCH,
                         grad_accum=grad_accum, sequence_parallel=sequence_parallel and tp > 1, engine="megatron",
-                        virtual_stages=virtual_stages, recompute_modules=recompute_modules)
+                        virtual_stages=virtual_stages, chunk_layout=chunk_layout,
+                        recompute_modules=recompute_modules)
     split = split or {}
     options = [LayerOption(checkpoint=layer in checkpoint,
                            shard_params=zero_stage == 3 and layer not in resident,

@@ -112,9 +112,11 @@ def test_first_and_last_stage_counts_when_they_suffice_else_the_layout_string():
     assert pipeline_layout_fields((2, 0, 1, 1))["pipeline_model_parallel_layout"] == "Et*2||t|tL"
 
 
-@pytest.mark.parametrize(("stages", "virtual"), [((4, 4), 2), ((3, 5), 2), ((4, 4), 4), ((5, 3), 4)])
-def test_an_interleaved_plan_gives_the_layout_megatron_reads_back(monkeypatch, stages, virtual):
-    plan = make_plan(pp=2, stage_layers=stages, virtual_stages=virtual, model=TINY8)
+@pytest.mark.parametrize(("stages", "virtual", "chunks"), [((4, 4), 2, None), ((3, 5), 2, None), ((4, 4), 4, None),
+                                                            ((5, 3), 4, None), ((4, 4), 2, (1, 3, 3, 1)),
+                                                            ((5, 3), 4, (0, 0, 2, 1, 2, 1, 1, 1))])
+def test_an_interleaved_plan_gives_the_layout_megatron_reads_back(monkeypatch, stages, virtual, chunks):
+    plan = make_plan(pp=2, stage_layers=stages, virtual_stages=virtual, model=TINY8, chunk_layout=chunks)
     config = dm.apply(plan, config_for(TINY8))
     layout = config.pipeline_model_parallel_layout  # Megatron's parse of the layout string
     assert config.virtual_pipeline_model_parallel_size == layout.virtual_pipeline_model_parallel_size == virtual
@@ -395,6 +397,9 @@ def interleaved(tmp_path_factory) -> dict[str, dict]:
         "vpp2_recompute": {"plan": make_plan(pp=2, virtual_stages=2, checkpoint=(1, 3, 5, 7), model=TINY8),
                            "measure": True},
         "vpp2_uneven": {"plan": make_plan(pp=2, stage_layers=(3, 5), virtual_stages=2, model=TINY8)},
+        # A layout string splitting each rank's 4 layers 1 + 3 and 3 + 1 over its chunks (Plan.chunk_layout).
+        "vpp2_chunks": {"plan": make_plan(pp=2, stage_layers=(4, 4), virtual_stages=2, chunk_layout=(1, 3, 3, 1),
+                                          model=TINY8)},
         "vpp4": {"plan": make_plan(pp=2, virtual_stages=4, model=TINY8)},
         # Fewer layers than chunks on the last rank: its last chunk holds the head alone ("...|L").
         "vpp4_padded": {"plan": make_plan(pp=2, stage_layers=(5, 3), virtual_stages=4, model=TINY8)},
@@ -407,6 +412,7 @@ def interleaved(tmp_path_factory) -> dict[str, dict]:
     ("vpp2", [[1, 2], [3, 4], [5, 6], [7, 8]]),
     ("vpp2_recompute", [[1, 2], [3, 4], [5, 6], [7, 8]]),
     ("vpp2_uneven", [[1, 2], [3, 4, 5], [6], [7, 8]]),
+    ("vpp2_chunks", [[1], [2, 3, 4], [5, 6, 7], [8]]),
     ("vpp4", [[layer] for layer in range(1, 9)]),
     ("vpp4_padded", [[1, 2], [3], [4], [5], [6], [7], [8], []]),
 ])

@@ -70,6 +70,50 @@ def test_a_pinned_layout_may_leave_model_chunks_empty():
         make_plan("llama3-8b", "a100-80gb", **pins, vpp=5)
 
 
+def test_a_layout_given_chunk_by_chunk_is_priced_emitted_and_read_back_as_given(tmp_path):
+    """pp x vpp counts pin each model chunk (chunk s * pp + r is rank r's s-th), as Megatron-core's layout
+    string does: rank 0's 8 layers split 1 + 7, the others' 4 + 4. The plan keeps the chunks, prices
+    each rank's own (its first chunk of one layer fills the pipeline sooner, its second of seven holds
+    the others up: a longer bubble than the even split's), launches them as a layout string, writes and
+    reads them in plan.yaml, and dsauto reads its own launch back to the same pins."""
+    pins = dict(nodes=1, global_batch=64, seq_len=2048, tp=1, pp=4, engine="megatron", micro_batch=1)
+    chunked = make_plan("llama3-8b", "a100-80gb", **pins, vpp=2, stage_layers="1,4,4,4,7,4,4,4")
+    even = make_plan("llama3-8b", "a100-80gb", **pins, vpp=2, stage_layers="8,8,8,8")
+    assert chunked.stage_layers == even.stage_layers == (8, 8, 8, 8)
+    assert chunked.chunk_layout == (1, 4, 4, 4, 7, 4, 4, 4) and even.chunk_layout is None
+    assert [len(r) for r in chunked.stage_ranges()] == list(chunked.chunk_layout)
+    assert chunked.prediction.bubble_seconds > even.prediction.bubble_seconds
+    assert layout_flags(chunked) == ["--pipeline-model-parallel-layout Et|t*4|t*4|t*4|t*7|t*4|t*4|t*4L"]
+    # the same counts given evenly are the even split, without a chunk layout
+    assert make_plan("llama3-8b", "a100-80gb", **pins, vpp=2, stage_layers="4,4,4,4,4,4,4,4").chunk_layout is None
+    problem = make_problem("llama3-8b", "a100-80gb", **pins, vpp=2, stage_layers="1,4,4,4,7,4,4,4")
+    rebuilt = Planner(problem.model, problem.cluster, problem.train, problem.pins).build_plan(
+        strategy_of(chunked), chunked.stage_layers, options_of(chunked))
+    assert rebuilt.prediction.step_seconds == pytest.approx(chunked.prediction.step_seconds)
+    assert main(["tune", "--model", "llama3-8b", "--hardware", "a100-80gb", "--nodes", "1", "--global-batch", "64",
+                 "--seq-len", "2048", "--tp", "1", "--pp", "4", "--vpp", "2", "--engine", "megatron",
+                 "--micro-batch", "1", "--stage-layers", "1,4,4,4,7,4,4,4", "--out", str(tmp_path)]) == 0
+    written = read_plan(tmp_path / "plan.yaml")
+    assert written.chunk_layout == chunked.chunk_layout
+    assert main(["plan", "--megatron-args", str(tmp_path / "megatron_args.txt"), "--model", "llama3-8b"]) == 0
+
+
+def test_a_layout_given_chunk_by_chunk_checkpoints_none_or_every_layer():
+    """Megatron-core checkpoints the first N layers of every chunk; over chunks of 1 to 7 layers dsauto
+    prices N = 0 or every layer (N of the largest chunk), and refuses an N between in one sentence."""
+    pins = dict(nodes=1, global_batch=64, seq_len=2048, tp=1, pp=4, engine="megatron", micro_batch=1, vpp=2,
+                stage_layers="1,4,4,4,7,4,4,4")
+    every = make_plan("llama3-8b", "a100-80gb", **pins, checkpoint=True)
+    assert len(every.checkpointed_layers()) == 32
+    assert [line for line in megatron_args(every) if line.startswith("--recompute-num-layers")] == [
+        "--recompute-num-layers 7"]
+    assert make_plan("llama3-8b", "a100-80gb", **pins, recompute_num_layers=7).checkpointed_layers() == \
+        every.checkpointed_layers()
+    with pytest.raises(DsautoError, match="--recompute-num-layers 2 checkpoints the first 2 layers of every model "
+                                          "chunk, and --stage-layers 1,4,4,4,7,4,4,4 gives the chunks 1 to 7 layers"):
+        make_plan("llama3-8b", "a100-80gb", **pins, recompute_num_layers=2)
+
+
 def test_a_pinned_layout_is_priced_as_the_planner_prices_that_layout():
     """Pinning the layout the search chose reproduces its plan; pinning another prices that one with
     the same per-layer search, and build_plan of the result agrees with its prediction."""
