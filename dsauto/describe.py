@@ -67,7 +67,9 @@ def describe_plan(plan: Plan) -> str:
         f"{f', linear layers in FP8 ({plan.fp8_recipe} scaling)' if plan.fp8 else ''}"
         f"{' with FP8 weights' if plan.fp8_param_gather else ''}, {attention}",
         f"  layout      {plan.pp} stage{'s' if plan.pp > 1 else ''}, transformer layers per stage "
-        f"{_run_lengths(plan.stage_layers)}" + _interleaving_text(plan),
+        f"{_run_lengths(plan.stage_layers)}"
+        + (f" (per model chunk, in Megatron's chunk order: {_run_lengths(plan.chunk_layout)})"
+           if plan.chunk_layout is not None else "") + _interleaving_text(plan),
         "  layers      (0 = embedding, 1-{0} = {1} layers, {2} = head{3})".format(
             plan.model.num_layers, plan.model.architecture, plan.model.num_layers + 1, _mtp_text(plan)),
     ]
