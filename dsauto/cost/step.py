@@ -703,8 +703,9 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         beside = [block for j in held if strategy.engine == "megatron" and (block := by_layer[j].mtp_block)
                   for _ in range(by_layer[j].mtp_layers)]
         if model.moe:
-            dispatch.append(sum(cost.expert_dispatch_seconds(by_layer[j])
-                                * (1.5 if options[j].checkpoint else 1.0) for j in held)  # recomputed forward
+            dispatch.append(sum(cost.expert_dispatch_seconds(by_layer[j])  # a recomputed forward's again
+                                * (1.5 if options[j].checkpoint or "moe" in options[j].recompute_modules else 1.0)
+                                for j in held)
                             + sum(cost.expert_dispatch_seconds(g) for g in beside))
         tp_passes = [tp_comm_passes(by_layer[j], options[j], cost.context) for j in held]
         tp_passes += [tp_comm_passes(g, LayerOption(False, False, 1, strategy.recompute_modules), cost.context)

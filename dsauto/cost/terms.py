@@ -649,7 +649,7 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
         saved += (group.mlp_act_bytes_per_token - kept_in_fp8) / ctx.tp
     if "moe" in modules:  # the routed experts' (at the busiest rank's load), the shared experts', the router's
         load = expert_load_factor(ctx)
-        kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * group.expert_out_input_elements_per_token * load if ctx.fp8 else 0.0
+        kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * expert_out_inputs(group, ctx) if ctx.fp8 else 0.0
         saved += (group.expert_act_bytes_per_token * load + group.shared_expert_act_bytes_per_token
                   + group.router_act_bytes_per_token - kept_in_fp8) / ctx.tp
     else:
@@ -679,10 +679,17 @@ def fp8_activation_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) 
     saved_per_element = ctx.dtype_bytes - FP8_BYTES
     second_copy = FP8_BYTES if ctx.fp8_recipe == "delayed" else 0
     split = (second_copy * group.attention_output_elements_per_token
-             - saved_per_element * (mlp_out_input_elements(group)
-                                    + group.expert_out_input_elements_per_token * expert_load_factor(ctx)))
+             - saved_per_element * (mlp_out_input_elements(group) + expert_out_inputs(group, ctx)))
     norms = saved_per_element / ctx.dtype_bytes * group.norm_output_bytes_per_token
     return split / ctx.tp - norms / ctx.replicated_div
+
+
+def expert_out_inputs(group: LayerGroup, ctx: LayerContext) -> float:
+    """Elements per token of the routed and shared experts' output projections' inputs on this rank:
+    the routed experts' at the busiest rank's load (:func:`expert_load_factor`), the shared experts'
+    at the mean, since they take every local token."""
+    shared = group.shared_expert_out_input_elements_per_token
+    return (group.expert_out_input_elements_per_token - shared) * expert_load_factor(ctx) + shared
 
 
 def selective_recompute_flops_per_token(group: LayerGroup, option: LayerOption, flash_attention: bool) -> float:

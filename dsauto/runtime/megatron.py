@@ -348,8 +348,18 @@ def recompute_fields(plan: Plan, config: TransformerConfig) -> dict[str, Any]:
 
     keeps_scores = config.attention_backend in (AttnBackend.local, AttnBackend.unfused)
     checkpointed = plan.checkpointed_layers()
+    # The deprecated moe_layer_recompute would add 'moe' to any selective set, and refuse full
+    # recomputation, in the config's __post_init__: the plan's modules say what is recomputed.
     fields: dict[str, Any] = dict(recompute_granularity=None, recompute_method=None,
-                                  recompute_num_layers=None)
+                                  recompute_num_layers=None, moe_layer_recompute=False)
+    if getattr(config, "moe_layer_recompute", False):
+        _report("The config sets moe_layer_recompute; dsauto turns it off and recomputes what the plan says "
+                f"({', '.join(plan.uniform_recompute_modules() or ('no modules',))}).")
+    if "shared_experts" in (plan.uniform_recompute_modules() or ()) and getattr(config, "moe_shared_expert_overlap",
+                                                                                False):
+        fields["moe_shared_expert_overlap"] = False  # Megatron-core refuses the two together
+        _report("The plan recomputes the shared experts, which Megatron-core refuses beside "
+                "moe_shared_expert_overlap; dsauto turns the overlap off.")
     ends = [run for run in plan.layers if run.checkpoint and run.group in ("embedding", "head")]
     if ends:
         _report(f"Megatron-core recomputes transformer layers only, so the plan's checkpointing of the "

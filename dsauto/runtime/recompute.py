@@ -117,10 +117,9 @@ def _target(block: nn.Module, layer: int, name: str, plan: Plan, moe: bool) -> A
                           f"--recompute-modules.")
     if name == "mlp" and moe:
         return None
-    if name == "moe_act":
-        raise DsautoError(f"The plan recomputes the experts' activation (moe_act) in {where}, which only "
-                          f"Megatron-core's grouped experts can; re-plan with --engine megatron or without "
-                          f"moe_act in --recompute-modules.")
+    if name not in SUBMODULES:  # moe_act, mla_up_proj, moe, shared_experts: Megatron-core's own modules
+        raise DsautoError(f"The plan recomputes {name} in {where}, which only Megatron-core's own modules "
+                          f"can; re-plan with --engine megatron or without {name} in --recompute-modules.")
     attribute = SUBMODULES[name]
     target = getattr(block, attribute, None)
     if isinstance(target, nn.Module):

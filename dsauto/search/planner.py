@@ -125,8 +125,9 @@ class _Priced:
         # about (m + (p - 1) / (2 v)) x the mean, would solve 60% more strategies for gpt3-175b
         # (tests/search/test_dimension_oracle.py checks the bound on solved plans).
         # Layers of several kinds (local and global attention, dense and MoE) are priced apart in each
-        # chunk, so a first chunk may hold much less than 1/v of its stage: only m x the mean is kept.
-        fill = 0.0 if self.mixed_layers and v > 1 else (s.pp - 1) / v
+        # chunk, so a first chunk may hold much less than 1/v of its stage: only m x the mean is kept;
+        # so too where a pinned layout gives the chunks their own counts.
+        fill = 0.0 if (self.mixed_layers or s.chunk_layout is not None) and v > 1 else (s.pp - 1) / v
         return (s.grad_accum + fill) * (total / s.pp + p2p) + self.optimizer_seconds / s.pp
 
     def least_memory(self, num_layers: int, recompute_num_layers: int | None = None) -> float:

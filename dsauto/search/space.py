@@ -254,8 +254,9 @@ class Constraints:
         "flag": "--stage-layers",
         "help": "pin the transformer layers of each pipeline stage: 'even' (split evenly over the pp x vpp "
                 "model chunks, what Megatron-core does without a layout flag), one count per stage, "
-                "comma-separated, first stage first, or with --vpp one count per model chunk, in Megatron's "
-                "chunk order (pp x vpp counts: every rank's first chunk, then every rank's second, ...) "
+                "comma-separated, first stage first, or with --pp and --vpp pinned one count per model chunk, "
+                "in Megatron's chunk order (pp x vpp counts: every rank's first chunk, then every rank's second, "
+                "...) "
                 "(default: balanced by the search)"})
     """The pipeline layout: ``"even"``, the transformer layers of each pipeline rank, comma-separated
     (:func:`parse_stage_layers`), or of each model chunk in chunk order (pp x vpp counts, a rank's
@@ -379,7 +380,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                 # some empty (a padded end stage).
                                 if virtual_stage_refusal(engine, pp, v, accum) is None and (
                                         model.num_layers // pp >= v if pins.stage_layers is None
-                                        else stage_layout_refusal(pinned_layout, model.num_layers, pp, v) is None):
+                                        else stage_layout_refusal(pinned_layout, model.num_layers, pp, v,
+                                                                  chunked_layout(pins)) is None):
                                     chunk_layout = pinned_chunk_layout(pins, pp, v)
                                     if chunk_layout is not None and engine != "megatron":
                                         continue  # a layout string is Megatron-core's
@@ -659,7 +661,7 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         shapes = sorted({(s.pp, s.virtual_stages) for s in without})
         # the reason of a shape the layout's count of stages or chunks names, where one does
         named = [(p, v) for p, v in shapes if layout is not None and len(layout) in (p, p * v)]
-        reason = stage_layout_refusal(layout, model.num_layers, *(named or shapes)[0])
+        reason = stage_layout_refusal(layout, model.num_layers, *(named or shapes)[0], chunked_layout(pins))
         tried = ", ".join(f"pp {p}" + (f" x vpp {v}" if v > 1 else "") for p, v in shapes[:6])
         return DsautoError(f"--stage-layers {pins.stage_layers} cannot run: {reason} (the other settings allow "
                            f"{tried}{' and more' if len(shapes) > 6 else ''}); pin a --pp (and --vpp) it fits, or "
@@ -927,18 +929,20 @@ def _stage_counts(text: str) -> tuple[int, ...] | None:
 
 
 def stage_layout_refusal(layout: tuple[int, ...] | None, num_layers: int, pp: int,
-                         virtual_stages: int) -> str | None:
+                         virtual_stages: int, chunked: bool = False) -> str | None:
     """Why a pinned layout (:func:`parse_stage_layers`: the counts, or None for the even split) cannot
     place ``num_layers`` transformer layers on pp ranks of ``virtual_stages`` model chunks each; None
     when it can. Counts per rank split over the rank's chunks as :func:`dsauto.plan.chunk_layers` does;
-    pp x vpp counts are the chunks' own, in chunk order. A chunk may hold no layer (Megatron-core's
-    layout string runs it), a rank may not."""
+    ``chunked`` counts (:func:`chunked_layout`) are the chunks' own, in chunk order. A chunk may hold
+    no layer (Megatron-core's layout string runs it), a rank may not."""
     if layout is None:
         if num_layers % (pp * virtual_stages):
             chunks = f"pp {pp} x vpp {virtual_stages} = {pp * virtual_stages}" if virtual_stages > 1 else f"pp {pp}"
             return f"{num_layers} transformer layers do not split evenly over {chunks} model chunks"
         return None
-    if virtual_stages > 1 and len(layout) == pp * virtual_stages:
+    if chunked:
+        if len(layout) != pp * virtual_stages:
+            return f"its {len(layout)} model chunks are not pp {pp} x vpp {virtual_stages}"
         ranks = [sum(layout[s * pp + r] for s in range(virtual_stages)) for r in range(pp)]
         if min(ranks) < 1:
             return f"it leaves pipeline rank {ranks.index(min(ranks))} without a transformer layer"
@@ -951,6 +955,14 @@ def stage_layout_refusal(layout: tuple[int, ...] | None, num_layers: int, pp: in
     return None
 
 
+def chunked_layout(pins: Constraints) -> bool:
+    """Whether ``--stage-layers`` gives one count per model chunk: pp x vpp counts with both --pp and
+    --vpp pinned (vpp > 1); any other count list gives one per pipeline rank."""
+    counts = None if pins.stage_layers is None else _stage_counts(pins.stage_layers)
+    return (counts is not None and pins.pp is not None and pins.vpp is not None and pins.vpp > 1
+            and len(counts) == pins.pp * pins.vpp)
+
+
 def pinned_stage_layers(pins: Constraints, num_layers: int, pp: int,
                         virtual_stages: int = 1) -> tuple[int, ...] | None:
     """The transformer layers of each pipeline rank that ``pins`` sets (for a strategy that
@@ -958,7 +970,7 @@ def pinned_stage_layers(pins: Constraints, num_layers: int, pp: int,
     if pins.stage_layers is None:
         return None
     layout = parse_stage_layers(pins.stage_layers, num_layers) or (num_layers // pp,) * pp
-    if len(layout) == pp * virtual_stages and virtual_stages > 1:
+    if chunked_layout(pins):
         return tuple(sum(layout[s * pp + r] for s in range(virtual_stages)) for r in range(pp))
     return layout
 
@@ -966,11 +978,9 @@ def pinned_stage_layers(pins: Constraints, num_layers: int, pp: int,
 def pinned_chunk_layout(pins: Constraints, pp: int, virtual_stages: int) -> tuple[int, ...] | None:
     """The layers of each model chunk that ``pins`` sets where they split a rank's layers otherwise than
     evenly (:attr:`dsauto.plan.Plan.chunk_layout`), or None."""
-    if pins.stage_layers is None or virtual_stages == 1:
+    if not chunked_layout(pins):
         return None
     layout = _stage_counts(pins.stage_layers)
-    if layout is None or len(layout) != pp * virtual_stages:
-        return None
     stages = [sum(layout[s * pp + r] for s in range(virtual_stages)) for r in range(pp)]
     return None if even_chunks(stages, virtual_stages, layout) else layout
 
@@ -1038,7 +1048,7 @@ def recompute_num_layers_refusal(pins: Constraints) -> str | None:
     if pins.expert_a2a_overlap:
         return ("recomputes whole layers, which Megatron-core refuses beside the expert all-to-alls' overlap "
                 "(--moe-a2a-overlap); drop one of the two")
-    if n and pins.vpp and pins.pp and (chunks := pinned_chunk_layout(pins, pins.pp, pins.vpp)) and n < max(chunks):
+    if n and chunked_layout(pins) and (chunks := pinned_chunk_layout(pins, pins.pp, pins.vpp)) and n < max(chunks):
         return (f"checkpoints the first {n} layers of every model chunk, and --stage-layers {pins.stage_layers} gives "
                 f"the chunks {min(chunks)} to {max(chunks)} layers, which dsauto prices with none or all of them "
                 f"checkpointed; give 0 or at least {max(chunks)}, or --checkpoint all or none")

@@ -30,12 +30,12 @@ TRAIN = TrainSpec(global_batch=16, seq_len=256, dtype="bf16", flash_attention=Tr
 TOKENS = 2 * 256
 
 
-def layer(modules: tuple[str, ...] = (), ep: int = 1, tp: int = 1, model: ModelSpec = MODEL):
+def layer(modules: tuple[str, ...] = (), ep: int = 1, tp: int = 1, model: ModelSpec = MODEL, fp8: bool = False):
     """One transformer layer of ``model`` on a bf16 Megatron-core plan (micro-batch 2 x 256) recomputing
     ``modules``; its group and its cost."""
     dims = ParallelDims(dp=2, tp=tp, ep=ep)
     strategy = Strategy(dims=dims, zero_stage=1, micro_batch=2, grad_accum=4, sequence_parallel=tp > 1,
-                        engine="megatron", recompute_modules=modules)
+                        engine="megatron", recompute_modules=modules, fp8=fp8, fp8_recipe="tensorwise")
     cluster = load_cluster("h100-80gb", nodes=1, gpus_per_node=dims.world_size)
     cost = CostModel(cluster, TRAIN, strategy, model.hidden_size)
     group = layer_groups(model, TRAIN.seq_len, TRAIN.dtype_bytes, tp)[1]
@@ -71,6 +71,15 @@ def test_shared_expert_recomputation_frees_their_inner_activations():
     _, shared = layer(("shared_experts",))
     assert kept.activation_bytes - shared.activation_bytes == pytest.approx(TOKENS * 3 * FS * 2)
     assert kept.backward_seconds < shared.backward_seconds
+
+
+def test_under_fp8_the_shared_experts_free_what_they_keep_at_the_mean_load():
+    """FP8 keeps the experts' output projections' inputs in one byte each: recomputing the shared experts
+    then frees their SwiGLU's three bf16 values less one byte, at the mean load even where the routed
+    experts' busiest rank carries 1.1x it (the shared experts take every local token)."""
+    _, kept = layer(ep=2, fp8=True)
+    _, shared = layer(("shared_experts",), ep=2, fp8=True)
+    assert kept.activation_bytes - shared.activation_bytes == pytest.approx(TOKENS * (3 * FS * 2 - FS))
 
 
 def test_moe_recomputation_runs_the_layer_and_its_all_to_alls_again_in_backward():

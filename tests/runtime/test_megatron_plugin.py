@@ -151,6 +151,19 @@ def test_multi_token_prediction_layers_reach_the_config_and_megatrons_layout(sta
         dm.apply(plan, config_for(dataclasses.replace(model, mtp_layers=0)))
 
 
+def test_megatron_lms_deprecated_moe_layer_recompute_gives_way_to_the_plan(caplog):
+    """A config built from a launch with --moe-layer-recompute (TransformerConfig.moe_layer_recompute, which
+    its __post_init__ turns into selective recomputation with 'moe' added, and refuses beside full
+    recomputation) recomputes what the plan says: nothing, or the first layer of each stage whole."""
+    config = config_for(recompute_granularity="selective", moe_layer_recompute=True)
+    assert config.recompute_modules == ["core_attn", "moe"]
+    plain = dm.apply(make_plan(), config)
+    assert not plain.moe_layer_recompute and plain.recompute_granularity is None
+    assert any("moe_layer_recompute" in w for w in warnings_of(caplog))
+    full = dm.apply(make_plan(pp=2, checkpoint=(1, 3)), config)
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "block", 1)
+
+
 def test_a_plan_without_interleaving_turns_overlapped_sends_off():
     # Megatron-core's non-interleaved schedules refuse overlap_p2p_comm.
     config = dm.apply(make_plan(pp=2), config_for(overlap_p2p_comm=True, batch_p2p_comm=False))

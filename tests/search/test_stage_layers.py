@@ -98,6 +98,16 @@ def test_a_layout_given_chunk_by_chunk_is_priced_emitted_and_read_back_as_given(
     assert main(["plan", "--megatron-args", str(tmp_path / "megatron_args.txt"), "--model", "llama3-8b"]) == 0
 
 
+def test_counts_are_read_chunk_by_chunk_only_with_pp_and_vpp_pinned():
+    """Without --pp, 8 counts are 8 stages (each split evenly over its chunks), never 4 ranks' chunks: one
+    reading of the flag, whatever the search tries; --recompute-num-layers then checkpoints as usual."""
+    pins = dict(nodes=1, global_batch=64, seq_len=2048, tp=1, engine="megatron", micro_batch=1)
+    plan = make_plan("llama3-8b", "a100-80gb", **pins, vpp=2, stage_layers="1,4,4,4,7,4,4,4")
+    assert plan.pp == 8 and plan.chunk_layout is None and plan.stage_layers == (1, 4, 4, 4, 7, 4, 4, 4)
+    searched = make_plan("llama3-8b", "a100-80gb", **pins, stage_layers="1,4,4,4,7,4,4,4", recompute_num_layers=2)
+    assert searched.pp == 8 and searched.chunk_layout is None
+
+
 def test_a_layout_given_chunk_by_chunk_checkpoints_none_or_every_layer():
     """Megatron-core checkpoints the first N layers of every chunk; over chunks of 1 to 7 layers dsauto
     prices N = 0 or every layer (N of the largest chunk), and refuses an N between in one sentence."""
