@@ -1089,6 +1089,12 @@ def _virtual_stages(flags: dict[str, str], launch: MegatronLaunch, where: str) -
 def _layout(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     pins = launch.pins
     if "--pipeline-model-parallel-layout" in flags:
+        # Megatron-LM's validate_args and TransformerConfig refuse a layout beside the other layout flags
+        if others := [f for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                                  "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank")
+                      if f in flags]:
+            raise DsautoError(f"{where} sets --pipeline-model-parallel-layout with {' and '.join(others)}, which "
+                              f"Megatron-LM refuses beside a layout; keep the layout alone.")
         _layout_string(flags["--pipeline-model-parallel-layout"], launch, where)
         return
     first = _int(flags, "--decoder-first-pipeline-num-layers", where)
@@ -1110,8 +1116,10 @@ def _layout(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     middle = pp - (first is not None) - (last is not None)
     rest = layers - (first or 0) - (last or 0)
     if middle < 0 or rest < 0 or (middle and rest % middle) or (not middle and rest):
-        raise DsautoError(f"{where} gives the first and last pipeline stages {first} and {last} of {layers} layers, "
-                          f"which leaves no even split of the rest over pp {pp}; give counts that do.")
+        given = " and ".join(f"the {end} pipeline stage {count}" for end, count in (("first", first), ("last", last))
+                             if count is not None)
+        raise DsautoError(f"{where} gives {given} of {layers} layers, which leaves no even split of the rest over "
+                          f"pp {pp}; give counts that do.")
     stages = (([first] if first is not None else []) + ([rest // middle] * middle if middle else [])
               + ([last] if last is not None else []))
     pins["stage_layers"] = tuple(stages)
@@ -1155,8 +1163,6 @@ def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:
         raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which leaves pipeline rank "
                           f"{stages.index(min(stages))} without a transformer layer; dsauto plans every rank with one.")
     launch.spelled["stage_layers"] = "--pipeline-model-parallel-layout"
-    if pins.get("vpp", 1) not in (1, virtual):
-        raise DsautoError(f"{where} sets {pins['vpp']} virtual stages a rank and a layout of {virtual}; keep one.")
     # a rank's layers split otherwise than evenly over its chunks are pinned chunk by chunk
     pins["vpp"], pins["stage_layers"] = virtual, stages if even_chunks(stages, virtual, chunks) else tuple(chunks)
 
@@ -1174,7 +1180,9 @@ def _recompute(flags: dict[str, str], launch: MegatronLaunch, where: str) -> Non
                               f"Megatron-core refuses; keep one.")
         granularity = "selective"
         modules = flags.get("--recompute-modules", "core_attn").split()
-        flags = {**flags, "--recompute-modules": " ".join(modules + ["moe"] * ("moe" not in modules))}
+        # 'moe' recomputes nothing in a dense model's layers
+        experts = launch.model.moe if launch.model is not None else "--num-experts" in flags
+        flags = {**flags, "--recompute-modules": " ".join(modules + ["moe"] * (experts and "moe" not in modules))}
     if granularity != "selective":
         pins["recompute_modules"] = "none"  # no selective recomputation beside what the flags say
     if granularity is None:

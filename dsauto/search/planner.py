@@ -454,16 +454,20 @@ class Planner:
         return dataclasses.replace(plain, strategy=strategy, options=options, **arrays)
 
     def _stage_dp(self, priced: _Priced, sequence: Sequence[int], flight: int, reserve: float = 0.0,
-                  prefixes: int | None = None, lead: int = 0, recompute_n: int | None = None):
+                  prefixes: int | None = None, lead: int = 0, recompute_n: int | None = None,
+                  checkpointed: int | None = None):
         """Prefix DP over the layer groups in ``sequence`` with ``flight`` micro-batches in flight,
         ``reserve`` bytes of the layer budget kept back; answered for the first ``prefixes`` layers
         only when given. The memory unit is the whole sequence's either way, so each prefix's answer
         does not depend on ``prefixes``. The transformer layers follow the ``lead`` rows of the
         embedding or head; under Megatron's block recomputation of ``recompute_n`` layers each takes
-        the checkpointing that :meth:`_pinned_recompute` gives its position."""
+        the checkpointing that :meth:`_pinned_recompute` gives its position, or, where given, the first
+        ``checkpointed`` of them are checkpointed and no others (a rank of a pinned chunk layout, whose
+        block recomputation checkpoints that many of its layers)."""
         rows = np.asarray(sequence, dtype=np.int64)
         time = priced.time[rows]
-        wanted = self._pinned_recompute(len(rows) - lead, priced.strategy.virtual_stages, recompute_n)
+        wanted = (self._pinned_recompute(len(rows) - lead, priced.strategy.virtual_stages, recompute_n)
+                  if checkpointed is None else np.arange(max(len(rows) - lead, 0)) < checkpointed)
         if wanted is not None:
             checkpointed = np.array([o.checkpoint for o in priced.options])
             block_rows = np.arange(len(rows)) >= lead
@@ -527,10 +531,9 @@ class Planner:
         needed most must shed layers to others."""
         s = priced.strategy
         if s.chunk_layout is not None and not s.recompute_modules and self.pins.recompute_num_layers is None:
-            # A pinned layout whose chunks hold unequal counts: the DP places a rank's checkpointed layers
-            # by position, exactly for none and for every layer (an N of the largest chunk), which are
-            # the two tried (recompute_num_layers_refusal refuses the others).
-            candidates = [c for n in (0, max(s.chunk_layout)) if (c := self._solve_layout(priced, n)) is not None]
+            # A pinned layout whose chunks hold unequal counts: every N from none to the largest chunk
+            # (every layer), each rank's DP checkpointing as many layers as N does in its chunks.
+            candidates = [c for n in range(max(s.chunk_layout) + 1) if (c := self._solve_layout(priced, n)) is not None]
             return self._fastest_fitting(candidates)
         solved = self._solve_layout(priced, self.pins.recompute_num_layers)
         if solved is None or s.engine != "megatron" or s.recompute_modules or self.pins.recompute_num_layers is not None:
@@ -602,16 +605,25 @@ class Planner:
         else:
             middles = [list(pinned[1:-1])]
             ends, most_mid = max(pinned[0], pinned[-1]) + 1, max(pinned[1:-1], default=0)
+        # A pinned chunk layout under block recomputation: each rank checkpoints the first N layers of
+        # each of its chunks, so many of its layers in all (the DP places them by count).
+        checkpointed: list[int | None] = [None] * p
+        if s.chunk_layout is not None and recompute_n is not None:
+            checkpointed = [sum(min(recompute_n, s.chunk_layout[k * p + r]) for k in range(v)) for r in range(p)]
         first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * (L - 1), in_flight(0, p, m, v), priced.reserve(0),
-                               ends, lead=1, recompute_n=recompute_n)
+                               ends, lead=1, recompute_n=recompute_n, checkpointed=checkpointed[0])
         last = self._stage_dp(priced, [HEAD] + [BLOCK] * (L - 1), in_flight(p - 1, p, m, v), priced.reserve(p - 1),
-                              ends, lead=1, recompute_n=recompute_n)
+                              ends, lead=1, recompute_n=recompute_n, checkpointed=checkpointed[-1])
+
+        def middle_key(i: int) -> tuple[int, int | None]:
+            return in_flight(i, p, m, v), checkpointed[i]
+
         middle = {}
         for i in range(1, p - 1):
-            flight = in_flight(i, p, m, v)
-            if flight not in middle:
-                reserve = max(priced.reserve(k) for k in range(1, p - 1) if in_flight(k, p, m, v) == flight)
-                middle[flight] = self._stage_dp(priced, [BLOCK] * most_mid, flight, reserve, recompute_n=recompute_n)
+            if middle_key(i) not in middle:
+                reserve = max(priced.reserve(k) for k in range(1, p - 1) if middle_key(k) == middle_key(i))
+                middle[middle_key(i)] = self._stage_dp(priced, [BLOCK] * most_mid, middle_key(i)[0], reserve,
+                                                       recompute_n=recompute_n, checkpointed=checkpointed[i])
         sends = 2 * v * priced.p2p_seconds
 
         def waited(t: np.ndarray) -> np.ndarray:
@@ -624,7 +636,7 @@ class Planner:
             emb, head = (float(np.where(np.isfinite(priced.time[g]), priced.time[g], np.inf).min())
                          for g in (EMBEDDING, HEAD))
         # Row i: the best times of the (i + 1)-th rank's DP, by its number of layers.
-        mid_best = np.array([middle[in_flight(i, p, m, v)].best_time for i in range(1, p - 1)]
+        mid_best = np.array([middle[middle_key(i)].best_time for i in range(1, p - 1)]
                             or np.zeros((0, most_mid + 1)))
         mid_waited, first_waited, last_waited = waited(mid_best), waited(first.best_time), waited(last.best_time)
         mid_rows = np.arange(mids)
@@ -668,7 +680,7 @@ class Planner:
         stage_layers = (n_first, *counts, n_last)
         per_rank = [list(first.choices(n_first + 1))]
         for i, c in enumerate(counts):
-            per_rank.append(list(middle[in_flight(i + 1, p, m, v)].choices(c)))
+            per_rank.append(list(middle[middle_key(i + 1)].choices(c)))
         tail = last.choices(n_last + 1)
         per_rank.append(list(tail[1:]) + [tail[0]])  # the head is the rank's last layer
         flat = [0] * (L + 2)

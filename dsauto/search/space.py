@@ -948,7 +948,8 @@ def stage_layout_refusal(layout: tuple[int, ...] | None, num_layers: int, pp: in
             return f"it leaves pipeline rank {ranks.index(min(ranks))} without a transformer layer"
         return None
     if len(layout) != pp:
-        chunks = f" (or pp x vpp = {pp * virtual_stages} model chunks)" if virtual_stages > 1 else ""
+        chunks = (f" ({len(layout)} counts are model chunks only with --pp {pp} --vpp {virtual_stages} pinned)"
+                  if virtual_stages > 1 and len(layout) == pp * virtual_stages else "")
         return f"it names {len(layout)} stage{'s' if len(layout) > 1 else ''} and the plan has pp {pp}{chunks}"
     if min(layout) < 1:
         return "every pipeline stage needs at least one transformer layer"
@@ -1048,10 +1049,6 @@ def recompute_num_layers_refusal(pins: Constraints) -> str | None:
     if pins.expert_a2a_overlap:
         return ("recomputes whole layers, which Megatron-core refuses beside the expert all-to-alls' overlap "
                 "(--moe-a2a-overlap); drop one of the two")
-    if n and chunked_layout(pins) and (chunks := pinned_chunk_layout(pins, pins.pp, pins.vpp)) and n < max(chunks):
-        return (f"checkpoints the first {n} layers of every model chunk, and --stage-layers {pins.stage_layers} gives "
-                f"the chunks {min(chunks)} to {max(chunks)} layers, which dsauto prices with none or all of them "
-                f"checkpointed; give 0 or at least {max(chunks)}, or --checkpoint all or none")
     return None
 
 

@@ -146,6 +146,10 @@ def test_megatron_lms_deprecated_moe_layer_recompute_flag_reads_as_moe(tmp_path)
     assert launch.pins["recompute_modules"] == "core_attn,moe"
     path.write_text(base + "--moe-layer-recompute --recompute-granularity selective --recompute-modules mla_up_proj moe")
     assert read_megatron_args(path).pins["recompute_modules"] == "mla_up_proj,moe"
+    dense = base.replace("--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 128 ", "").replace(
+        "--moe-token-dispatcher-type alltoall ", "")
+    path.write_text(dense + "--moe-layer-recompute")  # Megatron-core's 'moe' finds no MoE layer to recompute
+    assert read_megatron_args(path).pins["recompute_modules"] == "core_attn"
     path.write_text(base + "--moe-layer-recompute --recompute-granularity full --recompute-method block "
                            "--recompute-num-layers 1")
     with pytest.raises(DsautoError, match="--moe-layer-recompute with --recompute-granularity full"):

@@ -719,6 +719,10 @@ def test_nvidias_deepseek_v3_layouts_read_or_are_refused_in_one_sentence():
     h100 = parse_megatron_args(shlex.split(flags + "--pipeline-model-parallel-layout 'Et|(tt|)*30mL'"), "train.sh",
                                model)
     assert h100.pins["stage_layers"] == (1,) + (2,) * 30 + (0,) and h100.pins["vpp"] == 2
+    with pytest.raises(DsautoError, match="sets --pipeline-model-parallel-layout with --decoder-first-pipeline-num-layers, "
+                                          "which Megatron-LM refuses beside a layout; keep the layout alone"):
+        parse_megatron_args(shlex.split(flags + "--pipeline-model-parallel-layout 'Et*4|(t*4|)*14tmL' "
+                                                "--decoder-first-pipeline-num-layers 4"), "train.sh", model)
     with pytest.raises(DsautoError, match="dsauto prices the embedding .E. first, the loss .L. at the end of the last "
                                           "chunk and the multi-token-prediction layers .m. just before it"):
         parse_megatron_args(shlex.split(flags + "--pipeline-model-parallel-layout 'Et*3|(t*4|)*14,m|L'"),

@@ -12,6 +12,7 @@ from dsauto.api import find_plans, make_plan, make_problem
 from dsauto.cli import main
 from dsauto.emit.megatron import megatron_args
 from dsauto.errors import DsautoError
+from dsauto.plan import block_recompute_set
 from dsauto.plan_io import read_plan
 from dsauto.refine.space import options_of, strategy_of
 from dsauto.search.planner import Planner
@@ -108,9 +109,10 @@ def test_counts_are_read_chunk_by_chunk_only_with_pp_and_vpp_pinned():
     assert searched.pp == 8 and searched.chunk_layout is None
 
 
-def test_a_layout_given_chunk_by_chunk_checkpoints_none_or_every_layer():
-    """Megatron-core checkpoints the first N layers of every chunk; over chunks of 1 to 7 layers dsauto
-    prices N = 0 or every layer (N of the largest chunk), and refuses an N between in one sentence."""
+def test_a_layout_given_chunk_by_chunk_checkpoints_the_first_n_layers_of_every_chunk():
+    """Megatron-core checkpoints the first N layers of every chunk: over chunks of 1 to 7 layers N = 2
+    checkpoints 1 + 2 of rank 0's chunks and 2 + 2 of the others', which the plan, its prediction and
+    its launch follow; every layer is N = 7, the largest chunk."""
     pins = dict(nodes=1, global_batch=64, seq_len=2048, tp=1, pp=4, engine="megatron", micro_batch=1, vpp=2,
                 stage_layers="1,4,4,4,7,4,4,4")
     every = make_plan("llama3-8b", "a100-80gb", **pins, checkpoint=True)
@@ -119,9 +121,13 @@ def test_a_layout_given_chunk_by_chunk_checkpoints_none_or_every_layer():
         "--recompute-num-layers 7"]
     assert make_plan("llama3-8b", "a100-80gb", **pins, recompute_num_layers=7).checkpointed_layers() == \
         every.checkpointed_layers()
-    with pytest.raises(DsautoError, match="--recompute-num-layers 2 checkpoints the first 2 layers of every model "
-                                          "chunk, and --stage-layers 1,4,4,4,7,4,4,4 gives the chunks 1 to 7 layers"):
-        make_plan("llama3-8b", "a100-80gb", **pins, recompute_num_layers=2)
+    two = make_plan("llama3-8b", "a100-80gb", **pins, recompute_num_layers=2)
+    assert set(two.checkpointed_layers()) == set(block_recompute_set(two.stage_layers, 2, 2, two.chunk_layout))
+    assert [sum(1 for j in held if j in two.checkpointed_layers()) for held in two.rank_layers()] == [3, 4, 4, 4]
+    assert [line for line in megatron_args(two) if line.startswith("--recompute-num-layers")] == [
+        "--recompute-num-layers 2"]
+    # the search tries every N and keeps the fastest that fits
+    assert every.prediction.step_seconds > two.prediction.step_seconds
 
 
 def test_a_pinned_layout_is_priced_as_the_planner_prices_that_layout():
