@@ -1070,6 +1070,8 @@ def _optimizer_precision(flags: dict[str, str], launch: MegatronLaunch, where: s
 
 def _virtual_stages(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     pins = launch.pins
+    if "--pipeline-model-parallel-layout" in flags:
+        return  # the layout's chunks say it (_layout refuses the virtual-stage flags beside it)
     if "--num-virtual-stages-per-pipeline-rank" in flags:
         pins["vpp"] = _int(flags, "--num-virtual-stages-per-pipeline-rank", where)
     elif "--num-layers-per-virtual-pipeline-stage" in flags:

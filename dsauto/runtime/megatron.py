@@ -261,12 +261,27 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
             _report(f"The plan was priced with cp_comm_type {plan.cp_comm_type}, so dsauto replaces the config's "
                     f"{config.cp_comm_type!r}.")
         fields["cp_comm_type"] = plan.cp_comm_type
+    moe_recomputed = (fields.get("recompute_granularity") == "selective"
+                      and "moe" in (fields.get("recompute_modules") or []))
     if plan.expert_a2a_overlap:
         fields["overlap_moe_expert_parallel_comm"] = True  # the combined 1F1B schedule
+    elif config.overlap_moe_expert_parallel_comm and moe_recomputed:
+        # its schedule calls the MoE layer's parts one by one and would skip the planned recomputation
+        fields["overlap_moe_expert_parallel_comm"] = False
+        _report("The config overlaps the expert all-to-alls (overlap_moe_expert_parallel_comm), whose schedule never "
+                "recomputes an MoE layer whole, and the plan recomputes it ('moe'); dsauto turns the overlap off.")
     elif config.overlap_moe_expert_parallel_comm:
         _report("The config overlaps the expert all-to-alls (overlap_moe_expert_parallel_comm) and the plan was "
                 "priced without it; dsauto keeps it on, so the step may be faster than predicted (re-plan with "
                 "--moe-a2a-overlap to price it).")
+    if config.moe_shared_expert_overlap and (why := (
+            "the plan recomputes the shared experts" if fields.get("recompute_granularity") == "selective"
+            and "shared_experts" in (fields.get("recompute_modules") or config.recompute_modules or [])
+            else "the plan dispatches with DeepEP" if plan.expert_dispatcher == "deepep"
+            else "the plan overlaps the expert all-to-alls" if plan.expert_a2a_overlap else None)):
+        fields["moe_shared_expert_overlap"] = False  # Megatron-core's TransformerConfig refuses each beside it
+        _report(f"The config overlaps the shared experts with the dispatch (moe_shared_expert_overlap) and {why}, "
+                f"which Megatron-core refuses beside it; dsauto turns that overlap off (it was priced without it).")
     if plan.fp8:
         # Transformer Engine's linear layers (its layers only); FP8 weights with --fp8-param-gather
         fields.update(fp8="hybrid", fp8_recipe=plan.fp8_recipe, fp8_param=plan.fp8_param_gather)
@@ -324,6 +339,23 @@ def pipeline_layout_fields(stage_layers: Iterable[int], virtual_stages: int = 1,
 
 
 def recompute_fields(plan: Plan, config: TransformerConfig) -> dict[str, Any]:
+    """TransformerConfig recompute fields for the plan's per-layer checkpointing
+    (:func:`_recompute_fields`). The deprecated ``moe_layer_recompute``, which the config's
+    ``__post_init__`` turns into 'moe' added to the selective modules (and refuses beside full
+    recomputation), is turned off: the plan says what is recomputed."""
+    fields = _recompute_fields(plan, config)
+    if not config.moe_layer_recompute:
+        return fields
+    fields["moe_layer_recompute"] = False
+    planned = {m for run in plan.layers for m in run.recompute_modules}
+    if "moe" in (fields.get("recompute_modules") or []) and "moe" not in planned:
+        fields["recompute_modules"] = [m for m in fields["recompute_modules"] if m != "moe"]
+    _report("The config sets moe_layer_recompute (Megatron-LM's --moe-layer-recompute); dsauto turns it off and "
+            "recomputes as the plan was priced.")
+    return fields
+
+
+def _recompute_fields(plan: Plan, config: TransformerConfig) -> dict[str, Any]:
     """TransformerConfig recompute fields for the plan's per-layer checkpointing.
 
     Megatron-core has one recompute setting for all transformer layers:
@@ -348,18 +380,8 @@ def recompute_fields(plan: Plan, config: TransformerConfig) -> dict[str, Any]:
 
     keeps_scores = config.attention_backend in (AttnBackend.local, AttnBackend.unfused)
     checkpointed = plan.checkpointed_layers()
-    # The deprecated moe_layer_recompute would add 'moe' to any selective set, and refuse full
-    # recomputation, in the config's __post_init__: the plan's modules say what is recomputed.
     fields: dict[str, Any] = dict(recompute_granularity=None, recompute_method=None,
-                                  recompute_num_layers=None, moe_layer_recompute=False)
-    if getattr(config, "moe_layer_recompute", False):
-        _report("The config sets moe_layer_recompute; dsauto turns it off and recomputes what the plan says "
-                f"({', '.join(plan.uniform_recompute_modules() or ('no modules',))}).")
-    if "shared_experts" in (plan.uniform_recompute_modules() or ()) and getattr(config, "moe_shared_expert_overlap",
-                                                                                False):
-        fields["moe_shared_expert_overlap"] = False  # Megatron-core refuses the two together
-        _report("The plan recomputes the shared experts, which Megatron-core refuses beside "
-                "moe_shared_expert_overlap; dsauto turns the overlap off.")
+                                  recompute_num_layers=None)
     ends = [run for run in plan.layers if run.checkpoint and run.group in ("embedding", "head")]
     if ends:
         _report(f"Megatron-core recomputes transformer layers only, so the plan's checkpointing of the "

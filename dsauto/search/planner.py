@@ -554,11 +554,12 @@ class Planner:
         # The DP bounds memory at its moments; the prediction decides: the fastest by the DP whose
         # predicted peak fits (where none does, the DP's fastest goes on to the planner's own fitting).
         candidates.sort(key=lambda c: c.objective)
+        built = []
         for candidate in candidates:
-            built = dataclasses.replace(candidate, plan=self._plan_of(candidate))
-            if built.plan.prediction.peak_memory_bytes <= self.cluster.memory_budget_bytes:
-                return built
-        return candidates[0] if candidates else None
+            built.append(dataclasses.replace(candidate, plan=self._plan_of(candidate)))
+            if built[-1].plan.prediction.peak_memory_bytes <= self.cluster.memory_budget_bytes:
+                return built[-1]
+        return built[0] if built else None
 
     def _plan_of(self, solved: _Solved) -> Plan:
         """The plan of a solution, built once."""

@@ -164,6 +164,18 @@ def test_megatron_lms_deprecated_moe_layer_recompute_gives_way_to_the_plan(caplo
     assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "block", 1)
 
 
+def test_the_shared_experts_overlap_gives_way_to_their_recomputation(caplog):
+    """Megatron-core refuses moe_shared_expert_overlap beside the shared experts' recomputation: a config
+    with the overlap on trains a plan recomputing them with the overlap off, said in a warning."""
+    model = dataclasses.replace(TINY, name="shared-moe", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=128,
+                                shared_expert_ffn_hidden_size=128, linear_bias=False)
+    config = config_for(model, moe_shared_expert_overlap=True)
+    applied = dm.apply(make_plan(model=model, recompute_modules=("shared_experts",)), config)
+    assert not applied.moe_shared_expert_overlap and "shared_experts" in applied.recompute_modules
+    assert any("moe_shared_expert_overlap" in w for w in warnings_of(caplog))
+    assert dm.apply(make_plan(model=model), config).moe_shared_expert_overlap  # kept where nothing refuses it
+
+
 def test_a_plan_without_interleaving_turns_overlapped_sends_off():
     # Megatron-core's non-interleaved schedules refuse overlap_p2p_comm.
     config = dm.apply(make_plan(pp=2), config_for(overlap_p2p_comm=True, batch_p2p_comm=False))
