@@ -732,7 +732,8 @@ def selective_recompute_seconds(group: LayerGroup, option: LayerOption, ctx: Lay
     ``moe``: the MoE layer's forward again (router, routed experts on the busiest rank's tokens, shared
     experts, the activation functions and the top-k copies' permutation; its all-to-alls again are
     :func:`expert_dispatch_seconds`'). ``shared_experts``: the shared experts' matrix multiplies and
-    activation function."""
+    activation function. Under tensor parallelism the shared experts' collective runs again with
+    either, as the dense MLP's does with ``mlp``."""
     modules = option.recompute_modules
     if not modules or option.checkpoint or group.kind != "transformer":
         return 0.0
@@ -768,9 +769,12 @@ def selective_recompute_seconds(group: LayerGroup, option: LayerOption, ctx: Lay
     if "mla_up_proj" in modules:
         seconds += linear_seconds(group, ctx, group.mla_up_flops_per_token * tokens / t, min(group.gemm_dim / t, tokens))
     seconds *= ctx.calibration.compute
-    if "mlp" in modules and t > 1:
-        dense = 1.0 - group.moe_layer_fraction
-        seconds += ctx.tp_group.all_reduce(dense * group.gemm_dim * ctx.dtype_bytes * tokens)
+    if t > 1:  # a recomputed tensor-parallel MLP closes with its collective again
+        dense = 1.0 - group.moe_layer_fraction if "mlp" in modules else 0.0
+        shared = group.moe_layer_fraction if group.shared_expert_matmul_flops_per_token and (
+            "moe" in modules or "shared_experts" in modules) else 0.0
+        if dense + shared:
+            seconds += ctx.tp_group.all_reduce((dense + shared) * group.gemm_dim * ctx.dtype_bytes * tokens)
     return seconds
 
 

@@ -788,9 +788,11 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         attention_score_bytes_per_token=scores,
         checkpoint_bytes_per_token=h * b,
         # two all-reduces: after attention and after the MLP; an MoE layer's tokens go to their
-        # experts from the sequence-parallel shard instead (the experts' own in cost.terms)
-        tp_comm_bytes_per_token=(2 - moe_fraction) * h * b if moe_fraction else 2 * h * b,
-        tp_collectives=2 - moe_fraction,
+        # experts from the sequence-parallel shard instead (the experts' own in cost.terms), but its
+        # shared experts are a tensor-parallel MLP of their own (Megatron-core's SharedExpertMLP, whose
+        # linear layers gather and reduce-scatter as a dense MLP's do without moe_shared_expert_overlap)
+        tp_comm_bytes_per_token=(2 - moe_fraction * (0 if fs else 1)) * h * b,
+        tp_collectives=2 - moe_fraction * (0 if fs else 1),
         gemm_dim=h,
         head_dim=q_width // a,
         causal=model.architecture == "decoder",

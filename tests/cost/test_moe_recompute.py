@@ -12,7 +12,7 @@ import pytest
 from dsauto.api import find_plans, make_problem
 from dsauto.cost.layer import CostModel
 from dsauto.cost.strategy import LayerOption, Strategy
-from dsauto.cost.terms import EXPERT_LOAD_IMBALANCE
+from dsauto.cost.terms import EXPERT_LOAD_IMBALANCE, selective_recompute_seconds
 from dsauto.emit.megatron import megatron_args
 from dsauto.engines.megatron_args import read_megatron_args
 from dsauto.errors import DsautoError
@@ -99,6 +99,27 @@ def test_moe_recomputation_runs_the_layer_and_its_all_to_alls_again_in_backward(
     _, kept1 = layer(ep=1)
     _, whole1 = layer(("moe",), ep=1)
     assert added > whole1.backward_seconds - kept1.backward_seconds
+
+
+def test_shared_experts_are_a_tensor_parallel_mlp_of_their_own():
+    """An MoE layer's routed experts take their tokens from the sequence-parallel shard, while its shared
+    experts (Megatron-core's SharedExpertMLP, a tensor-parallel MLP) gather and reduce-scatter them as a
+    dense MLP does: two collectives a layer with shared experts, one (attention's) without; recomputing
+    them at tp 2 runs theirs again."""
+    group, _ = layer()
+    assert (group.tp_comm_bytes_per_token, group.tp_collectives) == (2 * H * 2, 2)
+    routed_only = layer_groups(dataclasses.replace(MODEL, shared_expert_ffn_hidden_size=0), 256, 2)[1]
+    assert (routed_only.tp_comm_bytes_per_token, routed_only.tp_collectives) == (H * 2, 1)
+    group2, _ = layer(tp=2)
+    ctx = CostModel(load_cluster("h100-80gb", nodes=1, gpus_per_node=4), TRAIN,
+                    Strategy(dims=ParallelDims(dp=2, tp=2), zero_stage=1, micro_batch=2, grad_accum=4,
+                             sequence_parallel=True, engine="megatron"), H).context
+    collective = ctx.tp_group.all_reduce(H * 2 * TOKENS)  # the shared experts' one MLP's worth, every layer MoE
+    for modules in (("shared_experts",), ("moe",)):
+        option = LayerOption(False, False, 1, recompute_modules=modules)
+        without = dataclasses.replace(group2, moe_layer_fraction=0.0)  # no layer's shared experts to gather
+        assert selective_recompute_seconds(group2, option, ctx) - selective_recompute_seconds(without, option, ctx) \
+            == pytest.approx(collective)
 
 
 def test_a_model_without_shared_experts_refuses_their_recomputation():
