@@ -1018,9 +1018,14 @@ def pinned_hf_trainer_refusal(pins: Constraints, model: ModelSpec) -> str | None
     """Why a pin cannot run in a ``transformers`` model under Hugging Face's Trainer (the pin and the
     rule's reason, :func:`dsauto.engines.rules.hf_trainer_refusal`), or None. The search leaves all
     of these out; this names a pin that asks for one."""
-    modules = parse_recompute_modules(pins.recompute_modules, model, "deepspeed", pins.fp8_delayed) \
+    if why := hf_trainer_refusal(engine=pins.engine or "deepspeed"):
+        return f"--engine {pins.engine}: {why}"
+    modules = parse_recompute_modules(pins.recompute_modules, model, None, pins.fp8_delayed) \
         if pins.recompute_modules is not None else ()
-    for pin, why in ((f"--engine {pins.engine}", hf_trainer_refusal(engine=pins.engine or "deepspeed")),
+    if megatron_only := [m for m in modules if _module_refusal(m, model, "deepspeed", pins.fp8_delayed)]:
+        return (f"--recompute-modules {pins.recompute_modules}: Hugging Face's Trainer runs DeepSpeed, which does not "
+                f"recompute {', '.join(megatron_only)} (Megatron-core's)")
+    for pin, why in (
                      (f"--pp {pins.pp}", hf_trainer_refusal(pp=pins.pp or 1)),
                      (f"--cp {pins.cp}", hf_trainer_refusal(cp=pins.cp or 1)),
                      (f"--ep {pins.ep}", hf_trainer_refusal(ep=pins.ep or 1)),

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from pathlib import Path
 
 import pytest
 
 from dsauto.api import find_plans, make_problem
+from dsauto.cli import main
 from dsauto.cost.layer import CostModel
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.cost.terms import EXPERT_LOAD_IMBALANCE, selective_recompute_seconds
@@ -28,6 +30,7 @@ MODEL = ModelSpec(name="moe-bench", architecture="decoder", num_layers=4, hidden
                   moe_top_k=TOP_K, moe_ffn_hidden_size=FE, shared_expert_ffn_hidden_size=FS)
 TRAIN = TrainSpec(global_batch=16, seq_len=256, dtype="bf16", flash_attention=True)
 TOKENS = 2 * 256
+CONFIGS = Path(__file__).resolve().parents[1] / "spec" / "configs"
 
 
 def layer(modules: tuple[str, ...] = (), ep: int = 1, tp: int = 1, model: ModelSpec = MODEL, fp8: bool = False):
@@ -175,3 +178,12 @@ def test_megatron_lms_deprecated_moe_layer_recompute_flag_reads_as_moe(tmp_path)
                            "--recompute-num-layers 1")
     with pytest.raises(DsautoError, match="--moe-layer-recompute with --recompute-granularity full"):
         read_megatron_args(path)
+
+
+def test_a_plan_for_hugging_faces_trainer_names_the_trainer_as_what_refuses_moe(capsys):
+    """--for hf runs DeepSpeed whatever --engine says, so the fix is not --engine megatron."""
+    assert main(["plan", "--model", str(CONFIGS / "mixtral-8x7b.json"), "--hardware", "h100-80gb", "--nodes", "1",
+                 "--for", "hf", "--recompute-modules", "moe"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "Hugging Face's Trainer runs DeepSpeed, which does not recompute moe (Megatron-core's); drop it, or " \
+           "plan without --for hf." in error and len(error.splitlines()) == 1
