@@ -115,6 +115,12 @@ def chunk_layers(stage_layers: Sequence[int], virtual_stages: int = 1,
     return out
 
 
+def rank_totals(chunks: Sequence[int], pp: int, virtual_stages: int) -> list[int]:
+    """What each of the pp pipeline ranks holds of per-chunk counts in chunk order (chunk ``s * pp + r``
+    is rank r's s-th): the sum over its chunks."""
+    return [sum(chunks[s * pp + r] for s in range(virtual_stages)) for r in range(pp)]
+
+
 def chunk_layout_problem(stage_layers: Sequence[int], virtual_stages: int, chunks: Sequence[int]) -> str | None:
     """Why ``chunks`` (layers per model chunk, in chunk order) is not a layout of ``stage_layers``
     over ``virtual_stages`` chunks a rank, or None."""
@@ -123,7 +129,7 @@ def chunk_layout_problem(stage_layers: Sequence[int], virtual_stages: int, chunk
         return f"chunk_layout {list(chunks)} must have pp x vpp = {pp * virtual_stages} entries"
     if any(n < 0 for n in chunks):
         return f"chunk_layout {list(chunks)} must not be negative"
-    held = [sum(chunks[s * pp + r] for s in range(virtual_stages)) for r in range(pp)]
+    held = rank_totals(chunks, pp, virtual_stages)
     if held != list(stage_layers):
         return (f"chunk_layout {list(chunks)} gives the pipeline ranks {held} transformer layers, and "
                 f"stage_layers {list(stage_layers)}")
@@ -651,7 +657,7 @@ class Plan:
         """The transformer layers (flat numbering, 1..L) of each model chunk, in chunk order: the
         pipeline stages, or with virtual stages each rank's chunks (see :func:`chunk_layers`)."""
         ranges, start = [], 1
-        for count in chunk_layers(self.stage_layers, self.virtual_stages, self.chunk_layout):
+        for count in self.chunks():
             ranges.append(range(start, start + count))
             start += count
         return ranges

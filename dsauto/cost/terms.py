@@ -647,17 +647,17 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     if "mlp" in modules:
         kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * mlp_out_input_elements(group) if ctx.fp8 else 0.0
         saved += (group.mlp_act_bytes_per_token - kept_in_fp8) / ctx.tp
-    if "moe" in modules:  # the routed experts' (at the busiest rank's load), the shared experts', the router's
-        load = expert_load_factor(ctx)
-        kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * expert_out_inputs(group, ctx) if ctx.fp8 else 0.0
-        saved += (group.expert_act_bytes_per_token * load + group.shared_expert_act_bytes_per_token
-                  + group.router_act_bytes_per_token - kept_in_fp8) / ctx.tp
-    else:
-        if "moe_act" in modules:
-            saved += group.expert_act_output_bytes_per_token * shrink / ctx.tp * expert_load_factor(ctx)
-        if "shared_experts" in modules:
-            kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * group.shared_expert_out_input_elements_per_token if ctx.fp8 else 0.0
-            saved += (group.shared_expert_act_bytes_per_token - kept_in_fp8) / ctx.tp
+    fp8_saved = ctx.dtype_bytes - FP8_BYTES if ctx.fp8 else 0  # per element kept in FP8
+    if "moe" in modules or "shared_experts" in modules:  # 'moe' recomputes the shared experts too
+        shared_inputs = group.shared_expert_out_input_elements_per_token
+        saved += (group.shared_expert_act_bytes_per_token - fp8_saved * shared_inputs) / ctx.tp
+    load = expert_load_factor(ctx)
+    if "moe" in modules:  # the routed experts' at the busiest rank's load, and the router's
+        routed_inputs = group.expert_out_input_elements_per_token - group.shared_expert_out_input_elements_per_token
+        saved += ((group.expert_act_bytes_per_token - fp8_saved * routed_inputs) * load
+                  + group.router_act_bytes_per_token) / ctx.tp
+    elif "moe_act" in modules:
+        saved += group.expert_act_output_bytes_per_token * shrink / ctx.tp * load
     if "mla_up_proj" in modules:
         saved += group.mla_up_output_bytes_per_token / ctx.tp
     return saved
@@ -711,11 +711,10 @@ def selective_recompute_flops_per_token(group: LayerGroup, option: LayerOption, 
         flops += group.mlp_matmul_flops_per_token
     if "mla_up_proj" in modules:
         flops += group.mla_up_flops_per_token
-    if "moe" in modules:
-        flops += (group.expert_matmul_flops_per_token + group.shared_expert_matmul_flops_per_token
-                  + group.router_matmul_flops_per_token)
-    elif "shared_experts" in modules:
+    if "moe" in modules or "shared_experts" in modules:
         flops += group.shared_expert_matmul_flops_per_token
+    if "moe" in modules:
+        flops += group.expert_matmul_flops_per_token + group.router_matmul_flops_per_token
     return flops
 
 
@@ -749,32 +748,30 @@ def selective_recompute_seconds(group: LayerGroup, option: LayerOption, ctx: Lay
         gemm_dim = min(group.gemm_dim / t, tokens)
         seconds += linear_seconds(group, ctx, group.mlp_matmul_flops_per_token * tokens / t, gemm_dim)
         seconds += device.memory_seconds(tokens * group.mlp_elementwise_bytes_per_token / t)
+    shared = "moe" in modules or "shared_experts" in modules  # 'moe' recomputes the shared experts too
+    if shared:  # their matrix multiplies and activation function
+        seconds += linear_seconds(group, ctx, group.shared_expert_matmul_flops_per_token * tokens / t,
+                                  min(group.gemm_dim / t, tokens))
+        seconds += device.memory_seconds(tokens * group.shared_expert_act_bytes_per_token / t)
     if "moe" in modules:
-        # the router's and shared experts' GEMMs, the routed experts' grouped GEMMs, their activation
-        # functions and the permutation of the top-k copies to and from expert order
-        dense = group.shared_expert_matmul_flops_per_token + group.router_matmul_flops_per_token
-        seconds += linear_seconds(group, ctx, dense * tokens / t, min(group.gemm_dim / t, tokens))
+        # the router's GEMM, the routed experts' grouped GEMMs, their activation functions and the
+        # permutation of the top-k copies to and from expert order
+        seconds += linear_seconds(group, ctx, group.router_matmul_flops_per_token * tokens / t,
+                                  min(group.gemm_dim / t, tokens))
         seconds += expert_gemm_seconds(group, ctx)
-        seconds += device.memory_seconds(tokens / t * (
-            (group.expert_act_elementwise_bytes_per_token + 4 * group.dispatch_bytes_per_token) * expert_load_factor(ctx)
-            + group.shared_expert_act_bytes_per_token))
-    else:
-        if "moe_act" in modules:
-            seconds += device.memory_seconds(tokens * group.expert_act_elementwise_bytes_per_token / t
-                                             * expert_load_factor(ctx))
-        if "shared_experts" in modules:
-            seconds += linear_seconds(group, ctx, group.shared_expert_matmul_flops_per_token * tokens / t,
-                                      min(group.gemm_dim / t, tokens))
-            seconds += device.memory_seconds(tokens * group.shared_expert_act_bytes_per_token / t)
+        seconds += device.memory_seconds(tokens / t * expert_load_factor(ctx) * (
+            group.expert_act_elementwise_bytes_per_token + 4 * group.dispatch_bytes_per_token))
+    elif "moe_act" in modules:
+        seconds += device.memory_seconds(tokens * group.expert_act_elementwise_bytes_per_token / t
+                                         * expert_load_factor(ctx))
     if "mla_up_proj" in modules:
         seconds += linear_seconds(group, ctx, group.mla_up_flops_per_token * tokens / t, min(group.gemm_dim / t, tokens))
     seconds *= ctx.calibration.compute
     if t > 1:  # a recomputed tensor-parallel MLP closes with its collective again
-        dense = 1.0 - group.moe_layer_fraction if "mlp" in modules else 0.0
-        shared = group.moe_layer_fraction if group.shared_expert_matmul_flops_per_token and (
-            "moe" in modules or "shared_experts" in modules) else 0.0
-        if dense + shared:
-            seconds += ctx.tp_group.all_reduce((dense + shared) * group.gemm_dim * ctx.dtype_bytes * tokens)
+        mlps = ((1.0 - group.moe_layer_fraction if "mlp" in modules else 0.0)
+                + (group.moe_layer_fraction if shared and group.shared_expert_matmul_flops_per_token else 0.0))
+        if mlps:
+            seconds += ctx.tp_group.all_reduce(mlps * group.gemm_dim * ctx.dtype_bytes * tokens)
     return seconds
 
 

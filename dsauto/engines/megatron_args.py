@@ -34,7 +34,7 @@ from dsauto.engines.megatron import (
     te_softmax_fuses,
 )
 from dsauto.errors import DsautoError
-from dsauto.plan import MOMENT_BYTES, even_chunks
+from dsauto.plan import MOMENT_BYTES, even_chunks, rank_totals
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec, in_own_words
 from dsauto.units import format_bytes
 
@@ -1160,7 +1160,7 @@ def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:
         raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which places {sum(chunks)} "
                           f"transformer layers, and the model has {launch.model.num_layers}; make them agree.")
     virtual = len(chunks) // pp
-    stages = tuple(sum(chunks[s * pp + rank] for s in range(virtual)) for rank in range(pp))
+    stages = tuple(rank_totals(chunks, pp, virtual))
     if min(stages) < 1:
         raise DsautoError(f"{where} sets --pipeline-model-parallel-layout {text}, which leaves pipeline rank "
                           f"{stages.index(min(stages))} without a transformer layer; dsauto plans every rank with one.")

@@ -261,11 +261,11 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
             _report(f"The plan was priced with cp_comm_type {plan.cp_comm_type}, so dsauto replaces the config's "
                     f"{config.cp_comm_type!r}.")
         fields["cp_comm_type"] = plan.cp_comm_type
-    moe_recomputed = (fields.get("recompute_granularity") == "selective"
-                      and "moe" in (fields.get("recompute_modules") or []))
+    # the modules the applied config recomputes selectively
+    selective = set(fields.get("recompute_modules") or ()) if fields.get("recompute_granularity") == "selective" else set()
     if plan.expert_a2a_overlap:
         fields["overlap_moe_expert_parallel_comm"] = True  # the combined 1F1B schedule
-    elif config.overlap_moe_expert_parallel_comm and moe_recomputed:
+    elif config.overlap_moe_expert_parallel_comm and "moe" in selective:
         # its schedule calls the MoE layer's parts one by one and would skip the planned recomputation
         fields["overlap_moe_expert_parallel_comm"] = False
         _report("The config overlaps the expert all-to-alls (overlap_moe_expert_parallel_comm), whose schedule never "
@@ -275,8 +275,7 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
                 "priced without it; dsauto keeps it on, so the step may be faster than predicted (re-plan with "
                 "--moe-a2a-overlap to price it).")
     if config.moe_shared_expert_overlap and (why := (
-            "the plan recomputes the shared experts" if fields.get("recompute_granularity") == "selective"
-            and "shared_experts" in (fields.get("recompute_modules") or config.recompute_modules or [])
+            "the plan recomputes the shared experts" if "shared_experts" in selective
             else "the plan dispatches with DeepEP" if plan.expert_dispatcher == "deepep"
             else "the plan overlaps the expert all-to-alls" if plan.expert_a2a_overlap else None)):
         fields["moe_shared_expert_overlap"] = False  # Megatron-core's TransformerConfig refuses each beside it

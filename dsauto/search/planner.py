@@ -48,7 +48,7 @@ from dsauto.cost.zero3 import (
     zero3_moments_apply,
 )
 from dsauto.errors import DsautoError
-from dsauto.plan import LayerChoice, Plan, block_recompute_set, chunk_layers, rank_layers
+from dsauto.plan import LayerChoice, Plan, block_recompute_set, chunk_layers, rank_layers, rank_totals
 from dsauto.search.dp import solve_prefixes
 from dsauto.search.space import (
     Constraints,
@@ -469,10 +469,10 @@ class Planner:
         wanted = (self._pinned_recompute(len(rows) - lead, priced.strategy.virtual_stages, recompute_n)
                   if checkpointed is None else np.arange(max(len(rows) - lead, 0)) < checkpointed)
         if wanted is not None:
-            checkpointed = np.array([o.checkpoint for o in priced.options])
+            option_checkpoints = np.array([o.checkpoint for o in priced.options])
             block_rows = np.arange(len(rows)) >= lead
             wrong = np.zeros(time.shape, dtype=bool)
-            wrong[block_rows] = checkpointed[None, :] != wanted[:, None]
+            wrong[block_rows] = option_checkpoints[None, :] != wanted[:, None]
             time = np.where(wrong, np.inf, time)
         finite = np.isfinite(time)
         memory = np.where(finite, priced.static[rows] + flight * priced.activation[rows], 0.0)
@@ -610,7 +610,7 @@ class Planner:
         # each of its chunks, so many of its layers in all (the DP places them by count).
         checkpointed: list[int | None] = [None] * p
         if s.chunk_layout is not None and recompute_n is not None:
-            checkpointed = [sum(min(recompute_n, s.chunk_layout[k * p + r]) for k in range(v)) for r in range(p)]
+            checkpointed = rank_totals([min(recompute_n, count) for count in s.chunk_layout], p, v)
         first = self._stage_dp(priced, [EMBEDDING] + [BLOCK] * (L - 1), in_flight(0, p, m, v), priced.reserve(0),
                                ends, lead=1, recompute_n=recompute_n, checkpointed=checkpointed[0])
         last = self._stage_dp(priced, [HEAD] + [BLOCK] * (L - 1), in_flight(p - 1, p, m, v), priced.reserve(p - 1),

@@ -54,6 +54,7 @@ from dsauto.plan import (
     MomentsDtype,
     Offload,
     even_chunks,
+    rank_totals,
 )
 from dsauto.search.limits import check_search_size, check_strategies
 from dsauto.spec.cluster import ClusterSpec
@@ -331,6 +332,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
         engines = ("deepspeed",)
     recompute_sets = {engine: recompute_module_sets(engine, model, train, pins) for engine in engines}
     pinned_layout = None if pins.stage_layers is None else parse_stage_layers(pins.stage_layers, model.num_layers)
+    chunked, pinned_chunks = chunked_layout(pins), pinned_chunk_layout(pins)  # chunks pin --pp and --vpp: one layout
     for dims in _with_context_parallel(layouts(cluster.world_size, cluster.devices_per_node), train, pins):
         tp, pp, dp = dims.tp, dims.pp, dims.dp
         if pins.hf_trainer and (pp > 1 or dims.cp > 1):
@@ -381,14 +383,11 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                 if virtual_stage_refusal(engine, pp, v, accum) is None and (
                                         model.num_layers // pp >= v if pins.stage_layers is None
                                         else stage_layout_refusal(pinned_layout, model.num_layers, pp, v,
-                                                                  chunked_layout(pins)) is None):
-                                    chunk_layout = pinned_chunk_layout(pins, pp, v)
-                                    if chunk_layout is not None and engine != "megatron":
-                                        continue  # a layout string is Megatron-core's
+                                                                  chunked) is None):
                                     out.extend(_host_and_hpz(Strategy(
                                         dims=expert_dims, zero_stage=zero, micro_batch=micro, grad_accum=accum,
                                         sequence_parallel=sp, engine=engine, virtual_stages=v,
-                                        chunk_layout=chunk_layout), cluster, pins))
+                                        chunk_layout=pinned_chunks), cluster, pins))
     # Each with the selective recomputations its engine runs (none among them unless pinned), the
     # attention kernel it runs and the pinned engine options; an engine refusing a pin is dropped.
     hopper = bool(cluster.device.fused_attention_efficiency)
@@ -516,7 +515,7 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--fp8"] = why, "leave it out"
     if pins.expert_a2a_overlap and (why := expert_a2a_overlap_refusal(
             engine, model.moe, train.dtype, pins.checkpoint,
-            (pins.recompute_modules or "").replace(" ", "").split(","))):
+            parse_recompute_modules(pins.recompute_modules) if pins.recompute_modules is not None else ())):
         out["--moe-a2a-overlap"] = why, "leave it out"
     if pins.cp_comm_type is not None and engine != "megatron" and (
             why := cp_comm_type_refusal(engine, pins.cp_comm_type, pins.cp or 1, pins.tp or 1, model, train.seq_len)):
@@ -943,7 +942,7 @@ def stage_layout_refusal(layout: tuple[int, ...] | None, num_layers: int, pp: in
     if chunked:
         if len(layout) != pp * virtual_stages:
             return f"its {len(layout)} model chunks are not pp {pp} x vpp {virtual_stages}"
-        ranks = [sum(layout[s * pp + r] for s in range(virtual_stages)) for r in range(pp)]
+        ranks = rank_totals(layout, pp, virtual_stages)
         if min(ranks) < 1:
             return f"it leaves pipeline rank {ranks.index(min(ranks))} without a transformer layer"
         return None
@@ -971,19 +970,17 @@ def pinned_stage_layers(pins: Constraints, num_layers: int, pp: int,
     if pins.stage_layers is None:
         return None
     layout = parse_stage_layers(pins.stage_layers, num_layers) or (num_layers // pp,) * pp
-    if chunked_layout(pins):
-        return tuple(sum(layout[s * pp + r] for s in range(virtual_stages)) for r in range(pp))
-    return layout
+    return tuple(rank_totals(layout, pp, virtual_stages)) if chunked_layout(pins) else layout
 
 
-def pinned_chunk_layout(pins: Constraints, pp: int, virtual_stages: int) -> tuple[int, ...] | None:
-    """The layers of each model chunk that ``pins`` sets where they split a rank's layers otherwise than
-    evenly (:attr:`dsauto.plan.Plan.chunk_layout`), or None."""
+def pinned_chunk_layout(pins: Constraints) -> tuple[int, ...] | None:
+    """The layers of each model chunk that ``pins`` sets (on its pinned --pp and --vpp) where they split a
+    rank's layers otherwise than evenly (:attr:`dsauto.plan.Plan.chunk_layout`), or None."""
     if not chunked_layout(pins):
         return None
     layout = _stage_counts(pins.stage_layers)
-    stages = [sum(layout[s * pp + r] for s in range(virtual_stages)) for r in range(pp)]
-    return None if even_chunks(stages, virtual_stages, layout) else layout
+    stages = rank_totals(layout, pins.pp, pins.vpp)
+    return None if even_chunks(stages, pins.vpp, layout) else layout
 
 
 def recompute_module_sets(engine: Engine, model: ModelSpec, train: TrainSpec,
@@ -1025,8 +1022,7 @@ def pinned_hf_trainer_refusal(pins: Constraints, model: ModelSpec) -> str | None
     if megatron_only := [m for m in modules if _module_refusal(m, model, "deepspeed", pins.fp8_delayed)]:
         return (f"--recompute-modules {pins.recompute_modules}: Hugging Face's Trainer runs DeepSpeed, which does not "
                 f"recompute {', '.join(megatron_only)} (Megatron-core's)")
-    for pin, why in (
-                     (f"--pp {pins.pp}", hf_trainer_refusal(pp=pins.pp or 1)),
+    for pin, why in ((f"--pp {pins.pp}", hf_trainer_refusal(pp=pins.pp or 1)),
                      (f"--cp {pins.cp}", hf_trainer_refusal(cp=pins.cp or 1)),
                      (f"--ep {pins.ep}", hf_trainer_refusal(ep=pins.ep or 1)),
                      (f"--recompute-modules {pins.recompute_modules}", hf_trainer_refusal(recompute_modules=modules))):

@@ -770,6 +770,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     expert_out_inputs = moe_fraction * (top_k * fe + fs)
     linear_inputs = (attention_inputs + dense_fraction * (h + f)
                      + moe_fraction * (top_k * h + (h if fs else 0)) + expert_out_inputs)
+    tp_collectives = 2 - (0 if fs else moe_fraction)  # attention's and the (dense or shared experts') MLP's
     block = LayerGroup(
         name=model.architecture,
         kind="transformer",
@@ -791,8 +792,8 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         # experts from the sequence-parallel shard instead (the experts' own in cost.terms), but its
         # shared experts are a tensor-parallel MLP of their own (Megatron-core's SharedExpertMLP, whose
         # linear layers gather and reduce-scatter as a dense MLP's do without moe_shared_expert_overlap)
-        tp_comm_bytes_per_token=(2 - moe_fraction * (0 if fs else 1)) * h * b,
-        tp_collectives=2 - moe_fraction * (0 if fs else 1),
+        tp_comm_bytes_per_token=tp_collectives * h * b,
+        tp_collectives=tp_collectives,
         gemm_dim=h,
         head_dim=q_width // a,
         causal=model.architecture == "decoder",
