@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory per rank of real Megatron-core training, on two CPU ranks.
 
-    python benchmarks/megatron_memory.py              # 16 plans, one torchrun launch each; ~4 minutes
+    python benchmarks/megatron_memory.py              # 20 plans, one torchrun launch each; ~5 minutes
     python benchmarks/megatron_memory.py --only pp2   # the plans whose label contains "pp2"
 
 Megatron-core's own modules train a small GPT in bf16 (GPTModel with the local layer spec, wrapped in
@@ -12,7 +12,10 @@ initialize_model_parallel, apply, model_chunks, ddp_config, optimizer_config), o
 (ZeRO-0), each with full recomputation of every layer and with none, and the four DP=2 plans again
 with their gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``), an interleaved PP=2, and
 PP=2 and TP=2 with a multi-token-prediction layer and an untied head (GPTModel given the decoder's
-layer spec for it, ``get_gpt_mtp_block_spec``). Each is built and priced by
+layer spec for it, ``get_gpt_mtp_block_spec``), and a mixture of experts over expert parallelism 2
+(alltoall dispatcher) without recomputation, with ``moe`` and with every layer recomputed, and with
+gated GeLU experts. Each is
+built and priced by
 dsauto's planner with engine ``megatron``. Every rank tracks the bytes of live tensors
 (:class:`dsauto.profile.memory.MemoryTracker`, started before the model is built) over
 :data:`STEPS` optimizer steps, with regions around each forward and backward of a micro-batch (as the
@@ -85,13 +88,21 @@ class Case:
     """Multi-token-prediction layers on the last stage (ModelSpec.mtp_layers, Megatron's mtp_num_layers)."""
     tied: bool = True
     """The head reuses the word embedding (False: an output weight of its own, as DeepSeek-V3's)."""
+    ep: int = 1
+    """Expert-parallel degree; above 1 the model's MLPs are mixtures of experts (:data:`EXPERTS`)."""
+    recompute_modules: tuple[str, ...] = ()
+    """Without ``recompute``: the modules every layer recomputes (Megatron-core's selective method)."""
+    gated: bool = False
+    """The experts' activation a gated GeLU (``geglu``, which Megatron-core runs unfused), not GeLU."""
 
     def label(self) -> str:
         degrees = f"tp{self.tp}" if self.tp > 1 else f"pp{self.pp}" if self.pp > 1 else f"dp{self.dp}"
         degrees += f" vpp{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        degrees += f" ep{self.ep}" if self.ep > 1 else ""
         zero = f" zero{self.zero_stage}" if self.dp > 1 else ""
         recompute = ("recompute-all" if self.recompute else
-                     f"recompute-first{self.recompute_first}" if self.recompute_first else "no-recompute")
+                     f"recompute-first{self.recompute_first}" if self.recompute_first else
+                     f"recompute-{','.join(self.recompute_modules)}" if self.recompute_modules else "no-recompute")
         extra = ""
         if self.layout:
             extra += f" layers-{'+'.join(map(str, self.layout))}"
@@ -103,6 +114,8 @@ class Case:
             extra += f" mtp{self.mtp_layers}"
         if not self.tied:
             extra += " untied"
+        if self.gated:
+            extra += " geglu"
         return f"{degrees}{zero}{extra} {recompute}"
 
     def stage_layers(self, num_layers: int) -> list[int]:
@@ -128,7 +141,9 @@ CASES = tuple(Case(**dims, recompute=recompute)
     Case(dp=2, zero_stage=zero, recompute=recompute, grad_reduce_in_fp32=False)
     for zero in (1, 0) for recompute in (False, True)) + (
     Case(pp=2, virtual_stages=2, layout=(1, 3)),) + tuple(
-    Case(**dims, mtp_layers=1, tied=False) for dims in ({"pp": 2}, {"tp": 2}, {"pp": 2, "recompute": True}))
+    Case(**dims, mtp_layers=1, tied=False) for dims in ({"pp": 2}, {"tp": 2}, {"pp": 2, "recompute": True})) + tuple(
+    Case(dp=2, zero_stage=1, ep=2, recompute_modules=modules) for modules in ((), ("moe",))) + (
+    Case(dp=2, zero_stage=1, ep=2, recompute=True), Case(dp=2, zero_stage=1, ep=2, gated=True))
 """TP 2, PP 2, DP 2 with and without the distributed optimizer, each with and without recomputation;
 the DP plans again with bf16 gradients (recomputed, their optimizer update is the peak); and PP 2
 interleaved over 2 chunks a rank with 1 and 3 layers, whose first rank's second chunk holds none
@@ -137,10 +152,20 @@ with one multi-token-prediction layer (its layer, projection and second loss on 
 an untied head and rotary positions, as DeepSeek-V3 has (the last stage then holds a word table for the
 layer's lookups),
 PP 2 also with every layer recomputed (the plugin's recompute_method block, under which Megatron-core
-0.16.1 does not checkpoint the prediction layer: MultiTokenPredictionLayer._checkpointed_forward)."""
+0.16.1 does not checkpoint the prediction layer: MultiTokenPredictionLayer._checkpointed_forward); and
+a mixture of experts (:data:`EXPERTS`) over expert parallelism 2 with the distributed optimizer, with
+Megatron-core's alltoall dispatcher (the one dsauto plans and prices), without recomputation, with
+each MoE layer recomputed (``moe``) and with every layer recomputed (``moe_act`` needs grouped GEMMs,
+which Megatron-core runs only with Transformer Engine or the grouped_gemm package, neither on a CPU),
+and again without recomputation with gated GeLU experts (their unfused gated unit keeps more)."""
+
+EXPERTS = {"num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 512, "linear_bias": False}
+"""The mixture of experts of the ep plans: 4 experts of half the dense MLP's width in every layer, top 2,
+no biases (at ep 1 Megatron-core's experts add their biases in place on a view, which autograd refuses;
+the plans keep one shape)."""
 
 
-def bench_model(mtp_layers: int = 0, tied: bool = True):
+def bench_model(mtp_layers: int = 0, tied: bool = True, experts: bool = False, gated: bool = False):
     from dsauto.spec.model import ModelSpec
 
     # GPT-2 shaped (GeLU, LayerNorm, learned positions, tied head, biases), no dropout so that the
@@ -149,7 +174,8 @@ def bench_model(mtp_layers: int = 0, tied: bool = True):
     return ModelSpec(name="bench-gpt", architecture="decoder", num_layers=4, hidden_size=256,
                      num_attention_heads=4, ffn_hidden_size=1024, vocab_size=4096,
                      max_position_embeddings=SEQ_LEN, dropout=False, mtp_layers=mtp_layers,
-                     tied_embeddings=tied, position_embedding="rope" if mtp_layers else "learned")
+                     tied_embeddings=tied, position_embedding="rope" if mtp_layers else "learned",
+                     **(EXPERTS if experts else {}), **({"mlp": "geglu"} if gated else {}))
 
 
 def planner_of(case: Case, profile=None):
@@ -165,7 +191,8 @@ def planner_of(case: Case, profile=None):
     # keeps the s x s scores: priced as eager attention.
     train = TrainSpec(global_batch=case.micro_batch * case.micro_batches, seq_len=SEQ_LEN, dtype=case.dtype,
                       flash_attention=False)
-    return Planner(bench_model(case.mtp_layers, case.tied), cluster, train, Constraints(engine="megatron"), profile=profile)
+    model = bench_model(case.mtp_layers, case.tied, case.ep > 1, case.gated)
+    return Planner(model, cluster, train, Constraints(engine="megatron"), profile=profile)
 
 
 def build_plan(case: Case, profile=None):
@@ -173,12 +200,13 @@ def build_plan(case: Case, profile=None):
     from dsauto.cost.strategy import LayerOption, Strategy
     from dsauto.parallel import ParallelDims
 
-    model = bench_model(case.mtp_layers, case.tied)
-    strategy = Strategy(dims=ParallelDims(dp=case.dp, tp=case.tp, pp=case.pp), zero_stage=case.zero_stage,
+    model = bench_model(case.mtp_layers, case.tied, case.ep > 1, case.gated)
+    strategy = Strategy(dims=ParallelDims(dp=case.dp, tp=case.tp, pp=case.pp, ep=case.ep), zero_stage=case.zero_stage,
                         micro_batch=case.micro_batch, grad_accum=case.micro_batches // case.dp,
                         sequence_parallel=False, engine="megatron", grad_reduce_in_fp32=case.grad_reduce_in_fp32,
-                        virtual_stages=case.virtual_stages)
-    options = [LayerOption(checkpoint=case.checkpointed(layer, model.num_layers), shard_params=False, split=1)
+                        virtual_stages=case.virtual_stages, recompute_modules=case.recompute_modules)
+    options = [LayerOption(checkpoint=case.checkpointed(layer, model.num_layers), shard_params=False, split=1,
+                           recompute_modules=case.recompute_modules if 1 <= layer <= model.num_layers else ())
                for layer in range(model.num_layers + 2)]
     return planner_of(case, profile).build_plan(strategy, case.stage_layers(model.num_layers), options)
 
@@ -226,7 +254,7 @@ def build(plan, cuda: bool = False):
     config = dm.apply(plan, TransformerConfig(**dm.transformer_config_kwargs(plan.model),
                                               use_cpu_initialization=not cuda,
                                               attention_backend=AttnBackend.local))
-    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization=config.normalization)
     chunks = dm.model_chunks(plan, lambda **where: GPTModel(
         config=config, transformer_layer_spec=spec, mtp_block_spec=dm.mtp_block_spec(config, spec, where["vp_stage"]),
         **dm.gpt_model_kwargs(plan), **where))
@@ -305,6 +333,45 @@ def tracked_training(plan, data: Iterator[dict], tracker, steps: int) -> tuple[o
     return model, optimizer, losses
 
 
+@contextlib.contextmanager
+def received_tokens(plan) -> Iterator[list[int]]:
+    """The routed token copies this rank's experts receive, one entry per MoE layer run (forward and
+    recomputation, in order), while the context is open; nothing without experts. Read off the
+    input of Megatron-core's SequentialMLP (the experts of the local layer spec), which allocates
+    nothing more."""
+    received: list[int] = []
+    if not plan.model.moe:
+        yield received
+        return
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    forward = SequentialMLP.forward
+
+    def counted(self, permuted_local_hidden_states, *args, **kwargs):
+        received.append(int(permuted_local_hidden_states.shape[0]))
+        return forward(self, permuted_local_hidden_states, *args, **kwargs)
+
+    SequentialMLP.forward = counted
+    try:
+        yield received
+    finally:
+        SequentialMLP.forward = forward
+
+
+def expert_load(row) -> float | None:
+    """The busiest rank's routed token copies over the balanced mean, in the micro-batch and rank
+    that received the most over the model's layers (what the activations at a forward's end hold);
+    None without experts."""
+    model = row.plan.model
+    if not model.moe:
+        return None
+    layers = len(model.moe_layers())
+    mean = row.plan.micro_batch * row.plan.seq_len * model.moe_top_k * layers  # a rank's own tokens' copies
+    busiest = max(sum(counts[i:i + layers]) for counts in (r["expert_tokens"] for r in row.ranks)
+                  for i in range(0, len(counts), layers))
+    return busiest / mean
+
+
 def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: int = 2) -> None:
     """Trains the plan in ``plan_path`` for :data:`STEPS` steps under the memory tracker, then (when
     ``timed_steps``) ``warmup_steps`` untimed and ``timed_steps`` timed steps without it; rank 0
@@ -333,7 +400,8 @@ def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: 
     # one iterator per model chunk, each yielding the same micro-batches
     data = [batches(plan, 1234) for _ in range(plan.virtual_stages)] if plan.virtual_stages > 1 else batches(plan, 1234)
     tracker = MemoryTracker("cpu")
-    model, optimizer, losses = tracked_training(plan, data, tracker, STEPS)
+    with received_tokens(plan) as received:
+        model, optimizer, losses = tracked_training(plan, data, tracker, STEPS)
     # Timed steps: the tracker is off (its hooks cost time), the schedules are Megatron's own; each
     # step starts and ends with a barrier, so its time is the slowest rank's. On a machine other
     # processes share, their time slices stretch the step: each step also records the ranks' time
@@ -361,7 +429,7 @@ def worker(plan_path: Path, out_path: Path, timed_steps: int = 0, warmup_steps: 
         steps.append({"wall_seconds": float(wall[0]), "on_core_seconds": float(cpu[0]),
                       "waiting_seconds": float(cpu[1]), "others_seconds": float(wall[1])})
     mine = {"rank": dist.get_rank(), "stage": parallel_state.get_pipeline_model_parallel_rank(),
-            "losses": losses, "timed_steps": steps,
+            "losses": losses, "timed_steps": steps, "expert_tokens": received,
             **{name: tracker.peak_bytes(name)
                for name in ("built", "step", "forward", "backward", "optimizer", "between")}}
     ranks: list[dict] = [{} for _ in range(dist.get_world_size())]
@@ -547,8 +615,10 @@ def main() -> None:
         launch(write_plan_yaml(plan, work / f"{name}.yaml"), out_path, log, plan.world_size)
         row = Row(case, plan, json.loads(out_path.read_text()))
         rows.append(row)
+        load = expert_load(row)
         print(f"  measured {row.measured / MiB:.2f} MiB, predicted {row.predicted / MiB:.2f} MiB "
-              f"({row.error:+.1%})", file=sys.stderr, flush=True)
+              f"({row.error:+.1%})" + (f"; busiest expert rank {load:.3f}x the mean" if load else ""),
+              file=sys.stderr, flush=True)
     wall = time.perf_counter() - started
     if not rows:
         sys.exit(f"no plan's label contains {args.only!r}")
@@ -573,7 +643,11 @@ def write_results(rows: list[Row], summary: str, command: str, wall: float) -> N
         "",
         (f"Model: GPT of {model.num_layers} layers, hidden {model.hidden_size}, {model.num_attention_heads} heads, "
          f"FFN {model.ffn_hidden_size}, vocabulary {model.vocab_size} (tied head, learned positions; the mtp plans: "
-         f"one multi-token-prediction layer, an untied head, rotary positions), {SEQ_LEN} tokens per sequence; "
+         f"one multi-token-prediction layer, an untied head, rotary positions; the ep2 plans: "
+         f"{EXPERTS['num_experts']} experts of FFN {EXPERTS['moe_ffn_hidden_size']} in every layer, top "
+         f"{EXPERTS['moe_top_k']}, no biases, Megatron-core's SequentialMLP experts and alltoall dispatcher; "
+         "geglu: gated GeLU experts), "
+         f"{SEQ_LEN} tokens per sequence; "
          f"micro-batches of {MICRO_BATCH}, {GLOBAL_MICRO_BATCHES} per step over all data-parallel ranks; "
          f"**{DTYPE}** (Megatron-core trains in bf16 on CPU: Float16Module, fp32 main gradients, bf16 ones in the "
          "bf16-grads plans, fp32 main weights, torch's AdamW); Megatron-core's unfused local attention, no dropout, no sequence "
@@ -588,6 +662,15 @@ def write_results(rows: list[Row], summary: str, command: str, wall: float) -> N
     for row in rows:
         lines.append(f"| {row.case.label()} | {row.measured / MiB:.2f} MiB | {row.predicted / MiB:.2f} MiB | "
                      f"{row.error:+.1%} |")
+    loads = [(row.case.label(), expert_load(row)) for row in rows if row.plan.model.moe]
+    if loads:
+        from dsauto.cost.terms import EXPERT_LOAD_IMBALANCE
+
+        lines += ["", ("The ep2 plans price the busiest expert-parallel rank at "
+                       f"{EXPERT_LOAD_IMBALANCE}x the mean routed load (dsauto.cost.terms.EXPERT_LOAD_IMBALANCE, "
+                       "a stated factor); measured, the most copies any rank's experts received in one "
+                       "micro-batch over the layers: "
+                       + "; ".join(f"{label} {load:.3f}x" for label, load in loads) + ".")]
     lines += [
         "",
         "Per pipeline stage (largest rank of the stage): the model state measured between steps against",

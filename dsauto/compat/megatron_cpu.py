@@ -36,12 +36,19 @@ tests and CPU dry runs. What it patches (:data:`PATCHES`), all undone by :meth:`
 
 7. CUDA streams: ``torch.cuda.Stream(...)``, ``torch.cuda.default_stream()`` and
    ``torch.cuda.current_stream()`` return a CPU stand-in whose ``wait_stream`` / ``wait_event`` /
-   ``synchronize`` do nothing, and ``torch.cuda.stream(s)`` is an empty context. Megatron-core's
+   ``synchronize`` do nothing and whose ``record_event()`` gives an event that is already complete,
+   and ``torch.cuda.stream(s)`` is an empty context. Megatron-core's
    partial distributed optimizer (``num_distributed_optimizer_instances > 1``) creates a
    communication stream for its buckets (distributed/distributed_data_parallel.py) and runs the
    gradient reduce-scatter and the all-reduce across instances under it, synchronously
    (distributed/param_and_grad_buffer.py, ``start_grad_sync`` / ``finish_grad_sync``); on the CPU
-   that work is already in order.
+   that work is already in order. The MoE alltoall dispatcher copies its split sizes to the host on
+   a side stream and waits on an event (transformer/moe/token_dispatcher.py,
+   ``_maybe_dtoh_and_synchronize``).
+8. That copy (``maybe_move_tensor_to_cpu``, moe_utils.py) leaves CPU tensors alone, so the split
+   sizes would reach ``all_to_all_single`` as tensors, which it refuses; in the dispatcher's module
+   it returns what a GPU gets, numpy arrays where asked. With 7, Megatron-core's alltoall dispatcher,
+   the one dsauto plans, runs on gloo ranks.
 
 The pipeline schedules, the interleaved one included, need nothing more: their CUDA calls are the
 ``device="cuda"`` token counter and p2p shape buffers on ``current_device()`` (items 1 and 5), and the
@@ -81,8 +88,10 @@ PATCHES: tuple[str, ...] = (
      "pin_memory -> cpu, unpinned; Tensor.type() -> 'torch.cuda.<T>'"),
     ("megatron.core.transformer.torch_norm.WrappedTorchNorm: accepts sequence_parallel, marks its "
      "parameters sequence_parallel as Apex's FusedLayerNorm does"),
-    ("torch.cuda.Stream / default_stream / current_stream -> a CPU stand-in whose waits do nothing; "
-     "torch.cuda.stream(s) -> an empty context"),
+    ("torch.cuda.Stream / default_stream / current_stream -> a CPU stand-in whose waits do nothing "
+     "and whose recorded events are complete; torch.cuda.stream(s) -> an empty context"),
+    ("megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu -> host copies as on a "
+     "GPU (numpy split sizes for the alltoall dispatcher)"),
 )
 """What :meth:`MegatronCpuShim.enable` changes, one line each (the module docstring says why)."""
 
@@ -180,6 +189,32 @@ class _CpuStream:
     def synchronize(self) -> None:
         pass
 
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+
+class _CpuEvent:
+    """A CUDA event as the CPU sees it (item 7): the work before it is done when it is recorded."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Megatron-core's ``maybe_move_tensor_to_cpu`` (moe_utils.py) as it acts on a GPU, where the
+    alltoall dispatcher's split sizes are device tensors: host copies, as numpy arrays where asked
+    (which ``all_to_all_single`` takes as split sizes; the CPU tensors the unpatched function
+    leaves alone, it refuses)."""
+    if torch.is_tensor(tensor):
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
 
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     return torch.get_rng_state()
@@ -240,6 +275,9 @@ class MegatronCpuShim:
             # undefined without Transformer Engine (moe_utils.RouterGatingLinearFunction); None is
             # its own test for "use torch". Left set on disable: it is what the module means.
             moe_utils.te_general_gemm = None
+        from megatron.core.transformer.moe import token_dispatcher
+
+        self._patch(token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy)
         return self
 
     def disable(self) -> None:

@@ -652,12 +652,17 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
         shared_inputs = group.shared_expert_out_input_elements_per_token
         saved += (group.shared_expert_act_bytes_per_token - fp8_saved * shared_inputs) / ctx.tp
     load = expert_load_factor(ctx)
+    megatron = ctx.engine == "megatron"
     if "moe" in modules:  # the routed experts' at the busiest rank's load, and the router's
         routed_inputs = group.expert_out_input_elements_per_token - group.shared_expert_out_input_elements_per_token
-        saved += ((group.expert_act_bytes_per_token - fp8_saved * routed_inputs) * load
-                  + group.router_act_bytes_per_token) / ctx.tp
+        routed = group.expert_act_bytes_per_token + (megatron_routed_copy_change_bytes_per_token(group)
+                                                     if megatron else 0.0)
+        saved += ((routed - fp8_saved * routed_inputs) * load + group.router_act_bytes_per_token) / ctx.tp
     elif "moe_act" in modules:
-        saved += group.expert_act_output_bytes_per_token * shrink / ctx.tp * load
+        # Megatron-core checkpoints the activation with its weighting (experts.py, bias_act_func),
+        # so an unfused weighting's input goes too.
+        unfused = group.expert_unfused_bytes_per_token if megatron else 0.0
+        saved += (group.expert_act_output_bytes_per_token * shrink + unfused) / ctx.tp * load
     if "mla_up_proj" in modules:
         saved += group.mla_up_output_bytes_per_token / ctx.tp
     return saved
@@ -1188,6 +1193,9 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     full_activation += tokens * group.expert_act_bytes_per_token / t * (expert_load_factor(ctx) - 1)
     full_activation += tokens * fp8_activation_change_bytes_per_token(group, ctx)
     megatron = ctx.engine == "megatron"
+    if megatron:
+        full_activation += (tokens * megatron_routed_copy_change_bytes_per_token(group) / t
+                            * expert_load_factor(ctx))
     if megatron and group.kind == "transformer" and not flash:
         full_activation += tokens * (
             megatron_softmax_fp32_bytes_per_token(group, t, ctx.dtype_bytes, ctx.softmax_fp32)
@@ -1253,6 +1261,25 @@ def attention_scores_per_token(group: LayerGroup) -> float:
     """Attention scores per token of a transformer layer, over all heads (heads x sequence length):
     :func:`dsauto.spec.model.layer_groups` counts 4 FLOPs per score and head dimension."""
     return group.attention_flops_per_token / (4 * group.head_dim) if group.head_dim else 0.0
+
+
+def megatron_routed_copy_change_bytes_per_token(group: LayerGroup) -> float:
+    """How Megatron-core's routed experts keep a token's top-k copies otherwise than the
+    engine-neutral count (:attr:`LayerGroup.expert_act_bytes_per_token`: each copy's input, inner
+    activations and output before the weighted combine), per token at the mean load, before tensor
+    parallelism divides it. Megatron-core (0.13 on) weights each copy by its router probability
+    inside the experts, after the activation function (transformer/moe/experts.py, ``bias_act_func``
+    and ``SequentialMLP``; transformer/mlp.py, ``per_token_scale``), and its dispatchers combine the
+    outputs unweighted (token_dispatcher.py, ``unpermute`` without probs, whose backward keeps no
+    input): so no copy's output is kept (-h). Weighting in the activation's fused kernel
+    (``weighted_bias_swiglu_impl``) keeps nothing more; unfused (every activation but SwiGLU), the
+    weighting and a gated unit's product keep more (:attr:`LayerGroup.expert_unfused_bytes_per_token`).
+    Measured on two CPU ranks (benchmarks/megatron_memory.py, the ep2 plans: GeLU experts, unfused),
+    the engine-neutral count put the peak 2.6% low, this 0.6%; with gated GeLU experts 5.6% low
+    before the gated unit's terms."""
+    if not group.num_experts:
+        return 0.0
+    return group.expert_unfused_bytes_per_token - group.dispatch_bytes_per_token
 
 
 def megatron_softmax_fp32_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int,

@@ -646,6 +646,13 @@ class LayerGroup:
     """Of ``matmul_flops_per_token``, the router's (and the shared experts' gate's)."""
     shared_expert_out_input_elements_per_token: float = 0.0
     """Of ``expert_out_input_elements_per_token``, the shared experts' output projection's inputs."""
+    expert_unfused_bytes_per_token: float = 0.0
+    """What Megatron-core's routed experts keep beyond ``expert_act_bytes_per_token``'s inner
+    activations where their activation function runs unfused (every one but SwiGLU, which Megatron-LM
+    and dsauto's plugin fuse with the router probability's weighting), averaged over the layers: the
+    weighting multiply keeps the activation's output beside the weighted copy, and a gated unit's
+    product also keeps its second factor and the product (transformer/moe/experts.py,
+    ``bias_act_func``'s ``glu``); 0 fused (:func:`dsauto.cost.terms.megatron_routed_copy_change_bytes_per_token`)."""
 
     # Multi-token prediction (ModelSpec.mtp_layers): set on the head only.
     mtp_layers: int = 0
@@ -831,6 +838,11 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         linear_input_elements_per_token=linear_inputs,
         attention_output_elements_per_token=out_width,
         expert_out_input_elements_per_token=expert_out_inputs,
+        # unfused: the activation's output beside its weighted copy; gated, also the up projection
+        # plus its offset and the product (fc1's output, the activation's, x_linear + offset, the
+        # product and its weighted copy: 6 widths against the 3 counted)
+        expert_unfused_bytes_per_token=(0.0 if model.mlp == "swiglu" else
+                                        moe_fraction * top_k * (3 if gated else 1) * fe * b),
     )
 
     positions = (model.max_position_embeddings + model.position_offset) * h if model.position_embedding == "learned" else 0

@@ -48,14 +48,15 @@ def layer(modules: tuple[str, ...] = (), ep: int = 1, tp: int = 1, model: ModelS
 def test_moe_recomputation_frees_everything_the_moe_mlp_keeps_but_its_input():
     """Megatron-core's MoELayer under 'moe' runs its forward inside tensor_parallel.checkpoint, which keeps
     its input alone (the pre-MLP norm's output, kept either way as the norm's): the top-k copies of each
-    token going in and out of its experts (2h each), their SwiGLU inner activations (gate, up and their
-    product: 3 x the expert width each), the shared experts' (3 x their width) and the router's fp32
-    logits and probabilities (2 x 4 bytes an expert), all in bf16 and, at ep 2, at the busiest rank's
-    load for the routed copies."""
+    token going into its experts (h each; Megatron-core weights them by their probabilities inside the
+    fused SwiGLU and combines their outputs unweighted, keeping no output), their SwiGLU inner
+    activations (gate, up and the weighted product: 3 x the expert width each), the shared experts'
+    (3 x their width) and the router's fp32 logits and probabilities (2 x 4 bytes an expert), all in
+    bf16 and, at ep 2, at the busiest rank's load for the routed copies."""
     for ep, load in ((1, 1.0), (2, EXPERT_LOAD_IMBALANCE)):
         _, kept = layer(ep=ep)
         _, recomputed = layer(("moe",), ep=ep)
-        routed = TOP_K * (3 * FE * 2 + 2 * H * 2) * load
+        routed = TOP_K * (3 * FE * 2 + H * 2) * load
         freed = TOKENS * (routed + 3 * FS * 2 + 2 * EXPERTS * 4)
         assert kept.activation_bytes - recomputed.activation_bytes == pytest.approx(freed)
         assert recomputed.transient_bytes - kept.transient_bytes == pytest.approx(freed)  # rebuilt for its backward
@@ -187,3 +188,30 @@ def test_a_plan_for_hugging_faces_trainer_names_the_trainer_as_what_refuses_moe(
     error = capsys.readouterr().err.strip()
     assert "Hugging Face's Trainer runs DeepSpeed, which does not recompute moe (Megatron-core's); drop it, or " \
            "plan without --for hf." in error and len(error.splitlines()) == 1
+
+
+@pytest.mark.parametrize("mlp, unfused_widths", [("swiglu", 0), ("gelu", 1), ("geglu", 3)])
+def test_megatron_core_weights_the_routed_copies_inside_the_experts(mlp, unfused_widths):
+    """Megatron-core (0.13 on) multiplies each routed copy by its router probability inside the experts
+    and combines their outputs unweighted, so a copy keeps its input and its inner activations but no
+    output (h fewer than the engine-neutral count, which keeps the output for a weighted combine, as
+    DeepSpeed-MoE's einsum does); an unfused activation (all but SwiGLU) keeps its output beside the
+    weighted copy, and a gated one (GeGLU) also the up projection plus its offset and their product.
+    Measured on two CPU ranks: benchmarks/megatron_memory.py, the ep2 plans (GeLU and GeGLU experts)."""
+    model = dataclasses.replace(MODEL, mlp=mlp, shared_expert_ffn_hidden_size=0)
+    group, megatron = layer(model=model)
+    engine_neutral = TOP_K * ((3 if mlp != "gelu" else 2) * FE + 2 * H) * 2  # bf16, each copy
+    assert group.expert_act_bytes_per_token == engine_neutral
+    strategy = Strategy(dims=ParallelDims(dp=2), zero_stage=1, micro_batch=2, grad_accum=4, sequence_parallel=False,
+                        engine="deepspeed")
+    deepspeed = CostModel(load_cluster("h100-80gb", nodes=1, gpus_per_node=2), TRAIN, strategy, H).layer(
+        group, LayerOption(False, False, 1))
+    change = TOKENS * TOP_K * (unfused_widths * FE - H) * 2
+    assert megatron.activation_bytes - deepspeed.activation_bytes == pytest.approx(change)
+    # 'moe' frees what the copies keep; 'moe_act' the activation's output and, unfused, what the
+    # weighting and the gated product keep (Megatron-core checkpoints them together: bias_act_func).
+    _, whole = layer(("moe",), model=model)
+    _, act = layer(("moe_act",), model=model)
+    freed = TOKENS * TOP_K * (1 + unfused_widths) * FE * 2
+    assert megatron.activation_bytes - act.activation_bytes == pytest.approx(freed)
+    assert whole.activation_bytes < act.activation_bytes

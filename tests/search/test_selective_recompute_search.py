@@ -13,6 +13,7 @@ from dsauto.engines.megatron import selective_recompute_modules
 from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.plan import LayerChoice, Plan
 from dsauto.plan_io import read_plan, write_plan_yaml
+from dsauto.search.ranking import TIE_TOLERANCE
 from dsauto.search.space import Constraints, recompute_module_sets, strategies
 from dsauto.spec.loaders import load_model
 from dsauto.spec.training import TrainSpec
@@ -128,9 +129,10 @@ def test_deepspeed_recomputes_the_mlp_of_a_biased_model_that_megatron_cannot():
 
 
 def test_latent_attention_tries_its_up_projections_recomputation_on_megatron_core_only():
-    """DeepSeek-V3 at NVIDIA's DGX Cloud layout (tp 2, pp 16, ep 64 on 1024 H100s, 4096 tokens) runs
-    fastest with its up projections and experts' activation recomputed in every layer, which frees the
-    room to lighten the last stage; the search finds it itself. DeepSpeed cannot run mla_up_proj, so its
+    """DeepSeek-V3 at NVIDIA's DGX Cloud layout (tp 2, pp 16, ep 64 on 1024 H100s, 4096 tokens), as
+    NVIDIA ran it without recomputation, fits 80 GiB either way; recomputing its up projections and
+    experts' activation in every layer costs 1% and frees 2.6 GiB, so the search, which prefers the
+    roomier of plans within its tie tolerance, picks it itself. DeepSpeed cannot run mla_up_proj, so its
     strategies never carry it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DsautoWarning)
@@ -149,7 +151,7 @@ def test_latent_attention_tries_its_up_projections_recomputation_on_megatron_cor
         [without] = find_plans(make_problem(model, "h100-80gb", nodes=128, gpus_per_node=8, global_batch=8192,
                                             seq_len=4096, tp=2, pp=16, ep=64, engine="megatron", micro_batch=1,
                                             checkpoint=False, recompute_modules="none"))
-    # without it, no stage but the first three fits fewer than 4 layers: the last holds 4 beside the head
-    # and the prediction layer, and sets the pace
-    assert without.stage_layers[-1] == 4 and plan.stage_layers[-1] < 4
-    assert plan.prediction.step_seconds < 0.8 * without.prediction.step_seconds
+    assert without.uniform_recompute_modules() == ()
+    assert without.prediction.step_seconds < plan.prediction.step_seconds <= (
+        (1 + TIE_TOLERANCE) * without.prediction.step_seconds)
+    assert plan.prediction.peak_memory_bytes < without.prediction.peak_memory_bytes - 2 * 2**30
