@@ -1046,6 +1046,20 @@ WHY = {
 """Why the runs of a source are off, where some are off by more than 15% (cross-validated)."""
 
 CHANGES = [
+    "Megatron-core's routed experts priced as it keeps their top-k copies (dsauto/cost/terms.py, "
+    "megatron_routed_copy_change_bytes_per_token): since 0.13 it weights each copy by its router probability "
+    "inside the experts and combines the outputs unweighted (transformer/moe/experts.py, bias_act_func; "
+    "token_dispatcher.py, unpermute without probs), so no copy's output is kept, which the engine-neutral "
+    "count kept for a weighted combine; unfused activations and gated units keep more "
+    "(LayerGroup.expert_unfused_bytes_per_token, mlp_unfused_bytes_per_token). Measured on two CPU ranks "
+    "with Megatron-core's alltoall dispatcher (benchmarks/megatron_memory.py, the ep2 and geglu plans: "
+    "within 1%, from -2.6% to -7.2% before). Memory only, and for every run here SwiGLU's fused unit: a "
+    "routed copy keeps h fewer bytes, so more of the planner's choices fit where a run's recomputation is "
+    "left to it (AutoModel's GPT-OSS rows checkpoint 2 and 1 layers instead of 5 and 6: -9.8% -> -12.6%, "
+    "-11.2% -> -14.1%) or its selective recomputation is (Megatron-Bridge's Qwen3-235B-A22B rows: "
+    "+10.4..+17.3% -> +7.2..+14.0%); Megatron-Bridge's Qwen3-30B-A3B at pp 2 vp 24 is priced at 76.9 GiB "
+    "instead of 80.3 (its budget 76.6). moe_median_error 17.3% -> 16.8% (max 57.2% unchanged); no dense "
+    "run moved.",
     "Megatron-Bridge's dense FP8 rows priced with Llama's architecture (Source.architecture LLAMA: SwiGLU, "
     "RMSNorm, rotary positions, untied embeddings, no biases or dropout; the Llama 3 paper, Table 3), where "
     "the source's empty architecture had priced them as GPT-shaped models (a two-matrix GeLU MLP, tied "

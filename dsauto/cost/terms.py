@@ -644,15 +644,17 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     shrink = FP8_BYTES / ctx.dtype_bytes if ctx.fp8 else 1.0
     if "layernorm" in modules:
         saved += group.norm_output_bytes_per_token * shrink / ctx.replicated_div
+    megatron = ctx.engine == "megatron"
     if "mlp" in modules:
         kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * mlp_out_input_elements(group) if ctx.fp8 else 0.0
-        saved += (group.mlp_act_bytes_per_token - kept_in_fp8) / ctx.tp
+        unfused = group.mlp_unfused_bytes_per_token if megatron else 0.0
+        saved += (group.mlp_act_bytes_per_token + unfused - kept_in_fp8) / ctx.tp
     fp8_saved = ctx.dtype_bytes - FP8_BYTES if ctx.fp8 else 0  # per element kept in FP8
     if "moe" in modules or "shared_experts" in modules:  # 'moe' recomputes the shared experts too
         shared_inputs = group.shared_expert_out_input_elements_per_token
-        saved += (group.shared_expert_act_bytes_per_token - fp8_saved * shared_inputs) / ctx.tp
+        unfused = group.shared_expert_unfused_bytes_per_token if megatron else 0.0
+        saved += (group.shared_expert_act_bytes_per_token + unfused - fp8_saved * shared_inputs) / ctx.tp
     load = expert_load_factor(ctx)
-    megatron = ctx.engine == "megatron"
     if "moe" in modules:  # the routed experts' at the busiest rank's load, and the router's
         routed_inputs = group.expert_out_input_elements_per_token - group.shared_expert_out_input_elements_per_token
         routed = group.expert_act_bytes_per_token + (megatron_routed_copy_change_bytes_per_token(group)
@@ -1194,8 +1196,9 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     full_activation += tokens * fp8_activation_change_bytes_per_token(group, ctx)
     megatron = ctx.engine == "megatron"
     if megatron:
-        full_activation += (tokens * megatron_routed_copy_change_bytes_per_token(group) / t
-                            * expert_load_factor(ctx))
+        full_activation += tokens / t * (megatron_routed_copy_change_bytes_per_token(group) * expert_load_factor(ctx)
+                                         + group.mlp_unfused_bytes_per_token
+                                         + group.shared_expert_unfused_bytes_per_token)
     if megatron and group.kind == "transformer" and not flash:
         full_activation += tokens * (
             megatron_softmax_fp32_bytes_per_token(group, t, ctx.dtype_bytes, ctx.softmax_fp32)

@@ -646,6 +646,16 @@ class LayerGroup:
     """Of ``matmul_flops_per_token``, the router's (and the shared experts' gate's)."""
     shared_expert_out_input_elements_per_token: float = 0.0
     """Of ``expert_out_input_elements_per_token``, the shared experts' output projection's inputs."""
+    mlp_unfused_bytes_per_token: float = 0.0
+    """What Megatron-core's dense MLP keeps beyond ``mlp_act_bytes_per_token`` where its gated unit
+    runs unfused (every gated activation but SwiGLU, which Megatron-LM and dsauto's plugin fuse):
+    its ``glu`` keeps the activation's output and the linear half plus ``glu_linear_offset`` besides
+    the first matrix's output and the product (transformer/mlp.py, MLP.forward), two widths more than
+    counted, averaged over the layers. Measured on two CPU ranks (benchmarks/megatron_memory.py, dp2
+    geglu: a gated GeLU model): without it the peak came out 7.2% low."""
+    shared_expert_unfused_bytes_per_token: float = 0.0
+    """The same for the shared experts (Megatron-core's SharedExpertMLP is an MLP), of
+    ``shared_expert_act_bytes_per_token``'s width."""
     expert_unfused_bytes_per_token: float = 0.0
     """What Megatron-core's routed experts keep beyond ``expert_act_bytes_per_token``'s inner
     activations where their activation function runs unfused (every one but SwiGLU, which Megatron-LM
@@ -743,6 +753,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     # rotary positions with Llama 4's parameter-free L2 norm
     qk_norm_share = 1.0 if model.qk_norm else (model.rotary_layers() / model.num_layers if model.qk_l2_norm else 0.0)
     shared_act, router_act = moe_fraction * inner * fs * b, moe_fraction * 2 * experts * 4
+    unfused_glu = gated and model.mlp != "swiglu"  # Megatron-core fuses SwiGLU alone (see below)
     expert_act = moe_fraction * top_k * (inner * fe * b + 2 * h * b) + shared_act + router_act
     act_tp = ((q_width + k_width + v_width + out_width) * b + dense_fraction * inner * f * b + expert_act + 4 * a
               + qk_norm_share * (qd + kvd) * b)
@@ -843,6 +854,10 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         # product and its weighted copy: 6 widths against the 3 counted)
         expert_unfused_bytes_per_token=(0.0 if model.mlp == "swiglu" else
                                         moe_fraction * top_k * (3 if gated else 1) * fe * b),
+        # an unfused gated unit keeps 5 widths against the 3 counted (fc1's output, the activation's,
+        # x_linear + offset and the product)
+        mlp_unfused_bytes_per_token=dense_fraction * 2 * f * b if unfused_glu else 0.0,
+        shared_expert_unfused_bytes_per_token=moe_fraction * 2 * fs * b if unfused_glu else 0.0,
     )
 
     positions = (model.max_position_embeddings + model.position_offset) * h if model.position_embedding == "learned" else 0

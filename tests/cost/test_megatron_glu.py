@@ -1,0 +1,59 @@
+"""What Megatron-core's unfused gated units keep, as the cost model prices it: Megatron-LM and dsauto's
+plugin fuse SwiGLU alone (bias_activation_fusion), and MLP.forward's unfused ``glu`` keeps the
+activation's output and the linear half plus ``glu_linear_offset`` besides the first matrix's output
+and the product. Measured on two CPU ranks: benchmarks/megatron_memory.py, the geglu plans."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dsauto.cost.layer import CostModel
+from dsauto.cost.strategy import LayerOption, Strategy
+from dsauto.parallel import ParallelDims
+from dsauto.spec.loaders import load_cluster
+from dsauto.spec.model import ModelSpec, layer_groups
+from dsauto.spec.training import TrainSpec
+
+H, F, FS = 256, 1024, 256
+DENSE = ModelSpec(name="glu-bench", architecture="decoder", num_layers=4, hidden_size=H, num_attention_heads=4,
+                  ffn_hidden_size=F, vocab_size=4096, max_position_embeddings=256, dropout=False, norm="rmsnorm",
+                  linear_bias=False, position_embedding="rope")
+TRAIN = TrainSpec(global_batch=16, seq_len=256, dtype="bf16", flash_attention=True)
+TOKENS = 2 * 256
+
+
+def layer(model: ModelSpec, engine: str, modules: tuple[str, ...] = (), tp: int = 1):
+    """A transformer layer of ``model`` on a bf16 plan of ``engine`` (micro-batch 2 x 256)."""
+    dims = ParallelDims(dp=2, tp=tp)
+    strategy = Strategy(dims=dims, zero_stage=1, micro_batch=2, grad_accum=4, sequence_parallel=False,
+                        engine=engine, recompute_modules=modules)
+    cost = CostModel(load_cluster("h100-80gb", nodes=1, gpus_per_node=dims.world_size), TRAIN, strategy, H)
+    group = layer_groups(model, TRAIN.seq_len, TRAIN.dtype_bytes, tp)[1]
+    return cost.layer(group, LayerOption(False, False, 1, recompute_modules=modules))
+
+
+@pytest.mark.parametrize("mlp, extra_widths", [("swiglu", 0), ("geglu", 2), ("gelu", 0), ("relu2", 0)])
+def test_an_unfused_gated_unit_keeps_two_widths_more_on_megatron_core(mlp, extra_widths):
+    model = dataclasses.replace(DENSE, mlp=mlp)
+    megatron, deepspeed = layer(model, "megatron"), layer(model, "deepspeed")
+    assert megatron.activation_bytes - deepspeed.activation_bytes == pytest.approx(TOKENS * extra_widths * F * 2)
+    for tp in (2,):  # split like the MLP's other activations
+        assert (layer(model, "megatron", tp=tp).activation_bytes - layer(model, "deepspeed", tp=tp).activation_bytes
+                == pytest.approx(TOKENS * extra_widths * F * 2 / tp))
+
+
+def test_recomputing_the_mlp_frees_what_the_unfused_unit_keeps():
+    model = dataclasses.replace(DENSE, mlp="geglu")
+    kept, recomputed = layer(model, "megatron"), layer(model, "megatron", ("mlp",))
+    assert kept.activation_bytes - recomputed.activation_bytes == pytest.approx(TOKENS * 5 * F * 2)
+
+
+def test_the_shared_experts_unfused_unit_is_priced_and_freed_alike():
+    moe = dataclasses.replace(DENSE, mlp="geglu", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=128,
+                              shared_expert_ffn_hidden_size=FS)
+    group = layer_groups(moe, TRAIN.seq_len, TRAIN.dtype_bytes)[1]
+    assert group.shared_expert_unfused_bytes_per_token == 2 * FS * 2
+    kept, shared = layer(moe, "megatron"), layer(moe, "megatron", ("shared_experts",))
+    assert kept.activation_bytes - shared.activation_bytes == pytest.approx(TOKENS * 5 * FS * 2)
