@@ -1051,7 +1051,7 @@ CHANGES = [
     "inside the experts and combines the outputs unweighted (transformer/moe/experts.py, bias_act_func; "
     "token_dispatcher.py, unpermute without probs), so no copy's output is kept, which the engine-neutral "
     "count kept for a weighted combine; unfused activations and gated units keep more "
-    "(LayerGroup.expert_unfused_bytes_per_token, mlp_unfused_bytes_per_token). Measured on two CPU ranks "
+    "(LayerGroup.megatron_expert_extra_bytes_per_token, megatron_mlp_extra_bytes_per_token). Measured on two CPU ranks "
     "with Megatron-core's alltoall dispatcher (benchmarks/megatron_memory.py, the ep2 and geglu plans: "
     "within 1%, from -2.6% to -7.2% before). Memory only, and for every run here SwiGLU's fused unit: a "
     "routed copy keeps h fewer bytes, so more of the planner's choices fit where a run's recomputation is "

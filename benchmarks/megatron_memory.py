@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory per rank of real Megatron-core training, on two CPU ranks.
 
-    python benchmarks/megatron_memory.py              # 22 plans, one torchrun launch each; ~5 minutes
+    python benchmarks/megatron_memory.py              # 23 plans, one torchrun launch each; ~6 minutes
     python benchmarks/megatron_memory.py --only pp2   # the plans whose label contains "pp2"
 
 Megatron-core's own modules train a small GPT in bf16 (GPTModel with the local layer spec, wrapped in
@@ -14,7 +14,8 @@ with their gradients kept and reduced in bf16 (``--grad-reduce-in-bf16``), an in
 PP=2 and TP=2 with a multi-token-prediction layer and an untied head (GPTModel given the decoder's
 layer spec for it, ``get_gpt_mtp_block_spec``), and a mixture of experts over expert parallelism 2
 (alltoall dispatcher) without recomputation, with ``moe`` and with every layer recomputed, and with
-gated GeLU experts, and DP=2 of a gated GeLU MLP without recomputation and recomputing the MLP. Each is
+gated GeLU experts and with SwiGLU experts beside a shared expert, and DP=2 of a gated GeLU MLP without
+recomputation and recomputing the MLP. Each is
 built and priced by
 dsauto's planner with engine ``megatron``. Every rank tracks the bytes of live tensors
 (:class:`dsauto.profile.memory.MemoryTracker`, started before the model is built) over
@@ -92,9 +93,12 @@ class Case:
     """Expert-parallel degree; above 1 the model's MLPs are mixtures of experts (:data:`EXPERTS`)."""
     recompute_modules: tuple[str, ...] = ()
     """Without ``recompute``: the modules every layer recomputes (Megatron-core's selective method)."""
-    gated: bool = False
-    """The MLP's (or the experts') activation a gated GeLU (``geglu``, which Megatron-core runs
-    unfused), not GeLU, and no biases (as Gemma; Megatron-core recomputes no MLP with biases)."""
+    mlp: str = "gelu"
+    """The MLP's (or the experts') activation: GeLU, or without biases (as Gemma and Llama; Megatron-core
+    recomputes no MLP with biases) a gated GeLU (``geglu``, which Megatron-core runs unfused) or SwiGLU
+    (fused with the experts' weighting, as on a GPU)."""
+    shared_expert: int = 0
+    """Width of a shared expert beside the routed ones (Megatron-core's SharedExpertMLP); 0: none."""
 
     def label(self) -> str:
         degrees = f"tp{self.tp}" if self.tp > 1 else f"pp{self.pp}" if self.pp > 1 else f"dp{self.dp}"
@@ -115,8 +119,10 @@ class Case:
             extra += f" mtp{self.mtp_layers}"
         if not self.tied:
             extra += " untied"
-        if self.gated:
-            extra += " geglu"
+        if self.mlp != "gelu":
+            extra += f" {self.mlp}"
+        if self.shared_expert:
+            extra += " shared"
         return f"{degrees}{zero}{extra} {recompute}"
 
     def stage_layers(self, num_layers: int) -> list[int]:
@@ -144,8 +150,9 @@ CASES = tuple(Case(**dims, recompute=recompute)
     Case(pp=2, virtual_stages=2, layout=(1, 3)),) + tuple(
     Case(**dims, mtp_layers=1, tied=False) for dims in ({"pp": 2}, {"tp": 2}, {"pp": 2, "recompute": True})) + tuple(
     Case(dp=2, zero_stage=1, ep=2, recompute_modules=modules) for modules in ((), ("moe",))) + (
-    Case(dp=2, zero_stage=1, ep=2, recompute=True), Case(dp=2, zero_stage=1, ep=2, gated=True)) + tuple(
-    Case(dp=2, zero_stage=1, gated=True, recompute_modules=modules) for modules in ((), ("mlp",)))
+    Case(dp=2, zero_stage=1, ep=2, recompute=True), Case(dp=2, zero_stage=1, ep=2, mlp="geglu"),
+    Case(dp=2, zero_stage=1, ep=2, mlp="swiglu", shared_expert=512)) + tuple(
+    Case(dp=2, zero_stage=1, mlp="geglu", recompute_modules=modules) for modules in ((), ("mlp",)))
 """TP 2, PP 2, DP 2 with and without the distributed optimizer, each with and without recomputation;
 the DP plans again with bf16 gradients (recomputed, their optimizer update is the peak); and PP 2
 interleaved over 2 chunks a rank with 1 and 3 layers, whose first rank's second chunk holds none
@@ -159,7 +166,8 @@ a mixture of experts (:data:`EXPERTS`) over expert parallelism 2 with the distri
 Megatron-core's alltoall dispatcher (the one dsauto plans and prices), without recomputation, with
 each MoE layer recomputed (``moe``) and with every layer recomputed (``moe_act`` needs grouped GEMMs,
 which Megatron-core runs only with Transformer Engine or the grouped_gemm package, neither on a CPU),
-and again without recomputation with gated GeLU experts (their unfused gated unit keeps more); and
+and again without recomputation with gated GeLU experts (their unfused gated unit keeps more) and with
+SwiGLU experts (fused with the weighting) beside a shared expert; and
 the dense model with a gated GeLU MLP over DP 2, without recomputation and recomputing the MLP."""
 
 EXPERTS = {"num_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 512, "linear_bias": False}
@@ -168,7 +176,8 @@ no biases (at ep 1 Megatron-core's experts add their biases in place on a view, 
 the plans keep one shape)."""
 
 
-def bench_model(mtp_layers: int = 0, tied: bool = True, experts: bool = False, gated: bool = False):
+def bench_model(mtp_layers: int = 0, tied: bool = True, experts: bool = False, mlp: str = "gelu",
+                shared_expert: int = 0):
     from dsauto.spec.model import ModelSpec
 
     # GPT-2 shaped (GeLU, LayerNorm, learned positions, tied head, biases), no dropout so that the
@@ -178,7 +187,9 @@ def bench_model(mtp_layers: int = 0, tied: bool = True, experts: bool = False, g
                      num_attention_heads=4, ffn_hidden_size=1024, vocab_size=4096,
                      max_position_embeddings=SEQ_LEN, dropout=False, mtp_layers=mtp_layers,
                      tied_embeddings=tied, position_embedding="rope" if mtp_layers else "learned",
-                     **{**(EXPERTS if experts else {}), **({"mlp": "geglu", "linear_bias": False} if gated else {})})
+                     **{**(EXPERTS if experts else {}),
+                        **({"mlp": mlp, "linear_bias": False} if mlp != "gelu" else {})},
+                     **({"shared_expert_ffn_hidden_size": shared_expert} if shared_expert else {}))
 
 
 def planner_of(case: Case, profile=None):
@@ -194,7 +205,7 @@ def planner_of(case: Case, profile=None):
     # keeps the s x s scores: priced as eager attention.
     train = TrainSpec(global_batch=case.micro_batch * case.micro_batches, seq_len=SEQ_LEN, dtype=case.dtype,
                       flash_attention=False)
-    model = bench_model(case.mtp_layers, case.tied, case.ep > 1, case.gated)
+    model = bench_model(case.mtp_layers, case.tied, case.ep > 1, case.mlp, case.shared_expert)
     return Planner(model, cluster, train, Constraints(engine="megatron"), profile=profile)
 
 
@@ -203,7 +214,7 @@ def build_plan(case: Case, profile=None):
     from dsauto.cost.strategy import LayerOption, Strategy
     from dsauto.parallel import ParallelDims
 
-    model = bench_model(case.mtp_layers, case.tied, case.ep > 1, case.gated)
+    model = bench_model(case.mtp_layers, case.tied, case.ep > 1, case.mlp, case.shared_expert)
     strategy = Strategy(dims=ParallelDims(dp=case.dp, tp=case.tp, pp=case.pp, ep=case.ep), zero_stage=case.zero_stage,
                         micro_batch=case.micro_batch, grad_accum=case.micro_batches // case.dp,
                         sequence_parallel=False, engine="megatron", grad_reduce_in_fp32=case.grad_reduce_in_fp32,
@@ -649,7 +660,7 @@ def write_results(rows: list[Row], summary: str, command: str, wall: float) -> N
          f"one multi-token-prediction layer, an untied head, rotary positions; the ep2 plans: "
          f"{EXPERTS['num_experts']} experts of FFN {EXPERTS['moe_ffn_hidden_size']} in every layer, top "
          f"{EXPERTS['moe_top_k']}, no biases, Megatron-core's SequentialMLP experts and alltoall dispatcher; "
-         "geglu: a gated GeLU MLP, or experts), "
+         "geglu: a gated GeLU MLP, or experts; swiglu shared: SwiGLU experts and a shared expert of FFN 512), "
          f"{SEQ_LEN} tokens per sequence; "
          f"micro-batches of {MICRO_BATCH}, {GLOBAL_MICRO_BATCHES} per step over all data-parallel ranks; "
          f"**{DTYPE}** (Megatron-core trains in bf16 on CPU: Float16Module, fp32 main gradients, bf16 ones in the "
@@ -705,7 +716,7 @@ def write_results(rows: list[Row], summary: str, command: str, wall: float) -> N
         "`megatron_stage_bytes` in dsauto/cost/step.py), the same plans were predicted at +0.4%, +9.9%,",
         "-12.2%, -9.1%, +0.8%, +14.1%, +0.6% and +10.2% (median 9.5%, under-prediction up to 12.2%).",
         "Before Megatron-core's routed copies and unfused gated units were priced as it keeps them",
-        "(`megatron_routed_copy_change_bytes_per_token`, `LayerGroup.mlp_unfused_bytes_per_token`), the ep2",
+        "(`megatron_routed_copy_change_bytes_per_token`, `megatron_activation_widths`), the ep2",
         "plans came out at -2.6%, -0.3% and -1.5%, the gated GeLU experts at -5.6% with the weighting's term",
         "alone, and the gated GeLU MLP at -7.2%.",
         "",

@@ -647,23 +647,24 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     megatron = ctx.engine == "megatron"
     if "mlp" in modules:
         kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * mlp_out_input_elements(group) if ctx.fp8 else 0.0
-        unfused = group.mlp_unfused_bytes_per_token if megatron else 0.0
+        unfused = group.megatron_mlp_extra_bytes_per_token if megatron else 0.0
         saved += (group.mlp_act_bytes_per_token + unfused - kept_in_fp8) / ctx.tp
     fp8_saved = ctx.dtype_bytes - FP8_BYTES if ctx.fp8 else 0  # per element kept in FP8
     if "moe" in modules or "shared_experts" in modules:  # 'moe' recomputes the shared experts too
         shared_inputs = group.shared_expert_out_input_elements_per_token
-        unfused = group.shared_expert_unfused_bytes_per_token if megatron else 0.0
+        unfused = group.megatron_shared_expert_extra_bytes_per_token if megatron else 0.0
         saved += (group.shared_expert_act_bytes_per_token + unfused - fp8_saved * shared_inputs) / ctx.tp
     load = expert_load_factor(ctx)
     if "moe" in modules:  # the routed experts' at the busiest rank's load, and the router's
-        routed_inputs = group.expert_out_input_elements_per_token - group.shared_expert_out_input_elements_per_token
+        routed_inputs = (group.expert_out_input_elements_per_token - group.shared_expert_out_input_elements_per_token
+                         + routed_in_elements(group, ctx))
         routed = group.expert_act_bytes_per_token + (megatron_routed_copy_change_bytes_per_token(group)
                                                      if megatron else 0.0)
         saved += ((routed - fp8_saved * routed_inputs) * load + group.router_act_bytes_per_token) / ctx.tp
     elif "moe_act" in modules:
         # Megatron-core checkpoints the activation with its weighting (experts.py, bias_act_func),
         # so an unfused weighting's input goes too.
-        unfused = group.expert_unfused_bytes_per_token if megatron else 0.0
+        unfused = group.megatron_expert_extra_bytes_per_token if megatron else 0.0
         saved += (group.expert_act_output_bytes_per_token * shrink + unfused) / ctx.tp * load
     if "mla_up_proj" in modules:
         saved += group.mla_up_output_bytes_per_token / ctx.tp
@@ -675,8 +676,10 @@ def fp8_activation_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) 
     fewer). Transformer Engine's linear layers keep their inputs for the weight gradient in FP8
     instead of 16 bits: the pre-norms' outputs (the QKV and MLP inputs, which Megatron-core's
     ``TELayerNormColumnParallelLinear``, Transformer Engine's ``LayerNormLinear``, quantizes and keeps
-    transposed) and the MLP output projections' inputs (the activation functions'
-    outputs; the routed experts' at the busiest rank's load). The attention output, which the
+    transposed), the MLP output projections' inputs (the activation functions'
+    outputs; the routed experts' at the busiest rank's load) and the routed copies' inputs to their
+    experts' first matrices (Transformer Engine's ``GroupedLinear``, at that load; the dispatcher's
+    16-bit copy is kept by nothing else). The attention output, which the
     attention kernel keeps in 16 bits for its own backward, is kept a second time in FP8 by the
     output projection under delayed scaling; under the other recipes Megatron-core has the
     projection keep the 16-bit one (``save_original_input``, megatron/core/transformer/attention.py,
@@ -686,9 +689,17 @@ def fp8_activation_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) 
     saved_per_element = ctx.dtype_bytes - FP8_BYTES
     second_copy = FP8_BYTES if ctx.fp8_recipe == "delayed" else 0
     split = (second_copy * group.attention_output_elements_per_token
-             - saved_per_element * (mlp_out_input_elements(group) + expert_out_inputs(group, ctx)))
+             - saved_per_element * (mlp_out_input_elements(group) + expert_out_inputs(group, ctx)
+                                    + routed_in_elements(group, ctx) * expert_load_factor(ctx)))
     norms = saved_per_element / ctx.dtype_bytes * group.norm_output_bytes_per_token
     return split / ctx.tp - norms / ctx.replicated_div
+
+
+def routed_in_elements(group: LayerGroup, ctx: LayerContext) -> float:
+    """Elements per token of the routed experts' first matrices' inputs (a token's top-k copies), at
+    the mean load, averaged over the layers; Transformer Engine's grouped linear layer keeps them in
+    FP8 under FP8 training, and nothing else keeps the 16-bit copies."""
+    return group.dispatch_bytes_per_token / ctx.dtype_bytes
 
 
 def expert_out_inputs(group: LayerGroup, ctx: LayerContext) -> float:
@@ -1195,10 +1206,12 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     full_activation += tokens * group.expert_act_bytes_per_token / t * (expert_load_factor(ctx) - 1)
     full_activation += tokens * fp8_activation_change_bytes_per_token(group, ctx)
     megatron = ctx.engine == "megatron"
-    if megatron:
-        full_activation += tokens / t * (megatron_routed_copy_change_bytes_per_token(group) * expert_load_factor(ctx)
-                                         + group.mlp_unfused_bytes_per_token
-                                         + group.shared_expert_unfused_bytes_per_token)
+    # Megatron-core's MLPs and routed experts keep otherwise than the count (added to a measured
+    # layer too: the profile times dsauto's reference layers, which keep what the count says).
+    megatron_kept = tokens / t * (
+        megatron_routed_copy_change_bytes_per_token(group) * expert_load_factor(ctx)
+        + group.megatron_mlp_extra_bytes_per_token + group.megatron_shared_expert_extra_bytes_per_token
+    ) if megatron else 0.0
     if megatron and group.kind == "transformer" and not flash:
         full_activation += tokens * (
             megatron_softmax_fp32_bytes_per_token(group, t, ctx.dtype_bytes, ctx.softmax_fp32)
@@ -1217,6 +1230,7 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
             full_activation = measured_uncheckpointed.activation_bytes
         if option.checkpoint:
             checkpoint_activation = measured.activation_bytes
+    full_activation += megatron_kept
     if option.checkpoint:
         activation = checkpoint_activation
         transient = full_activation  # the recomputed layer lives until its backward ends
@@ -1276,13 +1290,13 @@ def megatron_routed_copy_change_bytes_per_token(group: LayerGroup) -> float:
     outputs unweighted (token_dispatcher.py, ``unpermute`` without probs, whose backward keeps no
     input): so no copy's output is kept (-h). Weighting in the activation's fused kernel
     (``weighted_bias_swiglu_impl``) keeps nothing more; unfused (every activation but SwiGLU), the
-    weighting and a gated unit's product keep more (:attr:`LayerGroup.expert_unfused_bytes_per_token`).
+    weighting and a gated unit's product keep more (:attr:`LayerGroup.megatron_expert_extra_bytes_per_token`).
     Measured on two CPU ranks (benchmarks/megatron_memory.py, the ep2 plans: GeLU experts, unfused),
     the engine-neutral count put the peak 2.6% low, this 0.6%; with gated GeLU experts 5.6% low
     before the gated unit's terms."""
     if not group.num_experts:
         return 0.0
-    return group.expert_unfused_bytes_per_token - group.dispatch_bytes_per_token
+    return group.megatron_expert_extra_bytes_per_token - group.dispatch_bytes_per_token
 
 
 def megatron_softmax_fp32_bytes_per_token(group: LayerGroup, tp: int, dtype_bytes: int,

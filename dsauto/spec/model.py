@@ -646,23 +646,19 @@ class LayerGroup:
     """Of ``matmul_flops_per_token``, the router's (and the shared experts' gate's)."""
     shared_expert_out_input_elements_per_token: float = 0.0
     """Of ``expert_out_input_elements_per_token``, the shared experts' output projection's inputs."""
-    mlp_unfused_bytes_per_token: float = 0.0
-    """What Megatron-core's dense MLP keeps beyond ``mlp_act_bytes_per_token`` where its gated unit
-    runs unfused (every gated activation but SwiGLU, which Megatron-LM and dsauto's plugin fuse):
-    its ``glu`` keeps the activation's output and the linear half plus ``glu_linear_offset`` besides
-    the first matrix's output and the product (transformer/mlp.py, MLP.forward), two widths more than
-    counted, averaged over the layers. Measured on two CPU ranks (benchmarks/megatron_memory.py, dp2
-    geglu: a gated GeLU model): without it the peak came out 7.2% low."""
-    shared_expert_unfused_bytes_per_token: float = 0.0
+    megatron_mlp_extra_bytes_per_token: float = 0.0
+    """What Megatron-core's dense MLP keeps beyond ``mlp_act_bytes_per_token`` (negative: short of it),
+    averaged over the layers, as its activation runs (:func:`megatron_activation_widths`). Measured on
+    two CPU ranks (benchmarks/megatron_memory.py, dp2 geglu: a gated GeLU model): without it the peak
+    came out 7.2% low."""
+    megatron_shared_expert_extra_bytes_per_token: float = 0.0
     """The same for the shared experts (Megatron-core's SharedExpertMLP is an MLP), of
     ``shared_expert_act_bytes_per_token``'s width."""
-    expert_unfused_bytes_per_token: float = 0.0
+    megatron_expert_extra_bytes_per_token: float = 0.0
     """What Megatron-core's routed experts keep beyond ``expert_act_bytes_per_token``'s inner
-    activations where their activation function runs unfused (every one but SwiGLU, which Megatron-LM
-    and dsauto's plugin fuse with the router probability's weighting), averaged over the layers: the
-    weighting multiply keeps the activation's output beside the weighted copy, and a gated unit's
-    product also keeps its second factor and the product (transformer/moe/experts.py,
-    ``bias_act_func``'s ``glu``); 0 fused (:func:`dsauto.cost.terms.megatron_routed_copy_change_bytes_per_token`)."""
+    activations, averaged over the layers, as their activation and its weighting by the router
+    probability run (:func:`megatron_activation_widths`;
+    :func:`dsauto.cost.terms.megatron_routed_copy_change_bytes_per_token`)."""
 
     # Multi-token prediction (ModelSpec.mtp_layers): set on the head only.
     mtp_layers: int = 0
@@ -692,6 +688,37 @@ class LayerGroup:
     def forward_flops_per_token(self) -> float:
         """Forward FLOPs per token of the whole layer: linear layers and attention."""
         return self.matmul_flops_per_token + self.attention_flops_per_token
+
+
+def megatron_activation_widths(model: ModelSpec) -> tuple[int, int]:
+    """How many widths of its inner size Megatron-core's (0.13 on) activation function keeps beyond
+    the engine-neutral count (``inner`` in :func:`layer_groups`: 3 gated, 2 otherwise), in an MLP
+    (dense or shared experts) and in a routed expert's copy, as transformer/mlp.py (MLP.forward) and
+    transformer/moe/experts.py (``bias_act_func``) run it under the plugin's ``bias_activation_fusion``
+    (on for SwiGLU alone; dsauto.runtime.megatron.transformer_config_kwargs). The routed copies are
+    weighted by their router probability there, after the activation:
+
+    - SwiGLU, fused (``bias_swiglu_impl``, ``weighted_bias_swiglu_impl``: the input kept, the output
+      kept by the second matrix): none;
+    - gpt-oss's clamped gate (``glu_clamp``), fused (``weighted_bias_quick_geglu_impl``) after a clamp
+      of each half and their concatenation outside the fused function: the clamps keep the first
+      matrix's output and the function the clamped copy, two more in a routed copy;
+    - GeLU and squared ReLU, unfused: the activation keeps its input and the second matrix its
+      output, as counted; a routed copy's weighting keeps the activation's output beside the weighted
+      copy, one more;
+    - ReLU keeps its output, not its input (the first matrix's output is freed): one fewer in an MLP,
+      none more in a routed copy;
+    - a gated GeLU (GeGLU), unfused (MLP.forward's ``glu``): the first matrix's output, the
+      activation's, the linear half plus ``glu_linear_offset`` and the product, two more; a routed
+      copy's weighting one more again.
+    """
+    if model.mlp == "swiglu":
+        return 0, 2 if model.glu_clamp else 0
+    if model.gated_mlp:
+        return 2, 3
+    if model.mlp == "relu":
+        return -1, 0
+    return 0, 1
 
 
 def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
@@ -753,7 +780,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     # rotary positions with Llama 4's parameter-free L2 norm
     qk_norm_share = 1.0 if model.qk_norm else (model.rotary_layers() / model.num_layers if model.qk_l2_norm else 0.0)
     shared_act, router_act = moe_fraction * inner * fs * b, moe_fraction * 2 * experts * 4
-    unfused_glu = gated and model.mlp != "swiglu"  # Megatron-core fuses SwiGLU alone (see below)
+    megatron_mlp, megatron_routed = megatron_activation_widths(model)
     expert_act = moe_fraction * top_k * (inner * fe * b + 2 * h * b) + shared_act + router_act
     act_tp = ((q_width + k_width + v_width + out_width) * b + dense_fraction * inner * f * b + expert_act + 4 * a
               + qk_norm_share * (qd + kvd) * b)
@@ -849,15 +876,9 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         linear_input_elements_per_token=linear_inputs,
         attention_output_elements_per_token=out_width,
         expert_out_input_elements_per_token=expert_out_inputs,
-        # unfused: the activation's output beside its weighted copy; gated, also the up projection
-        # plus its offset and the product (fc1's output, the activation's, x_linear + offset, the
-        # product and its weighted copy: 6 widths against the 3 counted)
-        expert_unfused_bytes_per_token=(0.0 if model.mlp == "swiglu" else
-                                        moe_fraction * top_k * (3 if gated else 1) * fe * b),
-        # an unfused gated unit keeps 5 widths against the 3 counted (fc1's output, the activation's,
-        # x_linear + offset and the product)
-        mlp_unfused_bytes_per_token=dense_fraction * 2 * f * b if unfused_glu else 0.0,
-        shared_expert_unfused_bytes_per_token=moe_fraction * 2 * fs * b if unfused_glu else 0.0,
+        megatron_expert_extra_bytes_per_token=moe_fraction * top_k * megatron_routed * fe * b,
+        megatron_mlp_extra_bytes_per_token=dense_fraction * megatron_mlp * f * b,
+        megatron_shared_expert_extra_bytes_per_token=moe_fraction * megatron_mlp * fs * b,
     )
 
     positions = (model.max_position_embeddings + model.position_offset) * h if model.position_embedding == "learned" else 0

@@ -1,7 +1,8 @@
-"""What Megatron-core's unfused gated units keep, as the cost model prices it: Megatron-LM and dsauto's
-plugin fuse SwiGLU alone (bias_activation_fusion), and MLP.forward's unfused ``glu`` keeps the
-activation's output and the linear half plus ``glu_linear_offset`` besides the first matrix's output
-and the product. Measured on two CPU ranks: benchmarks/megatron_memory.py, the geglu plans."""
+"""What Megatron-core's MLP activations keep, as the cost model prices it
+(dsauto.spec.model.megatron_activation_widths): Megatron-LM and dsauto's plugin fuse SwiGLU alone
+(bias_activation_fusion), and MLP.forward's unfused ``glu`` keeps the activation's output and the linear
+half plus ``glu_linear_offset`` besides the first matrix's output and the product. Measured on two CPU
+ranks: benchmarks/megatron_memory.py, the geglu plans."""
 
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ def layer(model: ModelSpec, engine: str, modules: tuple[str, ...] = (), tp: int 
     return cost.layer(group, LayerOption(False, False, 1, recompute_modules=modules))
 
 
-@pytest.mark.parametrize("mlp, extra_widths", [("swiglu", 0), ("geglu", 2), ("gelu", 0), ("relu2", 0)])
+@pytest.mark.parametrize("mlp, extra_widths", [("swiglu", 0), ("geglu", 2), ("gelu", 0), ("relu2", 0), ("relu", -1)])
 def test_an_unfused_gated_unit_keeps_two_widths_more_on_megatron_core(mlp, extra_widths):
+    """And a ReLU keeps its output alone (torch's relu backward reads its result), one width fewer than
+    the input and output the count gives a non-gated activation."""
     model = dataclasses.replace(DENSE, mlp=mlp)
     megatron, deepspeed = layer(model, "megatron"), layer(model, "deepspeed")
     assert megatron.activation_bytes - deepspeed.activation_bytes == pytest.approx(TOKENS * extra_widths * F * 2)
@@ -54,6 +57,6 @@ def test_the_shared_experts_unfused_unit_is_priced_and_freed_alike():
     moe = dataclasses.replace(DENSE, mlp="geglu", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=128,
                               shared_expert_ffn_hidden_size=FS)
     group = layer_groups(moe, TRAIN.seq_len, TRAIN.dtype_bytes)[1]
-    assert group.shared_expert_unfused_bytes_per_token == 2 * FS * 2
+    assert group.megatron_shared_expert_extra_bytes_per_token == 2 * FS * 2
     kept, shared = layer(moe, "megatron"), layer(moe, "megatron", ("shared_experts",))
     assert kept.activation_bytes - shared.activation_bytes == pytest.approx(TOKENS * 5 * FS * 2)

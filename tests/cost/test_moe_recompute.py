@@ -214,4 +214,30 @@ def test_megatron_core_weights_the_routed_copies_inside_the_experts(mlp, unfused
     _, act = layer(("moe_act",), model=model)
     freed = TOKENS * TOP_K * (1 + unfused_widths) * FE * 2
     assert megatron.activation_bytes - act.activation_bytes == pytest.approx(freed)
-    assert whole.activation_bytes < act.activation_bytes
+    inner = 3 if mlp != "gelu" else 2
+    freed = TOKENS * (TOP_K * ((inner + unfused_widths) * FE + H) * 2 + 2 * EXPERTS * 4)
+    assert megatron.activation_bytes - whole.activation_bytes == pytest.approx(freed)
+
+
+def test_gpt_oss_clamped_gate_keeps_the_first_matrix_output_and_its_clamped_copy():
+    """gpt-oss's gate (glu_clamp) runs in Megatron-core's fused weighted quick-GeGLU, but clamps both
+    halves and concatenates them before it (fusions/fused_bias_geglu.py, weighted_bias_quick_geglu_impl):
+    the clamps keep the first matrix's output and the fused function the clamped copy, two widths a
+    routed copy beyond SwiGLU's."""
+    swiglu = dataclasses.replace(MODEL, shared_expert_ffn_hidden_size=0)
+    clamped = dataclasses.replace(swiglu, glu_clamp=7.0)
+    _, plain = layer(model=swiglu)
+    _, gate = layer(model=clamped)
+    assert gate.activation_bytes - plain.activation_bytes == pytest.approx(TOKENS * TOP_K * 2 * FE * 2)
+
+
+def test_under_fp8_a_routed_copy_keeps_its_input_in_one_byte():
+    """Transformer Engine's grouped linear layers keep their inputs for the weight gradient in FP8: a
+    routed copy's input (h) and its second matrix's input (the expert width), one byte each; 'moe'
+    frees them at that size."""
+    for ep, load in ((1, 1.0), (2, EXPERT_LOAD_IMBALANCE)):
+        _, kept = layer(ep=ep, fp8=True)
+        _, recomputed = layer(("moe",), ep=ep, fp8=True)
+        routed = TOP_K * (3 * FE * 2 + H * 2 - (FE + H)) * load
+        freed = TOKENS * (routed + 3 * FS * 2 - FS + 2 * EXPERTS * 4)
+        assert kept.activation_bytes - recomputed.activation_bytes == pytest.approx(freed)

@@ -223,4 +223,4 @@ def test_an_interleaved_last_stage_leaves_its_last_chunk_to_the_head_and_the_pre
     assert plans[0].stage_layers[-1] == 1
     layout = next(line for line in megatron_args(plans[0]) if line.startswith("--pipeline-model-parallel-layout"))
     assert layout.endswith("|mL'")
-    assert plans[0].prediction.step_seconds <= 1.05 * plans[1].prediction.step_seconds
+    assert plans[0].prediction.step_seconds <= 1.035 * plans[1].prediction.step_seconds
