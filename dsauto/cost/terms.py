@@ -660,7 +660,8 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
                          + routed_in_elements(group, ctx))
         routed = group.expert_act_bytes_per_token + (megatron_routed_copy_change_bytes_per_token(group)
                                                      if megatron else 0.0)
-        saved += ((routed - fp8_saved * routed_inputs) * load + group.router_act_bytes_per_token) / ctx.tp
+        gathered = routed_in_kept_bytes(group, ctx) * (ctx.etp - 1)  # expert tensor parallelism's copies
+        saved += ((routed - fp8_saved * routed_inputs + gathered) * load + group.router_act_bytes_per_token) / ctx.tp
     elif "moe_act" in modules:
         # Megatron-core checkpoints the activation with its weighting (experts.py, bias_act_func),
         # so an unfused weighting's input goes too.
@@ -676,7 +677,8 @@ def fp8_activation_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) 
     fewer). Transformer Engine's linear layers keep their inputs for the weight gradient in FP8
     instead of 16 bits: the pre-norms' outputs (the QKV and MLP inputs, which Megatron-core's
     ``TELayerNormColumnParallelLinear``, Transformer Engine's ``LayerNormLinear``, quantizes and keeps
-    transposed), the MLP output projections' inputs (the activation functions'
+    transposed; an MoE layer's MLP input stays in 16 bits, which its router keeps), the MLP output
+    projections' inputs (the activation functions'
     outputs; the routed experts' at the busiest rank's load) and the routed copies' inputs to their
     experts' first matrices (Transformer Engine's ``GroupedLinear``, at that load; the dispatcher's
     16-bit copy is kept by nothing else). The attention output, which the
@@ -692,14 +694,28 @@ def fp8_activation_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) 
              - saved_per_element * (mlp_out_input_elements(group) + expert_out_inputs(group, ctx)
                                     + routed_in_elements(group, ctx) * expert_load_factor(ctx)))
     norms = saved_per_element / ctx.dtype_bytes * group.norm_output_bytes_per_token
+    if group.moe_layer_fraction and group.norm_output_bytes_per_token:
+        # An MoE layer's pre-MLP norm output stays in 16 bits: its router keeps it
+        # (transformer/moe/moe_utils.py, RouterGatingLinearFunction); a shared expert's first
+        # matrix keeps an FP8 copy beside it.
+        branch = min(group.moe_layer_fraction * group.gemm_dim, group.norm_output_bytes_per_token / ctx.dtype_bytes)
+        norms -= (saved_per_element + (FP8_BYTES if group.shared_expert_out_input_elements_per_token else 0)) * branch
     return split / ctx.tp - norms / ctx.replicated_div
 
 
 def routed_in_elements(group: LayerGroup, ctx: LayerContext) -> float:
     """Elements per token of the routed experts' first matrices' inputs (a token's top-k copies), at
     the mean load, averaged over the layers; Transformer Engine's grouped linear layer keeps them in
-    FP8 under FP8 training, and nothing else keeps the 16-bit copies."""
+    FP8 under FP8 training (the 16-bit copies are freed, but where the probabilities weight the
+    input, whose multiply keeps the unweighted copy: Llama 4, counted in
+    :attr:`LayerGroup.megatron_expert_extra_bytes_per_token`)."""
     return group.dispatch_bytes_per_token / ctx.dtype_bytes
+
+
+def routed_in_kept_bytes(group: LayerGroup, ctx: LayerContext) -> float:
+    """Bytes per token the routed copies' inputs to their experts keep, at the mean load: in FP8
+    under FP8 training (:func:`routed_in_elements`), else in the training dtype."""
+    return routed_in_elements(group, ctx) * (FP8_BYTES if ctx.fp8 else ctx.dtype_bytes)
 
 
 def expert_out_inputs(group: LayerGroup, ctx: LayerContext) -> float:
@@ -1206,12 +1222,16 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     full_activation += tokens * group.expert_act_bytes_per_token / t * (expert_load_factor(ctx) - 1)
     full_activation += tokens * fp8_activation_change_bytes_per_token(group, ctx)
     megatron = ctx.engine == "megatron"
-    # Megatron-core's MLPs and routed experts keep otherwise than the count (added to a measured
-    # layer too: the profile times dsauto's reference layers, which keep what the count says).
-    megatron_kept = tokens / t * (
-        megatron_routed_copy_change_bytes_per_token(group) * expert_load_factor(ctx)
-        + group.megatron_mlp_extra_bytes_per_token + group.megatron_shared_expert_extra_bytes_per_token
-    ) if megatron else 0.0
+    if megatron:
+        # Megatron-core's MLPs and routed experts keep otherwise than the count; a measured layer
+        # (below) stands as measured.
+        full_activation += tokens / t * (
+            megatron_routed_copy_change_bytes_per_token(group) * expert_load_factor(ctx)
+            + group.megatron_mlp_extra_bytes_per_token + group.megatron_shared_expert_extra_bytes_per_token)
+    # Expert tensor parallelism: an expert's etp ranks all-gather the copies they receive and each
+    # keeps all of them as its first matrix's input (the inner activations are split etp ways, as
+    # the count has them), etp times the 1/tp share the count gives.
+    full_activation += tokens / t * routed_in_kept_bytes(group, ctx) * (ctx.etp - 1) * expert_load_factor(ctx)
     if megatron and group.kind == "transformer" and not flash:
         full_activation += tokens * (
             megatron_softmax_fp32_bytes_per_token(group, t, ctx.dtype_bytes, ctx.softmax_fp32)
@@ -1230,7 +1250,6 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
             full_activation = measured_uncheckpointed.activation_bytes
         if option.checkpoint:
             checkpoint_activation = measured.activation_bytes
-    full_activation += megatron_kept
     if option.checkpoint:
         activation = checkpoint_activation
         transient = full_activation  # the recomputed layer lives until its backward ends

@@ -876,7 +876,10 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         linear_input_elements_per_token=linear_inputs,
         attention_output_elements_per_token=out_width,
         expert_out_input_elements_per_token=expert_out_inputs,
-        megatron_expert_extra_bytes_per_token=moe_fraction * top_k * megatron_routed * fe * b,
+        # where the probabilities weight the input (Llama 4: moe_apply_probs_on_input), the multiply
+        # keeps the unweighted copy beside the weighted one (transformer/moe/experts.py)
+        megatron_expert_extra_bytes_per_token=moe_fraction * top_k * (
+            megatron_routed * fe + (h if model.moe_probs_on_input else 0)) * b,
         megatron_mlp_extra_bytes_per_token=dense_fraction * megatron_mlp * f * b,
         megatron_shared_expert_extra_bytes_per_token=moe_fraction * megatron_mlp * fs * b,
     )

@@ -36,9 +36,9 @@ def layer(model: ModelSpec, engine: str, modules: tuple[str, ...] = (), tp: int 
 
 
 @pytest.mark.parametrize("mlp, extra_widths", [("swiglu", 0), ("geglu", 2), ("gelu", 0), ("relu2", 0), ("relu", -1)])
-def test_an_unfused_gated_unit_keeps_two_widths_more_on_megatron_core(mlp, extra_widths):
-    """And a ReLU keeps its output alone (torch's relu backward reads its result), one width fewer than
-    the input and output the count gives a non-gated activation."""
+def test_megatron_core_mlp_activations_keep_what_they_run_with(mlp, extra_widths):
+    """A gated GeLU keeps two widths more, unfused; a ReLU keeps its output alone (torch's relu backward
+    reads its result), one width fewer than the input and output the count gives a non-gated activation."""
     model = dataclasses.replace(DENSE, mlp=mlp)
     megatron, deepspeed = layer(model, "megatron"), layer(model, "deepspeed")
     assert megatron.activation_bytes - deepspeed.activation_bytes == pytest.approx(TOKENS * extra_widths * F * 2)

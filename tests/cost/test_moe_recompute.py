@@ -33,10 +33,11 @@ TOKENS = 2 * 256
 CONFIGS = Path(__file__).resolve().parents[1] / "spec" / "configs"
 
 
-def layer(modules: tuple[str, ...] = (), ep: int = 1, tp: int = 1, model: ModelSpec = MODEL, fp8: bool = False):
+def layer(modules: tuple[str, ...] = (), ep: int = 1, tp: int = 1, model: ModelSpec = MODEL, fp8: bool = False,
+          etp: int = 1):
     """One transformer layer of ``model`` on a bf16 Megatron-core plan (micro-batch 2 x 256) recomputing
     ``modules``; its group and its cost."""
-    dims = ParallelDims(dp=2, tp=tp, ep=ep)
+    dims = ParallelDims(dp=2, tp=tp, ep=ep, etp=etp)
     strategy = Strategy(dims=dims, zero_stage=1, micro_batch=2, grad_accum=4, sequence_parallel=tp > 1,
                         engine="megatron", recompute_modules=modules, fp8=fp8, fp8_recipe="tensorwise")
     cluster = load_cluster("h100-80gb", nodes=1, gpus_per_node=dims.world_size)
@@ -241,3 +242,50 @@ def test_under_fp8_a_routed_copy_keeps_its_input_in_one_byte():
         routed = TOP_K * (3 * FE * 2 + H * 2 - (FE + H)) * load
         freed = TOKENS * (routed + 3 * FS * 2 - FS + 2 * EXPERTS * 4)
         assert kept.activation_bytes - recomputed.activation_bytes == pytest.approx(freed)
+
+
+def test_expert_tensor_parallelism_keeps_every_gathered_copy_as_input():
+    """Under expert tensor parallelism an expert's etp ranks all-gather the copies they received
+    (token_dispatcher.py, over the expert tensor-parallel group) and each keeps all of them as its first
+    matrix's input, while the inner activations split etp ways: etp times the copies' inputs of etp 1,
+    which 'moe' frees too."""
+    for fp8, kept_bytes in ((False, 2), (True, 1)):
+        _, one = layer(tp=2, ep=2, fp8=fp8)
+        _, two = layer(tp=2, ep=2, etp=2, fp8=fp8)
+        gathered = TOKENS / 2 * TOP_K * H * kept_bytes * EXPERT_LOAD_IMBALANCE
+        assert two.activation_bytes - one.activation_bytes == pytest.approx(gathered)
+        _, one_moe = layer(("moe",), tp=2, ep=2, fp8=fp8)
+        _, two_moe = layer(("moe",), tp=2, ep=2, etp=2, fp8=fp8)
+        assert two_moe.activation_bytes == pytest.approx(one_moe.activation_bytes)
+
+
+def test_probabilities_on_the_input_keep_the_unweighted_copy():
+    """Llama 4 weights a routed copy's input by its probability (moe_apply_probs_on_input): the multiply
+    keeps the unweighted copy beside the weighted one the first matrix keeps, two h a copy, as the
+    engine-neutral count has them."""
+    model = dataclasses.replace(MODEL, moe_top_k=1, moe_probs_on_input=True, shared_expert_ffn_hidden_size=0)
+    group, megatron = layer(model=model)
+    assert group.megatron_expert_extra_bytes_per_token == H * 2  # top 1
+    from dsauto.cost.terms import megatron_routed_copy_change_bytes_per_token
+    assert megatron_routed_copy_change_bytes_per_token(group) == 0
+
+
+def test_under_fp8_an_moe_layer_keeps_its_mlp_input_in_16_bits_for_the_router():
+    """The router keeps the pre-MLP norm's output in 16 bits (RouterGatingLinearFunction), so FP8 saves
+    nothing on it in an MoE layer, and a shared expert's first matrix keeps an FP8 copy beside it."""
+    from dsauto.cost.terms import fp8_activation_change_bytes_per_token
+
+    dense = dataclasses.replace(MODEL, num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0,
+                                shared_expert_ffn_hidden_size=0)
+    group_dense, _ = layer(model=dense, fp8=True)
+    group_moe, _ = layer(fp8=True)
+    strategy = Strategy(dims=ParallelDims(dp=2), zero_stage=1, micro_batch=2, grad_accum=4, sequence_parallel=False,
+                        engine="megatron", fp8=True, fp8_recipe="tensorwise")
+    ctx = CostModel(load_cluster("h100-80gb", nodes=1, gpus_per_node=2), TRAIN, strategy, H).context
+    norms_dense = -fp8_activation_change_bytes_per_token(group_dense, ctx) - group_dense.mlp_act_bytes_per_token / 3 / 2
+    assert norms_dense == pytest.approx(2 * H)  # both norms' outputs, one byte saved an element
+    # ep 1 (the mean load): the routed copies' inputs to both matrices and the shared expert's second
+    # matrix's save a byte an element; the norms' outputs 2h less the MLP input's h, which stays in 16
+    # bits, less the shared expert's FP8 copy of it (h): none
+    change = fp8_activation_change_bytes_per_token(group_moe, ctx)
+    assert change == pytest.approx(-(TOP_K * (FE + H) + FS))
