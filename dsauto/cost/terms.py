@@ -658,14 +658,13 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     if "moe" in modules:  # the routed experts' at the busiest rank's load, and the router's
         routed_inputs = (group.expert_out_input_elements_per_token - group.shared_expert_out_input_elements_per_token
                          + routed_in_elements(group, ctx))
-        routed = group.expert_act_bytes_per_token + (megatron_routed_copy_change_bytes_per_token(group)
-                                                     if megatron else 0.0)
-        gathered = routed_in_kept_bytes(group, ctx) * (ctx.etp - 1)  # expert tensor parallelism's copies
-        saved += ((routed - fp8_saved * routed_inputs + gathered) * load + group.router_act_bytes_per_token) / ctx.tp
+        routed = group.expert_act_bytes_per_token + routed_copy_change_bytes_per_token(group, ctx)
+        saved += ((routed - fp8_saved * routed_inputs) * load + group.router_act_bytes_per_token) / ctx.tp
     elif "moe_act" in modules:
         # Megatron-core checkpoints the activation with its weighting (experts.py, bias_act_func),
-        # so an unfused weighting's input goes too.
-        unfused = group.megatron_expert_extra_bytes_per_token if megatron else 0.0
+        # so an unfused weighting's input goes too; an input weighted before the experts stays.
+        unfused = (group.megatron_expert_extra_bytes_per_token
+                   - (group.dispatch_bytes_per_token if group.moe_probs_on_input else 0.0)) if megatron else 0.0
         saved += (group.expert_act_output_bytes_per_token * shrink + unfused) / ctx.tp * load
     if "mla_up_proj" in modules:
         saved += group.mla_up_output_bytes_per_token / ctx.tp
@@ -712,10 +711,17 @@ def routed_in_elements(group: LayerGroup, ctx: LayerContext) -> float:
     return group.dispatch_bytes_per_token / ctx.dtype_bytes
 
 
-def routed_in_kept_bytes(group: LayerGroup, ctx: LayerContext) -> float:
-    """Bytes per token the routed copies' inputs to their experts keep, at the mean load: in FP8
-    under FP8 training (:func:`routed_in_elements`), else in the training dtype."""
-    return routed_in_elements(group, ctx) * (FP8_BYTES if ctx.fp8 else ctx.dtype_bytes)
+def routed_copy_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) -> float:
+    """What this rank's routed copies keep beyond the engine-neutral count
+    (:attr:`LayerGroup.expert_act_bytes_per_token`), per token at the mean load before tensor
+    parallelism divides it: Megatron-core's way of keeping them
+    (:func:`megatron_routed_copy_change_bytes_per_token`) and, under expert tensor parallelism, the
+    copies an expert's etp ranks all-gather, each keeping all of them as its first matrix's input
+    (the inner activations split etp ways, as the count has them): etp times the 1/tp share the
+    count gives, in FP8 under FP8 training (:func:`routed_in_elements`)."""
+    change = megatron_routed_copy_change_bytes_per_token(group) if ctx.engine == "megatron" else 0.0
+    in_bytes = FP8_BYTES if ctx.fp8 else ctx.dtype_bytes
+    return change + routed_in_elements(group, ctx) * in_bytes * (ctx.etp - 1)
 
 
 def expert_out_inputs(group: LayerGroup, ctx: LayerContext) -> float:
@@ -1222,16 +1228,12 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     full_activation += tokens * group.expert_act_bytes_per_token / t * (expert_load_factor(ctx) - 1)
     full_activation += tokens * fp8_activation_change_bytes_per_token(group, ctx)
     megatron = ctx.engine == "megatron"
+    # The routed copies as the engine keeps them, and Megatron-core's MLPs; a measured layer (below)
+    # stands as measured.
+    full_activation += tokens / t * routed_copy_change_bytes_per_token(group, ctx) * expert_load_factor(ctx)
     if megatron:
-        # Megatron-core's MLPs and routed experts keep otherwise than the count; a measured layer
-        # (below) stands as measured.
-        full_activation += tokens / t * (
-            megatron_routed_copy_change_bytes_per_token(group) * expert_load_factor(ctx)
-            + group.megatron_mlp_extra_bytes_per_token + group.megatron_shared_expert_extra_bytes_per_token)
-    # Expert tensor parallelism: an expert's etp ranks all-gather the copies they receive and each
-    # keeps all of them as its first matrix's input (the inner activations are split etp ways, as
-    # the count has them), etp times the 1/tp share the count gives.
-    full_activation += tokens / t * routed_in_kept_bytes(group, ctx) * (ctx.etp - 1) * expert_load_factor(ctx)
+        full_activation += tokens / t * (group.megatron_mlp_extra_bytes_per_token
+                                         + group.megatron_shared_expert_extra_bytes_per_token)
     if megatron and group.kind == "transformer" and not flash:
         full_activation += tokens * (
             megatron_softmax_fp32_bytes_per_token(group, t, ctx.dtype_bytes, ctx.softmax_fp32)
@@ -1312,9 +1314,7 @@ def megatron_routed_copy_change_bytes_per_token(group: LayerGroup) -> float:
     weighting and a gated unit's product keep more (:attr:`LayerGroup.megatron_expert_extra_bytes_per_token`).
     Measured on two CPU ranks (benchmarks/megatron_memory.py, the ep2 plans: GeLU experts, unfused),
     the engine-neutral count put the peak 2.6% low, this 0.6%; with gated GeLU experts 5.6% low
-    before the gated unit's terms."""
-    if not group.num_experts:
-        return 0.0
+    before the gated unit's terms. 0 without experts (both fields are)."""
     return group.megatron_expert_extra_bytes_per_token - group.dispatch_bytes_per_token
 
 

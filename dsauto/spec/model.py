@@ -658,7 +658,11 @@ class LayerGroup:
     """What Megatron-core's routed experts keep beyond ``expert_act_bytes_per_token``'s inner
     activations, averaged over the layers, as their activation and its weighting by the router
     probability run (:func:`megatron_activation_widths`;
-    :func:`dsauto.cost.terms.megatron_routed_copy_change_bytes_per_token`)."""
+    :func:`dsauto.cost.terms.megatron_routed_copy_change_bytes_per_token`); with
+    ``moe_probs_on_input``, also the unweighted input copy (h a copy)."""
+    moe_probs_on_input: bool = False
+    """The router probabilities weight a routed copy's input (Llama 4; ModelSpec.moe_probs_on_input),
+    whose multiply keeps the unweighted copy, before the experts' activation."""
 
     # Multi-token prediction (ModelSpec.mtp_layers): set on the head only.
     mtp_layers: int = 0
@@ -880,6 +884,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         # keeps the unweighted copy beside the weighted one (transformer/moe/experts.py)
         megatron_expert_extra_bytes_per_token=moe_fraction * top_k * (
             megatron_routed * fe + (h if model.moe_probs_on_input else 0)) * b,
+        moe_probs_on_input=model.moe_probs_on_input and moe_fraction > 0,
         megatron_mlp_extra_bytes_per_token=dense_fraction * megatron_mlp * f * b,
         megatron_shared_expert_extra_bytes_per_token=moe_fraction * megatron_mlp * fs * b,
     )

@@ -268,6 +268,8 @@ def test_probabilities_on_the_input_keep_the_unweighted_copy():
     assert group.megatron_expert_extra_bytes_per_token == H * 2  # top 1
     from dsauto.cost.terms import megatron_routed_copy_change_bytes_per_token
     assert megatron_routed_copy_change_bytes_per_token(group) == 0
+    _, act = layer(("moe_act",), model=model)  # the input's multiply runs before the checkpointed activation
+    assert megatron.activation_bytes - act.activation_bytes == pytest.approx(TOKENS * FE * 2)
 
 
 def test_under_fp8_an_moe_layer_keeps_its_mlp_input_in_16_bits_for_the_router():
