@@ -31,6 +31,7 @@ from dsauto.engines.megatron import (
     selective_recompute_modules,
     softmax_fusion_setting,
 )
+from dsauto.engines.rules import clamped_gate_refusal
 from dsauto.plan import Plan
 from dsauto.plan_io import MEGATRON_ARGS_NAME, PLAN_ID_COMMENT, plan_id
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec
@@ -320,7 +321,11 @@ def _mlp(model: ModelSpec) -> list[str]:
         # gpt-oss: x sigmoid(1.702 x) of the gate times the linear half + 1, both clamped (Megatron-LM's
         # argument_utils.py turns --quick-geglu into quick_gelu with a gated linear unit; the other two
         # are TransformerConfig's glu_linear_offset and activation_func_clamp_value)
-        return ["--quick-geglu", "--glu-linear-offset 1", f"--activation-func-clamp-value {model.glu_clamp:g}"]
+        flags = ["--quick-geglu", "--glu-linear-offset 1", f"--activation-func-clamp-value {model.glu_clamp:g}"]
+        if why := clamped_gate_refusal("megatron", model):
+            # only a DeepSpeed plan gets here (the search refuses Megatron-core's): its flags still launch
+            flags += ["--no-bias-gelu-fusion", f"{COMMENT}Unfused: {why}."]
+        return flags
     if model.mlp == "swiglu":
         return ["--swiglu"]  # --ffn-hidden-size is then the width of each branch, as in ModelSpec
     if model.mlp == "geglu":

@@ -51,6 +51,25 @@ def mtp_pipeline_refusal(engine: Engine, pp: int, model: ModelSpec) -> str | Non
     return None
 
 
+def clamped_gate_refusal(engine: Engine, model: ModelSpec) -> str | None:
+    """Why ``engine`` cannot build ``model``'s clamped gate (gpt-oss's, ``ModelSpec.glu_clamp``) in a
+    dense MLP or a shared expert, or None. Megatron-LM turns the activation's fusion on with
+    ``--quick-geglu`` and biases (megatron/training/argument_utils.py: ``bias_activation_fusion`` is
+    ``bias_gelu_fusion``), as dsauto's plugin does; under it Megatron-core fuses the clamped gate only
+    with the router's per-token scales, i.e. in routed experts, and a dense MLP stops with 'Only support
+    fusion of gelu and swiglu' (megatron/core/transformer/mlp.py, ``MLP.forward``)."""
+    if engine != "megatron" or not model.glu_clamp:
+        return None
+    dense = model.num_layers - len(model.moe_layers())
+    parts = [f"{dense} dense MLP layer{'s' if dense != 1 else ''}"] if dense else []
+    if model.moe and model.shared_expert_ffn_hidden_size:
+        parts.append("a shared expert in each MoE layer")
+    if not parts:
+        return None
+    return (f"Megatron-core fuses a clamped gate (glu_clamp {model.glu_clamp:g}) only in routed experts, and "
+            f"{model.name} has {' and '.join(parts)}, whose fused activation it refuses")
+
+
 def deepspeed_bf16_pipeline_refusal(engine: Engine, dims: ParallelDims, zero_stage: int,
                                     dtype: Dtype | None) -> str | None:
     """Why a DeepSpeed pipeline of data-parallel replicas does not run bf16 without ZeRO, or None.

@@ -16,6 +16,7 @@ from dsauto.engines.rules import (
     MIN_CONTEXT_PARALLEL_TOKENS,
     VIRTUAL_STAGES,
     attention_kernel_refusal,
+    clamped_gate_refusal,
     context_parallel_refusal,
     cp_comm_type_refusal,
     default_attention_kernel,
@@ -330,6 +331,7 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     engines = ENGINES if pins.engine is None else (pins.engine,)
     if pins.hf_trainer:
         engines = ("deepspeed",)
+    engines = tuple(engine for engine in engines if clamped_gate_refusal(engine, model) is None)
     recompute_sets = {engine: recompute_module_sets(engine, model, train, pins) for engine in engines}
     pinned_layout = None if pins.stage_layers is None else parse_stage_layers(pins.stage_layers, model.num_layers)
     chunked, pinned_chunks = chunked_layout(pins), pinned_chunk_layout(pins)  # chunks pin --pp and --vpp: one layout
@@ -710,6 +712,8 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                                f"node; tensor parallelism must stay inside a node.")
     if pins.pp is not None and pins.pp > model.num_layers:
         return DsautoError(f"--pp {pins.pp} exceeds the {model.num_layers} layers of {model.name}.")
+    if pins.engine == "megatron" and (why := clamped_gate_refusal("megatron", model)):
+        return DsautoError(f"--engine megatron cannot run {model.name}: {why}; plan it with --engine deepspeed.")
     if (pins.pp or 1) > 1 and pins.engine == "megatron" and (why := mtp_pipeline_refusal("megatron", pins.pp, model)):
         return DsautoError(f"--pp {pins.pp} cannot run {model.name} on Megatron-core: {why}; pin --pp 1, or untie "
                            f"the head (tied_embeddings false) in a model YAML.")
