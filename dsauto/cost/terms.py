@@ -646,14 +646,15 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
         saved += group.norm_output_bytes_per_token * shrink / ctx.replicated_div
     megatron = ctx.engine == "megatron"
     if "mlp" in modules:
-        kept_in_fp8 = (ctx.dtype_bytes - FP8_BYTES) * mlp_out_input_elements(group) if ctx.fp8 else 0.0
+        kept_in_fp8 = fp8_mlp_out_saved_bytes(group, ctx) * mlp_out_input_elements(group)
         unfused = group.megatron_mlp_extra_bytes_per_token if megatron else 0.0
         saved += (group.mlp_act_bytes_per_token + unfused - kept_in_fp8) / ctx.tp
     fp8_saved = ctx.dtype_bytes - FP8_BYTES if ctx.fp8 else 0  # per element kept in FP8
     if "moe" in modules or "shared_experts" in modules:  # 'moe' recomputes the shared experts too
         shared_inputs = group.shared_expert_out_input_elements_per_token
         unfused = group.megatron_shared_expert_extra_bytes_per_token if megatron else 0.0
-        saved += (group.shared_expert_act_bytes_per_token + unfused - fp8_saved * shared_inputs) / ctx.tp
+        saved += (group.shared_expert_act_bytes_per_token + unfused
+                  - fp8_mlp_out_saved_bytes(group, ctx) * shared_inputs) / ctx.tp
     load = expert_load_factor(ctx)
     if "moe" in modules:  # the routed experts' at the busiest rank's load, and the router's
         routed_inputs = (group.expert_out_input_elements_per_token - group.shared_expert_out_input_elements_per_token
@@ -689,9 +690,11 @@ def fp8_activation_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) 
         return 0.0
     saved_per_element = ctx.dtype_bytes - FP8_BYTES
     second_copy = FP8_BYTES if ctx.fp8_recipe == "delayed" else 0
+    shared = group.shared_expert_out_input_elements_per_token
+    routed_out = expert_out_inputs(group, ctx) - shared
     split = (second_copy * group.attention_output_elements_per_token
-             - saved_per_element * (mlp_out_input_elements(group) + expert_out_inputs(group, ctx)
-                                    + routed_in_elements(group, ctx) * expert_load_factor(ctx)))
+             - fp8_mlp_out_saved_bytes(group, ctx) * (mlp_out_input_elements(group) + shared)
+             - saved_per_element * (routed_out + routed_in_elements(group, ctx) * expert_load_factor(ctx)))
     norms = saved_per_element / ctx.dtype_bytes * group.norm_output_bytes_per_token
     if group.moe_layer_fraction and group.norm_output_bytes_per_token:
         # An MoE layer's pre-MLP norm output stays in 16 bits: its router keeps it
@@ -700,6 +703,16 @@ def fp8_activation_change_bytes_per_token(group: LayerGroup, ctx: LayerContext) 
         branch = min(group.moe_layer_fraction * group.gemm_dim, group.norm_output_bytes_per_token / ctx.dtype_bytes)
         norms -= (saved_per_element + (FP8_BYTES if group.shared_expert_out_input_elements_per_token else 0)) * branch
     return split / ctx.tp - norms / ctx.replicated_div
+
+
+def fp8_mlp_out_saved_bytes(group: LayerGroup, ctx: LayerContext) -> float:
+    """Bytes FP8 training saves per element of the dense MLP's and shared experts' output projection
+    inputs (the activation's output) that backward keeps: 16 bits less one byte, or, where the
+    activation keeps its own 16-bit output (ReLU: :attr:`LayerGroup.activation_keeps_output`), minus
+    the FP8 copy the projection keeps beside it. 0 without FP8."""
+    if not ctx.fp8:
+        return 0.0
+    return -FP8_BYTES if group.activation_keeps_output else ctx.dtype_bytes - FP8_BYTES
 
 
 def routed_in_elements(group: LayerGroup, ctx: LayerContext) -> float:

@@ -651,6 +651,11 @@ class LayerGroup:
     averaged over the layers, as its activation runs (:func:`megatron_activation_widths`). Measured on
     two CPU ranks (benchmarks/megatron_memory.py, dp2 geglu: a gated GeLU model): without it the peak
     came out 7.2% low."""
+    activation_keeps_output: bool = False
+    """The dense MLP's and shared experts' activation keeps its own output for backward (ReLU: torch's
+    ``threshold_backward`` reads the result), so an FP8 copy of it kept by the output projection adds
+    to it rather than replacing it. A routed copy's weighting makes a new tensor, which the FP8 copy
+    does replace."""
     megatron_shared_expert_extra_bytes_per_token: float = 0.0
     """The same for the shared experts (Megatron-core's SharedExpertMLP is an MLP), of
     ``shared_expert_act_bytes_per_token``'s width."""
@@ -887,6 +892,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         moe_probs_on_input=model.moe_probs_on_input and moe_fraction > 0,
         megatron_mlp_extra_bytes_per_token=dense_fraction * megatron_mlp * f * b,
         megatron_shared_expert_extra_bytes_per_token=moe_fraction * megatron_mlp * fs * b,
+        activation_keeps_output=model.mlp == "relu",
     )
 
     positions = (model.max_position_embeddings + model.position_offset) * h if model.position_embedding == "learned" else 0

@@ -73,6 +73,26 @@ def test_fp8_keeps_linear_inputs_in_fp8_and_the_attention_output_twice():
     assert b.activation_bytes - a.activation_bytes == pytest.approx(TOKENS * per_token)
 
 
+def test_relu_keeps_its_16_bit_output_beside_the_projections_fp8_copy():
+    """ReLU's backward reads its own output, so the MLP output projection's FP8 copy of it is kept
+    beside the 16-bit one rather than instead of it: one byte more a 14336-wide element, where a GeLU's
+    output, which nothing else keeps, drops from two bytes to one. Recomputing the MLP frees both."""
+    cost_16, _, model = costs(False)
+    cost_8, _, _ = costs(True)
+    change = {}
+    for mlp in ("gelu", "relu"):
+        block = layer_groups(dataclasses.replace(model, mlp=mlp), TOKENS, 2)[1]
+        kept_16, kept_8 = cost_16.layer(block, PLAIN), cost_8.layer(block, PLAIN)
+        change[mlp] = (kept_8.activation_bytes - kept_16.activation_bytes) / TOKENS
+        mlp_recomputed = dataclasses.replace(PLAIN, recompute_modules=("mlp",))
+        freed = kept_8.activation_bytes - cost_8.layer(block, mlp_recomputed).activation_bytes
+        # GeLU keeps its 16-bit input and the projection its output in FP8; ReLU its 16-bit output
+        # and the projection the FP8 copy: three bytes a 14336-wide element either way
+        assert freed == pytest.approx(TOKENS * 14336 * 3)
+    assert change["gelu"] == pytest.approx(-2 * 4096 - 14336 + 4096)
+    assert change["relu"] == pytest.approx(-2 * 4096 + 14336 + 4096)
+
+
 def test_fp8_activation_change_splits_like_the_activations_under_tp_and_sp():
     bf16, (_, block, _), _ = costs(False, tp=2, sp=True)
     fp8, _, _ = costs(True, tp=2, sp=True)
