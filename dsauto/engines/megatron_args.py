@@ -67,7 +67,7 @@ SWITCHES = {
     "--swiglu", "--quick-geglu", "--squared-relu", "--disable-bias-linear", "--add-qkv-bias", "--untie-embeddings-and-output-weights",
     "--qk-layernorm", "--apply-layernorm-1p", "--no-bias-gelu-fusion", "--moe-shared-expert-gate",
     "--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--use-rotary-position-embeddings",
-    "--moe-router-pre-softmax", "--moe-layer-recompute",
+    "--moe-router-pre-softmax", "--moe-layer-recompute", "--moe-enable-deepep",
     "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-masked-softmax-fusion",
 }
 """Flags read here that take no value."""
@@ -926,6 +926,14 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     if "--moe-router-force-load-balancing" in flags:
         pins["expert_load_balanced"] = True
     dispatcher = flags.get("--moe-token-dispatcher-type", "allgather" if experts else "alltoall")
+    if "--moe-enable-deepep" in flags and (dispatcher != "flex" or flags.get("--moe-flex-dispatcher-backend",
+                                                                             "deepep") != "deepep"):
+        # Megatron-core 0.12-0.16's older spelling of the flex dispatcher's deepep backend
+        # (transformer_config.py refuses it beside another dispatcher or backend)
+        raise DsautoError(f"{where} sets --moe-enable-deepep with --moe-token-dispatcher-type {dispatcher} and "
+                          f"--moe-flex-dispatcher-backend {flags.get('--moe-flex-dispatcher-backend', 'deepep')}; "
+                          f"Megatron-core runs DeepEP only with the flex dispatcher's deepep backend: set "
+                          f"--moe-token-dispatcher-type flex, or drop --moe-enable-deepep.")
     if dispatcher == "flex" and flags.get("--moe-flex-dispatcher-backend", "deepep") == "deepep":
         pins["expert_dispatcher"] = "deepep"
     elif dispatcher != "alltoall":

@@ -367,6 +367,13 @@ def test_megatron_lms_own_defaults_for_what_a_launch_leaves_out():
     assert swiglu.position_embedding == "rope"  # the older spelling still sets rope
     moe = parse_megatron_args((MINIMAL + " --num-experts 4 --moe-token-dispatcher-type flex --moe-grouped-gemm").split())
     assert (moe.pins["ep"], moe.pins["etp"], moe.pins["expert_dispatcher"]) == (1, 2, "deepep")  # etp = tp
+    # Megatron-core 0.12-0.16's older spelling of the deepep backend is read as it, not warned about
+    older = MINIMAL + " --num-experts 4 --moe-token-dispatcher-type flex --moe-enable-deepep --moe-grouped-gemm"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert parse_megatron_args(older.split()).pins["expert_dispatcher"] == "deepep"
+    with pytest.raises(DsautoError, match="runs DeepEP only with the flex dispatcher's deepep backend"):
+        parse_megatron_args(older.replace("flex", "alltoall").split())
     with pytest.raises(DsautoError, match="--global-batch-size"):
         parse_megatron_args([word for word in MINIMAL.split() if word not in ("--global-batch-size", "8")])
     # Unfused attention in 16 bits: Megatron-LM's softmax keeps 16 bits unless it runs in fp32 through
