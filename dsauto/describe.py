@@ -77,7 +77,7 @@ def describe_plan(plan: Plan) -> str:
         lines.append(f"    {_layer_range(run):>9}  {run.group:<10} stage {run.stage:<3} {_choice_text(plan, run)}")
     lines += [
         f"  predicted ({pred.basis})  step {format_seconds(pred.step_seconds)}, "
-        f"{format_count(pred.tokens_per_second)} tokens/s, MFU {pred.mfu:.1%}, "
+        f"{format_count(pred.tokens_per_second)} tokens/s, MFU {pred.mfu:.1%}{mfu_basis(plan)}, "
         f"{format_flops(pred.tflops_per_device * 1e12)} per device run (recomputation included)",
         f"              compute {format_seconds(pred.compute_seconds)}, bubble "
         f"{format_seconds(pred.bubble_seconds)}, exposed comm {format_seconds(pred.exposed_comm_seconds)}, "
@@ -190,6 +190,12 @@ def _relative(predicted: float, measured: float) -> str:
 def _mtp_layers(plan: Plan) -> int:
     """The multi-token-prediction layers the plan trains: Megatron-core's, beside its head."""
     return plan.model.mtp_layers if plan.engine == "megatron" else 0
+
+
+def mfu_basis(plan: Plan) -> str:
+    """What an FP8 plan's MFU is a fraction of: the training dtype's peak, as for 16-bit plans (the
+    FP8 GEMMs' own peak is twice it on Hopper), so that FP8 and 16-bit plans compare."""
+    return f" of the {plan.dtype} peak" if plan.fp8 else ""
 
 
 def _mtp_text(plan: Plan) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dsauto.cost.pipeline import ChunkOp, simulate_1f1b, simulate_interleaved
+from dsauto.describe import mfu_basis
 from dsauto.plan import Plan
 from dsauto.units import GiB, format_bytes, format_seconds
 
@@ -82,7 +83,7 @@ def plot_plan(plan: Plan, path: Path | str) -> Path:
         f"{plan.dims.describe()}{f' vpp={plan.virtual_stages}' if plan.virtual_stages > 1 else ''}, "
         f"ZeRO-{plan.zero_stage}{sp}, "
         f"micro-batch {plan.micro_batch} x {plan.grad_accum}\n"
-        f"predicted step {format_seconds(pred.step_seconds)}, MFU {pred.mfu:.1%}, "
+        f"predicted step {format_seconds(pred.step_seconds)}, MFU {pred.mfu:.1%}{mfu_basis(plan)}, "
         f"peak memory {format_bytes(pred.peak_memory_bytes)} per rank",
         x=(_LEFT + _RIGHT) / 2, y=1 - 0.1 / height_in, va="top", fontsize=12,
     )

@@ -13,6 +13,7 @@ from dsauto.api import make_plan, make_problem
 from dsauto.cost.layer import CostModel
 from dsauto.cost.strategy import LayerOption, Strategy
 from dsauto.cost.terms import FP8_CAST_BYTES, fp8_cast_bytes_per_token
+from dsauto.describe import describe_plan
 from dsauto.emit.megatron import megatron_args
 from dsauto.engines.rules import fp8_refusal
 from dsauto.errors import DsautoError
@@ -151,6 +152,9 @@ def test_fp8_plans_only_when_pinned_and_on_megatron_core():
     assert "--fp8-format hybrid" in args and "--fp8-recipe delayed" in args
     assert not any(line.startswith("--fp8") for line in megatron_args(same))
     assert plan_from_data(yaml.safe_load(plan_yaml_text(plan)), "plan.yaml").fp8
+    # MFU against the bf16 peak for both, so that they compare, and said so for the FP8 plan
+    assert ", MFU " in describe_plan(plan) and " of the bf16 peak, " in describe_plan(plan)
+    assert " of the bf16 peak" not in describe_plan(same)
 
 
 def test_fp8_refusals_are_one_sentence_each():
