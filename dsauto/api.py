@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsauto.errors import DsautoError, DsautoWarning
-from dsauto.search.space import Constraints, sequence_parallel_multiple, sequence_parallel_runs
+from dsauto.search.space import (ACCOUNTED_STAGES, Constraints, accounted_stage_layers, sequence_parallel_multiple,
+                                 sequence_parallel_runs)
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec
 from dsauto.spec.loaders import ModelSource, as_model, load_cluster, override_cluster
 from dsauto.spec.model import ModelSpec
@@ -207,7 +208,10 @@ def make_problem(
             the interleaved schedule when pp > 1, no full recomputation); None: off.
         stage_layers: the transformer layers of each pipeline stage, first stage first (a sequence,
             or the same comma-separated), or ``"even"``: split evenly over the pp x vpp model chunks,
-            as Megatron-core does without a layout flag; None: balanced by the search.
+            as Megatron-core does without a layout flag, or ``"even+embedding"``, ``"even+loss"``,
+            ``"even+embedding+loss"``: that split counting them as layers (Megatron-LM's
+            ``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split``;
+            needs ``pp``); None: balanced by the search.
         recompute_num_layers: N checkpoints the first N transformer layers of every pipeline stage (of
             every model chunk with virtual stages) and no others, Megatron-core's ``--recompute-method
             block --recompute-num-layers N``; None: chosen per layer by the search.
@@ -236,6 +240,8 @@ def make_problem(
         option = {"seq_len": "--seq-len", "dtype": "--dtype", "flash_attention": "--no-flash-attention"}.get(
             str(exc).split(" ")[0], "--global-batch")
         raise DsautoError(f"The workload is not one dsauto plans: {exc}; change {option}.") from None
+    if isinstance(stage_layers, str) and stage_layers.strip().lower() in ACCOUNTED_STAGES:
+        stage_layers = accounted_stage_layers(stage_layers.strip().lower(), model_spec.num_layers, pp, vpp)
     pins = Constraints(tp=tp, pp=pp, zero_stage=zero_stage, micro_batch=micro_batch, checkpoint=checkpoint,
                        sequence_parallel=sequence_parallel, cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp,
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,

@@ -121,6 +121,24 @@ def rank_totals(chunks: Sequence[int], pp: int, virtual_stages: int) -> list[int
     return [sum(chunks[s * pp + r] for s in range(virtual_stages)) for r in range(pp)]
 
 
+def accounted_chunks(num_layers: int, pp: int, virtual_stages: int, embedding: bool,
+                     loss: bool) -> list[int] | None:
+    """The transformer layers of each model chunk (in chunk order; of each stage without virtual
+    stages) of Megatron-core's even split that counts the embedding and the loss as a layer each
+    (--account-for-embedding-in-pipeline-split, --account-for-loss-in-pipeline-split): the layers plus
+    those counted, split evenly over the ranks and each rank's over its chunks, one fewer built in
+    the first rank's first chunk and in the last rank's last (megatron/core/transformer/
+    transformer_block.py, get_num_layers_to_build). None where the sum does not divide, which
+    Megatron-core refuses (transformer_config.py)."""
+    chunks, slots = pp * virtual_stages, num_layers + embedding + loss
+    if slots % chunks:
+        return None
+    counts = [slots // chunks] * chunks
+    counts[0] -= embedding
+    counts[-1] -= loss
+    return counts
+
+
 def chunk_layout_problem(stage_layers: Sequence[int], virtual_stages: int, chunks: Sequence[int]) -> str | None:
     """Why ``chunks`` (layers per model chunk, in chunk order) is not a layout of ``stage_layers``
     over ``virtual_stages`` chunks a rank, or None."""

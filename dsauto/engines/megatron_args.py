@@ -34,7 +34,7 @@ from dsauto.engines.megatron import (
     te_softmax_fuses,
 )
 from dsauto.errors import DsautoError
-from dsauto.plan import MOMENT_BYTES, even_chunks, rank_totals
+from dsauto.plan import MOMENT_BYTES, accounted_chunks, even_chunks, rank_totals
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec, in_own_words
 from dsauto.units import format_bytes
 
@@ -68,6 +68,7 @@ SWITCHES = {
     "--qk-layernorm", "--apply-layernorm-1p", "--no-bias-gelu-fusion", "--moe-shared-expert-gate",
     "--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--use-rotary-position-embeddings",
     "--moe-router-pre-softmax", "--moe-layer-recompute", "--moe-enable-deepep",
+    "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
     "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-masked-softmax-fusion",
 }
 """Flags read here that take no value."""
@@ -1096,8 +1097,14 @@ def _virtual_stages(flags: dict[str, str], launch: MegatronLaunch, where: str) -
         pins["vpp"] = 1
 
 
+ACCOUNT_FLAGS = ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
+
+
 def _layout(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     pins = launch.pins
+    if accounted := [flag for flag in ACCOUNT_FLAGS if flag in flags]:
+        _accounted_layout(flags, accounted, launch, where)
+        return
     if "--pipeline-model-parallel-layout" in flags:
         # Megatron-LM's validate_args and TransformerConfig refuse a layout beside the other layout flags
         if others := [f for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
@@ -1135,6 +1142,29 @@ def _layout(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     pins["stage_layers"] = tuple(stages)
     launch.spelled["stage_layers"] = ("--decoder-first-pipeline-num-layers" if first is not None
                                       else "--decoder-last-pipeline-num-layers")
+
+
+def _accounted_layout(flags: dict[str, str], accounted: list[str], launch: MegatronLaunch, where: str) -> None:
+    """Megatron-core's even split counting the embedding, the loss or both as a layer
+    (:func:`dsauto.plan.accounted_chunks`), which TransformerConfig refuses beside a layout or the first
+    and last stages' counts."""
+    pins = launch.pins
+    if others := [f for f in ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
+                              "--decoder-last-pipeline-num-layers") if f in flags]:
+        raise DsautoError(f"{where} sets {' and '.join(accounted)} with {' and '.join(others)}, which Megatron-core "
+                          f"refuses beside it; keep one way of laying out the pipeline.")
+    if launch.model is None:
+        raise DsautoError(f"{where} sets {' and '.join(accounted)} without --num-layers; give the model's flags too.")
+    embedding, loss = (flag in accounted for flag in ACCOUNT_FLAGS)
+    pp, virtual, layers = pins["pp"], pins.get("vpp") or 1, launch.model.num_layers
+    chunks = accounted_chunks(layers, pp, virtual, embedding, loss)
+    if chunks is None:
+        raise DsautoError(f"{where} sets {' and '.join(accounted)}, which splits {layers} transformer layers + "
+                          f"{embedding + loss} evenly over pp {pp} x {virtual} virtual stages, and "
+                          f"{layers + embedding + loss} do not divide (Megatron-core refuses it); change the degrees.")
+    launch.spelled["stage_layers"] = accounted[0]
+    stages = tuple(rank_totals(chunks, pp, virtual))
+    pins["stage_layers"] = stages if virtual == 1 or even_chunks(stages, virtual, chunks) else tuple(chunks)
 
 
 def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:

@@ -54,6 +54,7 @@ from dsauto.plan import (
     Fp8Recipe,
     MomentsDtype,
     Offload,
+    accounted_chunks,
     even_chunks,
     rank_totals,
 )
@@ -255,7 +256,10 @@ class Constraints:
     stage_layers: str | None = field(default=None, metadata={
         "flag": "--stage-layers",
         "help": "pin the transformer layers of each pipeline stage: 'even' (split evenly over the pp x vpp "
-                "model chunks, what Megatron-core does without a layout flag), one count per stage, "
+                "model chunks, what Megatron-core does without a layout flag), 'even+embedding', 'even+loss' or "
+                "'even+embedding+loss' (the even split counting them as layers: Megatron-LM's "
+                "--account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split; needs --pp), "
+                "one count per stage, "
                 "comma-separated, first stage first, or with --pp and --vpp pinned one count per model chunk, "
                 "in Megatron's chunk order (pp x vpp counts: every rank's first chunk, then every rank's second, "
                 "...) "
@@ -816,10 +820,15 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         if reason:
             return DsautoError(f"--vpp {pins.vpp} cannot run: {reason}.")
         if pins.stage_layers is None and model.num_layers // pp < pins.vpp:
+            accounted = [text for text, (embedding, loss) in ACCOUNTED_STAGES.items()
+                         if (model.num_layers + embedding + loss) % (pp * pins.vpp) == 0]
             return DsautoError(f"--vpp {pins.vpp} cannot run on the layouts the search tries: they give each model "
                                f"chunk a layer, and {model.num_layers} layers over pp {pp} leave {model.num_layers // pp} "
-                               f"a stage; pin --stage-layers (a chunk may then hold none: Megatron-core's "
-                               f"--pipeline-model-parallel-layout runs it) or lower --vpp.")
+                               f"a stage; pin --stage-layers "
+                               + (f"{accounted[0]} (Megatron-core's even split counting them as layers) or counts "
+                                  if accounted else "")
+                               + "(a chunk may then hold none: Megatron-core's --pipeline-model-parallel-layout "
+                               "runs it) or lower --vpp.")
         replicas = world // (tp * pp * (pins.cp or 1))
         m = train.global_batch // (replicas * pins.micro_batch) if replicas and pins.micro_batch else 0
         if pp > 1 and pins.tp and pins.engine != "deepspeed" and m and m % pp and (
@@ -902,6 +911,30 @@ EVEN_STAGES = "even"
 """The ``--stage-layers`` value for Megatron-core's own split: the transformer layers divided evenly
 over the pp x vpp model chunks (megatron/core/transformer/transformer_block.py, get_num_layers_to_build,
 which asserts that they divide when no layout flag is given)."""
+
+
+ACCOUNTED_STAGES = {"even+embedding": (1, 0), "even+loss": (0, 1), "even+embedding+loss": (1, 1)}
+"""The ``--stage-layers`` values for Megatron-core's even split that counts the embedding, the loss or
+both as one transformer layer each (Megatron-LM's --account-for-embedding-in-pipeline-split and
+--account-for-loss-in-pipeline-split): (embedding, loss) counted."""
+
+
+def accounted_stage_layers(text: str, num_layers: int, pp: int | None, vpp: int | None) -> str:
+    """The per-chunk counts (per stage without virtual stages) of the ``--stage-layers`` value ``text``,
+    one of :data:`ACCOUNTED_STAGES` (:func:`dsauto.plan.accounted_chunks`), refused in one sentence
+    without a pinned --pp or where Megatron-core refuses the split."""
+    embedding, loss = ACCOUNTED_STAGES[text]
+    if pp is None:
+        raise DsautoError(f"--stage-layers {text} splits the layers evenly over the pinned pipeline ranks; pin --pp "
+                          f"(and --vpp for virtual stages).")
+    counts = accounted_chunks(num_layers, pp, vpp or 1, bool(embedding), bool(loss))
+    if counts is None:
+        counted = " + ".join(name for name, on in (("the embedding", embedding), ("the loss", loss)) if on)
+        raise DsautoError(f"--stage-layers {text} splits {num_layers} transformer layers + {counted} = "
+                          f"{num_layers + embedding + loss} evenly over pp {pp} x vpp {vpp or 1} = {pp * (vpp or 1)} "
+                          f"model chunks, which Megatron-core refuses as they do not divide; change --pp or --vpp, or "
+                          f"give the counts.")
+    return ",".join(str(count) for count in counts)
 
 
 def parse_stage_layers(text: str, num_layers: int) -> tuple[int, ...] | None:

@@ -4,6 +4,7 @@ layers so, and a layout that cannot run is refused in one sentence."""
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 
 import pytest
@@ -11,11 +12,13 @@ import pytest
 from dsauto.api import find_plans, make_plan, make_problem
 from dsauto.cli import main
 from dsauto.emit.megatron import megatron_args
+from dsauto.engines.megatron_args import parse_megatron_args
 from dsauto.errors import DsautoError
-from dsauto.plan import block_recompute_set
+from dsauto.plan import accounted_chunks, block_recompute_set
 from dsauto.plan_io import read_plan
 from dsauto.refine.space import options_of, strategy_of
 from dsauto.search.planner import Planner
+from dsauto.spec.loaders import load_model
 
 # Llama 3 70B (80 layers) on 64 H100s: tp 4 x pp 4, where the search balances the stages unevenly
 # (the head makes the last stage slower, the embedding the first one lighter).
@@ -222,3 +225,61 @@ def test_no_pinned_layout_beats_the_balanced_search(model, pp, vpp):
         assert pinned.stage_layers == layout
         assert fastest(pinned) >= fastest(balanced) * (1 - 1e-9)
     assert tried >= 2
+
+
+@pytest.mark.parametrize("layers, pp, vpp, embedding, loss", [
+    (30, 4, 2, True, True), (94, 32, 3, True, True), (15, 4, 1, True, False), (14, 5, 1, False, True),
+    (62, 8, 4, True, True)])
+def test_the_split_counting_the_embedding_and_loss_is_megatron_cores(layers, pp, vpp, embedding, loss):
+    """Megatron-LM's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split,
+    chunk by chunk as Megatron-core's own get_num_layers_to_build builds them."""
+    import torch
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=layers, hidden_size=64, num_attention_heads=4,
+                               pipeline_model_parallel_size=pp, pipeline_dtype=torch.bfloat16,
+                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                               account_for_embedding_in_pipeline_split=embedding,
+                               account_for_loss_in_pipeline_split=loss)
+    built = [get_num_layers_to_build(config, vp_stage=stage if vpp > 1 else None, pp_rank=rank)
+             for stage in range(vpp) for rank in range(pp)]
+    assert accounted_chunks(layers, pp, vpp, embedding, loss) == built
+
+
+def test_even_with_the_embedding_and_loss_counted_is_priced_emitted_and_read_back(tmp_path):
+    """--stage-layers even+embedding+loss: 30 layers + 2 over pp 4 x vpp 2 chunks of 4, the first and the
+    last one layer short; launched as a layout string, and Megatron-LM's own flags for it read back to
+    the same plan."""
+    model = dataclasses.replace(load_model("llama3-8b"), num_layers=30)
+    pins = dict(nodes=1, global_batch=64, seq_len=2048, tp=1, pp=4, vpp=2, engine="megatron", micro_batch=1)
+    plan = make_plan(model, "a100-80gb", **pins, stage_layers="even+embedding+loss")
+    assert plan.chunk_layout == (3, 4, 4, 4, 4, 4, 4, 3) and plan.stage_layers == (7, 8, 8, 7)
+    assert layout_flags(plan) == ["--pipeline-model-parallel-layout Et*3|t*4|t*4|t*4|t*4|t*4|t*4|t*3L"]
+    flags = [line for line in megatron_args(plan) if not line.startswith(("#", "--pipeline-model-parallel-layout"))]
+    flags += ["--num-virtual-stages-per-pipeline-rank 2", "--account-for-embedding-in-pipeline-split",
+              "--account-for-loss-in-pipeline-split"]
+    launch = parse_megatron_args(shlex.split(" ".join(flags)), "train.sh", model)
+    assert launch.pins["stage_layers"] == plan.chunk_layout and launch.pins["vpp"] == 2
+    with pytest.raises(DsautoError, match="which Megatron-core refuses beside it; keep one way"):
+        parse_megatron_args(shlex.split(" ".join(flags) + " --decoder-first-pipeline-num-layers 7"), "train.sh",
+                            model)
+    with pytest.raises(DsautoError, match=r"splits 30 transformer layers \+ the loss = 31 evenly over pp 4 x vpp 2 "
+                                          r"= 8 model chunks, which Megatron-core refuses"):
+        make_plan(model, "a100-80gb", **pins, stage_layers="even+loss")
+    with pytest.raises(DsautoError, match="pin --pp"):
+        make_plan(model, "a100-80gb", **{**pins, "pp": None, "vpp": None}, stage_layers="even+loss")
+
+
+def test_a_vpp_too_deep_for_the_searched_layouts_names_the_accounted_split(capsys, tmp_path):
+    model = tmp_path / "m.yaml"
+    model.write_text("name: l14\narchitecture: decoder\nnum_layers: 14\nhidden_size: 256\nnum_attention_heads: 4\n"
+                     "ffn_hidden_size: 1024\nvocab_size: 1024\nmax_position_embeddings: 2048\nmlp: gelu\n"
+                     "norm: layernorm\nposition_embedding: learned\ntied_embeddings: false\nlinear_bias: true\n"
+                     "dropout: false\n")
+    argv = ["tune", "--model", str(model), "--hardware", "h100-80gb", "--gpus-per-node", "8", "--global-batch", "16",
+            "--engine", "megatron", "--pp", "8", "--vpp", "2", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert "pin --stage-layers even+embedding+loss (Megatron-core's even split" in capsys.readouterr().err
+    assert main([*argv, "--stage-layers", "even+embedding+loss"]) == 0
+    assert read_plan(tmp_path / "out" / "plan.yaml").chunk_layout == (0,) + (1,) * 14 + (0,)
