@@ -153,6 +153,13 @@ def test_near_ties_go_to_the_fastest_plan_with_safe_headroom():
     assert rank_by_headroom([_plan(1.0, 50), _plan(1.01, 10)])[0].prediction.step_seconds == 1.0
     assert rank_by_headroom([_plan(1.0, 99), _plan(1.01, 95)])[0].prediction.peak_memory_bytes == 95
     assert rank_by_headroom([_plan(1.0, 99), _plan(1.05, 10)])[0].prediction.step_seconds == 1.0
+    # A winner short of the safe headroom says so, with the under-prediction that would fill its budget.
+    from dsauto.describe import describe_plan
+
+    thin = rank_by_headroom([_plan(1.0, 99), _plan(1.01, 95)])[0]
+    assert "memory headroom 5 B, less than the 10 B counted safe: no plan within 3% of the fastest keeps that " \
+           "much, and a peak 5.3% above the prediction fills the budget" in describe_plan(thin)
+    assert "(safe: 10 B)" in describe_plan(ranked[0])
 
 
 def test_plan_yaml_records_the_ranking(tmp_path):
