@@ -91,6 +91,18 @@ def _seconds(text: str) -> float:
 _MODEL_HELP = "preset name, a dsauto model YAML, or a Hugging Face config.json"
 
 
+def _model_help() -> str:
+    from dsauto.spec.presets import list_model_presets
+
+    return f"{_MODEL_HELP} (presets: {', '.join(list_model_presets())})"
+
+
+def _hardware_help() -> str:
+    from dsauto.spec.presets import list_hardware_presets
+
+    return f"hardware preset name ({', '.join(list_hardware_presets())}) or a cluster YAML"
+
+
 def _option_type(hint: Any) -> tuple[Callable[[str], Any], tuple[Any, ...] | None]:
     """How an option reads a field of type ``hint``: its argparse ``type`` and ``choices``."""
     if typing.get_origin(hint) is typing.Literal:
@@ -155,9 +167,9 @@ def _add_search_args(p: argparse.ArgumentParser) -> None:
     from dsauto.search.space import Constraints
     from dsauto.spec.training import TrainSpec
 
-    p.add_argument("--model", default=None, help=f"{_MODEL_HELP} (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None, help=f"{_model_help()} (default: {DEFAULT_MODEL})")
     p.add_argument("--hardware", default=None,
-                   help=f"hardware preset name or a cluster YAML (default: {DEFAULT_HARDWARE}, or the one dsauto's "
+                   help=f"{_hardware_help()} (default: {DEFAULT_HARDWARE}, or the one dsauto's "
                         f"own --megatron-args file was planned on)")
     p.add_argument("--nodes", type=_positive_int, default=None, help="number of nodes (default: 1)")
     p.add_argument("--gpus-per-node", type=_positive_int, default=None,
@@ -242,7 +254,7 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
     from dsauto.plan import Engine
     from dsauto.spec.training import Dtype
 
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"{_MODEL_HELP} (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"{_model_help()} (default: {DEFAULT_MODEL})")
     p.add_argument("--hardware", default=None,
                    help="hardware preset or cluster YAML, for its default dtype (default: cpu, or h100-80gb on CUDA)")
     p.add_argument("--dtype", choices=typing.get_args(Dtype), default=None,

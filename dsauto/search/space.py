@@ -104,7 +104,9 @@ class Constraints:
     pp: int | None = field(default=None, metadata={"flag": "--pp", "help": "pin the pipeline-parallel degree"})
     """Pipeline-parallel degree."""
     zero_stage: int | None = field(default=None, metadata={"flag": "--zero-stage", "choices": (0, 1, 2, 3),
-                                                           "help": "pin the ZeRO stage"})
+                                                           "help": "pin the ZeRO stage (DeepSpeed's; on Megatron-core 1 is "
+                                                                   "its distributed optimizer, 2 and 3 Megatron-FSDP's "
+                                                                   "optim_grads and optim_grads_params)"})
     """ZeRO stage."""
     micro_batch: int | None = field(default=None, metadata={"flag": "--micro-batch",
                                                             "help": "pin the micro-batch size"})
