@@ -122,6 +122,8 @@ def make_problem(
     attention_softmax_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
     expert_load_balanced: bool | None = None,
+    expert_capacity_factor: float | None = None,
+    expert_pad_to_capacity: bool | None = None,
     fp8: bool | None = None,
     fp8_recipe: Fp8Recipe | None = None,
     fp8_param_gather: bool | None = None,
@@ -193,6 +195,10 @@ def make_problem(
         expert_load_balanced: True prices a mixture of experts' routing forced to balance
             (Megatron-core's ``--moe-router-force-load-balancing``, a benchmarking option that changes
             what the model learns); None: off, the busiest expert-parallel rank carrying 1.1x the mean.
+        expert_capacity_factor: each expert takes at most this times its mean share of a rank's routed
+            tokens and drops the rest (Megatron-core's ``--moe-expert-capacity-factor``); None: dropless.
+        expert_pad_to_capacity: True fills every expert to its capacity (Megatron-core's
+            ``--moe-pad-expert-input-to-capacity``); needs ``expert_capacity_factor``.
         fp8: True trains the transformer layers' linear layers in FP8 (Megatron-core's
             ``--fp8-format hybrid`` through Transformer Engine; bf16 or fp16 Megatron-core plans on
             devices with an ``fp8`` peak, H100 and H200); None: off.
@@ -249,7 +255,9 @@ def make_problem(
                        tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                        precision_aware_optimizer=precision_aware_optimizer,
                        attention_softmax_in_fp32=attention_softmax_in_fp32,
-                       expert_dispatcher=expert_dispatcher, expert_load_balanced=expert_load_balanced, fp8=fp8,
+                       expert_dispatcher=expert_dispatcher, expert_load_balanced=expert_load_balanced,
+                       expert_capacity_factor=expert_capacity_factor, expert_pad_to_capacity=expert_pad_to_capacity,
+                       fp8=fp8,
                        fp8_recipe=fp8_recipe, fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
                        expert_a2a_overlap=expert_a2a_overlap,
                        stage_layers=stage_layers if stage_layers is None or isinstance(stage_layers, str)
@@ -264,6 +272,10 @@ def make_problem(
     if cp_comm_type not in (None, "p2p") and cp == 1:
         raise DsautoError(f"--cp-comm-type {cp_comm_type} exchanges the shards of context parallelism, and --cp 1 "
                           f"has none; pin --cp 2 or more, or leave out --cp-comm-type.")
+    if expert_pad_to_capacity and expert_capacity_factor is None:
+        raise DsautoError("--moe-pad-expert-input-to-capacity fills the experts to their capacity, and no "
+                          "--moe-expert-capacity-factor sets one; add it or leave out "
+                          "--moe-pad-expert-input-to-capacity.")
     if fp8_param_gather and not fp8:
         raise DsautoError("--fp8-param-gather keeps the weights in FP8, and FP8 is off; add --fp8 or leave out "
                           "--fp8-param-gather.")
@@ -396,6 +408,8 @@ def make_plan(
     attention_softmax_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
     expert_load_balanced: bool | None = None,
+    expert_capacity_factor: float | None = None,
+    expert_pad_to_capacity: bool | None = None,
     fp8: bool | None = None,
     fp8_recipe: Fp8Recipe | None = None,
     fp8_param_gather: bool | None = None,
@@ -421,7 +435,8 @@ def make_plan(
                            tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                            precision_aware_optimizer=precision_aware_optimizer,
                            attention_softmax_in_fp32=attention_softmax_in_fp32, expert_dispatcher=expert_dispatcher,
-                           expert_load_balanced=expert_load_balanced, fp8=fp8, fp8_recipe=fp8_recipe,
+                           expert_load_balanced=expert_load_balanced, expert_capacity_factor=expert_capacity_factor,
+                           expert_pad_to_capacity=expert_pad_to_capacity, fp8=fp8, fp8_recipe=fp8_recipe,
                            fp8_param_gather=fp8_param_gather, cp_comm_type=cp_comm_type,
                            expert_a2a_overlap=expert_a2a_overlap, stage_layers=stage_layers,
                            recompute_num_layers=recompute_num_layers, hf_trainer=hf_trainer)

@@ -94,7 +94,8 @@ def describe_plan(plan: Plan) -> str:
         dims = plan.dims
         lines.append(f"  experts     {plan.model.num_experts} per MoE layer, top-{plan.model.moe_top_k}: ep {dims.ep} x "
                      f"etp {dims.etp} over the {dims.stage_ranks} ranks of a stage, expert data parallel "
-                     f"{dims.expert_dp}{', routing forced to balance' if plan.expert_load_balanced else ''}; "
+                     f"{dims.expert_dp}{', routing forced to balance' if plan.expert_load_balanced else ''}"
+                     f"{_capacity_text(plan)}; "
                      f"{'DeepEP dispatch' if plan.expert_dispatcher == 'deepep' else 'all-to-all'} "
                      f"{format_seconds(pred.expert_all_to_all_seconds)} per step ("
                      f"{'beside another micro-batch, overlapped' if plan.expert_a2a_overlap else 'in compute'})")
@@ -196,6 +197,14 @@ def _relative(predicted: float, measured: float) -> str:
 def _mtp_layers(plan: Plan) -> int:
     """The multi-token-prediction layers the plan trains: Megatron-core's, beside its head."""
     return plan.model.mtp_layers if plan.engine == "megatron" else 0
+
+
+def _capacity_text(plan: Plan) -> str:
+    """A plan's token dropping: the experts' capacity factor, and whether they are filled to it."""
+    if plan.expert_capacity_factor is None:
+        return ""
+    filled = ", each filled to it" if plan.expert_pad_to_capacity else ", the rest dropped"
+    return f", capacity {plan.expert_capacity_factor:g}x an expert's mean tokens{filled}"
 
 
 def mfu_basis(plan: Plan) -> str:

@@ -492,6 +492,13 @@ class Plan:
     """Megatron-core's ``--moe-router-force-load-balancing``: the routers spread the tokens evenly over
     the experts (a benchmarking option, only when pinned); only in a Megatron-core plan of a mixture of
     experts."""
+    expert_capacity_factor: float | None = None
+    """Megatron-core's ``--moe-expert-capacity-factor``: each expert takes at most this times its mean
+    share of a rank's routed tokens and drops the rest (only when pinned); None: dropless. Only in a
+    Megatron-core plan of a mixture of experts."""
+    expert_pad_to_capacity: bool = False
+    """Megatron-core's ``--moe-pad-expert-input-to-capacity``: every expert takes exactly its capacity;
+    only with ``expert_capacity_factor``, and not under DeepEP's dispatcher."""
     attention_softmax_in_fp32: bool = True
     """Megatron-core's unfused attention in 16 bits: the softmax on an fp32 copy of the scores, its fp32
     output kept (TransformerConfig's default, dsauto's plugin); False: in 16 bits (Megatron-LM's
@@ -549,6 +556,14 @@ class Plan:
         if self.expert_load_balanced and (self.engine != "megatron" or not self.model.moe):
             raise ValueError(f"expert_load_balanced needs a Megatron-core plan (not {self.engine}) of a mixture of "
                              f"experts ({self.model.name} has {self.model.num_experts} experts)")
+        if self.expert_capacity_factor is not None and (self.engine != "megatron" or not self.model.moe
+                                                        or not self.expert_capacity_factor > 0):
+            raise ValueError(f"expert_capacity_factor needs a Megatron-core plan (not {self.engine}) of a mixture of "
+                             f"experts ({self.model.name} has {self.model.num_experts} experts) and a factor above 0 "
+                             f"(not {self.expert_capacity_factor})")
+        if self.expert_pad_to_capacity and (self.expert_capacity_factor is None or self.expert_dispatcher == "deepep"):
+            raise ValueError(f"expert_pad_to_capacity needs expert_capacity_factor (not {self.expert_capacity_factor}) "
+                             f"and a dispatcher other than deepep (not {self.expert_dispatcher})")
         if self.expert_dispatcher == "deepep" and (self.engine != "megatron" or not self.model.moe):
             raise ValueError(f"expert_dispatcher deepep needs a Megatron-core plan (not {self.engine}) of a "
                              f"mixture of experts ({self.model.name} has {self.model.num_experts} experts)")

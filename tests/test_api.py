@@ -49,15 +49,17 @@ SAMPLES = {"global_batch": 16, "seq_len": 64, "dtype": "fp16", "flash_attention"
            "grad_reduce_in_fp32": False, "expert_dispatcher": "deepep", "fp8": True, "fp8_recipe": "tensorwise",
            "fp8_param_gather": True, "cp_comm_type": "all_gather", "expert_a2a_overlap": True,
            "stage_layers": "even", "recompute_num_layers": 2, "expert_load_balanced": True,
-           "precision_aware_optimizer": "bf16", "attention_softmax_in_fp32": False, "hf_trainer": True}
+           "precision_aware_optimizer": "bf16", "attention_softmax_in_fp32": False, "hf_trainer": True,
+           "expert_capacity_factor": 1.25, "expert_pad_to_capacity": True}
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_each_keyword_reaches_its_field(name):
     assert set(SAMPLES) == {f.name for f in dataclasses.fields(TrainSpec) + dataclasses.fields(Constraints)}
-    # FP8 needs a device with an FP8 peak, and its recipe needs FP8 on
+    # FP8 needs a device with an FP8 peak, and its recipe needs FP8 on; filling experts to capacity a capacity
     extra = {"hardware": "h100-80gb"} if name == "fp8" else {"hardware": "h100-80gb", "fp8": True} \
-        if name in ("fp8_recipe", "fp8_param_gather") else {}
+        if name in ("fp8_recipe", "fp8_param_gather") else {"expert_capacity_factor": 1.0} \
+        if name == "expert_pad_to_capacity" else {}
     problem = make_problem(**{name: SAMPLES[name]}, **extra)
     spec = problem.train if name in {f.name for f in dataclasses.fields(TrainSpec)} else problem.pins
     assert getattr(spec, name) == SAMPLES[name]

@@ -171,13 +171,17 @@ def option_cases(cls, field):
         return [([flag, "2"], 2)]
     if hint is str or str in typing.get_args(hint):  # --recompute-modules: a comma-separated list
         return [([flag, "core_attn,mlp"], "core_attn,mlp")]
+    if hint is float or float in typing.get_args(hint):  # --moe-expert-capacity-factor
+        return [([flag, "1.25"], 1.25)]
     raise AssertionError(f"add a sample value of {cls.__name__}.{field.name} ({hint}) to this test")
 
 
 FIELDS = [(cls, f) for cls in (TrainSpec, Constraints) for f in dataclasses.fields(cls)]
 NEEDS = {"fp8": ["--hardware", "h100-80gb"], "fp8_recipe": ["--hardware", "h100-80gb", "--fp8"],
-         "fp8_param_gather": ["--hardware", "h100-80gb", "--fp8"]}
-"""What an option needs beside it: FP8 a device with an FP8 peak, its recipe and FP8 weights FP8 on."""
+         "fp8_param_gather": ["--hardware", "h100-80gb", "--fp8"],
+         "expert_pad_to_capacity": ["--moe-expert-capacity-factor", "1.0"]}
+"""What an option needs beside it: FP8 a device with an FP8 peak, its recipe and FP8 weights FP8 on,
+filling the experts to capacity a capacity."""
 
 
 @pytest.mark.parametrize("cls, field", FIELDS, ids=[f"{c.__name__}.{f.name}" for c, f in FIELDS])

@@ -181,6 +181,8 @@ class CostModel:
             if strategy.dist_opt_instances > 1 else None,
             recompute_early_stop=strategy.recompute_early_stop,
             expert_load_balanced=strategy.expert_load_balanced,
+            expert_capacity_factor=strategy.expert_capacity_factor,
+            expert_pad_to_capacity=strategy.expert_pad_to_capacity,
             experts_gathered_whole=strategy.experts_gathered_whole,
             expert_dispatcher=strategy.expert_dispatcher,
             # Only under sequence parallelism (megatron/training/arguments.py, validate_args asserts it).

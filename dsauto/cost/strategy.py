@@ -90,6 +90,16 @@ class Strategy:
     expert-parallel rank carries the mean load (:func:`dsauto.cost.terms.expert_load_factor`).
     It changes what the model learns: plans dsauto emits never set it; it prices published
     benchmarks that did (NVIDIA's Megatron-Bridge MoE tables)."""
+    expert_capacity_factor: float | None = None
+    """Megatron-core's ``--moe-expert-capacity-factor``: each expert takes at most this times its mean
+    share of a rank's routed copies (``ceil(tokens x top-k / experts x factor)``, moe_utils.py
+    ``get_capacity``) and the router drops the rest (``apply_router_token_dropping``); None: dropless.
+    The busiest expert-parallel rank then carries at most the factor times the mean
+    (:func:`dsauto.cost.terms.expert_load_factor`)."""
+    expert_pad_to_capacity: bool = False
+    """Megatron-core's ``--moe-pad-expert-input-to-capacity``: every expert takes exactly its capacity,
+    the highest-scored tokens up to it whether they chose the expert or not (``apply_router_token_dropping``
+    with ``pad_to_capacity``), so every rank carries the factor times the mean."""
     attention_softmax_in_fp32: bool = True
     """Megatron-core's unfused attention (TrainSpec.flash_attention False) in 16 bits computes its
     softmax on an fp32 copy of the scores and keeps the fp32 output for backward (TransformerConfig's

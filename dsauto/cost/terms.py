@@ -66,12 +66,20 @@ def expert_load_factor(ctx: LayerContext) -> float:
     (every rank holds every expert and runs the top-k copies of its own tokens, however they
     route); DeepSpeed-MoE's capacity factor under DeepSpeed (its gate gives each expert a buffer of
     that factor times the mean, every slot computed: MOE_CAPACITY_FACTOR); otherwise Megatron-core's
-    dropless routing, :data:`EXPERT_LOAD_IMBALANCE`, or 1 where the routing is forced to balance."""
+    dropless routing, :data:`EXPERT_LOAD_IMBALANCE`, or 1 where the routing is forced to balance. With
+    Megatron-core's capacity factor an expert takes at most that factor times its mean share, so the
+    busiest rank carries the lesser of the two; filled to capacity, every expert takes exactly it
+    (``apply_router_token_dropping``), the factor, on every rank and without expert parallelism too.
+    (A capacity beyond a rank's tokens, a factor over experts / top-k, caps it at those tokens; no
+    plan pads that far.)"""
+    if ctx.engine == "megatron" and ctx.expert_capacity_factor is not None and ctx.expert_pad_to_capacity:
+        return ctx.expert_capacity_factor
     if ctx.ep == 1:
         return 1.0
     if ctx.engine == "deepspeed":
         return MOE_CAPACITY_FACTOR
-    return 1.0 if ctx.expert_load_balanced else EXPERT_LOAD_IMBALANCE
+    dropless = 1.0 if ctx.expert_load_balanced else EXPERT_LOAD_IMBALANCE
+    return dropless if ctx.expert_capacity_factor is None else min(dropless, ctx.expert_capacity_factor)
 
 
 @dataclass(frozen=True)
@@ -227,6 +235,10 @@ class LayerContext:
     """The MoE token dispatcher (:attr:`dsauto.cost.strategy.Strategy.expert_dispatcher`)."""
     expert_load_balanced: bool = False
     """Routing forced to balance (:attr:`dsauto.cost.strategy.Strategy.expert_load_balanced`)."""
+    expert_capacity_factor: float | None = None
+    """Experts' token capacity (:attr:`dsauto.cost.strategy.Strategy.expert_capacity_factor`)."""
+    expert_pad_to_capacity: bool = False
+    """Experts filled to their capacity (:attr:`dsauto.cost.strategy.Strategy.expert_pad_to_capacity`)."""
     experts_gathered_whole: bool = False
     """ZeRO-3 gathers an MoE layer's experts as one unit
     (:attr:`dsauto.cost.strategy.Strategy.experts_gathered_whole`)."""

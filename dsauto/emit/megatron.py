@@ -150,6 +150,10 @@ def _model_shape(plan: Plan) -> list[str]:
     lines += _experts(model, plan.expert_dispatcher)
     if plan.expert_load_balanced:
         lines.append("--moe-router-force-load-balancing")  # a benchmarking option, emitted only when pinned
+    if plan.expert_capacity_factor is not None:  # token dropping, emitted only when pinned
+        lines.append(f"--moe-expert-capacity-factor {plan.expert_capacity_factor:g}")
+        if plan.expert_pad_to_capacity:
+            lines.append("--moe-pad-expert-input-to-capacity")
     if not model.tied_embeddings:
         lines.append("--untie-embeddings-and-output-weights")
     if model.mtp_layers:  # on the last pipeline stage (mtp_on_this_rank), at Megatron's loss scale 0.1

@@ -55,6 +55,7 @@ VALUED = {
     "--window-attn-skip-freq", "--glu-linear-offset", "--activation-func-clamp-value", "--softmax-type",
     "--moe-router-topk-scaling-factor", "--moe-router-num-groups", "--moe-router-group-topk",
     "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--mtp-num-layers",
+    "--moe-expert-capacity-factor",
 }
 """Flags read here that take a value (``--recompute-modules`` takes several)."""
 
@@ -69,6 +70,7 @@ SWITCHES = {
     "--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--use-rotary-position-embeddings",
     "--moe-router-pre-softmax", "--moe-layer-recompute", "--moe-enable-deepep",
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+    "--moe-pad-expert-input-to-capacity",
     "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-masked-softmax-fusion",
 }
 """Flags read here that take no value."""
@@ -926,6 +928,19 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     pins["expert_a2a_overlap"] = "--overlap-moe-expert-parallel-comm" in flags
     if "--moe-router-force-load-balancing" in flags:
         pins["expert_load_balanced"] = True
+    # Megatron-core reads a negative capacity factor as none (TransformerConfig.__post_init__), and pads
+    # only with a factor (its router's apply_router_token_dropping runs only then)
+    factor = _float(flags, "--moe-expert-capacity-factor", where, -1.0)
+    if factor == 0:
+        raise DsautoError(f"{where} gives --moe-expert-capacity-factor 0, which drops every token; give a factor "
+                          f"above 0, or leave it out for dropless routing.")
+    if factor > 0:
+        pins["expert_capacity_factor"] = factor
+        if "--moe-pad-expert-input-to-capacity" in flags:
+            pins["expert_pad_to_capacity"] = True
+    elif "--moe-pad-expert-input-to-capacity" in flags:
+        launch.notes.append(f"{where} sets --moe-pad-expert-input-to-capacity without a capacity factor, where "
+                            f"Megatron-core routes dropless and pads nothing: priced dropless.")
     dispatcher = flags.get("--moe-token-dispatcher-type", "allgather" if experts else "alltoall")
     if "--moe-enable-deepep" in flags and (dispatcher != "flex" or flags.get("--moe-flex-dispatcher-backend",
                                                                              "deepep") != "deepep"):

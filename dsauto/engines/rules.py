@@ -570,6 +570,18 @@ def force_load_balancing_refusal(engine: Engine, moe: bool) -> str | None:
     return None
 
 
+def expert_capacity_refusal(engine: Engine, moe: bool) -> str | None:
+    """Why experts cannot drop tokens beyond a capacity as dsauto prices it, or None: Megatron-core's
+    ``--moe-expert-capacity-factor`` (its router's ``apply_router_token_dropping``; TransformerConfig
+    refuses ``--moe-pad-expert-input-to-capacity`` under the flex dispatcher's DeepEP backend, which
+    the pins' check says); DeepSpeed-MoE's own capacity is its gate's, not this option."""
+    if not moe:
+        return "an expert capacity applies to a mixture of experts, and the model has no experts"
+    if engine != "megatron":
+        return "the expert capacity factor is Megatron-core's router option; plan with --engine megatron"
+    return None
+
+
 def precision_aware_refusal(engine: Engine, dtype: Dtype, zero_stage: int | None, offload: str | None) -> str | None:
     """Why Megatron-core's precision-aware optimizer (``--use-precision-aware-optimizer`` with the
     moments' dtype) cannot run as dsauto prices it, or None. Megatron-core builds it only with the

@@ -140,6 +140,8 @@ def strategy_of(plan: Plan) -> Strategy:
                     fp8=plan.fp8, fp8_recipe=plan.fp8_recipe, fp8_param_gather=plan.fp8_param_gather,
                     cp_comm_type=plan.cp_comm_type, expert_a2a_overlap=plan.expert_a2a_overlap,
                     expert_load_balanced=plan.expert_load_balanced,
+                    expert_capacity_factor=plan.expert_capacity_factor,
+                    expert_pad_to_capacity=plan.expert_pad_to_capacity,
                     experts_gathered_whole=plan.experts_gathered_whole,
                     precision_aware_optimizer=plan.precision_aware_optimizer,
                     attention_softmax_in_fp32=plan.attention_softmax_in_fp32)

@@ -255,6 +255,13 @@ def apply(plan: Plan, config: TransformerConfig) -> TransformerConfig:
         _report("The config forces the routing to balance (moe_router_force_load_balancing) and the plan was "
                 "priced with the router's own balance; dsauto keeps it on, so the step may be faster than "
                 "predicted (re-plan with --moe-router-force-load-balancing to price it).")
+    if plan.expert_capacity_factor is not None:
+        fields.update(moe_expert_capacity_factor=plan.expert_capacity_factor,
+                      moe_pad_expert_input_to_capacity=plan.expert_pad_to_capacity)
+    elif plan.model.moe and config.moe_expert_capacity_factor is not None:
+        _report(f"The config drops tokens beyond {config.moe_expert_capacity_factor:g}x an expert's mean share "
+                f"(moe_expert_capacity_factor) and the plan was priced dropless; dsauto keeps it, so the experts' "
+                f"load may differ from the prediction (re-plan with --moe-expert-capacity-factor to price it).")
     if plan.cp > 1:
         # Transformer Engine's context parallelism (its attention only); None is its ring, p2p.
         if config.cp_comm_type not in (None, plan.cp_comm_type):

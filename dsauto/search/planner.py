@@ -1073,6 +1073,8 @@ class Planner:
             fp8_recipe=strategy.fp8_recipe, fp8_param_gather=strategy.fp8_param_gather,
             cp_comm_type=strategy.cp_comm_type, expert_a2a_overlap=strategy.expert_a2a_overlap,
             expert_load_balanced=strategy.expert_load_balanced,
+            expert_capacity_factor=strategy.expert_capacity_factor,
+            expert_pad_to_capacity=strategy.expert_pad_to_capacity,
             experts_gathered_whole=strategy.experts_gathered_whole,
             precision_aware_optimizer=strategy.precision_aware_optimizer,
             attention_softmax_in_fp32=strategy.attention_softmax_in_fp32 or not (

@@ -23,6 +23,7 @@ from dsauto.engines.rules import (
     expert_a2a_overlap_refusal,
     expert_dispatcher_refusal,
     force_load_balancing_refusal,
+    expert_capacity_refusal,
     mtp_pipeline_refusal,
     grad_reduce_refusal,
     precision_aware_refusal,
@@ -82,6 +83,9 @@ def _pin_expectation(f: dataclasses.Field, value: object) -> str:
     if kinds == [int]:
         whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
         return "" if whole and value >= 1 else "a whole number from 1"
+    if kinds == [float]:
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        return "" if number and value > 0 else "a number above 0"
     return "" if isinstance(value, str) else "a string"
 
 
@@ -219,6 +223,21 @@ class Constraints:
                 "experts; default: off, the busiest rank carrying 1.1x the mean)"})
     """True: routing forced to balance (:attr:`dsauto.cost.strategy.Strategy.expert_load_balanced`); None:
     the router's own balance (never chosen by the search: it changes what the model learns)."""
+    expert_capacity_factor: float | None = field(default=None, metadata={
+        "flag": "--moe-expert-capacity-factor",
+        "help": "price token dropping: each expert takes at most this times its mean share of a rank's routed "
+                "tokens and drops the rest (Megatron-core's --moe-expert-capacity-factor), so the busiest "
+                "expert-parallel rank carries at most that times the mean (Megatron-core plans of mixtures of "
+                "experts; default: dropless)"})
+    """Megatron-core's expert capacity (:attr:`dsauto.cost.strategy.Strategy.expert_capacity_factor`); None:
+    dropless (never chosen by the search: dropping tokens changes what the model learns)."""
+    expert_pad_to_capacity: bool | None = field(default=None, metadata={
+        "flag": "--moe-pad-expert-input-to-capacity", "const": True,
+        "help": "with --moe-expert-capacity-factor, fill every expert to its capacity (Megatron-core's "
+                "--moe-pad-expert-input-to-capacity), so every rank carries that factor times the mean "
+                "(default: off)"})
+    """True: every expert takes exactly its capacity
+    (:attr:`dsauto.cost.strategy.Strategy.expert_pad_to_capacity`); needs ``expert_capacity_factor``."""
     fp8: bool | None = field(default=None, metadata={
         "flag": "--fp8", "const": True,
         "help": "train the transformer layers' linear layers in FP8 (Megatron-core's --fp8-format hybrid "
@@ -406,6 +425,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                tp_comm_overlap=bool(pins.tp_comm_overlap),
                                expert_dispatcher=pins.expert_dispatcher or "alltoall",
                                expert_load_balanced=bool(pins.expert_load_balanced),
+                               expert_capacity_factor=pins.expert_capacity_factor,
+                               expert_pad_to_capacity=bool(pins.expert_pad_to_capacity),
                                # a transformers model's experts (Strategy.experts_gathered_whole)
                                experts_gathered_whole=bool(pins.hf_trainer and model.moe),
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
@@ -519,6 +540,12 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--moe-dispatcher deepep"] = why, "leave it out"
     if pins.expert_load_balanced and (why := force_load_balancing_refusal(engine, model.moe)):
         out["--moe-router-force-load-balancing"] = why, "leave it out"
+    if pins.expert_capacity_factor is not None and (why := expert_capacity_refusal(engine, model.moe)):
+        out[f"--moe-expert-capacity-factor {pins.expert_capacity_factor:g}"] = why, "leave it out"
+    elif pins.expert_pad_to_capacity and pins.expert_dispatcher == "deepep":
+        out["--moe-pad-expert-input-to-capacity"] = (
+            "Megatron-core refuses filling the experts to capacity under DeepEP's dispatcher",
+            "leave it out, or dispatch with alltoall")
     if pins.fp8 and (why := fp8_refusal(engine, train.dtype, model)):
         out["--fp8"] = why, "leave it out"
     if pins.expert_a2a_overlap and (why := expert_a2a_overlap_refusal(

@@ -76,7 +76,8 @@ def run(job: dict, spec: dict) -> dict:
                and name.endswith("linear_fc1.weight"))
     parallel_state.destroy_model_parallel()
     dispatcher = type(gpt.decoder.layers[0].mlp.token_dispatcher).__name__
-    return {"losses": losses, "experts_per_rank": held, "moe_layer_recompute": recomputed, "dispatcher": dispatcher}
+    return {"losses": losses, "experts_per_rank": held, "moe_layer_recompute": recomputed, "dispatcher": dispatcher,
+            "capacity": [config.moe_expert_capacity_factor, config.moe_pad_expert_input_to_capacity]}
 
 
 def main() -> None:
