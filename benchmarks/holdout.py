@@ -48,6 +48,7 @@ from fidelity import GENEROUS_BYTES, configuration_label  # noqa: E402
 
 RUNS = ROOT / "holdout_runs.yaml"
 MODELS = ROOT / "holdout_models"
+CONFIGS = ROOT / "hf_configs"
 RESULTS = ROOT / "results" / "holdout.md"
 
 
@@ -71,7 +72,8 @@ class Priced:
 def command(record: dict) -> list[str]:
     """The ``dsauto plan`` arguments of a record: its model, GPU and node count, and its pins."""
     model = record["model"]
-    path = MODELS / model
+    # a model the fidelity benchmark also prices (benchmarks/hf_configs/) is read from there
+    path = MODELS / model if (MODELS / model).exists() or not (CONFIGS / model).exists() else CONFIGS / model
     return ["plan", "--model", str(path) if path.suffix == ".json" else model, "--hardware", record["hardware"],
             "--nodes", str(record["gpus"] // record["gpus_per_node"]), "--gpus-per-node",
             str(record["gpus_per_node"]), *shlex.split(record["options"])]
@@ -129,7 +131,7 @@ def report(priced: Sequence[Priced], seconds: float) -> str:
         "",
         f"Command: `python benchmarks/holdout.py` ({seconds:.0f} s on two cores). Data: benchmarks/holdout_runs.yaml "
         "(every number as published, with its source; derived step times carry their formula). Models that are not "
-        "presets: benchmarks/holdout_models/.",
+        "presets: benchmarks/holdout_models/ (and benchmarks/hf_configs/ for those benchmarks/fidelity.py prices too).",
         "",
         f"`holdout_median_error={median:.1%} holdout_max_error={worst:.1%} runs={runs}`",
         "",
