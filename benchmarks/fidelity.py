@@ -61,7 +61,7 @@ from dsauto.parallel import ParallelDims, divisors  # noqa: E402
 from dsauto.plan import AttentionKernel, Plan  # noqa: E402
 from dsauto.refine.space import options_of, strategy_of  # noqa: E402
 from dsauto.search.planner import Planner  # noqa: E402
-from dsauto.search.space import EVEN_STAGES, Constraints  # noqa: E402
+from dsauto.search.space import ACCOUNTED_STAGES, EVEN_STAGES, Constraints, accounted_stage_layers  # noqa: E402
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec  # noqa: E402
 from dsauto.spec.hf import model_from_hf_config  # noqa: E402
 from dsauto.spec.loaders import load_hardware  # noqa: E402
@@ -571,7 +571,7 @@ def configure(record: dict) -> PublishedRun | str:
                        fp8_param_gather=True if fp8 and source.key == "mbridge" else None,
                        cp_comm_type=source.cp_comm_type if cp > 1 else None,
                        expert_a2a_overlap=True if p.get("moe_a2a_overlap") else None,
-                       stage_layers=EVEN_STAGES if _even_split(source, model.num_layers, pp, vpp) else None)
+                       stage_layers=_stage_layers(p, source, model.num_layers, pp, vpp))
     train = TrainSpec(global_batch=p["global_batch"], seq_len=seq, dtype=source.dtype,
                       flash_attention=source.flash_attention)
     published = _published(record, model, source)
@@ -580,6 +580,15 @@ def configure(record: dict) -> PublishedRun | str:
     seconds, figure = published
     return PublishedRun(rid, source, record["hardware"], record["gpus"], model, m.get("name") or rid, train, pins,
                         seconds, figure, tuple(notes), fp32_reduce, early_stop, kernel, record.get("inter_node_gbps"))
+
+
+def _stage_layers(p: dict, source: Source, num_layers: int, pp: int, vpp: int | None) -> str | None:
+    """The --stage-layers pin of a run: the split its recipe states (``pipeline_split``: Megatron-core's
+    even split counting the embedding and the loss as layers, :data:`ACCOUNTED_STAGES`), else the even
+    split where :func:`_even_split` says so, else None (the planner's layout)."""
+    if (split := p.get("pipeline_split")) in ACCOUNTED_STAGES:
+        return accounted_stage_layers(split, num_layers, pp, vpp)
+    return EVEN_STAGES if _even_split(source, num_layers, pp, vpp) else None
 
 
 def _even_split(source: Source, num_layers: int, pp: int, vpp: int | None) -> bool:

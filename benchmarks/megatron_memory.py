@@ -99,6 +99,9 @@ class Case:
     (fused with the experts' weighting, as on a GPU)."""
     shared_expert: int = 0
     """Width of a shared expert beside the routed ones (Megatron-core's SharedExpertMLP); 0: none."""
+    capacity: float = 0.0
+    """Above 0: every expert filled to this times its mean share of a rank's tokens (Megatron-core's
+    --moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity); 0: dropless."""
 
     def label(self) -> str:
         degrees = f"tp{self.tp}" if self.tp > 1 else f"pp{self.pp}" if self.pp > 1 else f"dp{self.dp}"
@@ -123,6 +126,8 @@ class Case:
             extra += f" {self.mlp}"
         if self.shared_expert:
             extra += " shared"
+        if self.capacity:
+            extra += f" capacity{self.capacity:g}-padded"
         return f"{degrees}{zero}{extra} {recompute}"
 
     def stage_layers(self, num_layers: int) -> list[int]:
@@ -151,7 +156,7 @@ CASES = tuple(Case(**dims, recompute=recompute)
     Case(**dims, mtp_layers=1, tied=False) for dims in ({"pp": 2}, {"tp": 2}, {"pp": 2, "recompute": True})) + tuple(
     Case(dp=2, zero_stage=1, ep=2, recompute_modules=modules) for modules in ((), ("moe",))) + (
     Case(dp=2, zero_stage=1, ep=2, recompute=True), Case(dp=2, zero_stage=1, ep=2, mlp="geglu"),
-    Case(dp=2, zero_stage=1, ep=2, mlp="swiglu", shared_expert=512)) + tuple(
+    Case(dp=2, zero_stage=1, ep=2, mlp="swiglu", shared_expert=512), Case(dp=2, zero_stage=1, ep=2, capacity=1.0)) + tuple(
     Case(dp=2, zero_stage=1, mlp="geglu", recompute_modules=modules) for modules in ((), ("mlp",)))
 """TP 2, PP 2, DP 2 with and without the distributed optimizer, each with and without recomputation;
 the DP plans again with bf16 gradients (recomputed, their optimizer update is the peak); and PP 2
@@ -218,7 +223,8 @@ def build_plan(case: Case, profile=None):
     strategy = Strategy(dims=ParallelDims(dp=case.dp, tp=case.tp, pp=case.pp, ep=case.ep), zero_stage=case.zero_stage,
                         micro_batch=case.micro_batch, grad_accum=case.micro_batches // case.dp,
                         sequence_parallel=False, engine="megatron", grad_reduce_in_fp32=case.grad_reduce_in_fp32,
-                        virtual_stages=case.virtual_stages, recompute_modules=case.recompute_modules)
+                        virtual_stages=case.virtual_stages, recompute_modules=case.recompute_modules,
+                        expert_capacity_factor=case.capacity or None, expert_pad_to_capacity=bool(case.capacity))
     options = [LayerOption(checkpoint=case.checkpointed(layer, model.num_layers), shard_params=False, split=1,
                            recompute_modules=case.recompute_modules if 1 <= layer <= model.num_layers else ())
                for layer in range(model.num_layers + 2)]
