@@ -156,7 +156,8 @@ CASES = tuple(Case(**dims, recompute=recompute)
     Case(**dims, mtp_layers=1, tied=False) for dims in ({"pp": 2}, {"tp": 2}, {"pp": 2, "recompute": True})) + tuple(
     Case(dp=2, zero_stage=1, ep=2, recompute_modules=modules) for modules in ((), ("moe",))) + (
     Case(dp=2, zero_stage=1, ep=2, recompute=True), Case(dp=2, zero_stage=1, ep=2, mlp="geglu"),
-    Case(dp=2, zero_stage=1, ep=2, mlp="swiglu", shared_expert=512), Case(dp=2, zero_stage=1, ep=2, capacity=1.0)) + tuple(
+    Case(dp=2, zero_stage=1, ep=2, mlp="swiglu", shared_expert=512),
+    Case(dp=2, zero_stage=1, ep=2, capacity=1.0)) + tuple(
     Case(dp=2, zero_stage=1, mlp="geglu", recompute_modules=modules) for modules in ((), ("mlp",)))
 """TP 2, PP 2, DP 2 with and without the distributed optimizer, each with and without recomputation;
 the DP plans again with bf16 gradients (recomputed, their optimizer update is the peak); and PP 2

@@ -247,6 +247,7 @@ def make_problem(
             str(exc).split(" ")[0], "--global-batch")
         raise DsautoError(f"The workload is not one dsauto plans: {exc}; change {option}.") from None
     if isinstance(stage_layers, str) and stage_layers.strip().lower() in ACCOUNTED_STAGES:
+        vpp = vpp or 1  # Megatron-core splits so only the chunks it is given: none beyond one a rank unless pinned
         stage_layers = accounted_stage_layers(stage_layers.strip().lower(), model_spec.num_layers, pp, vpp)
     pins = Constraints(tp=tp, pp=pp, zero_stage=zero_stage, micro_batch=micro_batch, checkpoint=checkpoint,
                        sequence_parallel=sequence_parallel, cp=cp, vpp=vpp, engine=engine, ep=ep, etp=etp,
@@ -272,6 +273,12 @@ def make_problem(
     if cp_comm_type not in (None, "p2p") and cp == 1:
         raise DsautoError(f"--cp-comm-type {cp_comm_type} exchanges the shards of context parallelism, and --cp 1 "
                           f"has none; pin --cp 2 or more, or leave out --cp-comm-type.")
+    if (expert_pad_to_capacity and expert_capacity_factor is not None and model_spec.moe
+            and expert_capacity_factor > model_spec.num_experts / model_spec.moe_top_k):
+        raise DsautoError(f"--moe-expert-capacity-factor {expert_capacity_factor:g} with "
+                          f"--moe-pad-expert-input-to-capacity fills each of the {model_spec.num_experts} experts past "
+                          f"all of a rank's tokens (a factor over experts / top-k = "
+                          f"{model_spec.num_experts / model_spec.moe_top_k:g}); give a factor of at most that.")
     if expert_pad_to_capacity and expert_capacity_factor is None:
         raise DsautoError("--moe-pad-expert-input-to-capacity fills the experts to their capacity, and no "
                           "--moe-expert-capacity-factor sets one; add it or leave out "

@@ -68,18 +68,17 @@ def expert_load_factor(ctx: LayerContext) -> float:
     that factor times the mean, every slot computed: MOE_CAPACITY_FACTOR); otherwise Megatron-core's
     dropless routing, :data:`EXPERT_LOAD_IMBALANCE`, or 1 where the routing is forced to balance. With
     Megatron-core's capacity factor an expert takes at most that factor times its mean share, so the
-    busiest rank carries the lesser of the two; filled to capacity, every expert takes exactly it
-    (``apply_router_token_dropping``), the factor, on every rank and without expert parallelism too.
-    (A capacity beyond a rank's tokens, a factor over experts / top-k, caps it at those tokens; no
-    plan pads that far.)"""
+    busiest rank carries the lesser of the two (of 1 and the factor without expert parallelism);
+    filled to capacity, every expert takes exactly it (``apply_router_token_dropping``), the factor,
+    on every rank and without expert parallelism too. (A capacity beyond a rank's tokens, a factor
+    over experts / top-k, would cap it at those tokens; dsauto.api refuses filling past them.)"""
     if ctx.engine == "megatron" and ctx.expert_capacity_factor is not None and ctx.expert_pad_to_capacity:
         return ctx.expert_capacity_factor
-    if ctx.ep == 1:
-        return 1.0
-    if ctx.engine == "deepspeed":
+    if ctx.engine == "deepspeed" and ctx.ep > 1:
         return MOE_CAPACITY_FACTOR
-    dropless = 1.0 if ctx.expert_load_balanced else EXPERT_LOAD_IMBALANCE
-    return dropless if ctx.expert_capacity_factor is None else min(dropless, ctx.expert_capacity_factor)
+    dropless = 1.0 if ctx.expert_load_balanced or ctx.ep == 1 else EXPERT_LOAD_IMBALANCE
+    capped = ctx.engine == "megatron" and ctx.expert_capacity_factor is not None
+    return min(dropless, ctx.expert_capacity_factor) if capped else dropless
 
 
 @dataclass(frozen=True)
@@ -450,9 +449,12 @@ def expert_gemm_seconds(group: LayerGroup, ctx: LayerContext) -> float:
     the widths, sets the efficiency (the device's size roofline). Short groups cost the grouped
     kernel more than that: 1 + (knee / tokens per expert)^2 times the time, the device's measured
     ``grouped_gemm_knee_tokens`` (H100: 1.2-1.3x at 512 tokens per expert, 1.6-2.0x at 256-272;
-    benchmarks/results/device_experts_h100-80gb.md)."""
+    benchmarks/results/device_experts_h100-80gb.md). Filled to capacity, every expert holds exactly
+    the capacity factor times that average."""
     tokens = ctx.tokens / ctx.tp
     per_expert = max(tokens * group.moe_top_k * ctx.ep * ctx.etp / group.num_experts, 1.0)
+    if ctx.engine == "megatron" and ctx.expert_capacity_factor is not None and ctx.expert_pad_to_capacity:
+        per_expert *= ctx.expert_capacity_factor
     dim = min(group.gemm_dim, group.expert_gemm_dim / ctx.etp, per_expert)
     flops = group.expert_matmul_flops_per_token * tokens * expert_load_factor(ctx)
     short_groups = 1.0 + (ctx.device.grouped_gemm_knee_tokens / per_expert) ** 2

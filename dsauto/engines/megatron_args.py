@@ -928,28 +928,29 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     pins["expert_a2a_overlap"] = "--overlap-moe-expert-parallel-comm" in flags
     if "--moe-router-force-load-balancing" in flags:
         pins["expert_load_balanced"] = True
-    # Megatron-core reads a negative capacity factor as none (TransformerConfig.__post_init__), and pads
-    # only with a factor (its router's apply_router_token_dropping runs only then)
+    # Megatron-core reads a negative capacity factor as none, and refuses padding without one
+    # (TransformerConfig.__post_init__); a dense model's launch ignores both.
     factor = _float(flags, "--moe-expert-capacity-factor", where, -1.0)
-    if factor == 0:
+    padded = "--moe-pad-expert-input-to-capacity" in flags
+    if experts and factor == 0:
         raise DsautoError(f"{where} gives --moe-expert-capacity-factor 0, which drops every token; give a factor "
                           f"above 0, or leave it out for dropless routing.")
-    if factor > 0:
-        pins["expert_capacity_factor"] = factor
-        if "--moe-pad-expert-input-to-capacity" in flags:
-            pins["expert_pad_to_capacity"] = True
-    elif "--moe-pad-expert-input-to-capacity" in flags:
-        launch.notes.append(f"{where} sets --moe-pad-expert-input-to-capacity without a capacity factor, where "
-                            f"Megatron-core routes dropless and pads nothing: priced dropless.")
+    if experts and padded and factor < 0:
+        raise DsautoError(f"{where} sets --moe-pad-expert-input-to-capacity without a positive "
+                          f"--moe-expert-capacity-factor, which Megatron-core refuses; add a factor, or drop the flag.")
+    if experts:
+        pins["expert_capacity_factor"] = factor if factor > 0 else None
+        pins["expert_pad_to_capacity"] = padded
     dispatcher = flags.get("--moe-token-dispatcher-type", "allgather" if experts else "alltoall")
     if "--moe-enable-deepep" in flags and (dispatcher != "flex" or flags.get("--moe-flex-dispatcher-backend",
                                                                              "deepep") != "deepep"):
         # Megatron-core 0.12-0.16's older spelling of the flex dispatcher's deepep backend
         # (transformer_config.py refuses it beside another dispatcher or backend)
-        raise DsautoError(f"{where} sets --moe-enable-deepep with --moe-token-dispatcher-type {dispatcher} and "
-                          f"--moe-flex-dispatcher-backend {flags.get('--moe-flex-dispatcher-backend', 'deepep')}; "
-                          f"Megatron-core runs DeepEP only with the flex dispatcher's deepep backend: set "
-                          f"--moe-token-dispatcher-type flex, or drop --moe-enable-deepep.")
+        given = (f"--moe-token-dispatcher-type {dispatcher}" if dispatcher != "flex" else
+                 f"--moe-flex-dispatcher-backend {flags['--moe-flex-dispatcher-backend']}")
+        raise DsautoError(f"{where} sets --moe-enable-deepep with {given}; Megatron-core runs DeepEP only with the "
+                          f"flex dispatcher's deepep backend: set --moe-token-dispatcher-type flex without another "
+                          f"backend, or drop --moe-enable-deepep.")
     if dispatcher == "flex" and flags.get("--moe-flex-dispatcher-backend", "deepep") == "deepep":
         pins["expert_dispatcher"] = "deepep"
     elif dispatcher != "alltoall":
@@ -1103,10 +1104,13 @@ def _virtual_stages(flags: dict[str, str], launch: MegatronLaunch, where: str) -
         if launch.model is None:
             raise DsautoError(f"{where} sets --num-layers-per-virtual-pipeline-stage without --num-layers; give "
                               f"--num-virtual-stages-per-pipeline-rank instead.")
-        chunks = launch.model.num_layers // per_chunk if per_chunk else 0
-        if not per_chunk or chunks * per_chunk != launch.model.num_layers or chunks % pins["pp"]:
+        # Megatron-LM counts the embedding and the loss with the layers where the launch accounts for them
+        # (megatron/training/arguments.py, validate_args)
+        layers = launch.model.num_layers + sum(flag in flags for flag in ACCOUNT_FLAGS)
+        chunks = layers // per_chunk if per_chunk else 0
+        if not per_chunk or chunks * per_chunk != layers or chunks % pins["pp"]:
             raise DsautoError(f"{where} puts {per_chunk} layers in each virtual stage, which does not split "
-                              f"{launch.model.num_layers} layers over pp {pins['pp']}; give a count that does.")
+                              f"{layers} layers over pp {pins['pp']}; give a count that does.")
         pins["vpp"] = chunks // pins["pp"]
     else:
         pins["vpp"] = 1
@@ -1177,9 +1181,8 @@ def _accounted_layout(flags: dict[str, str], accounted: list[str], launch: Megat
         raise DsautoError(f"{where} sets {' and '.join(accounted)}, which splits {layers} transformer layers + "
                           f"{embedding + loss} evenly over pp {pp} x {virtual} virtual stages, and "
                           f"{layers + embedding + loss} do not divide (Megatron-core refuses it); change the degrees.")
-    launch.spelled["stage_layers"] = accounted[0]
-    stages = tuple(rank_totals(chunks, pp, virtual))
-    pins["stage_layers"] = stages if virtual == 1 or even_chunks(stages, virtual, chunks) else tuple(chunks)
+    # dsauto's own name of the split, which dsauto.api.make_problem resolves as this did
+    pins["stage_layers"] = "even+" + "+".join(name for name, on in (("embedding", embedding), ("loss", loss)) if on)
 
 
 def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:

@@ -57,7 +57,8 @@ def clamped_gate_refusal(engine: Engine, model: ModelSpec) -> str | None:
     ``--quick-geglu`` and biases (megatron/training/argument_utils.py: ``bias_activation_fusion`` is
     ``bias_gelu_fusion``), as dsauto's plugin does; under it Megatron-core fuses the clamped gate only
     with the router's per-token scales, i.e. in routed experts, and a dense MLP stops with 'Only support
-    fusion of gelu and swiglu' (megatron/core/transformer/mlp.py, ``MLP.forward``)."""
+    fusion of gelu and swiglu' (megatron/core/transformer/mlp.py, ``MLP.forward``). Unfused
+    (``--no-bias-gelu-fusion``) every MLP runs ``glu``'s clamps, which keep more than dsauto prices."""
     if engine != "megatron" or not model.glu_clamp:
         return None
     dense = model.num_layers - len(model.moe_layers())
@@ -66,8 +67,9 @@ def clamped_gate_refusal(engine: Engine, model: ModelSpec) -> str | None:
         parts.append("a shared expert in each MoE layer")
     if not parts:
         return None
-    return (f"Megatron-core fuses a clamped gate (glu_clamp {model.glu_clamp:g}) only in routed experts, and "
-            f"{model.name} has {' and '.join(parts)}, whose fused activation it refuses")
+    return (f"Megatron-core fuses a clamped gate (glu_clamp {model.glu_clamp:g}) only in routed experts, so "
+            f"{model.name}'s {' and '.join(parts)} would run it only unfused (--no-bias-gelu-fusion), which dsauto "
+            f"does not price")
 
 
 def deepspeed_bf16_pipeline_refusal(engine: Engine, dims: ParallelDims, zero_stage: int,

@@ -107,10 +107,10 @@ class Constraints:
     """Tensor-parallel degree."""
     pp: int | None = field(default=None, metadata={"flag": "--pp", "help": "pin the pipeline-parallel degree"})
     """Pipeline-parallel degree."""
-    zero_stage: int | None = field(default=None, metadata={"flag": "--zero-stage", "choices": (0, 1, 2, 3),
-                                                           "help": "pin the ZeRO stage (DeepSpeed's; on Megatron-core 1 is "
-                                                                   "its distributed optimizer, 2 and 3 Megatron-FSDP's "
-                                                                   "optim_grads and optim_grads_params)"})
+    zero_stage: int | None = field(default=None, metadata={
+        "flag": "--zero-stage", "choices": (0, 1, 2, 3),
+        "help": "pin the ZeRO stage (DeepSpeed's; on Megatron-core 1 is its distributed optimizer, 2 and 3 "
+                "Megatron-FSDP's optim_grads and optim_grads_params)"})
     """ZeRO stage."""
     micro_batch: int | None = field(default=None, metadata={"flag": "--micro-batch",
                                                             "help": "pin the micro-batch size"})
@@ -854,8 +854,8 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
             return DsautoError(f"--vpp {pins.vpp} cannot run on the layouts the search tries: they give each model "
                                f"chunk a layer, and {model.num_layers} layers over pp {pp} leave {model.num_layers // pp} "
                                f"a stage; pin --stage-layers "
-                               + (f"{accounted[0]} (Megatron-core's even split counting them as layers) or counts "
-                                  if accounted else "")
+                               + (f"{accounted[0]} (Megatron-core's even split counting the embedding and the loss "
+                                  f"as layers) or counts " if accounted else "")
                                + "(a chunk may then hold none: Megatron-core's --pipeline-model-parallel-layout "
                                "runs it) or lower --vpp.")
         replicas = world // (tp * pp * (pins.cp or 1))

@@ -33,7 +33,8 @@ TRAIN = TrainSpec(global_batch=16, seq_len=256, dtype="bf16", flash_attention=Tr
 
 def cost(ep: int = 2, factor: float | None = None, padded: bool = False, balanced: bool = False):
     dims = ParallelDims(dp=2, ep=ep)
-    strategy = Strategy(dims=dims, zero_stage=1, micro_batch=2, grad_accum=4, sequence_parallel=False, engine="megatron",
+    strategy = Strategy(dims=dims, zero_stage=1, micro_batch=2, grad_accum=4, sequence_parallel=False,
+                        engine="megatron",
                         expert_capacity_factor=factor, expert_pad_to_capacity=padded, expert_load_balanced=balanced)
     model = CostModel(load_cluster("h100-80gb", nodes=1, gpus_per_node=2), TRAIN, strategy, MODEL.hidden_size)
     return model, model.layer(layer_groups(MODEL, TRAIN.seq_len, 2)[1], LayerOption(False, False, 1))
@@ -46,7 +47,7 @@ def cost(ep: int = 2, factor: float | None = None, padded: bool = False, balance
     (2, 1.25, True, False, 1.25),  # filled to capacity: every rank takes the factor
     (2, 1.25, False, True, 1.0),  # forced balance stays balanced
     (1, 1.5, True, False, 1.5),  # one expert rank runs every expert filled to capacity
-    (1, 0.5, False, False, 1.0),  # and without padding what its own tokens chose, priced whole
+    (1, 0.5, False, False, 0.5),  # and without padding at most the capacity of each expert
 ])
 def test_the_busiest_ranks_load_under_a_capacity(ep, factor, padded, balanced, load):
     model, _ = cost(ep, factor, padded, balanced)
@@ -85,7 +86,19 @@ def test_capacities_that_cannot_run_are_refused_in_one_sentence():
     with pytest.raises(DsautoError, match="under DeepEP's dispatcher; leave it out, or dispatch with alltoall"):
         make_plan(MODEL, "h100-80gb", gpus_per_node=8, engine="megatron", ep=4, expert_capacity_factor=1.0,
                   expert_pad_to_capacity=True, expert_dispatcher="deepep")
+    with pytest.raises(DsautoError, match=r"past all of a rank's tokens \(a factor over experts / top-k = 4\)"):
+        make_plan(MODEL, "h100-80gb", gpus_per_node=8, engine="megatron", ep=4, expert_capacity_factor=5.0,
+                  expert_pad_to_capacity=True)
+    launch = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256 "
+              "--micro-batch-size 1 --global-batch-size 8 --vocab-size 4096 ")
+    with pytest.raises(DsautoError, match="without a positive --moe-expert-capacity-factor, which Megatron-core "
+                                          "refuses"):
+        parse_megatron_args(shlex.split(launch + "--num-experts 8 --moe-pad-expert-input-to-capacity"), "train.sh")
+    # a dense model's launch ignores the experts' options, as Megatron-core does
+    dense = parse_megatron_args(shlex.split(launch + "--moe-expert-capacity-factor 1.0"), "train.sh")
+    assert "expert_capacity_factor" not in dense.pins
     with pytest.raises(DsautoError, match="--moe-expert-capacity-factor 0, which drops every token"):
         parse_megatron_args(shlex.split("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 "
-                                        "--max-position-embeddings 256 --micro-batch-size 1 --global-batch-size 8 --vocab-size 4096 "
+                                        "--max-position-embeddings 256 --micro-batch-size 1 --global-batch-size 8 "
+                                        "--vocab-size 4096 "
                                         "--num-experts 8 --moe-expert-capacity-factor 0"), "train.sh")

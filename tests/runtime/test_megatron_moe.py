@@ -41,7 +41,8 @@ def test_expert_parallelism_trains_like_one_expert_rank(tmp_path):
     results = launch(2, {"ep1": {"plan": moe_plan(1)}, "ep2": {"plan": moe_plan(2)},
                          "ep2-moe": {"plan": moe_plan(2, "moe")},
                          "ep2-allgather": {"plan": moe_plan(2), "dispatcher": "allgather"},
-                         "ep1-capacity": {"plan": moe_plan(1, **CAPACITY)}, "ep2-capacity": {"plan": moe_plan(2, **CAPACITY)}},
+                         "ep1-capacity": {"plan": moe_plan(1, **CAPACITY)},
+                         "ep2-capacity": {"plan": moe_plan(2, **CAPACITY)}},
                      tmp_path, steps=4, lr=1e-2, worker=WORKER)
     assert (results["ep1"]["experts_per_rank"], results["ep2"]["experts_per_rank"]) == (4, 2)
     # The plan's dispatcher, alltoall, runs on CPU ranks (dsauto.compat.megatron_cpu) and moves the

@@ -22,7 +22,8 @@ def test_dense_clamped_gate_is_refused_on_megatron_with_its_count():
     with pytest.raises(DsautoError) as refused:
         make_plan(DENSE, "cpu", engine="megatron")
     said = str(refused.value)
-    assert f"has {DENSE.num_layers} dense MLP layers" in said and "glu_clamp 7" in said
+    assert f"clamped-dense's {DENSE.num_layers} dense MLP layers would run it only unfused" in said
+    assert "glu_clamp 7" in said and "which dsauto does not price" in said
     assert said.endswith("plan it with --engine deepspeed.")
 
 
@@ -40,6 +41,6 @@ def test_routed_experts_alone_keep_the_fused_gate():
     assert clamped_gate_refusal("megatron", base) is None
     assert clamped_gate_refusal("deepspeed", dataclasses.replace(base, moe_first_dense_layers=1)) is None
     one_dense = clamped_gate_refusal("megatron", dataclasses.replace(base, moe_first_dense_layers=1))
-    assert one_dense is not None and "has 1 dense MLP layer," in one_dense
+    assert one_dense is not None and "'s 1 dense MLP layer would run it" in one_dense
     shared = clamped_gate_refusal("megatron", dataclasses.replace(base, shared_expert_ffn_hidden_size=64))
     assert shared is not None and "a shared expert in each MoE layer" in shared

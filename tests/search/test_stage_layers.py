@@ -260,7 +260,12 @@ def test_even_with_the_embedding_and_loss_counted_is_priced_emitted_and_read_bac
     flags += ["--num-virtual-stages-per-pipeline-rank 2", "--account-for-embedding-in-pipeline-split",
               "--account-for-loss-in-pipeline-split"]
     launch = parse_megatron_args(shlex.split(" ".join(flags)), "train.sh", model)
-    assert launch.pins["stage_layers"] == plan.chunk_layout and launch.pins["vpp"] == 2
+    assert launch.pins["stage_layers"] == "even+embedding+loss" and launch.pins["vpp"] == 2
+    assert make_plan(model, "a100-80gb", **{**pins, **launch.pins}).chunk_layout == plan.chunk_layout
+    # Megatron-LM counts them with the layers in --num-layers-per-virtual-pipeline-stage: 32 / 4 / 4 = 2 chunks
+    per_chunk = [f.replace("--num-virtual-stages-per-pipeline-rank 2", "--num-layers-per-virtual-pipeline-stage 4")
+                 for f in flags]
+    assert parse_megatron_args(shlex.split(" ".join(per_chunk)), "train.sh", model).pins["vpp"] == 2
     with pytest.raises(DsautoError, match="which Megatron-core refuses beside it; keep one way"):
         parse_megatron_args(shlex.split(" ".join(flags) + " --decoder-first-pipeline-num-layers 7"), "train.sh",
                             model)
@@ -269,6 +274,9 @@ def test_even_with_the_embedding_and_loss_counted_is_priced_emitted_and_read_bac
         make_plan(model, "a100-80gb", **pins, stage_layers="even+loss")
     with pytest.raises(DsautoError, match="pin --pp"):
         make_plan(model, "a100-80gb", **{**pins, "pp": None, "vpp": None}, stage_layers="even+loss")
+    # without --vpp, Megatron-core's split of one chunk a rank: 32 / 4 stages, the first and the last 7
+    assert make_plan(model, "a100-80gb", **{**pins, "vpp": None}, stage_layers="even+embedding+loss").stage_layers \
+        == (7, 8, 8, 7)
 
 
 def test_a_vpp_too_deep_for_the_searched_layouts_names_the_accounted_split(capsys, tmp_path):
@@ -280,6 +288,7 @@ def test_a_vpp_too_deep_for_the_searched_layouts_names_the_accounted_split(capsy
     argv = ["tune", "--model", str(model), "--hardware", "h100-80gb", "--gpus-per-node", "8", "--global-batch", "16",
             "--engine", "megatron", "--pp", "8", "--vpp", "2", "--out", str(tmp_path / "out")]
     assert main(argv) == 2
-    assert "pin --stage-layers even+embedding+loss (Megatron-core's even split" in capsys.readouterr().err
+    assert "pin --stage-layers even+embedding+loss (Megatron-core's even split counting the embedding and the loss" \
+        in capsys.readouterr().err
     assert main([*argv, "--stage-layers", "even+embedding+loss"]) == 0
     assert read_plan(tmp_path / "out" / "plan.yaml").chunk_layout == (0,) + (1,) * 14 + (0,)
