@@ -1055,6 +1055,18 @@ WHY = {
 """Why the runs of a source are off, where some are off by more than 15% (cross-validated)."""
 
 CHANGES = [
+    "Megatron-Bridge's 25.11 Llama 3.1 405B and Qwen3-235B-A22B rows priced with their recipes' pipeline split, "
+    "Megatron-core's even split counting the embedding and the loss as a layer each (published_runs.yaml "
+    "pipeline_split: llama31_405b_pretrain_config and qwen3_235b_a22b_pretrain_config set "
+    "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split, "
+    "src/megatron/bridge/recipes/llama/llama3.py:413-414 and recipes/qwen/qwen3_moe.py:160-161 at 556c8e1c9; "
+    "dsauto.plan.accounted_chunks, checked against Megatron-core's get_num_layers_to_build), where their layers do "
+    "not divide over the model chunks and the planner's balanced layout had priced them: 405B (126 + 2 over 64 "
+    "chunks) -11.3% -> -11.6% in sample (CV -17.2% unchanged), Qwen3-235B (94 + 2 over 32) +7.8% -> +10.5%. The "
+    "later releases' rows keep the planner's layout: from 26.04 their performance scripts may set a layout string "
+    "of their own (scripts/performance/configs/qwen/qwen3_llm_pretrain.py, pp_layout), not read here. The FP8 refit"
+    " moved other FP8 rows by 0.1 point at most; headline unchanged (CV 5.1% / 71.4%, in-sample 5.1% / 71.6%, "
+    "fp8_cv 13.4% / 19.2%, moe 16.8% / 57.2%).",
     "Megatron-core's routed experts and MLP activations priced as it keeps them (dsauto/cost/terms.py, "
     "megatron_routed_copy_change_bytes_per_token; dsauto/spec/model.py, megatron_activation_widths): since "
     "0.13 it weights each routed copy by its router probability inside the experts and combines the outputs "
