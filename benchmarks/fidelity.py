@@ -58,10 +58,10 @@ from dsauto.cost.strategy import LayerOption, Strategy  # noqa: E402
 from dsauto.engines.rules import VIRTUAL_STAGES  # noqa: E402
 from dsauto.errors import DsautoError  # noqa: E402
 from dsauto.parallel import ParallelDims, divisors  # noqa: E402
-from dsauto.plan import AttentionKernel, Plan  # noqa: E402
+from dsauto.plan import ACCOUNTED_STAGES, AttentionKernel, Plan  # noqa: E402
 from dsauto.refine.space import options_of, strategy_of  # noqa: E402
 from dsauto.search.planner import Planner  # noqa: E402
-from dsauto.search.space import ACCOUNTED_STAGES, EVEN_STAGES, Constraints, accounted_stage_layers  # noqa: E402
+from dsauto.search.space import EVEN_STAGES, Constraints, accounted_stage_layers  # noqa: E402
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec  # noqa: E402
 from dsauto.spec.hf import model_from_hf_config  # noqa: E402
 from dsauto.spec.loaders import load_hardware  # noqa: E402
@@ -584,7 +584,7 @@ def configure(record: dict) -> PublishedRun | str:
 
 def _stage_layers(p: dict, source: Source, num_layers: int, pp: int, vpp: int | None) -> str | None:
     """The --stage-layers pin of a run: the split its recipe states (``pipeline_split``: Megatron-core's
-    even split counting the embedding and the loss as layers, :data:`ACCOUNTED_STAGES`), else the even
+    even split counting the embedding and the loss as layers, :data:`dsauto.plan.ACCOUNTED_STAGES`), else the even
     split where :func:`_even_split` says so, else None (the planner's layout)."""
     if (split := p.get("pipeline_split")) in ACCOUNTED_STAGES:
         return accounted_stage_layers(split, num_layers, pp, vpp)

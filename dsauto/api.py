@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsauto.errors import DsautoError, DsautoWarning
-from dsauto.search.space import (ACCOUNTED_STAGES, Constraints, accounted_stage_layers, sequence_parallel_multiple,
-                                 sequence_parallel_runs)
+from dsauto.plan import ACCOUNTED_STAGES
+from dsauto.search.space import Constraints, accounted_stage_layers, sequence_parallel_multiple, sequence_parallel_runs
 from dsauto.spec.cluster import ClusterSpec, HardwareSpec
 from dsauto.spec.loaders import ModelSource, as_model, load_cluster, override_cluster
 from dsauto.spec.model import ModelSpec

@@ -177,7 +177,8 @@ def _ranking_text(plan: Plan) -> str:
         text = f"memory headroom {format_bytes(r.headroom_bytes)} (safe: {format_bytes(r.safe_headroom_bytes)})"
     else:
         text = (f"memory headroom {format_bytes(r.headroom_bytes)}, less than the "
-                f"{format_bytes(r.safe_headroom_bytes)} counted safe: no plan within {r.tolerance:.0%} of the fastest keeps that much, and a peak "
+                f"{format_bytes(r.safe_headroom_bytes)} counted safe: no plan within {r.tolerance:.0%} of the "
+                f"fastest keeps that much, and a peak "
                 f"{r.headroom_bytes / max(1, plan.prediction.peak_memory_bytes):.1%} above the prediction fills "
                 f"the budget")
     if r.fastest_step_seconds < plan.prediction.step_seconds:

@@ -121,6 +121,12 @@ def rank_totals(chunks: Sequence[int], pp: int, virtual_stages: int) -> list[int
     return [sum(chunks[s * pp + r] for s in range(virtual_stages)) for r in range(pp)]
 
 
+ACCOUNTED_STAGES = {"even+embedding": (True, False), "even+loss": (False, True), "even+embedding+loss": (True, True)}
+"""dsauto's names (``--stage-layers``) of Megatron-core's even split that counts the embedding, the loss
+or both as one transformer layer each (Megatron-LM's --account-for-embedding-in-pipeline-split and
+--account-for-loss-in-pipeline-split): (embedding, loss) counted, as :func:`accounted_chunks` takes them."""
+
+
 def accounted_chunks(num_layers: int, pp: int, virtual_stages: int, embedding: bool,
                      loss: bool) -> list[int] | None:
     """The transformer layers of each model chunk (in chunk order; of each stage without virtual

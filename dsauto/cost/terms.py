@@ -72,13 +72,20 @@ def expert_load_factor(ctx: LayerContext) -> float:
     filled to capacity, every expert takes exactly it (``apply_router_token_dropping``), the factor,
     on every rank and without expert parallelism too. (A capacity beyond a rank's tokens, a factor
     over experts / top-k, would cap it at those tokens; dsauto.api refuses filling past them.)"""
-    if ctx.engine == "megatron" and ctx.expert_capacity_factor is not None and ctx.expert_pad_to_capacity:
-        return ctx.expert_capacity_factor
+    if filled := filled_capacity(ctx):
+        return filled
     if ctx.engine == "deepspeed" and ctx.ep > 1:
         return MOE_CAPACITY_FACTOR
     dropless = 1.0 if ctx.expert_load_balanced or ctx.ep == 1 else EXPERT_LOAD_IMBALANCE
     capped = ctx.engine == "megatron" and ctx.expert_capacity_factor is not None
     return min(dropless, ctx.expert_capacity_factor) if capped else dropless
+
+
+def filled_capacity(ctx: LayerContext) -> float | None:
+    """The capacity factor every expert is filled to (Megatron-core's --moe-expert-capacity-factor with
+    --moe-pad-expert-input-to-capacity), or None where the experts take what is routed to them."""
+    padded = ctx.engine == "megatron" and ctx.expert_pad_to_capacity
+    return ctx.expert_capacity_factor if padded else None
 
 
 @dataclass(frozen=True)
@@ -453,8 +460,7 @@ def expert_gemm_seconds(group: LayerGroup, ctx: LayerContext) -> float:
     the capacity factor times that average."""
     tokens = ctx.tokens / ctx.tp
     per_expert = max(tokens * group.moe_top_k * ctx.ep * ctx.etp / group.num_experts, 1.0)
-    if ctx.engine == "megatron" and ctx.expert_capacity_factor is not None and ctx.expert_pad_to_capacity:
-        per_expert *= ctx.expert_capacity_factor
+    per_expert *= filled_capacity(ctx) or 1.0
     dim = min(group.gemm_dim, group.expert_gemm_dim / ctx.etp, per_expert)
     flops = group.expert_matmul_flops_per_token * tokens * expert_load_factor(ctx)
     short_groups = 1.0 + (ctx.device.grouped_gemm_knee_tokens / per_expert) ** 2

@@ -34,7 +34,7 @@ from dsauto.engines.megatron import (
     te_softmax_fuses,
 )
 from dsauto.errors import DsautoError
-from dsauto.plan import MOMENT_BYTES, accounted_chunks, even_chunks, rank_totals
+from dsauto.plan import ACCOUNTED_STAGES, MOMENT_BYTES, accounted_chunks, even_chunks, rank_totals
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec, in_own_words
 from dsauto.units import format_bytes
 
@@ -1182,7 +1182,7 @@ def _accounted_layout(flags: dict[str, str], accounted: list[str], launch: Megat
                           f"{embedding + loss} evenly over pp {pp} x {virtual} virtual stages, and "
                           f"{layers + embedding + loss} do not divide (Megatron-core refuses it); change the degrees.")
     # dsauto's own name of the split, which dsauto.api.make_problem resolves as this did
-    pins["stage_layers"] = "even+" + "+".join(name for name, on in (("embedding", embedding), ("loss", loss)) if on)
+    pins["stage_layers"] = next(name for name, counted in ACCOUNTED_STAGES.items() if counted == (embedding, loss))
 
 
 def _layout_string(text: str, launch: MegatronLaunch, where: str) -> None:

@@ -44,6 +44,7 @@ from dsauto.engines.rules import (
 from dsauto.errors import DsautoError
 from dsauto.parallel import ParallelDims, divisors, layouts
 from dsauto.plan import (
+    ACCOUNTED_STAGES,
     ATTENTION_KERNELS,
     ENGINES,
     OFFLOADS,
@@ -849,8 +850,8 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
         if reason:
             return DsautoError(f"--vpp {pins.vpp} cannot run: {reason}.")
         if pins.stage_layers is None and model.num_layers // pp < pins.vpp:
-            accounted = [text for text, (embedding, loss) in ACCOUNTED_STAGES.items()
-                         if (model.num_layers + embedding + loss) % (pp * pins.vpp) == 0]
+            accounted = [text for text, counted in ACCOUNTED_STAGES.items()
+                         if accounted_chunks(model.num_layers, pp, pins.vpp, *counted) is not None]
             return DsautoError(f"--vpp {pins.vpp} cannot run on the layouts the search tries: they give each model "
                                f"chunk a layer, and {model.num_layers} layers over pp {pp} leave {model.num_layers // pp} "
                                f"a stage; pin --stage-layers "
@@ -942,21 +943,15 @@ over the pp x vpp model chunks (megatron/core/transformer/transformer_block.py, 
 which asserts that they divide when no layout flag is given)."""
 
 
-ACCOUNTED_STAGES = {"even+embedding": (1, 0), "even+loss": (0, 1), "even+embedding+loss": (1, 1)}
-"""The ``--stage-layers`` values for Megatron-core's even split that counts the embedding, the loss or
-both as one transformer layer each (Megatron-LM's --account-for-embedding-in-pipeline-split and
---account-for-loss-in-pipeline-split): (embedding, loss) counted."""
-
-
 def accounted_stage_layers(text: str, num_layers: int, pp: int | None, vpp: int | None) -> str:
     """The per-chunk counts (per stage without virtual stages) of the ``--stage-layers`` value ``text``,
-    one of :data:`ACCOUNTED_STAGES` (:func:`dsauto.plan.accounted_chunks`), refused in one sentence
+    one of :data:`dsauto.plan.ACCOUNTED_STAGES` (:func:`dsauto.plan.accounted_chunks`), refused in one sentence
     without a pinned --pp or where Megatron-core refuses the split."""
     embedding, loss = ACCOUNTED_STAGES[text]
     if pp is None:
         raise DsautoError(f"--stage-layers {text} splits the layers evenly over the pinned pipeline ranks; pin --pp "
                           f"(and --vpp for virtual stages).")
-    counts = accounted_chunks(num_layers, pp, vpp or 1, bool(embedding), bool(loss))
+    counts = accounted_chunks(num_layers, pp, vpp or 1, embedding, loss)
     if counts is None:
         counted = " + ".join(name for name, on in (("the embedding", embedding), ("the loss", loss)) if on)
         raise DsautoError(f"--stage-layers {text} splits {num_layers} transformer layers + {counted} = "

@@ -651,11 +651,6 @@ class LayerGroup:
     averaged over the layers, as its activation runs (:func:`megatron_activation_widths`). Measured on
     two CPU ranks (benchmarks/megatron_memory.py, dp2 geglu: a gated GeLU model): without it the peak
     came out 7.2% low."""
-    activation_keeps_output: bool = False
-    """The dense MLP's and shared experts' activation keeps its own output for backward (ReLU: torch's
-    ``threshold_backward`` reads the result), so an FP8 copy of it kept by the output projection adds
-    to it rather than replacing it. A routed copy's weighting makes a new tensor, which the FP8 copy
-    does replace."""
     megatron_shared_expert_extra_bytes_per_token: float = 0.0
     """The same for the shared experts (Megatron-core's SharedExpertMLP is an MLP), of
     ``shared_expert_act_bytes_per_token``'s width."""
@@ -668,6 +663,11 @@ class LayerGroup:
     moe_probs_on_input: bool = False
     """The router probabilities weight a routed copy's input (Llama 4; ModelSpec.moe_probs_on_input),
     whose multiply keeps the unweighted copy, before the experts' activation."""
+    activation_keeps_output: bool = False
+    """The dense MLP's and shared experts' activation keeps its own output for backward (ReLU: torch's
+    ``threshold_backward`` reads the result), so an FP8 copy of it kept by the output projection adds
+    to it rather than replacing it. A routed copy's weighting makes a new tensor, which the FP8 copy
+    does replace."""
 
     # Multi-token prediction (ModelSpec.mtp_layers): set on the head only.
     mtp_layers: int = 0
