@@ -118,6 +118,8 @@ def make_problem(
     attention_kernel: AttentionKernel | None = None,
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
+    overlap_grad_reduce: bool | None = None,
+    overlap_param_gather: bool | None = None,
     precision_aware_optimizer: MomentsDtype | None = None,
     attention_softmax_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
@@ -184,6 +186,12 @@ def make_problem(
             with sequence parallelism (Megatron-core plans only; default: off).
         grad_reduce_in_fp32: False keeps and reduces gradients in bf16 (Megatron-core's
             ``--grad-reduce-in-bf16``, bf16 plans only; default: fp32).
+        overlap_grad_reduce: False prices Megatron-core's gradient reduction after the backward and its
+            parameter gather after the optimizer step, exposed, as a launch without
+            ``--overlap-grad-reduce`` runs them (Megatron-core plans of ZeRO 0-1); default: overlapped.
+        overlap_param_gather: False prices the distributed optimizer's parameter gather after the
+            optimizer step, exposed, as a launch without ``--overlap-param-gather`` runs it; default:
+            overlapped unless ``overlap_grad_reduce`` is False.
         precision_aware_optimizer: the dtype of Adam's moments under Megatron-core's precision-aware
             optimizer (``--use-precision-aware-optimizer``, Transformer Engine's FusedAdam, the fp32
             main weights kept as remainders; bf16 Megatron-core plans with ZeRO 1); None: off.
@@ -254,6 +262,7 @@ def make_problem(
                        offload=offload, hpz=hpz, dist_opt_instances=dist_opt_instances,
                        recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                        tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
+                       overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                        precision_aware_optimizer=precision_aware_optimizer,
                        attention_softmax_in_fp32=attention_softmax_in_fp32,
                        expert_dispatcher=expert_dispatcher, expert_load_balanced=expert_load_balanced,
@@ -349,6 +358,10 @@ def find_plans(problem: Problem, *, top_k: int = 1, profile: Profile | str | os.
         warnings.warn(f"--tp-comm-overlap takes effect with tp > 1 and sequence parallelism, and the plan has tp "
                       f"{plans[0].tp}{'' if plans[0].tp == 1 else ' without sequence parallelism'}, so it is off; "
                       f"{remedy}.", DsautoWarning, stacklevel=2)
+    if problem.pins.overlap_param_gather is False and plans[0].zero_stage == 0 and plans[0].overlap_grad_reduce:
+        warnings.warn("--no-overlap-param-gather leaves the distributed optimizer's parameter gather unoverlapped, "
+                      "and the plan has ZeRO 0, which gathers none, so it changes nothing; pin --zero-stage 1 to "
+                      "price it.", DsautoWarning, stacklevel=2)
     best = plans[0]
     if problem.model.mtp_layers and best.engine == "deepspeed":
         warnings.warn(f"{problem.model.name}'s {problem.model.mtp_layers} multi-token-prediction layer(s) are not "
@@ -411,6 +424,8 @@ def make_plan(
     attention_kernel: AttentionKernel | None = None,
     tp_comm_overlap: bool | None = None,
     grad_reduce_in_fp32: bool | None = None,
+    overlap_grad_reduce: bool | None = None,
+    overlap_param_gather: bool | None = None,
     precision_aware_optimizer: MomentsDtype | None = None,
     attention_softmax_in_fp32: bool | None = None,
     expert_dispatcher: ExpertDispatcher | None = None,
@@ -440,6 +455,7 @@ def make_plan(
                            dist_opt_instances=dist_opt_instances,
                            recompute_modules=recompute_modules, attention_kernel=attention_kernel,
                            tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
+                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
                            precision_aware_optimizer=precision_aware_optimizer,
                            attention_softmax_in_fp32=attention_softmax_in_fp32, expert_dispatcher=expert_dispatcher,
                            expert_load_balanced=expert_load_balanced, expert_capacity_factor=expert_capacity_factor,

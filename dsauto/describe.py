@@ -58,7 +58,7 @@ def describe_plan(plan: Plan) -> str:
         + (f" ({CP_EXCHANGES[plan.cp_comm_type]})" if plan.cp > 1 and plan.engine == "megatron" else "")
         + f", ZeRO stage {plan.zero_stage}"
         + (f" with ZeRO++ secondary partitions over {plan.hpz} ranks (hpz={plan.hpz})" if plan.hpz > 1 else "")
-        + sp,
+        + _unoverlapped_text(plan) + sp,
         f"  batch       micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation steps x dp "
         f"{plan.dp} = {plan.global_batch} sequences of {plan.seq_len} tokens; {plan.dtype}"
         f"{'' if plan.grad_reduce_in_fp32 else ' (gradients too)'}"
@@ -126,6 +126,15 @@ def describe_plan(plan: Plan) -> str:
             f"{format_seconds(st.backward_seconds):>10}"
         )
     return "\n".join(lines)
+
+
+def _unoverlapped_text(plan: Plan) -> str:
+    """What of Megatron-core's data-parallel traffic the plan leaves exposed (``--overlap-grad-reduce``
+    or ``--overlap-param-gather`` off), or ''."""
+    exposed = ["gradient reduction"] if not plan.overlap_grad_reduce and plan.dp * plan.cp > 1 else []
+    if not plan.overlap_param_gather and plan.zero_stage == 1 and plan.dp * plan.cp > 1:
+        exposed.append("parameter gather")
+    return f", its {' and '.join(exposed)} not overlapped" if exposed else ""
 
 
 def _moments_text(plan: Plan) -> str:

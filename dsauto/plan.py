@@ -472,6 +472,14 @@ class Plan:
     grad_reduce_in_fp32: bool = True
     """Megatron-core under bf16: gradients accumulated and reduced in fp32 (its default); False is
     ``--grad-reduce-in-bf16`` (a bf16 gradient buffer, half the bytes and half the reduction)."""
+    overlap_grad_reduce: bool = True
+    """Megatron-core's ``--overlap-grad-reduce``: gradient buckets reduced during the last backward (its
+    plans' default); False: reduced at once after the backward, exposed (Megatron-LM's default launch,
+    only when pinned). Only False in a Megatron-core plan of ZeRO 0-1."""
+    overlap_param_gather: bool = True
+    """Megatron-core's ``--overlap-param-gather`` under the distributed optimizer: parameters gathered
+    during the next forward (its plans' default); False: at once after the optimizer step, exposed.
+    Only False in a Megatron-core plan of ZeRO 0-1, and False whenever ``overlap_grad_reduce`` is."""
     expert_dispatcher: ExpertDispatcher = "alltoall"
     """The MoE token dispatcher the plan is priced with and runs (:data:`ExpertDispatcher`);
     ``deepep`` only in a Megatron-core plan of a mixture of experts."""
@@ -606,6 +614,12 @@ class Plan:
             if self.zero_stage != 1 or self.offload != "none":
                 raise ValueError(f"precision_aware_optimizer needs ZeRO stage 1 (not {self.zero_stage}) and the "
                                  f"optimizer on the device (offload {self.offload!r})")
+        if not (self.overlap_grad_reduce and self.overlap_param_gather) and (
+                self.engine != "megatron" or self.zero_stage >= 2):
+            raise ValueError(f"overlap_grad_reduce and overlap_param_gather False need a Megatron-core plan (not "
+                             f"{self.engine}) of ZeRO stage 0-1 (not {self.zero_stage})")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError("overlap_param_gather needs overlap_grad_reduce, as Megatron-LM requires")
         if not self.grad_reduce_in_fp32 and (self.engine != "megatron" or self.dtype != "bf16"):
             raise ValueError(f"grad_reduce_in_fp32 False (bf16 gradients) needs a Megatron-core plan (not "
                              f"{self.engine}) in bf16 (not {self.dtype})")

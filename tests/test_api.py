@@ -50,7 +50,8 @@ SAMPLES = {"global_batch": 16, "seq_len": 64, "dtype": "fp16", "flash_attention"
            "fp8_param_gather": True, "cp_comm_type": "all_gather", "expert_a2a_overlap": True,
            "stage_layers": "even", "recompute_num_layers": 2, "expert_load_balanced": True,
            "precision_aware_optimizer": "bf16", "attention_softmax_in_fp32": False, "hf_trainer": True,
-           "expert_capacity_factor": 1.25, "expert_pad_to_capacity": True}
+           "expert_capacity_factor": 1.25, "expert_pad_to_capacity": True, "overlap_grad_reduce": False,
+           "overlap_param_gather": False}
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))

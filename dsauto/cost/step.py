@@ -863,12 +863,13 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                 chunk_gather[k] += c.step_seconds
             exposed = _interleaved_exposed(cost, passes_f, passes_b,
                                            [cost.grad_sync_seconds(b) if b else 0.0 for b in chunk_sync],
-                                           chunk_gather, pp, bucket_share)
+                                           chunk_gather, pp, bucket_share, *_megatron_overlaps(strategy))
         else:
             sync = cost.grad_sync_seconds(sync_bytes)
             gather = sum(c.step_seconds for c in costs)
             if strategy.engine == "megatron":
-                exposed = _megatron_exposed(cost, forward, backward, sync, gather, bucket_share)
+                exposed = _megatron_exposed(cost, forward, backward, sync, gather, bucket_share,
+                                            *_megatron_overlaps(strategy))
             elif pp == 1:  # reduced in buckets during the last micro-batch's backward
                 exposed = cost.overlapped(backward, sync) - backward + gather
             else:  # DeepSpeed's pipeline engine reduces after the flush
@@ -929,8 +930,16 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     return StepPrediction(prediction, tuple(stages))
 
 
+def _megatron_overlaps(strategy: Strategy) -> tuple[bool, bool]:
+    """Whether Megatron-core overlaps the gradient reduction and the parameter gather with compute
+    (:attr:`Strategy.overlap_grad_reduce`, :attr:`Strategy.overlap_param_gather`); Megatron-FSDP
+    (ZeRO 2-3) is priced with both, as dsauto's plans run it."""
+    fsdp = strategy.zero_stage >= 2
+    return strategy.overlap_grad_reduce or fsdp, strategy.overlap_param_gather or fsdp
+
+
 def _megatron_exposed(cost: CostModel, forward: float, backward: float, sync: float, gather: float,
-                      bucket_share: float) -> float:
+                      bucket_share: float, overlap_grads: bool = True, overlap_params: bool = True) -> float:
     """The data-parallel communication Megatron-core leaves exposed once per step, with the
     ``--overlap-grad-reduce`` and ``--overlap-param-gather`` the emitted plan turns on, for one model
     chunk a rank (interleaved pipelines: :func:`_interleaved_exposed`).
@@ -946,15 +955,19 @@ def _megatron_exposed(cost: CostModel, forward: float, backward: float, sync: fl
       behind the first micro-batch's forward except for the first bucket.
 
     ``bucket_share``: one bucket's fraction of the stage's gradients (the last-bucket exposure).
+    Without ``overlap_grads`` (``--overlap-grad-reduce``) the reduction runs whole after the backward,
+    without ``overlap_params`` (``--overlap-param-gather``) the gather whole after the optimizer step:
+    each then exposed whole.
     """
     share = min(1.0, max(0.0, bucket_share))
-    grads = max(cost.overlapped(backward, sync) - backward, share * sync)
-    params = max(cost.overlapped(forward, gather) - forward, share * gather)
+    grads = max(cost.overlapped(backward, sync) - backward, share * sync) if overlap_grads else sync
+    params = max(cost.overlapped(forward, gather) - forward, share * gather) if overlap_params else gather
     return grads + params
 
 
 def _interleaved_exposed(cost: CostModel, forward: Sequence[float], backward: Sequence[float],
-                         sync: Sequence[float], gather: Sequence[float], group: int, bucket_share: float) -> float:
+                         sync: Sequence[float], gather: Sequence[float], group: int, bucket_share: float,
+                         overlap_grads: bool = True, overlap_params: bool = True) -> float:
     """:func:`_megatron_exposed` for a rank of ``len(forward)`` model chunks, each with its own
     buffers: one micro-batch's ``forward`` and ``backward`` per chunk, and its once-per-step
     gradient reduction ``sync`` and parameter gather ``gather`` (seconds alone on the network),
@@ -976,7 +989,9 @@ def _interleaved_exposed(cost: CostModel, forward: Sequence[float], backward: Se
       ``group`` passes of a chunk before the next).
 
     What runs beside compute slows it at the device's overlap efficiency, as in
-    :meth:`~dsauto.cost.terms.DeviceModel.overlapped`."""
+    :meth:`~dsauto.cost.terms.DeviceModel.overlapped`. Without ``overlap_grads`` or ``overlap_params``
+    every chunk's reduction, or gather, runs after the backward, or the optimizer step: exposed whole
+    (finalize_model_grads, and the distributed optimizer's ``step_with_ready_grads``)."""
     lag = 1.0 - cost.device.comm_overlap_efficiency
     # Gradients, from the start of the last group of backward passes.
     clock, free = 0.0, 0.0
@@ -984,7 +999,9 @@ def _interleaved_exposed(cost: CostModel, forward: Sequence[float], backward: Se
         clock += group * b  # this chunk's last micro-batch is through its backward
         free = max(free, clock) + s
     tail = max(0.0, free - clock)
-    grads = tail + lag * (sum(sync) - tail)
+    grads = tail + lag * (sum(sync) - tail) if overlap_grads else sum(sync)
+    if not overlap_params:
+        return grads + sum(gather)
     # Parameters, from the step's start.
     share = min(1.0, max(0.0, bucket_share))
     first = max(cost.overlapped(forward[0], gather[0]) - forward[0], min(share * sum(gather), gather[0]))

@@ -47,6 +47,18 @@ class Strategy:
     Config.grad_reduce_in_fp32, which dsauto's plans set); False: in bf16, as PyTorch FSDP's
     mixed precision with ``reduce_dtype`` bf16 does, and as a plan pinned with
     ``--grad-reduce-in-bf16`` emits."""
+    overlap_grad_reduce: bool = True
+    """Megatron-core's ``--overlap-grad-reduce`` (DistributedDataParallelConfig.overlap_grad_reduce), which
+    dsauto's plans set: each gradient bucket is reduced as soon as the last micro-batch's backward has
+    filled it, beside the rest of that backward. False, Megatron-LM's default: every bucket is reduced
+    at once after the backward, exposed whole (param_and_grad_buffer.py, ``finish_grad_sync`` calls
+    ``start_grad_sync`` synchronously). Read only for Megatron-core's own data parallelism (ZeRO 0-1)."""
+    overlap_param_gather: bool = True
+    """Megatron-core's ``--overlap-param-gather`` under the distributed optimizer, which dsauto's plans
+    set: the updated parameters are gathered bucket by bucket ahead of the next step's forward. False:
+    gathered at once right after the optimizer step, exposed whole (distrib_optimizer.py,
+    ``step_with_ready_grads`` calls ``start_param_sync`` synchronously). Megatron-LM refuses it
+    overlapped without ``overlap_grad_reduce``. Read only under ZeRO 1 on Megatron-core."""
     pipeline_scatter_gather: bool = False
     """Megatron-LM 2021-22's pipeline scatter/gather (``--scatter-gather-tensors-in-pipeline``, on by
     default then, off under sequence parallelism): each tensor-parallel rank sends 1/tp of a stage

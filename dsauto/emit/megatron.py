@@ -460,8 +460,9 @@ def _data_parallel(plan: Plan) -> list[str]:
             f"--data-parallel-sharding-strategy {FSDP_STRATEGY[plan.zero_stage]}",
             "--ckpt-format fsdp_dtensor",  # Megatron-LM's validate_args requires it with Megatron-FSDP
         ]
-    lines.append("--overlap-grad-reduce")
-    if plan.zero_stage >= 1:
+    if plan.overlap_grad_reduce:
+        lines.append("--overlap-grad-reduce")
+    if plan.zero_stage >= 1 and plan.overlap_param_gather:
         lines.append("--overlap-param-gather")  # needs the distributed optimizer or Megatron-FSDP
     lines += optimizer_offload_flags(plan)
     lines.append(f"--ddp-bucket-size {ddp_bucket_size(plan)}")

@@ -55,9 +55,17 @@ VALUED = {
     "--window-attn-skip-freq", "--glu-linear-offset", "--activation-func-clamp-value", "--softmax-type",
     "--moe-router-topk-scaling-factor", "--moe-router-num-groups", "--moe-router-group-topk",
     "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--mtp-num-layers",
-    "--moe-expert-capacity-factor",
+    "--moe-expert-capacity-factor", "--moe-router-load-balancing-type",
 }
-"""Flags read here that take a value (``--recompute-modules`` takes several)."""
+"""Flags read here that take a value (:data:`MULTI_VALUED` several)."""
+
+MULTI_VALUED = {"--recompute-modules", "--moe-router-load-balancing-type"}
+"""Flags of :data:`VALUED` that Megatron-LM reads with several values (``nargs='+'``)."""
+
+ROUTER_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none", "sinkhorn", "quantile_balancing")
+"""Megatron-LM's ``--moe-router-load-balancing-type`` choices (megatron/training/arguments.py): the first
+four add a loss or nothing, the last two rebalance the router's scores, none of them work dsauto prices;
+Megatron-core drops tokens only under the first four (TransformerConfig.__post_init__)."""
 
 SWITCHES = {
     "--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--use-torch-fsdp2",
@@ -81,6 +89,7 @@ UNPRICED = (
     "--data-", "--split", "--tokenizer-", "--vocab-file", "--merge-file", "--mock-data", "--distributed-backend",
     "--distributed-timeout-minutes", "--no-load-", "--exit-", "--timing-log-level", "--ckpt-format",
     "--use-checkpoint-args", "--finetune", "--override-opt_param-scheduler", "--use-mcore-models",
+    "--moe-aux-loss-coeff", "--moe-z-loss-coeff",  # the routers' loss terms, a few values a token
     "--no-gradient-accumulation-fusion", "--manual-gc", "--async-save", "--mtp-loss-scaling-factor", "--no-rope-fusion",
     "--dist-ckpt-", "--no-create-attention-mask-in-dataloader", "--num-workers",
     "--no-async-tensor-model-parallel-allreduce",
@@ -670,7 +679,7 @@ def _flag_values(words: list[str], where: str) -> dict[str, str]:
             while i < len(words) and not words[i].startswith("--"):
                 values.append(words[i])
                 i += 1
-                if name in VALUED and name != "--recompute-modules":
+                if name in VALUED and name not in MULTI_VALUED:
                     break
             value = " ".join(values)
         if name in VALUED and not value:
@@ -938,6 +947,14 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     if experts and padded and factor < 0:
         raise DsautoError(f"{where} sets --moe-pad-expert-input-to-capacity without a positive "
                           f"--moe-expert-capacity-factor, which Megatron-core refuses; add a factor, or drop the flag.")
+    balancing = flags.get("--moe-router-load-balancing-type", "aux_loss").split()
+    if experts and (odd := [kind for kind in balancing if kind not in ROUTER_BALANCING]):
+        raise DsautoError(f"{where} sets --moe-router-load-balancing-type {' '.join(odd)}, which is none of "
+                          f"Megatron-LM's {', '.join(ROUTER_BALANCING)}; give one of them.")
+    if experts and factor > 0 and (rebalanced := [kind for kind in balancing if kind in ROUTER_BALANCING[4:]]):
+        raise DsautoError(f"{where} sets --moe-expert-capacity-factor with --moe-router-load-balancing-type "
+                          f"{rebalanced[0]}, which Megatron-core refuses (it drops tokens only under "
+                          f"{', '.join(ROUTER_BALANCING[:4])}); drop one of them.")
     if experts:
         pins["expert_capacity_factor"] = factor if factor > 0 else None
         pins["expert_pad_to_capacity"] = padded
@@ -970,10 +987,30 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
         launch.notes.append(_te_cross_entropy_note(launch, where))
     if "--optimizer-cpu-offload" not in flags and "--overlap-cpu-optimizer-d2h-h2d" in flags:
         launch.unknown.append("--overlap-cpu-optimizer-d2h-h2d")  # read only beside the offload it serves
-    overlaps = (("--overlap-grad-reduce", True), ("--overlap-param-gather", pins["zero_stage"] >= 1))
-    missing = [name for name, needed in overlaps if needed and name not in flags]
+    _data_parallel_overlap(flags, launch, where)
+
+
+def _data_parallel_overlap(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
+    """Pins the launch's ``--overlap-grad-reduce`` and ``--overlap-param-gather``, off unless given as
+    in Megatron-LM, refusing what its validate_args refuses (megatron/training/arguments.py: the
+    gather overlapped needs the distributed optimizer or Megatron-FSDP, and the reduction overlapped);
+    under Megatron-FSDP, priced with both, says what a launch without them runs otherwise."""
+    zero, grads, params = launch.pins["zero_stage"], "--overlap-grad-reduce" in flags, "--overlap-param-gather" in flags
+    if params and zero == 0:
+        raise DsautoError(f"{where} sets --overlap-param-gather without --use-distributed-optimizer or "
+                          f"--use-megatron-fsdp, which Megatron-LM refuses; add one, or drop the flag.")
+    if params and not grads:
+        raise DsautoError(f"{where} sets --overlap-param-gather without --overlap-grad-reduce, which Megatron-LM "
+                          f"refuses; add --overlap-grad-reduce, or drop --overlap-param-gather.")
+    if zero <= 1:
+        launch.pins["overlap_grad_reduce"] = grads
+        if zero == 1:
+            launch.pins["overlap_param_gather"] = params
+        return
+    missing = [name for name, given in (("--overlap-grad-reduce", grads), ("--overlap-param-gather", params))
+               if not given]
     if missing:
-        launch.notes.append(f"{where} does not set {' or '.join(missing)}, and dsauto prices the data-parallel "
+        launch.notes.append(f"{where} does not set {' or '.join(missing)}, and dsauto prices Megatron-FSDP's "
                             f"communication overlapped as its plans run it; add them to run as priced.")
 
 

@@ -633,6 +633,19 @@ def grad_reduce_refusal(engine: Engine, dtype: Dtype) -> str | None:
     return None
 
 
+def dp_overlap_refusal(engine: Engine, zero_stage: int | None) -> str | None:
+    """Why the data-parallel reduction and gather cannot run unoverlapped (Megatron-LM's launch without
+    ``--overlap-grad-reduce`` or ``--overlap-param-gather``), or None: Megatron-core's own data
+    parallelism only (ZeRO 0-1, ``zero_stage`` None: any of them); dsauto prices Megatron-FSDP with
+    its overlap, as its plans run it."""
+    if engine != "megatron":
+        return "--overlap-grad-reduce and --overlap-param-gather are Megatron-core's; plan with --engine megatron"
+    if zero_stage is not None and zero_stage >= 2:
+        return (f"dsauto prices Megatron-FSDP (ZeRO {zero_stage} on Megatron-core) only with its gathers and "
+                f"reductions overlapped")
+    return None
+
+
 HF_UNRECOMPUTED = ("core_attn",)
 """Selective recomputations dsauto's hook cannot apply to a ``transformers`` decoder layer, whose
 ``self_attn`` holds the projections beside the attention core (dsauto.runtime.recompute)."""

@@ -143,6 +143,7 @@ def strategy_of(plan: Plan) -> Strategy:
                     expert_capacity_factor=plan.expert_capacity_factor,
                     expert_pad_to_capacity=plan.expert_pad_to_capacity,
                     experts_gathered_whole=plan.experts_gathered_whole,
+                    overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
                     precision_aware_optimizer=plan.precision_aware_optimizer,
                     attention_softmax_in_fp32=plan.attention_softmax_in_fp32)
 

@@ -447,8 +447,8 @@ def ddp_config(plan: Plan, *, megatron_fsdp: bool = True, **overrides: Any) -> D
     ``use_megatron_fsdp`` is set, as Megatron-LM does for ``--use-megatron-fsdp``. Megatron-FSDP
     needs CUDA (streams) and, in 0.16, Transformer Engine; with ``megatron_fsdp=False`` ZeRO-2 and 3
     fall back to the distributed optimizer, and the memory that then stays unsharded is reported.
-    Gradient reduction overlaps the backward pass (the plan's cost model hides it there), which needs
-    the training loop to set ``config.no_sync_func`` and ``config.finalize_model_grads_func`` as
+    Gradient reduction overlaps the backward pass where the plan overlaps it (its cost model hides it
+    there), which needs the training loop to set ``config.no_sync_func`` and ``config.finalize_model_grads_func`` as
     Megatron-LM's does. ``overrides`` replace any field.
     """
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -456,8 +456,8 @@ def ddp_config(plan: Plan, *, megatron_fsdp: bool = True, **overrides: Any) -> D
     zero = plan.zero_stage
     fields: dict[str, Any] = dict(
         use_distributed_optimizer=zero >= 1,
-        overlap_grad_reduce=True,
-        overlap_param_gather=zero >= 1,  # needs the distributed optimizer or Megatron-FSDP
+        overlap_grad_reduce=plan.overlap_grad_reduce,
+        overlap_param_gather=zero >= 1 and plan.overlap_param_gather,  # needs the distributed optimizer or FSDP
         bucket_size=ddp_bucket_size(plan),  # counts parameters
         # Megatron-LM reduces in fp32 under bf16 (validate_args) unless --grad-reduce-in-bf16.
         grad_reduce_in_fp32=plan.dtype == "bf16" and plan.grad_reduce_in_fp32,
@@ -495,7 +495,7 @@ def optimizer_config(plan: Plan, **overrides: Any) -> OptimizerConfig:
 
     fields: dict[str, Any] = dict(
         use_distributed_optimizer=plan.zero_stage >= 1,
-        overlap_param_gather=plan.zero_stage >= 1,
+        overlap_param_gather=plan.zero_stage >= 1 and plan.overlap_param_gather,
         bf16=plan.dtype == "bf16",
         fp16=plan.dtype == "fp16",
         params_dtype=_torch_dtype(plan),

@@ -1076,6 +1076,8 @@ class Planner:
             expert_capacity_factor=strategy.expert_capacity_factor,
             expert_pad_to_capacity=strategy.expert_pad_to_capacity,
             experts_gathered_whole=strategy.experts_gathered_whole,
+            overlap_grad_reduce=strategy.overlap_grad_reduce,
+            overlap_param_gather=strategy.overlap_param_gather,
             precision_aware_optimizer=strategy.precision_aware_optimizer,
             attention_softmax_in_fp32=strategy.attention_softmax_in_fp32 or not (
                 strategy.engine == "megatron" and self.train.dtype != "fp32" and not self.train.flash_attention),

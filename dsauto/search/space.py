@@ -26,6 +26,7 @@ from dsauto.engines.rules import (
     expert_capacity_refusal,
     mtp_pipeline_refusal,
     grad_reduce_refusal,
+    dp_overlap_refusal,
     precision_aware_refusal,
     softmax_16_bit_refusal,
     expert_parallel_refusal,
@@ -192,6 +193,22 @@ class Constraints:
                 "bf16 Megatron-core plans only) (default: fp32, Megatron-core's default)"})
     """False: gradients kept and reduced in bf16 (Megatron-core's ``--grad-reduce-in-bf16``); None:
     fp32, the engine's default (never chosen by the search: it trades precision for memory)."""
+    overlap_grad_reduce: bool | None = field(default=None, metadata={
+        "flag": "--no-overlap-grad-reduce", "const": False,
+        "help": "price the gradients reduced at once after the backward and the parameters gathered at once after "
+                "the optimizer step, exposed, as Megatron-LM runs a launch without --overlap-grad-reduce (its "
+                "default) (Megatron-core plans of ZeRO 0-1; default: overlapped, as dsauto's plans run)"})
+    """False: Megatron-core's gradient reduction (and so its parameter gather) unoverlapped
+    (:attr:`dsauto.cost.strategy.Strategy.overlap_grad_reduce`); None: overlapped (never chosen by the
+    search: overlapping costs nothing)."""
+    overlap_param_gather: bool | None = field(default=None, metadata={
+        "flag": "--no-overlap-param-gather", "const": False,
+        "help": "price the distributed optimizer's parameters gathered at once after the optimizer step, exposed, "
+                "as Megatron-LM runs a launch without --overlap-param-gather (Megatron-core plans of ZeRO 0-1; "
+                "default: overlapped with the next forward)"})
+    """False: the distributed optimizer's parameter gather unoverlapped
+    (:attr:`dsauto.cost.strategy.Strategy.overlap_param_gather`); None: overlapped unless
+    ``overlap_grad_reduce`` is False, which Megatron-LM requires of it."""
     attention_softmax_in_fp32: bool | None = field(default=None, metadata={
         "flag": "--no-attention-softmax-in-fp32", "const": False,
         "help": "with --no-flash-attention, price Megatron-core's unfused attention with its softmax in 16 bits, "
@@ -431,12 +448,16 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                # a transformers model's experts (Strategy.experts_gathered_whole)
                                experts_gathered_whole=bool(pins.hf_trainer and model.moe),
                                grad_reduce_in_fp32=pins.grad_reduce_in_fp32 is not False,
+                               overlap_grad_reduce=pins.overlap_grad_reduce is not False,
+                               overlap_param_gather=(pins.overlap_param_gather is not False
+                                                     and pins.overlap_grad_reduce is not False),
                                precision_aware_optimizer=pins.precision_aware_optimizer,
                                attention_softmax_in_fp32=pins.attention_softmax_in_fp32 is not False,
                                fp8=bool(pins.fp8), fp8_recipe=pins.fp8_recipe or "delayed",
                                fp8_param_gather=bool(pins.fp8 and pins.fp8_param_gather), cp_comm_type=exchange,
                                expert_a2a_overlap=bool(pins.expert_a2a_overlap))
            for s in out if runnable[s.engine] and not (pins.fp8_param_gather and s.zero_stage == 0)
+           and not (False in (pins.overlap_grad_reduce, pins.overlap_param_gather) and s.zero_stage >= 2)
            and not (pins.precision_aware_optimizer and (s.zero_stage != 1 or s.offload != "none"))
            # Transformer Engine's fused masked softmax, which keeps 16 bits, needs micro-batch x heads per rank
            # a multiple of 4 (te_softmax_fuses)
@@ -500,7 +521,8 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
     """Flag -> (why ``engine`` cannot run it, what to do) of each pinned engine option it refuses: the
     attention kernel, pinned or the engine's default on the device (``hopper``: it has cuDNN's
     fused attention; :func:`dsauto.engines.rules.attention_kernel_refusal`), ``--tp-comm-overlap``,
-    ``--grad-reduce-in-bf16``, ``--no-attention-softmax-in-fp32``, ``--precision-aware-optimizer``,
+    ``--grad-reduce-in-bf16``, ``--no-overlap-grad-reduce``, ``--no-overlap-param-gather``,
+    ``--no-attention-softmax-in-fp32``, ``--precision-aware-optimizer``,
     ``--moe-dispatcher deepep``, ``--moe-router-force-load-balancing``, ``--fp8`` and ``--cp-comm-type``
     (Megatron-core's). The search drops the engine's strategies when any is refused."""
     out = {}
@@ -524,6 +546,11 @@ def pinned_option_refusals(engine: Engine, pins: Constraints, train: TrainSpec,
         out["--tp-comm-overlap"] = why, "otherwise leave it out"
     if pins.grad_reduce_in_fp32 is False and (why := grad_reduce_refusal(engine, train.dtype)):
         out["--grad-reduce-in-bf16"] = why, "leave it out"
+    for flag, pin in (("--no-overlap-grad-reduce", pins.overlap_grad_reduce),
+                      ("--no-overlap-param-gather", pins.overlap_param_gather)):
+        if pin is False and (why := dp_overlap_refusal(engine, pins.zero_stage)):
+            out[flag] = why, ("otherwise leave it out" if engine != "megatron"
+                              else "pin --zero-stage 0 or 1, or leave it out")
     if pins.attention_softmax_in_fp32 is False and (why := softmax_16_bit_refusal(
             engine, train.dtype, train.flash_attention, train.seq_len)):
         out["--no-attention-softmax-in-fp32"] = why, "leave it out"

@@ -82,3 +82,17 @@ def test_a_gather_is_launched_when_the_chunk_before_it_really_starts(cost):
     # launched as chunk 2 starts (80 + 60 = 140 ms) and ends at 190 ms; chunk 3 starts at 120 + 60 =
     # 180 ms: 10 ms more.
     assert exposed == pytest.approx(0.070 + lag(cost) * (0.150 - 0.070))
+
+
+def test_a_launch_without_the_overlap_flags_waits_for_the_whole_traffic(cost):
+    """Megatron-LM's default launch (no --overlap-grad-reduce): each chunk's gradients are reduced at once
+    after the backward (finish_grad_sync starts the reduction and waits on it), and without
+    --overlap-param-gather the parameters are gathered at once after the optimizer step
+    (step_with_ready_grads): each whole, exposed, with one chunk a rank or several."""
+    args = ([0.05, 0.05], [0.1, 0.1], [0.03, 0.04], [0.02, 0.01], 4, 0.1)
+    assert _interleaved_exposed(cost, *args, False, False) == pytest.approx(0.07 + 0.03)
+    overlapped = _interleaved_exposed(cost, *args)
+    assert overlapped < _interleaved_exposed(cost, *args, True, False) < 0.07 + 0.03
+    assert _megatron_exposed(cost, 0.1, 0.2, 0.07, 0.03, 0.1, False, False) == pytest.approx(0.10)
+    assert _megatron_exposed(cost, 0.1, 0.2, 0.07, 0.03, 0.1, True, False) == pytest.approx(
+        _megatron_exposed(cost, 0.1, 0.2, 0.07, 0.0, 0.1) + 0.03)

@@ -35,6 +35,8 @@ ROUND_TRIPS = [
     ("llama3-8b", "h100-80gb", 1, 64, 4096, dict(precision_aware_optimizer="bf16")),  # bf16 moments, ZeRO 1
     ("gpt2-xl", "a100-80gb", 1, 64, 1024, dict(flash_attention=False)),  # unfused, fp32 softmax copy
     ("gpt2-xl", "a100-80gb", 1, 64, 1024, dict(flash_attention=False, attention_softmax_in_fp32=False)),
+    ("gpt2-xl", "a100-80gb", 2, 64, 1024, dict(zero_stage=1, overlap_param_gather=False)),  # gathered after the step
+    ("gpt2-xl", "a100-80gb", 2, 64, 1024, dict(zero_stage=0, overlap_grad_reduce=False)),  # reduced after backward
 ]
 
 
@@ -221,7 +223,30 @@ def test_what_a_launch_leaves_out_reads_as_megatron_lms_defaults():
             pins["checkpoint"], pins["stage_layers"], pins["vpp"], pins["offload"], pins["fp8"]) == (
         2, 2, 2, False, 0, False, "even", 1, "none", False)
     assert launch.unknown == []  # the learning rate, iterations and data change nothing priced
-    assert launch.notes == ["the arguments does not set --overlap-grad-reduce, and dsauto prices the data-parallel "
+    # Megatron-LM reduces the gradients after the backward unless told otherwise: priced so, no note
+    assert pins["overlap_grad_reduce"] is False and "overlap_param_gather" not in pins  # ZeRO 0 gathers none
+    assert launch.notes == []
+
+
+EXPERTS = "--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall --moe-grouped-gemm"
+
+
+def test_the_routers_balancing_and_its_loss_weights_read_as_priced():
+    """Megatron-LM's balancing types (several at once) add loss terms or rebalance scores: none changes
+    what dsauto prices, so a launch's are read, not named as unknown; a dense launch ignores them."""
+    launch = parse_megatron_args(f"{MINIMAL} {EXPERTS} --moe-router-load-balancing-type seq_aux_loss global_aux_loss "
+                                 f"--moe-aux-loss-coeff 1e-3 1e-4 --moe-z-loss-coeff 1e-3".split())
+    assert launch.unknown == [] and launch.pins["expert_capacity_factor"] is None
+    sinkhorn = parse_megatron_args(f"{MINIMAL} {EXPERTS} --moe-router-load-balancing-type sinkhorn".split())
+    assert sinkhorn.unknown == [] and sinkhorn.pins["ep"] == 1
+    assert parse_megatron_args(f"{MINIMAL} --moe-router-load-balancing-type balanced".split()).unknown == []
+
+
+def test_megatron_fsdp_launches_without_overlap_are_named_as_priced_overlapped():
+    launch = parse_megatron_args(f"{MINIMAL} --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                                 f"--overlap-grad-reduce".split())
+    assert "overlap_grad_reduce" not in launch.pins
+    assert launch.notes == ["the arguments does not set --overlap-param-gather, and dsauto prices Megatron-FSDP's "
                             "communication overlapped as its plans run it; add them to run as priced."]
 
 
@@ -247,7 +272,12 @@ def test_transformer_engines_fused_loss_is_named_as_priced_high():
     ("--recompute-granularity selective --recompute-modules core_attn mlp", {"recompute_modules": "core_attn,mlp"}),
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", {"checkpoint": True}),
     ("--recompute-granularity full --recompute-method block --recompute-num-layers 1", {"recompute_num_layers": 1}),
-    ("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather", {"zero_stage": 1}),
+    ("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather",
+     {"zero_stage": 1, "overlap_grad_reduce": True, "overlap_param_gather": True}),
+    ("--use-distributed-optimizer --overlap-grad-reduce",
+     {"zero_stage": 1, "overlap_grad_reduce": True, "overlap_param_gather": False}),
+    ("--use-distributed-optimizer", {"overlap_grad_reduce": False, "overlap_param_gather": False}),
+    ("--overlap-grad-reduce", {"zero_stage": 0, "overlap_grad_reduce": True, "overlap_param_gather": None}),
     ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params", {"zero_stage": 3}),
     ("--decoder-first-pipeline-num-layers 1 --decoder-last-pipeline-num-layers 3", {"stage_layers": (1, 3)}),
     ("--num-layers-per-virtual-pipeline-stage 1", {"vpp": 2}),
@@ -278,6 +308,12 @@ def test_each_choice_a_launch_fixes_becomes_a_pin(extra, pins):
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2", "uniform recomputation"),
     ("--recompute-granularity full", "without --recompute-method"),
     ("--use-torch-fsdp2", "dsauto prices Megatron-FSDP"),
+    (f"{EXPERTS} --moe-expert-capacity-factor 1.0 --moe-router-load-balancing-type sinkhorn",
+     "with --moe-router-load-balancing-type sinkhorn, which Megatron-core refuses .it drops tokens only under aux_loss"),
+    (f"{EXPERTS} --moe-router-load-balancing-type aux_loss balanced", "sets --moe-router-load-balancing-type balanced, "
+                                                                      "which is none of Megatron-LM's"),
+    ("--overlap-grad-reduce --overlap-param-gather", "without --use-distributed-optimizer or --use-megatron-fsdp"),
+    ("--use-distributed-optimizer --overlap-param-gather", "without --overlap-grad-reduce, which Megatron-LM refuses"),
     ("--optimizer-cpu-offload --optimizer-offload-fraction 0.5", "offloads part of the optimizer"),
     ("--pipeline-model-parallel-layout Et*3|tmL", "places 1 multi-token-prediction layer.s., and it sets no --mtp-num-layers"),
     ("--pipeline-model-parallel-layout Et*3|txL", "does not read"),
