@@ -354,8 +354,10 @@ def _launch_from_args(args: argparse.Namespace
     for note in launch.notes:
         warnings.warn(note, DsautoWarning, stacklevel=2)
     args.launch_bucket = launch.ddp_bucket_size
-    return (launch.model, launch.train, launch.pins, launch.world, launch.spelled, launch.world_planned,
-            launch.hardware)
+    # A launcher size the job may set (its ${NAME:-default}) gives way to the command line's.
+    world = {key: size for key, size in launch.world.items()
+             if key not in launch.world_from_job or getattr(args, key) is None}
+    return launch.model, launch.train, launch.pins, world, launch.spelled, launch.world_planned, launch.hardware
 
 
 def in_launch_spelling(message: str, spelled: Mapping[str, str]) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import fnmatch
 import re
 import shlex
 from collections.abc import Iterable, Sequence
@@ -55,12 +56,15 @@ VALUED = {
     "--window-attn-skip-freq", "--glu-linear-offset", "--activation-func-clamp-value", "--softmax-type",
     "--moe-router-topk-scaling-factor", "--moe-router-num-groups", "--moe-router-group-topk",
     "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--mtp-num-layers",
-    "--moe-expert-capacity-factor", "--moe-router-load-balancing-type",
+    "--moe-expert-capacity-factor", "--moe-router-load-balancing-type", "--rampup-batch-size",
+    "--step-batch-size-schedule",
 }
 """Flags read here that take a value (:data:`MULTI_VALUED` several)."""
 
-MULTI_VALUED = {"--recompute-modules", "--moe-router-load-balancing-type"}
-"""Flags of :data:`VALUED` that Megatron-LM reads with several values (``nargs='+'``)."""
+MULTI_VALUED = {"--recompute-modules", "--moe-router-load-balancing-type", "--rampup-batch-size",
+                "--step-batch-size-schedule"}
+"""Flags of :data:`VALUED` that take several words: Megatron-LM's lists (``nargs='+'``), and a schedule
+whose quoted words an unquoted array splits."""
 
 ROUTER_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none", "sinkhorn", "quantile_balancing")
 """Megatron-LM's ``--moe-router-load-balancing-type`` choices (megatron/training/arguments.py): the first
@@ -78,7 +82,7 @@ SWITCHES = {
     "--moe-router-enable-expert-bias", "--moe-grouped-gemm", "--use-rotary-position-embeddings",
     "--moe-router-pre-softmax", "--moe-layer-recompute", "--moe-enable-deepep",
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-    "--moe-pad-expert-input-to-capacity",
+    "--moe-pad-expert-input-to-capacity", "--bert-no-binary-head",
     "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-masked-softmax-fusion",
 }
 """Flags read here that take no value."""
@@ -86,10 +90,12 @@ SWITCHES = {
 UNPRICED = (
     "--lr", "--min-lr", "--lr-", "--weight-decay", "--clip-grad", "--adam-", "--init-method-std", "--seed",
     "--train-iters", "--train-samples", "--eval-", "--log-", "--tensorboard-", "--wandb-", "--save", "--load",
-    "--data-", "--split", "--tokenizer-", "--vocab-file", "--merge-file", "--mock-data", "--distributed-backend",
+    "--data-", "--split", "--tokenizer-", "--tiktoken-", "--no-mmap-bin-files", "--vocab-file", "--merge-file", "--mock-data", "--distributed-backend",
     "--distributed-timeout-minutes", "--no-load-", "--exit-", "--timing-log-level", "--ckpt-format",
     "--use-checkpoint-args", "--finetune", "--override-opt_param-scheduler", "--use-mcore-models",
     "--moe-aux-loss-coeff", "--moe-z-loss-coeff",  # the routers' loss terms, a few values a token
+    "--decoupled-lr", "--decoupled-min-lr", "--calculate-per-token-loss", "--fp8-amax-history-len",
+    "--fp8-amax-compute-algo", "--profile", "--empty-unused-memory-level",  # numerics, tracing, the allocator's cache
     "--no-gradient-accumulation-fusion", "--manual-gc", "--async-save", "--mtp-loss-scaling-factor", "--no-rope-fusion",
     "--dist-ckpt-", "--no-create-attention-mask-in-dataloader", "--num-workers",
     "--no-async-tensor-model-parallel-allreduce",
@@ -140,6 +146,9 @@ class MegatronLaunch:
     (:func:`planned_world`)."""
     world_planned: bool = False
     """Whether :attr:`world` is the one dsauto's own file was planned for, not a launcher's."""
+    world_from_job: set[str] = field(default_factory=set)
+    """The keys of ``world`` the launcher takes from a ``${NAME:-default}`` the job may set, which
+    the command line's --nodes and --gpus-per-node override."""
     hardware: str | None = None
     """The hardware dsauto's own file was planned on, as its first line names it; None for another file."""
 
@@ -155,24 +164,35 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
     line continuations, ``#`` comments; other words before the first flag (a launcher and its
     script) are skipped. ``model``: the model named otherwise (``--model``), which the flags'
     model, if they describe one, must match (:func:`parse_megatron_args`)."""
-    path, defaults = Path(path), {}
+    path, defaults, unevaluated = Path(path), {}, {}
     try:
         text = path.read_text()
     except OSError as error:
         raise DsautoError(f"cannot read the Megatron-LM arguments {path}: {error.strerror}; give a readable "
                           f"file.") from None
     try:
-        expanded = expand_shell_variables(text, defaults)
+        expanded = expand_shell_variables(text, defaults, unevaluated)
         words = shlex.split(expanded.replace("\\\n", " "), comments=True)
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
     launch = parse_megatron_args(words, str(path), model, launch_environment(expanded), launch_vocabulary(text))
     if defaults:
-        taken = ", ".join(f"{name}={shlex.quote(value)}" for name, value in defaults.items())
+        named = {(f"${name}" if name.isdigit() else name): value for name, value in defaults.items()}  # $1: an argument
+        taken = ", ".join(f"{name}={shlex.quote(value)}" for name, value in named.items())
         its, them = ("their defaults", "them") if len(defaults) > 1 else ("its default", "it")
-        launch.notes.append(f"{path} leaves {', '.join(defaults)} to the job and dsauto takes {its} ({taken}), as "
+        launch.notes.append(f"{path} leaves {', '.join(named)} to the job and dsauto takes {its} ({taken}), as "
                             f"bash does where the job does not set {them}; write the values the job runs into the "
                             f"file if they differ.")
+        # A launcher size the job may set gives way to the command line's.
+        job = {name: f"${name}" for name in defaults}
+        fixed = launcher_world(_launcher_words(shlex.split(
+            expand_shell_variables(text, job=job).replace("\\\n", " "), comments=True)))
+        launch.world_from_job = {key for key in launch.world if key not in fixed}
+    if unevaluated:
+        tests = "; ".join(f"{name} under `{test}`" for name, test in unevaluated.items())
+        launch.notes.append(f"{path} sets {', '.join(unevaluated)} in a branch whose test depends on what the job "
+                            f"sets ({tests}), and dsauto reads the file as if that branch did not run; write the "
+                            f"values the job runs into the file if it does.")
     if not launch.world and not _launcher_words(words) and (planned := planned_world(text)):
         launch.world, launch.world_planned = planned, True
         launch.hardware = planned_hardware(text)
@@ -210,47 +230,89 @@ def _planned_line(text: str) -> re.Match[str] | None:
 _ASSIGNMENT = re.compile(r"(?:export[ \t]+|declare[ \t]+-a[ \t]+)?([A-Za-z_]\w*)(\+?)=")
 _QUOTED_ARRAY = re.compile(r"\"(\$\{[A-Za-z_]\w*\[[@*]\]\})\"")
 _REFERENCE = re.compile(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}|\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
-_DEFAULTED = re.compile(r"\$\{([A-Za-z_]\w*)(:?)([-=])")
+_DEFAULTED = re.compile(r"\$\{([A-Za-z_]\w*|\d+)(:?)([-=])")  # a positional argument's too: ${1:-default}
 _ARITHMETIC = re.compile(r"[\d\s+\-*/%()]+")
 _INTEGER = re.compile(r"-?\d+")
 
 
-def expand_shell_variables(text: str, defaults: dict[str, str] | None = None) -> str:
+def expand_shell_variables(text: str, defaults: dict[str, str] | None = None,
+                           unevaluated: dict[str, str] | None = None, job: dict[str, str] | None = None) -> str:
     """``text`` with the bash arrays it defines (``NAME=( ... )``, ``NAME+=( ... )``) taken out and
     each ``${NAME[@]}`` replaced by their words, and each ``$NAME`` / ``${NAME}`` of a variable it
-    sets to one value (``NAME=value``, ``export NAME=value``) replaced by that value, quoted, as
+    sets to one value (``NAME=value``, ``export NAME=value``) replaced by that value, as
     Megatron-LM's example launch scripts build their command (``torchrun ${DISTRIBUTED_ARGS[@]}
-    pretrain_gpt.py ${GPT_MODEL_ARGS[@]} ...``). Only assignments that start a line count: an
-    indented one may sit in a branch. A variable set outside the file (``$1``, ``$NNODES`` from the
-    job) stays as written, and nothing inside single quotes or a comment is expanded.
+    pretrain_gpt.py ${GPT_MODEL_ARGS[@]} ...``): unquoted, an element or a value splits into words
+    at its blanks, as bash splits it, quoted it stays one word (each element one word in
+    ``"${NAME[@]}"``). A variable set outside the file (``$1``, ``$NNODES`` from the job) stays as
+    written, and nothing inside single quotes or a comment is expanded.
+
+    ``if``/``elif``/``else``/``fi`` blocks are read as bash runs them where their tests (``[[ ... ]]``,
+    ``[ ... ]``, ``test``: string and integer comparisons, ``-z``, ``-n``, ``!``, ``&&``, ``||``) are
+    over the file's own values: the branch taken sets what it sets, even indented, and the others
+    are left out. A branch whose test the file cannot decide (a variable from the job, a file test)
+    sets nothing: each variable it would set is added to ``unevaluated`` with the test, for the
+    caller to say so.
 
     ``${NAME:-default}`` (and ``${NAME-default}``; ``${NAME:=default}`` also sets NAME) takes the
     file's value of NAME, else its default, as bash does where the job does not set NAME: each default taken is
-    added to ``defaults`` by name, for the caller to say so. Integer arithmetic ``$((...))`` over
+    added to ``defaults`` by name, for the caller to say so; ``job`` gives values as if the job set
+    them. Integer arithmetic ``$((...))`` over
     numbers and the file's whole-number variables is computed as bash computes it (division and
     remainder truncated towards zero); one over anything else stays as written."""
     defaults = {} if defaults is None else defaults
-    scalars: dict[str, str] = {}
+    unevaluated = {} if unevaluated is None else unevaluated
+    scalars: dict[str, str] = dict(job or {})
     arrays: dict[str, list[str]] = {}
     out: list[str] = []
+    blocks: list[_Branch] = []  # the open if-blocks, innermost last
     pos = 0
     while pos < len(text):
-        match = _ASSIGNMENT.match(text, pos)
         line_end = text.find("\n", pos)
         line_end = len(text) if line_end < 0 else line_end + 1
+        line = text[pos:line_end]
+        indent = len(line) - len(line.lstrip(" \t"))
+        keyword, test = _branch_line(line.strip())
+        runs = all(block.runs is True for block in blocks)  # this line runs, as far as the file says
+        if keyword:
+            if keyword == "if":
+                blocks.append(_Branch(_test(_substitute(test, scalars, arrays, defaults), test) if runs else False,
+                                      test))
+            elif blocks and keyword == "fi":
+                blocks.pop()
+            elif blocks:
+                block = blocks[-1]
+                block.taken = _either(block.taken, block.runs)
+                decided = False if block.taken is True else None if block.taken is None else True
+                if keyword == "elif" and decided is not False:
+                    decided = _both(decided, _test(_substitute(test, scalars, arrays, defaults), test))
+                block.runs, block.test = decided, test or block.test
+            out.append("\n")
+            pos = line_end
+            continue
+        skipped = any(block.runs is False for block in blocks)
+        match = _ASSIGNMENT.match(text, pos + indent) if indent == 0 or blocks else None
         if match and text.startswith("(", match.end()):
             close = _closing_parenthesis(text, match.end() + 1)
-            body = _substitute(text[match.end() + 1:close], scalars, arrays, defaults)
-            words = shlex.split(body.replace("\\\n", " "), comments=True)
             name, append = match.group(1), match.group(2)
-            arrays[name] = arrays.get(name, []) + words if append else words
+            if runs:
+                body = _substitute(text[match.end() + 1:close], scalars, arrays, defaults)
+                words = shlex.split(body.replace("\\\n", " "), comments=True)
+                arrays[name] = arrays.get(name, []) + words if append else words
+            elif not skipped:
+                unevaluated.setdefault(name, next(block.test for block in blocks if block.runs is None))
             rest = text.find("\n", close)
             pos = len(text) if rest < 0 else rest + 1
             continue
-        line = text[pos:line_end]
-        if match and not match.group(2):
+        if skipped:
+            out.append("\n")
+            pos = line_end
+            continue
+        if match and not runs:
+            unevaluated.setdefault(match.group(1), next(block.test for block in blocks if block.runs is None))
+        elif match and not match.group(2):
             try:
-                value = shlex.split(_substitute(line[match.end() - pos:], scalars, arrays, defaults), comments=True)
+                value = shlex.split(_substitute(line[match.end() - pos:], scalars, arrays, defaults, assigned=True),
+                                    comments=True)
             except ValueError:
                 value = []
             if len(value) <= 1:  # NAME=value or NAME= (set, empty); NAME=value command: the command's
@@ -258,6 +320,88 @@ def expand_shell_variables(text: str, defaults: dict[str, str] | None = None) ->
         out.append(_substitute(line, scalars, arrays, defaults))
         pos = line_end
     return "".join(out)
+
+
+@dataclass
+class _Branch:
+    """An open ``if`` block of a launch script (:func:`expand_shell_variables`)."""
+
+    runs: bool | None
+    """Whether the branch being read runs; None: the file cannot tell."""
+    test: str
+    """The test that decides it, as written."""
+    taken: bool | None = False
+    """Whether an earlier branch of the block ran."""
+
+
+def _branch_line(line: str) -> tuple[str, str]:
+    """(keyword, test) of a line that opens, continues or closes an if-block: ``if TEST; then``,
+    ``elif TEST; then``, ``else``, ``fi`` (``then`` may stand on the next line, read as nothing);
+    ('', '') for any other line, a one-line ``if ...; fi`` included."""
+    found = re.fullmatch(r"(if|elif)\s+(.*?)\s*(?:;\s*then|\s+then)?(\s+#.*)?", line)
+    if found and not re.search(r"\bfi\s*(#.*)?$", line):
+        return found.group(1), found.group(2)
+    word = re.sub(r"\s*(#.*)?$", "", line)
+    if word in ("else", "fi", "then"):
+        return ("" if word == "then" else word), ""
+    return "", ""
+
+
+def _either(a: bool | None, b: bool | None) -> bool | None:
+    """Three-valued or (None: cannot tell)."""
+    return True if True in (a, b) else None if None in (a, b) else False
+
+
+def _both(a: bool | None, b: bool | None) -> bool | None:
+    """Three-valued and (None: cannot tell)."""
+    return False if False in (a, b) else None if None in (a, b) else True
+
+
+_INTEGER_COMPARISONS = {"-eq": int.__eq__, "-ne": int.__ne__, "-lt": int.__lt__, "-le": int.__le__,
+                        "-gt": int.__gt__, "-ge": int.__ge__}
+
+
+def _test(expanded: str, written: str) -> bool | None:
+    """Whether the ``if`` test ``expanded`` (``written`` with the file's values substituted) holds, as
+    bash evaluates it; None where it depends on what the file does not set (a ``$`` left, a file
+    test, a command)."""
+    try:
+        words = shlex.split(expanded)
+    except ValueError:
+        return None
+    if "$" in expanded.replace("$$", "") or not words or words[0] not in ("[[", "[", "test", "!"):
+        return None
+    result: bool | None = None
+    operator = None
+    clause: list[str] = []
+    for word in words + ["&&"]:
+        if word in ("[[", "]]", "[", "]", "test"):
+            continue
+        if word not in ("&&", "||", "-a", "-o"):
+            clause.append(word)
+            continue
+        value = _clause(clause)
+        result = value if operator is None else (_both(result, value) if operator in ("&&", "-a")
+                                                 else _either(result, value))
+        operator, clause = word, []
+    return result
+
+
+def _clause(words: list[str]) -> bool | None:
+    """One comparison of an ``if`` test (:func:`_test`), or None where it is not one dsauto evaluates."""
+    negated = bool(words) and words[0] == "!"
+    words = words[negated:]
+    value: bool | None = None
+    if len(words) == 2 and words[0] in ("-z", "-n"):
+        value = (words[1] == "") == (words[0] == "-z")
+    elif len(words) == 1:
+        value = words[0] != ""
+    elif len(words) == 3 and words[1] in ("=", "==", "!="):
+        matches = fnmatch.fnmatchcase(words[0], words[2])  # [[ == ]] matches a pattern, a plain word itself
+        value = matches if words[1] != "!=" else not matches
+    elif len(words) == 3 and words[1] in _INTEGER_COMPARISONS and all(_INTEGER.fullmatch(w) for w in words[::2]):
+        value = _INTEGER_COMPARISONS[words[1]](int(words[0]), int(words[2]))
+    return None if value is None else value != negated
 
 
 def _closing_parenthesis(text: str, pos: int) -> int:
@@ -297,12 +441,19 @@ def _closing(text: str, pos: int, opening: str, closing: str, comments: bool) ->
 
 
 def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]], defaults: dict[str, str],
-                double: bool = False) -> str:
-    """``text`` with the references to ``arrays`` and ``scalars`` replaced by their values, quoted
-    as words outside double quotes, not at all inside single quotes or a comment; defaults and
+                double: bool = False, assigned: bool = False) -> str:
+    """``text`` with the references to ``arrays`` and ``scalars`` replaced by their values: outside
+    double quotes split into words at their blanks, as bash splits an unquoted expansion, each word
+    quoted; inside them as they are; not at all inside single quotes or a comment. Defaults and
     arithmetic as :func:`expand_shell_variables` says. ``double``: ``text`` starts inside double
-    quotes (a default's word within a quoted ``"${NAME:-...}"``)."""
-    text = _QUOTED_ARRAY.sub(r"\1", text)  # "${NAME[@]}": each element a word of its own, as unquoted
+    quotes (a default's word within a quoted ``"${NAME:-...}"``); ``assigned``: ``text`` is the value
+    of an assignment, which bash does not split."""
+    def quoted_array(found: re.Match[str]) -> str:  # "${NAME[@]}": each element a word of its own
+        name = found.group(1)[2:].partition("[")[0]
+        return shlex.join(arrays[name]) if name in arrays else found.group(1)
+
+    text = _QUOTED_ARRAY.sub(quoted_array, text)
+    split = not double and not assigned
     out, pos, word_start = [], 0, True
     while pos < len(text):
         c = text[pos]
@@ -337,7 +488,7 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
             close = _closing_brace(text, defaulted.end())
             if name in scalars and not (colon and scalars[name] == ""):  # ':' also defaults an empty value
                 value = scalars[name]
-                out.append(_as_word(value, double))
+                out.append(_as_words(value, double) if split else _as_word(value, double))
             else:
                 word = text[defaulted.end():close]
                 if double:  # inside "...": the default's own quotes are removed, its spaces kept
@@ -360,10 +511,10 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
         if match:
             array, braced, bare = match.groups()
             if array is not None and array in arrays:
-                out.append(" ".join(arrays[array]) if double else shlex.join(arrays[array]))
+                out.append(" ".join(arrays[array]) if double else _as_words(" ".join(arrays[array]), False))
             elif array is None and (braced or bare) in scalars:
                 value = scalars[braced or bare]
-                out.append(_as_word(value, double))
+                out.append(_as_words(value, double) if split else _as_word(value, double))
             else:
                 out.append(match.group(0))
             pos, word_start = match.end(), False
@@ -374,6 +525,12 @@ def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]]
         word_start = c.isspace()
         pos += 1
     return "".join(out)
+
+
+def _as_words(value: str, double: bool) -> str:
+    """``value`` unquoted, split at its blanks into words as bash splits an expansion, each quoted
+    (nothing, for an empty value); inside double quotes as :func:`_as_word`."""
+    return _as_word(value, True) if double else shlex.join(value.split())
 
 
 def _as_word(value: str, double: bool) -> str:
@@ -456,8 +613,8 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     ``model``, the launch plans that model, after checking that the flags describe it (its
     vocabulary stands in for a missing ``--vocab-size``: Megatron-LM reads it from the tokenizer; so
     does ``vocabulary``, the one dsauto's own file states, without a model)."""
-    words = list(words)
-    flags = _flag_values(words, where)
+    words, repeated = list(words), []
+    flags = _flag_values(words, where, repeated)
     undescribed = [spelling for spelling in DESCRIBED_BY_MODEL if _sets(flags, spelling)]
     for spelling, what in REFUSED.items():
         if _sets(flags, spelling) and not (model is not None and spelling in DESCRIBED_BY_MODEL):
@@ -468,15 +625,26 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
                                   f"--model (for dsauto's own file, the --model it was planned with).")
             raise DsautoError(f"{where} sets {spelling}, and dsauto does not price {what}; remove it, or plan "
                               f"without --megatron-args.")
+    architecture, notes = _architecture(words, where)
+    notes = repeated + notes
+    if model is not None and model.architecture != architecture:
+        raise DsautoError(f"{where} trains {'an encoder (pretrain_bert.py)' if architecture == 'encoder' else 'a decoder'}"
+                          f", and --model {model.name} is {'an encoder' if model.architecture == 'encoder' else 'a decoder'}"
+                          f"; plan the model the launch trains.")
     described = None
     if model is None or not undescribed:
-        described = _model(flags, where, model.vocab_size if model is not None else vocabulary)
+        described = _model(flags, where, model.vocab_size if model is not None else vocabulary, architecture)
     else:
         _check_undescribed_model(flags, model, where)
     if model is not None and described is not None:
         _check_model(described, model, where, flags, _int(flags, "--seq-length", where, 0))
+    if model is not None and described is not None:
+        model = _launch_settings(described, model, flags, where, notes)
+    if architecture == "encoder" and "--bert-no-binary-head" not in flags:
+        notes.append(f"{where} trains BERT's next-sentence head (no --bert-no-binary-head), which dsauto leaves out "
+                     f"of the plan (a pooler of hidden x hidden and a two-way classifier, little of the step); its "
+                     f"flags add --bert-no-binary-head.")
     mtp = _int(flags, "--mtp-num-layers", where, 0, minimum=0) or 0
-    notes = []
     if model is not None and model.mtp_layers != mtp:
         # the launch trains the multi-token-prediction layers it builds, whatever the model's config has
         notes.append(f"{where} sets {'--mtp-num-layers ' + str(mtp) if '--mtp-num-layers' in flags else 'no --mtp-num-layers'}, and --model "
@@ -506,6 +674,61 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     launch.unknown = sorted(launch.unknown + [name for name in flags
                                               if name not in known and not name.startswith(UNPRICED)])
     return launch
+
+
+LAUNCH_SETTINGS = {"norm_epsilon": ("--norm-epsilon", "the norms' epsilon"),
+                   "norm_plus_one": ("--apply-layernorm-1p", "the norms' weights as offsets from 1"),
+                   "rotary_base": ("--rotary-base", "the rotary base"),
+                   "gelu_tanh": ("--no-bias-gelu-fusion", "GeLU's tanh approximation fused with its bias")}
+"""Model fields a launch's flags set whatever ``--model`` says (the numerics of its norms and
+positions, the GeLU's form), which the plan takes from the launch (:func:`_launch_settings`): the
+flag that sets each and what it is."""
+
+
+def _launch_settings(described: ModelSpec, model: ModelSpec, flags: dict[str, str], where: str,
+                     notes: list[str]) -> ModelSpec:
+    """``model`` (named with ``--model``) with the :data:`LAUNCH_SETTINGS` the launch's flags
+    ``described`` otherwise, each said in ``notes``: the plan and the flags it writes train what the
+    launch trains. The rotary base only where both have rotary positions."""
+    changed = {}
+    for name, (flag, what) in LAUNCH_SETTINGS.items():
+        got, want = getattr(described, name), getattr(model, name)
+        if got == want or (name == "rotary_base" and model.position_embedding != "rope"):
+            continue
+        said = "sets" if flag in flags else f"sets no {flag}, so"
+        notes.append(f"{where} {said} {what} {_setting(got)}, and --model {model.name} has {_setting(want)}: the "
+                     f"plan trains the launch's.")
+        changed[name] = got
+    return dataclasses.replace(model, **changed) if changed else model
+
+
+def _setting(value: Any) -> str:
+    """A launch setting as a note writes it: on / off, or the number."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+MEGATRON_SCRIPTS = {"pretrain_gpt.py": "decoder", "pretrain_bert.py": "encoder"}
+"""Megatron-LM's training scripts whose models dsauto prices, and the architecture each builds."""
+
+
+def _architecture(words: list[str], where: str) -> tuple[str, list[str]]:
+    """The architecture the launch's training script builds (:data:`MEGATRON_SCRIPTS`; a bare list of
+    flags: a decoder, as dsauto's own file for one) and the notes on it: a script of another name
+    is priced as pretrain_gpt.py's decoder, said in a note; Megatron-LM's other pretrain_ scripts
+    (T5, Mamba, vision, ...) are refused."""
+    index = _script_index(words)
+    if index is None:
+        return "decoder", []
+    script = Path(words[index]).name
+    if script in MEGATRON_SCRIPTS:
+        return MEGATRON_SCRIPTS[script], []
+    if script.startswith("pretrain_"):
+        raise DsautoError(f"{where} runs {script}; dsauto prices the models of Megatron-LM's "
+                          f"{' and '.join(MEGATRON_SCRIPTS)}.")
+    return "decoder", [f"{where} runs {script}, not Megatron-LM's {' or '.join(MEGATRON_SCRIPTS)}, and dsauto "
+                       f"prices its model as pretrain_gpt.py builds one from these flags (a causal decoder)."]
 
 
 def _with_mtp_layers(model: ModelSpec, mtp: int, where: str) -> ModelSpec:
@@ -604,6 +827,7 @@ def _sets(flags: dict[str, str], spelling: str) -> bool:
     name, _, value = spelling.partition(" ")
     return name in flags and (not value or flags[name] == value)
 
+
 SPELLED = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
            "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
            "etp": "--expert-tensor-parallel-size", "vpp": "--num-virtual-stages-per-pipeline-rank",
@@ -619,8 +843,12 @@ deepspeed launcher's (``--num_nodes``, ``--num_gpus``)."""
 
 
 def _script_index(words: list[str]) -> int | None:
-    """Where the training script (the first word ending in ``.py``) stands, or None."""
-    return next((i for i, word in enumerate(words) if word.endswith(".py")), None)
+    """Where the training script stands, or None: the first word ending in ``.py`` that a flag
+    follows, else the first ending so; an assignment (``SCRIPT=pretrain_gpt.py``) is none."""
+    scripts = [i for i, word in enumerate(words) if word.endswith(".py") and not _ASSIGNMENT.fullmatch(
+        word.partition("=")[0] + "=")]
+    return next((i for i in scripts if i + 1 < len(words) and words[i + 1].startswith("--")),
+                scripts[0] if scripts else None)
 
 
 def _launcher_words(words: list[str]) -> list[str]:
@@ -659,11 +887,13 @@ def _fixed_size(value: str) -> bool:
     return low.isdigit() and int(low) >= 1 and (not high or high == low)
 
 
-def _flag_values(words: list[str], where: str) -> dict[str, str]:
+def _flag_values(words: list[str], where: str, repeated: list[str] | None = None) -> dict[str, str]:
     """{flag: its value ('' for a switch; several words joined by spaces)}. The words up to the
     training script (the first ending in ``.py``), or to the first flag without one, are the
     launcher's and are skipped. A flag read here takes the values it takes; any other takes every
-    word up to the next flag (Megatron-LM's lists, such as ``--data-path``)."""
+    word up to the next flag (Megatron-LM's lists, such as ``--data-path``). A flag given twice keeps
+    its last value, as argparse does; one read here with two values is said in ``repeated``."""
+    repeated = [] if repeated is None else repeated
     script = _script_index(words)
     i = script + 1 if script is not None else next((i for i, word in enumerate(words) if word.startswith("--")),
                                                    len(words))
@@ -684,9 +914,10 @@ def _flag_values(words: list[str], where: str) -> dict[str, str]:
             value = " ".join(values)
         if name in VALUED and not value:
             raise DsautoError(f"{where} gives {name} no value; give it one.")
-        if name in flags and flags[name] != value:
-            raise DsautoError(f"{where} sets {name} twice ({flags[name]!r} and {value!r}); keep one.")
-        flags[name] = value
+        if name in flags and flags[name] != value and name in VALUED | SWITCHES:
+            repeated.append(f"{where} sets {name} twice ({flags[name]!r}, then {value!r}); Megatron-LM takes the "
+                            f"last, and so does dsauto.")
+        flags[name] = value  # argparse keeps the last
     return flags
 
 
@@ -767,9 +998,12 @@ def _mlp(flags: dict[str, str], where: str) -> tuple[str, float]:
     return ("relu2" if "--squared-relu" in flags else "gelu"), 0.0
 
 
-def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSpec | None:
+def _model(flags: dict[str, str], where: str, vocabulary: int | None, architecture: str = "decoder"
+           ) -> ModelSpec | None:
     """The model of the flags, with Megatron-LM's defaults (GPT: GeLU, LayerNorm, learned positions,
-    tied embeddings, biases, dropout 0.1); None without ``--num-layers``."""
+    tied embeddings, biases, dropout 0.1; BERT, ``architecture`` encoder, the same pre-norm layers
+    and a token-type embedding of 2 rows beside its next-sentence head, none without it:
+    pretrain_bert.py's num_tokentypes); None without ``--num-layers``."""
     if "--num-layers" not in flags:
         return None
     missing = [name for name in ("--hidden-size", "--num-attention-heads", "--seq-length") if name not in flags]
@@ -802,7 +1036,7 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
     # multiple of 64.
     ffn_default = int(4 * hidden * 2 / 3 / 64) * 64 if mlp == "swiglu" else 4 * hidden
     fields: dict[str, Any] = dict(
-        name="megatron-args", architecture="decoder", num_layers=_int(flags, "--num-layers", where),
+        name="megatron-args", architecture=architecture, num_layers=_int(flags, "--num-layers", where),
         hidden_size=hidden, num_attention_heads=heads,
         ffn_hidden_size=_int(flags, "--ffn-hidden-size", where, ffn_default),
         vocab_size=_int(flags, "--vocab-size", where, vocabulary),
@@ -820,6 +1054,8 @@ def _model(flags: dict[str, str], where: str, vocabulary: int | None) -> ModelSp
         # Megatron fuses bias and GeLU (the tanh approximation) when the layers have biases.
         gelu_tanh=mlp == "gelu" and biases and "--no-bias-gelu-fusion" not in flags,
     )
+    if architecture == "encoder":
+        fields.update(type_vocab_size=0 if "--bert-no-binary-head" in flags else 2)
     if position == "rope":
         fields.update(rotary_base=_float(flags, "--rotary-base", where, 10000.0),
                       rotary_percent=_float(flags, "--rotary-percent", where, 1.0))
@@ -863,6 +1099,14 @@ MODEL_FLAGS = {
 
 def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     train, pins = launch.train, launch.pins
+    if "--step-batch-size-schedule" in flags:
+        # Megatron-LM refuses it beside --global-batch-size (validate_args)
+        raise DsautoError(f"{where} sets --step-batch-size-schedule, whose batch changes as training goes, "
+                          f"{'beside --global-batch-size, which Megatron-LM refuses; ' if '--global-batch-size' in flags else 'and '}"
+                          f"dsauto prices a step of one batch: give that batch's --global-batch-size instead.")
+    if "--rampup-batch-size" in flags:
+        launch.notes.append(f"{where} ramps its batch up (--rampup-batch-size), and dsauto prices the steps of the "
+                            f"batch it reaches, --global-batch-size.")
     if "--global-batch-size" not in flags:
         # Megatron-LM's default is one micro-batch per data-parallel rank, a number of the plan.
         raise DsautoError(f"{where} does not set --global-batch-size; give it, so that the plan trains the "
@@ -884,6 +1128,10 @@ def _batch(flags: dict[str, str], launch: MegatronLaunch, where: str) -> None:
     elif kernels[backend]:
         pins["attention_kernel"] = kernels[backend]
     if "--fp8-format" in flags:
+        if _choice(flags, "--fp8-format", where, "hybrid", ("hybrid", "e4m3")) == "e4m3":
+            launch.notes.append(f"{where} trains FP8 in E4M3 alone (--fp8-format e4m3), and dsauto prices it as "
+                                f"hybrid (E5M2 gradients), the same GEMMs and casts; its flags write --fp8-format "
+                                f"hybrid.")
         pins["fp8"] = True
         pins["fp8_recipe"] = _choice(flags, "--fp8-recipe", where, "delayed", ("delayed", "tensorwise"))
         pins["fp8_param_gather"] = "--fp8-param-gather" in flags
@@ -971,7 +1219,9 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
     if dispatcher == "flex" and flags.get("--moe-flex-dispatcher-backend", "deepep") == "deepep":
         pins["expert_dispatcher"] = "deepep"
     elif dispatcher != "alltoall":
-        raise DsautoError(f"{where} dispatches the experts' tokens with {dispatcher}; dsauto prices alltoall "
+        used = (f"the flex dispatcher's {flags['--moe-flex-dispatcher-backend']} backend "
+                f"(--moe-flex-dispatcher-backend)" if dispatcher == "flex" else dispatcher)
+        raise DsautoError(f"{where} dispatches the experts' tokens with {used}; dsauto prices alltoall "
                           f"(--moe-token-dispatcher-type alltoall) and DeepEP (flex with the deepep backend).")
     _virtual_stages(flags, launch, where)
     _layout(flags, launch, where)

@@ -360,6 +360,11 @@ def _one_stage_order(picked: Sequence[int]) -> list[int]:
     return [picked[0], *picked[2:], picked[1]]
 
 
+NEAR_MISS_BUDGETS = (1.05, 1.25)
+"""The looser budgets, as multiples of the device's, under which a search that fits nothing looks
+for the nearest plan to quote (:meth:`Planner._near_miss`)."""
+
+
 class Planner:
     """Searches plans for one model, cluster and workload. Pure: same inputs, same plans."""
 
@@ -372,6 +377,7 @@ class Planner:
         self.profile = profile
         self.calibration = calibration
         self._mixed_layers = mixed_layer_kinds(model, train.seq_len)
+        self._quote_nearest = True  # a search that fits nothing quotes the nearest plan (_near_miss)
 
     def _price(self, strategy: Strategy) -> _Priced:
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
@@ -897,6 +903,7 @@ class Planner:
             return len(kept) >= top_k and bound >= max(-kept[0][0], best * (1 + within))
 
         host_short: list[Plan] = []
+        over: list[Plan] = []  # the DP's plans over the budget, for the sentence when nothing fits
 
         def consider(i: int, candidate: _Priced, bound: float) -> bool:
             """Solves one strategy and keeps its plan; False when no plan of it fits."""
@@ -906,6 +913,7 @@ class Planner:
             if plan is not None and plan.prediction.peak_memory_bytes > self.cluster.memory_budget_bytes:
                 if bounded_out(bound):
                     return True  # whatever fits would be slower than the plans kept
+                over.append(plan)
                 # Over the budget at a moment the layer DP does not see (the optimizer update):
                 # look for the per-layer choices that fit it too.
                 plan = self._fit_update(candidate) or (self._fit_zero3(candidate) if candidate.zero3 is not None
@@ -948,18 +956,38 @@ class Planner:
         for i, candidate, bound in self._offloaded(spilled, priced, bounds, bounded_out, offloaded):
             consider(i, candidate, bound)
         if not kept:
-            raise DsautoError(self._does_not_fit([p for p in priced if p is not None] + offloaded, host_short))
+            nearest = min(over, key=lambda plan: plan.prediction.peak_memory_bytes, default=None)
+            nearest = nearest or (self._near_miss() if self._quote_nearest else None)
+            raise DsautoError(self._does_not_fit([p for p in priced if p is not None] + offloaded, host_short,
+                                                 nearest))
         near = [e for e in near if -e[0] <= best * (1 + within)] if within > 0 else []
         return [plan for _, _, plan in sorted(kept + near, key=lambda e: (-e[0], -e[1]))]
 
-    def _does_not_fit(self, priced: Sequence[_Priced], host_short: Sequence[Plan] = ()) -> str:
+    def _near_miss(self) -> Plan | None:
+        """Where no plan fits and the layer DP built none over the budget either (it refuses a layer
+        that leaves no room), the fastest plan within :data:`NEAR_MISS_BUDGETS` times the budget,
+        for the sentence to quote how far it is over; None beyond them."""
+        budget = self.cluster.memory_budget_bytes
+        for factor in NEAR_MISS_BUDGETS:
+            looser = Planner(self.model, dataclasses.replace(self.cluster, memory_limit_bytes=int(budget * factor)),
+                             self.train, self.pins, self.profile, self.calibration)
+            looser._quote_nearest = False
+            try:
+                return looser.search()[0]
+            except DsautoError:
+                continue
+        return None
+
+    def _does_not_fit(self, priced: Sequence[_Priced], host_short: Sequence[Plan] = (),
+                      nearest: Plan | None = None) -> str:
         """The sentence for a search that found no plan within the budget. The layers' lower bound
         (:meth:`_Priced.least_memory`) is quoted only where it exceeds the budget: a bound at or below it
         says nothing of what a plan needs (the plans went over at a moment the bound leaves out, such as
         the optimizer update, or the host's memory held no offload). Raising --memory-limit is offered
         only where the user set it below the device's memory less its reserve, and unpinning only the
         choices the user pinned, by their options. Where plans fit the devices but not the node's host
-        memory (``host_short``), that is what it says."""
+        memory (``host_short``), that is what it says; where the layer DP's plans went over the budget,
+        the one with the least peak (``nearest``) is quoted with its peak and stage."""
         fits_on = f"{self.model.name} does not fit on {self.cluster.world_size} x {self.cluster.device.name}"
         if host_short:
             need = min(self._node_host_bytes(plan) for plan in host_short)
@@ -972,6 +1000,13 @@ class Planner:
         where = f"{fits_on} with {format_bytes(budget)} per device under any allowed setting"
         why = (f"the smallest plan needs at least {format_bytes(least)} per device" if budget < least < math.inf else
                "no plan priced stays within it at every moment of the step")
+        if nearest is not None and not budget < least < math.inf:
+            stage = max(nearest.stages, key=lambda st: st.peak_bytes)
+            peak = nearest.prediction.peak_memory_bytes
+            why += (f" (the nearest, {nearest.dims.describe()} ZeRO {nearest.zero_stage} micro-batch "
+                    f"{nearest.micro_batch}, peaks at {format_bytes(peak)}"
+                    f"{f' on pipeline stage {stage.stage}' if nearest.pp > 1 else ''}, "
+                    f"{format_bytes(peak - budget)} over)")
         state = min((p.least_state(self.model.num_layers) for p in priced), default=math.inf)
         if budget < least < math.inf and 0 < state < math.inf:  # 0: all of it offloaded
             # Which remedy can work: a state over the budget needs more sharding or devices, one

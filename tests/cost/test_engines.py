@@ -4,6 +4,7 @@ search offers only what each engine runs, and near-ties go to the plan with memo
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -225,3 +226,21 @@ def test_unoverlapped_data_parallelism_is_megatron_cores_own(pins, message):
                                     overlap_grad_reduce=False), top_k=50)
     assert plans and all(p.engine == "megatron" and p.zero_stage <= 1 and not p.overlap_grad_reduce
                          and not p.overlap_param_gather for p in plans)
+
+
+def test_a_search_that_fits_nothing_quotes_how_far_the_nearest_plan_is_over():
+    """A launch pinned whole that misses its budget by a little is told by how much, and where."""
+    from dsauto.units import format_bytes
+
+    pins = dict(tp=1, pp=1, zero_stage=1, micro_batch=1, checkpoint=False, engine="megatron", offload="none",
+                recompute_modules="none")
+    problem = make_problem("llama3-8b", "h100-80gb", global_batch=64, seq_len=4096, memory_limit="79GiB", **pins)
+    peak = find_plans(problem)[0].prediction.peak_memory_bytes
+    tight = f"{(peak - 2**26) / 2**20:.3f}MiB"  # 64 MiB short
+    budget = make_problem("llama3-8b", "h100-80gb", global_batch=64, seq_len=4096, memory_limit=tight,
+                          **pins).cluster.memory_budget_bytes
+    with pytest.raises(DsautoError, match=rf"no plan priced stays within it at every moment of the step \(the nearest, "
+                                          rf"tp=1 pp=1 dp=8 ZeRO 1 micro-batch 1, peaks at "
+                                          rf"{re.escape(format_bytes(peak))}, {re.escape(format_bytes(peak - budget))} "
+                                          rf"over\)"):
+        find_plans(make_problem("llama3-8b", "h100-80gb", global_batch=64, seq_len=4096, memory_limit=tight, **pins))

@@ -242,6 +242,54 @@ def test_the_routers_balancing_and_its_loss_weights_read_as_priced():
     assert parse_megatron_args(f"{MINIMAL} --moe-router-load-balancing-type balanced".split()).unknown == []
 
 
+def test_a_flag_given_twice_keeps_its_last_value_as_argparse_does():
+    launch = parse_megatron_args(f"{MINIMAL} --tensor-model-parallel-size 4 --lr 1e-4 --lr 2e-4".split())
+    assert launch.pins["tp"] == 4
+    assert launch.notes == ["the arguments sets --tensor-model-parallel-size twice ('2', then '4'); Megatron-LM "
+                            "takes the last, and so does dsauto."]  # --lr, which nothing priced reads, unsaid
+
+
+def test_megatron_lms_batch_schedules_and_fp8_formats_read_as_priced():
+    """A ramp-up reaches the launch's batch, whose steps are priced (said); a step schedule has no one
+    batch, and Megatron-LM refuses it beside --global-batch-size; E4M3 alone is priced as hybrid FP8."""
+    ramp = parse_megatron_args(f"{MINIMAL} --rampup-batch-size 2 2 1000".split())
+    assert ramp.train["global_batch"] == 8 and ramp.unknown == []
+    assert ramp.notes == ["the arguments ramps its batch up (--rampup-batch-size), and dsauto prices the steps of "
+                          "the batch it reaches, --global-batch-size."]
+    with pytest.raises(DsautoError, match="beside --global-batch-size, which Megatron-LM refuses"):
+        parse_megatron_args(f"{MINIMAL} --step-batch-size-schedule 0:4,100:8".split())
+    e4m3 = parse_megatron_args(f"{MINIMAL} --bf16 --fp8-format e4m3".split())
+    assert e4m3.pins["fp8"] and "prices it as hybrid (E5M2 gradients)" in e4m3.notes[0]
+    with pytest.raises(DsautoError, match="sets --fp8-format e5m2; dsauto prices hybrid and e4m3"):
+        parse_megatron_args(f"{MINIMAL} --bf16 --fp8-format e5m2".split())
+
+
+def test_the_training_script_decides_the_architecture(tmp_path):
+    """pretrain_bert.py trains an encoder (bidirectional attention), its next-sentence head left out and
+    said; pretrain_gpt.py a decoder; another of Megatron-LM's pretrain_ scripts is refused, a script of
+    one's own priced as pretrain_gpt.py's decoder, said; a named model of the other kind is refused."""
+    body = " " + MINIMAL.replace(" --data-path /data/x", "") + "\n"
+    script = tmp_path / "train.sh"
+    script.write_text("torchrun --nproc_per_node 4 pretrain_bert.py" + body)
+    bert = read_megatron_args(script)
+    assert bert.model.architecture == "encoder" and bert.model.type_vocab_size == 2
+    assert "trains BERT's next-sentence head (no --bert-no-binary-head)" in bert.notes[0]
+    script.write_text("torchrun --nproc_per_node 4 pretrain_bert.py --bert-no-binary-head" + body)
+    assert read_megatron_args(script).model.type_vocab_size == 0
+    with pytest.raises(DsautoError, match="trains an encoder .pretrain_bert.py., and --model gpt-tiny is a decoder"):
+        read_megatron_args(script, load_model("gpt-tiny"))
+    script.write_text("torchrun --nproc_per_node 4 pretrain_t5.py" + body)
+    with pytest.raises(DsautoError, match="runs pretrain_t5.py; dsauto prices the models of Megatron-LM's "
+                                          "pretrain_gpt.py and pretrain_bert.py"):
+        read_megatron_args(script)
+    script.write_text("SCRIPT=my_train.py\ntorchrun --nproc_per_node 4 $SCRIPT" + body)
+    own = read_megatron_args(script)
+    assert own.model.architecture == "decoder" and own.pins["tp"] == 2
+    assert own.notes[0].endswith("runs my_train.py, not Megatron-LM's pretrain_gpt.py or pretrain_bert.py, and "
+                                 "dsauto prices its model as pretrain_gpt.py builds one from these flags (a causal "
+                                 "decoder).")
+
+
 def test_megatron_fsdp_launches_without_overlap_are_named_as_priced_overlapped():
     launch = parse_megatron_args(f"{MINIMAL} --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
                                  f"--overlap-grad-reduce".split())
@@ -310,6 +358,8 @@ def test_each_choice_a_launch_fixes_becomes_a_pin(extra, pins):
     ("--use-torch-fsdp2", "dsauto prices Megatron-FSDP"),
     (f"{EXPERTS} --moe-expert-capacity-factor 1.0 --moe-router-load-balancing-type sinkhorn",
      "with --moe-router-load-balancing-type sinkhorn, which Megatron-core refuses .it drops tokens only under aux_loss"),
+    (EXPERTS.replace("alltoall", "flex") + " --moe-flex-dispatcher-backend hybridep",
+     "dispatches the experts' tokens with the flex dispatcher's hybridep backend .--moe-flex-dispatcher-backend."),
     (f"{EXPERTS} --moe-router-load-balancing-type aux_loss balanced", "sets --moe-router-load-balancing-type balanced, "
                                                                       "which is none of Megatron-LM's"),
     ("--overlap-grad-reduce --overlap-param-gather", "without --use-distributed-optimizer or --use-megatron-fsdp"),
@@ -320,7 +370,6 @@ def test_each_choice_a_launch_fixes_becomes_a_pin(extra, pins):
     ("--pipeline-model-parallel-layout Et|t*2|tL", "not a multiple of pp 2"),
     ("--decoder-first-pipeline-num-layers 5", "no even split"),
     ("--hidden-dropout 0.0", "dropout to attention only"),
-    ("--tensor-model-parallel-size 4", "sets --tensor-model-parallel-size twice"),
     ("--num-experts 8 --moe-router-topk 2", "dispatches the experts' tokens with allgather"),
     ("--position-embedding-type none", "does not price a model without position embeddings"),
     ("--normalization LayerNorm1P", "dsauto prices LayerNorm and RMSNorm"),
@@ -352,7 +401,12 @@ def test_a_launch_needs_its_vocabulary_or_a_named_model():
         parse_megatron_args(words)
     gpt = dataclasses.replace(load_model("gpt-tiny"), num_layers=4, hidden_size=256, num_attention_heads=4,
                               ffn_hidden_size=1024, max_position_embeddings=256, tied_embeddings=True, dropout=True)
-    assert parse_megatron_args(words, model=gpt).model is gpt
+    assert parse_megatron_args(words + ["--no-bias-gelu-fusion"], model=gpt).model is gpt
+    # What the flags set of the numerics and the GeLU's form, the plan takes from the launch, saying so.
+    fused = parse_megatron_args(words, model=gpt)
+    assert fused.model == dataclasses.replace(gpt, gelu_tanh=True)
+    assert fused.notes == ["the arguments sets no --no-bias-gelu-fusion, so GeLU's tanh approximation fused with its "
+                           "bias on, and --model gpt-tiny has off: the plan trains the launch's."]
     with pytest.raises(DsautoError, match="num_layers 4, and --model gpt-tiny has 6"):
         parse_megatron_args(words, model=dataclasses.replace(gpt, num_layers=6))
     # Megatron-LM's defaults count as said: no --hidden-dropout 0 means dropout, no flag the biases.
@@ -517,20 +571,23 @@ def test_a_script_of_bash_arrays_reads_as_the_command_they_build(tmp_path):
 
 
 def test_shell_expansion_reads_as_bash_would(tmp_path):
-    """A comment holding parentheses, ``$(hostname)`` and a quoted ``)`` do not close an array; a value
-    with a quote stays one word; an indented assignment (a branch) sets nothing; nothing inside single
-    quotes is expanded."""
+    """A comment holding parentheses, ``$(hostname)`` and a quoted ``)`` do not close an array; an
+    unquoted value with a quote and a blank splits at the blank, as bash splits it; an assignment in a
+    branch that depends on the job sets nothing, and is reported; nothing inside single quotes is
+    expanded."""
     from dsauto.engines.megatron_args import expand_shell_variables
 
     text = ("NAME=\"bob's run\"\nTP=4\nif [ -n \"$BIG\" ]; then\n    TP=8\nfi\n"
             "ARGS=(\n    --tensor-model-parallel-size $TP   # TP (inside a node)\n"
             "    --master_addr $(hostname) --tag ')' --note 'a $TP'\n    --pipeline-model-parallel-size 2\n)\n"
             "torchrun x.py \"${ARGS[@]}\" --wandb-exp-name $NAME\n")
-    words = shlex.split(expand_shell_variables(text), comments=True)
+    unevaluated: dict[str, str] = {}
+    words = shlex.split(expand_shell_variables(text, unevaluated=unevaluated), comments=True)
     command = words[words.index("torchrun"):]
     assert command == ["torchrun", "x.py", "--tensor-model-parallel-size", "4", "--master_addr", "$(hostname)",
                        "--tag", ")", "--note", "a $TP", "--pipeline-model-parallel-size", "2",
-                       "--wandb-exp-name", "bob's run"]
+                       "--wandb-exp-name", "bob's", "run"]
+    assert unevaluated == {"TP": '[ -n "$BIG" ]'}
 
 
 def test_shell_defaults_and_arithmetic_read_as_bash_computes_them(tmp_path):
@@ -550,7 +607,7 @@ def test_shell_defaults_and_arithmetic_read_as_bash_computes_them(tmp_path):
         "x.py", "--a", "9", "--b", "-2", "--c", "-3", "--d", "$((X * 2))", "--e", "32", "--f", "z", "--g", "z",
         "--h", "$((M * 2))",  # a variable holding other text than a number: bash would evaluate it
         "--i", "$((N / 0))", "--j", "2", "--k", "a b", "--l", "3",
-        "--m", "5", "--n", "",  # ':-' defaults an empty value too, '-' an unset one alone
+        "--m", "5", "--n",  # ':-' defaults an empty value too, '-' an unset one alone: unquoted, it is no word
         "--o", "a b", "--p", "4"]
     assert defaults == {"TP": "2", "G": "8", "R": "z", "Q": "a b", "SLURM_NN": "3", "NN": "3",
                         "X": "a b", "TPS": "4"}  # not E: the file sets it, empty
@@ -581,6 +638,35 @@ def test_shell_defaults_and_arithmetic_read_as_bash_computes_them(tmp_path):
         read_megatron_args(script)
 
 
+def test_branches_and_word_splitting_read_as_bash_runs_them():
+    """if/elif/else blocks over the file's own values run as bash runs them, indented assignments in the
+    branch taken included (Megatron-LM's FP8 scripts append their FP8 flags so); unquoted expansions
+    split at blanks, quoted ones stay words; a branch over what the job sets is left out and named."""
+    import subprocess
+
+    from dsauto.engines.megatron_args import expand_shell_variables
+
+    script = ('DTYPE="fp8"\nN=2\nMODE=a\nPAIR="--x 1"\nARGS=(--bf16)\n'
+              'if [[ "$DTYPE" == "fp8" ]]; then\n'
+              '    ARGS+=(\n        "--fp8-format hybrid"\n        "--fp8-param-gather"\n    )\n'
+              '    if [ $N -gt 4 ]; then\n        ARGS+=(--big)\n    elif [ "$MODE" = a ] && [ -n "$MODE" ]; then\n'
+              '        ARGS+=(--mode-a)\n        TP=4\n    else\n        ARGS+=(--other)\n    fi\n'
+              'elif [[ $DTYPE == bf* ]]; then\n    ARGS+=(--no)\nelse\n    ARGS+=(--no2)\nfi\n'
+              'if [[ ! "$DTYPE" != fp* || -z "$DTYPE" ]]; then\n  ARGS+=(--negated)\nfi\n'
+              'set -- ${ARGS[@]} "${ARGS[@]}" --tp ${TP:-1} $PAIR "$PAIR"\n')
+    bash = subprocess.run(["bash", "-c", script + 'printf "%s\\n" "$@"'], capture_output=True, text=True,
+                          check=True).stdout.split("\n")[:-1]
+    ours = shlex.split(expand_shell_variables(script).splitlines()[-1], comments=True)[2:]
+    assert ours == bash == ["--bf16", "--fp8-format", "hybrid", "--fp8-param-gather", "--mode-a", "--negated",
+                            "--bf16", "--fp8-format hybrid", "--fp8-param-gather", "--mode-a", "--negated",
+                            "--tp", "4", "--x", "1", "--x 1"]
+    unevaluated: dict[str, str] = {}
+    expanded = expand_shell_variables('if [ -f /etc/x ]; then\n  A=(--a)\nelse\n  B=2\nfi\nset -- ${A[@]} $B\n',
+                                      unevaluated=unevaluated)
+    assert unevaluated == {"A": "[ -f /etc/x ]", "B": "[ -f /etc/x ]"}
+    assert shlex.split(expanded.splitlines()[-1]) == ["set", "--", "${A[@]}", "$B"]
+
+
 def test_the_launcher_sizes_the_plan_where_it_says_how_many_ranks_it_starts(tmp_path, capsys):
     """torchrun's --nnodes and --nproc-per-node (and the deepspeed launcher's --num_nodes and
     --num_gpus) give the world the command line leaves out; one that contradicts them is refused; a
@@ -599,6 +685,19 @@ def test_the_launcher_sizes_the_plan_where_it_says_how_many_ranks_it_starts(tmp_
     launch = read_megatron_args(script)
     assert launch.world == {} and f"{script}'s launcher sets --nproc-per-node $GPUS, --nnodes 1:4, which fixes no size" \
         in launch.notes[0]
+    # A size from a default the job may set (Megatron-LM's Mixtral script) gives way to the command line's.
+    script.write_text("NNODES=${SLURM_NNODES:-1}\ntorchrun --nnodes $NNODES --nproc_per_node 8" + body)
+    launch = read_megatron_args(script)
+    assert launch.world == {"nodes": 1, "gpus_per_node": 8} and launch.world_from_job == {"nodes"}
+    script.write_text("CKPT=${1:-ckpt}\ntorchrun --nproc_per_node 8" + body.rstrip() + " --save $CKPT\n")
+    assert any("leaves $1 to the job and dsauto takes its default ($1=ckpt)" in note
+               for note in read_megatron_args(script).notes)  # a positional argument's default
+    script.write_text("NNODES=${SLURM_NNODES:-1}\ntorchrun --nnodes $NNODES --nproc_per_node 8" + body)
+    capsys.readouterr()
+    assert main(["plan", "--megatron-args", str(script), "--hardware", "h100-80gb", "--nodes", "2"]) == 0
+    assert "on 2 x 8 h100-80gb (16 devices)" in capsys.readouterr().out
+    assert main(["plan", "--megatron-args", str(script), "--hardware", "h100-80gb", "--gpus-per-node", "4"]) == 2
+    assert "launcher starts 8 ranks a node and the command line gives --gpus-per-node 4" in capsys.readouterr().err
 
 
 def test_errors_name_the_flags_the_launch_file_set(tmp_path, capsys):
