@@ -344,7 +344,7 @@ def _launch_from_args(args: argparse.Namespace
     from dsauto.spec.loaders import as_model
 
     named = as_model(args.model) if args.model else None
-    launch = read_megatron_args(args.megatron_args, named)
+    launch = read_megatron_args(args.megatron_args, named, {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node})
     if launch.model is None:
         raise DsautoError(f"{args.megatron_args} does not describe the model (no --num-layers); name it with "
                           f"--model.")
@@ -354,10 +354,8 @@ def _launch_from_args(args: argparse.Namespace
     for note in launch.notes:
         warnings.warn(note, DsautoWarning, stacklevel=2)
     args.launch_bucket = launch.ddp_bucket_size
-    # A launcher size the job may set (its ${NAME:-default}) gives way to the command line's.
-    world = {key: size for key, size in launch.world.items()
-             if key not in launch.world_from_job or getattr(args, key) is None}
-    return launch.model, launch.train, launch.pins, world, launch.spelled, launch.world_planned, launch.hardware
+    return (launch.model, launch.train, launch.pins, launch.world, launch.spelled, launch.world_planned,
+            launch.hardware)
 
 
 def in_launch_spelling(message: str, spelled: Mapping[str, str]) -> str:
@@ -545,8 +543,7 @@ def _check_trial_plans(problem: Problem, on_cpu: bool) -> None:
     try:
         if per_rank <= 0:
             raise DsautoError("no memory per rank")
-        Planner(problem.model, dataclasses.replace(cluster, memory_limit_bytes=per_rank), problem.train,
-                pins).search()
+        Planner(problem.model, cluster, problem.train, pins).with_budget(per_rank).search(near_miss=False)
     except DsautoError:
         raise DsautoError(
             f"Trials run {ranks} rank{'s' if ranks > 1 else ''} of {problem.model.name} on this machine's CPU, "

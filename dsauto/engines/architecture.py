@@ -93,7 +93,7 @@ def megatron_gaps(model: ModelSpec) -> list[str]:
         gaps.append("a bias on the router's linear layer")
     if model.moe_expert_bias and not all_biased:
         gaps.append("biases on the experts' matrices only (Megatron's biases are all linear layers)")
-    if model.architecture == "encoder":
+    if model.architecture == "encoder" and model.type_vocab_size:
         gaps.append(f"the token-type embedding ({model.type_vocab_size} rows); Megatron's BERT has one "
                     f"only with the binary head")
     return gaps

@@ -15,9 +15,7 @@ gradient buckets, overlap flags the launch leaves out).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import fnmatch
 import re
 import shlex
 from collections.abc import Iterable, Sequence
@@ -34,6 +32,7 @@ from dsauto.engines.megatron import (
     PLANNED_FOR,
     te_softmax_fuses,
 )
+from dsauto.engines.shell import expand_shell_variables, is_assignment
 from dsauto.errors import DsautoError
 from dsauto.plan import ACCOUNTED_STAGES, MOMENT_BYTES, accounted_chunks, even_chunks, rank_totals
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec, in_own_words
@@ -57,12 +56,12 @@ VALUED = {
     "--moe-router-topk-scaling-factor", "--moe-router-num-groups", "--moe-router-group-topk",
     "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype", "--mtp-num-layers",
     "--moe-expert-capacity-factor", "--moe-router-load-balancing-type", "--rampup-batch-size",
-    "--step-batch-size-schedule",
+    "--step-batch-size-schedule", "--moe-aux-loss-coeff",
 }
 """Flags read here that take a value (:data:`MULTI_VALUED` several)."""
 
 MULTI_VALUED = {"--recompute-modules", "--moe-router-load-balancing-type", "--rampup-batch-size",
-                "--step-batch-size-schedule"}
+                "--step-batch-size-schedule", "--moe-aux-loss-coeff"}
 """Flags of :data:`VALUED` that take several words: Megatron-LM's lists (``nargs='+'``), and a schedule
 whose quoted words an unquoted array splits."""
 
@@ -93,7 +92,7 @@ UNPRICED = (
     "--data-", "--split", "--tokenizer-", "--tiktoken-", "--no-mmap-bin-files", "--vocab-file", "--merge-file", "--mock-data", "--distributed-backend",
     "--distributed-timeout-minutes", "--no-load-", "--exit-", "--timing-log-level", "--ckpt-format",
     "--use-checkpoint-args", "--finetune", "--override-opt_param-scheduler", "--use-mcore-models",
-    "--moe-aux-loss-coeff", "--moe-z-loss-coeff",  # the routers' loss terms, a few values a token
+    "--moe-z-loss-coeff",  # the router's loss term, a few values a token
     "--decoupled-lr", "--decoupled-min-lr", "--calculate-per-token-loss", "--fp8-amax-history-len",
     "--fp8-amax-compute-algo", "--profile", "--empty-unused-memory-level",  # numerics, tracing, the allocator's cache
     "--no-gradient-accumulation-fusion", "--manual-gc", "--async-save", "--mtp-loss-scaling-factor", "--no-rope-fusion",
@@ -146,9 +145,6 @@ class MegatronLaunch:
     (:func:`planned_world`)."""
     world_planned: bool = False
     """Whether :attr:`world` is the one dsauto's own file was planned for, not a launcher's."""
-    world_from_job: set[str] = field(default_factory=set)
-    """The keys of ``world`` the launcher takes from a ``${NAME:-default}`` the job may set, which
-    the command line's --nodes and --gpus-per-node override."""
     hardware: str | None = None
     """The hardware dsauto's own file was planned on, as its first line names it; None for another file."""
 
@@ -159,11 +155,15 @@ ENVIRONMENT = ("NVTE_MASKED_SOFTMAX_FUSION",)
 dsauto's own megatron_args.txt): Transformer Engine's masked-softmax fusion, 0 to turn it off."""
 
 
-def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> MegatronLaunch:
+def read_megatron_args(path: Path | str, model: ModelSpec | None = None,
+                       sizes: dict[str, int | None] | None = None) -> MegatronLaunch:
     """The launch in the file at ``path``: Megatron-LM flags separated by spaces or lines, ``\\``
     line continuations, ``#`` comments; other words before the first flag (a launcher and its
     script) are skipped. ``model``: the model named otherwise (``--model``), which the flags'
-    model, if they describe one, must match (:func:`parse_megatron_args`)."""
+    model, if they describe one, must match (:func:`parse_megatron_args`). ``sizes``: the
+    command line's ``nodes`` and ``gpus_per_node``, None where not given: where the launcher takes
+    one from a variable the job may set (``${SLURM_NNODES:-1}``), that variable is set so, as the
+    job would set it, and what the file computes from it follows (:func:`_job_for_sizes`)."""
     path, defaults, unevaluated = Path(path), {}, {}
     try:
         text = path.read_text()
@@ -171,7 +171,8 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
         raise DsautoError(f"cannot read the Megatron-LM arguments {path}: {error.strerror}; give a readable "
                           f"file.") from None
     try:
-        expanded = expand_shell_variables(text, defaults, unevaluated)
+        job = _job_for_sizes(text, sizes or {})
+        expanded = expand_shell_variables(text, defaults, unevaluated, job)
         words = shlex.split(expanded.replace("\\\n", " "), comments=True)
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
@@ -183,20 +184,41 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None) -> Mega
         launch.notes.append(f"{path} leaves {', '.join(named)} to the job and dsauto takes {its} ({taken}), as "
                             f"bash does where the job does not set {them}; write the values the job runs into the "
                             f"file if they differ.")
-        # A launcher size the job may set gives way to the command line's.
-        job = {name: f"${name}" for name in defaults}
-        fixed = launcher_world(_launcher_words(shlex.split(
-            expand_shell_variables(text, job=job).replace("\\\n", " "), comments=True)))
-        launch.world_from_job = {key for key in launch.world if key not in fixed}
+    if job:
+        setting = ", ".join(f"{name}={value}" for name, value in job.items())
+        launch.notes.append(f"{path}'s launcher takes its size from what the job sets, and dsauto sets {setting} for "
+                            f"the command line's --nodes and --gpus-per-node, as the job would.")
     if unevaluated:
         tests = "; ".join(f"{name} under `{test}`" for name, test in unevaluated.items())
-        launch.notes.append(f"{path} sets {', '.join(unevaluated)} in a branch whose test depends on what the job "
-                            f"sets ({tests}), and dsauto reads the file as if that branch did not run; write the "
-                            f"values the job runs into the file if it does.")
+        launch.notes.append(f"{path} sets {', '.join(unevaluated)} where dsauto cannot tell from the file whether "
+                            f"bash runs it ({tests}), and reads the file as if it did not; write the values the job "
+                            f"runs into the file if it does.")
     if not launch.world and not _launcher_words(words) and (planned := planned_world(text)):
         launch.world, launch.world_planned = planned, True
         launch.hardware = planned_hardware(text)
     return launch
+
+
+def _job_for_sizes(text: str, sizes: dict[str, int | None]) -> dict[str, str]:
+    """The variables the job would set for the launcher to start the command line's ``sizes``
+    (``nodes``, ``gpus_per_node``), where the launcher takes another size from a ``${NAME:-default}``
+    the job may set: for each such size, the first defaulted variable that, set to the size, makes
+    the launcher start it; none where the file fixes the size itself."""
+    job: dict[str, str] = {}
+    for key, given in sizes.items():
+        if given is None:
+            continue
+        defaults: dict[str, str] = {}
+        words = shlex.split(expand_shell_variables(text, defaults, job=job).replace("\\\n", " "), comments=True)
+        if launcher_world(_launcher_words(words)).get(key, given) == given:
+            continue
+        for name in defaults:
+            trial = {**job, name: str(given)}
+            words = shlex.split(expand_shell_variables(text, job=trial).replace("\\\n", " "), comments=True)
+            if launcher_world(_launcher_words(words)).get(key) == given:
+                job = trial
+                break
+    return job
 
 
 def planned_world(text: str) -> dict[str, int]:
@@ -225,363 +247,6 @@ def _planned_line(text: str) -> re.Match[str] | None:
         if found := re.fullmatch(rf"#\s*{re.escape(PLANNED_FOR)} .* on (\d+) x (\d+) (.+)\.", line):
             return found
     return None
-
-
-_ASSIGNMENT = re.compile(r"(?:export[ \t]+|declare[ \t]+-a[ \t]+)?([A-Za-z_]\w*)(\+?)=")
-_QUOTED_ARRAY = re.compile(r"\"(\$\{[A-Za-z_]\w*\[[@*]\]\})\"")
-_REFERENCE = re.compile(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}|\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
-_DEFAULTED = re.compile(r"\$\{([A-Za-z_]\w*|\d+)(:?)([-=])")  # a positional argument's too: ${1:-default}
-_ARITHMETIC = re.compile(r"[\d\s+\-*/%()]+")
-_INTEGER = re.compile(r"-?\d+")
-
-
-def expand_shell_variables(text: str, defaults: dict[str, str] | None = None,
-                           unevaluated: dict[str, str] | None = None, job: dict[str, str] | None = None) -> str:
-    """``text`` with the bash arrays it defines (``NAME=( ... )``, ``NAME+=( ... )``) taken out and
-    each ``${NAME[@]}`` replaced by their words, and each ``$NAME`` / ``${NAME}`` of a variable it
-    sets to one value (``NAME=value``, ``export NAME=value``) replaced by that value, as
-    Megatron-LM's example launch scripts build their command (``torchrun ${DISTRIBUTED_ARGS[@]}
-    pretrain_gpt.py ${GPT_MODEL_ARGS[@]} ...``): unquoted, an element or a value splits into words
-    at its blanks, as bash splits it, quoted it stays one word (each element one word in
-    ``"${NAME[@]}"``). A variable set outside the file (``$1``, ``$NNODES`` from the job) stays as
-    written, and nothing inside single quotes or a comment is expanded.
-
-    ``if``/``elif``/``else``/``fi`` blocks are read as bash runs them where their tests (``[[ ... ]]``,
-    ``[ ... ]``, ``test``: string and integer comparisons, ``-z``, ``-n``, ``!``, ``&&``, ``||``) are
-    over the file's own values: the branch taken sets what it sets, even indented, and the others
-    are left out. A branch whose test the file cannot decide (a variable from the job, a file test)
-    sets nothing: each variable it would set is added to ``unevaluated`` with the test, for the
-    caller to say so.
-
-    ``${NAME:-default}`` (and ``${NAME-default}``; ``${NAME:=default}`` also sets NAME) takes the
-    file's value of NAME, else its default, as bash does where the job does not set NAME: each default taken is
-    added to ``defaults`` by name, for the caller to say so; ``job`` gives values as if the job set
-    them. Integer arithmetic ``$((...))`` over
-    numbers and the file's whole-number variables is computed as bash computes it (division and
-    remainder truncated towards zero); one over anything else stays as written."""
-    defaults = {} if defaults is None else defaults
-    unevaluated = {} if unevaluated is None else unevaluated
-    scalars: dict[str, str] = dict(job or {})
-    arrays: dict[str, list[str]] = {}
-    out: list[str] = []
-    blocks: list[_Branch] = []  # the open if-blocks, innermost last
-    pos = 0
-    while pos < len(text):
-        line_end = text.find("\n", pos)
-        line_end = len(text) if line_end < 0 else line_end + 1
-        line = text[pos:line_end]
-        indent = len(line) - len(line.lstrip(" \t"))
-        keyword, test = _branch_line(line.strip())
-        runs = all(block.runs is True for block in blocks)  # this line runs, as far as the file says
-        if keyword:
-            if keyword == "if":
-                blocks.append(_Branch(_test(_substitute(test, scalars, arrays, defaults), test) if runs else False,
-                                      test))
-            elif blocks and keyword == "fi":
-                blocks.pop()
-            elif blocks:
-                block = blocks[-1]
-                block.taken = _either(block.taken, block.runs)
-                decided = False if block.taken is True else None if block.taken is None else True
-                if keyword == "elif" and decided is not False:
-                    decided = _both(decided, _test(_substitute(test, scalars, arrays, defaults), test))
-                block.runs, block.test = decided, test or block.test
-            out.append("\n")
-            pos = line_end
-            continue
-        skipped = any(block.runs is False for block in blocks)
-        match = _ASSIGNMENT.match(text, pos + indent) if indent == 0 or blocks else None
-        if match and text.startswith("(", match.end()):
-            close = _closing_parenthesis(text, match.end() + 1)
-            name, append = match.group(1), match.group(2)
-            if runs:
-                body = _substitute(text[match.end() + 1:close], scalars, arrays, defaults)
-                words = shlex.split(body.replace("\\\n", " "), comments=True)
-                arrays[name] = arrays.get(name, []) + words if append else words
-            elif not skipped:
-                unevaluated.setdefault(name, next(block.test for block in blocks if block.runs is None))
-            rest = text.find("\n", close)
-            pos = len(text) if rest < 0 else rest + 1
-            continue
-        if skipped:
-            out.append("\n")
-            pos = line_end
-            continue
-        if match and not runs:
-            unevaluated.setdefault(match.group(1), next(block.test for block in blocks if block.runs is None))
-        elif match and not match.group(2):
-            try:
-                value = shlex.split(_substitute(line[match.end() - pos:], scalars, arrays, defaults, assigned=True),
-                                    comments=True)
-            except ValueError:
-                value = []
-            if len(value) <= 1:  # NAME=value or NAME= (set, empty); NAME=value command: the command's
-                scalars[match.group(1)] = value[0] if value else ""
-        out.append(_substitute(line, scalars, arrays, defaults))
-        pos = line_end
-    return "".join(out)
-
-
-@dataclass
-class _Branch:
-    """An open ``if`` block of a launch script (:func:`expand_shell_variables`)."""
-
-    runs: bool | None
-    """Whether the branch being read runs; None: the file cannot tell."""
-    test: str
-    """The test that decides it, as written."""
-    taken: bool | None = False
-    """Whether an earlier branch of the block ran."""
-
-
-def _branch_line(line: str) -> tuple[str, str]:
-    """(keyword, test) of a line that opens, continues or closes an if-block: ``if TEST; then``,
-    ``elif TEST; then``, ``else``, ``fi`` (``then`` may stand on the next line, read as nothing);
-    ('', '') for any other line, a one-line ``if ...; fi`` included."""
-    found = re.fullmatch(r"(if|elif)\s+(.*?)\s*(?:;\s*then|\s+then)?(\s+#.*)?", line)
-    if found and not re.search(r"\bfi\s*(#.*)?$", line):
-        return found.group(1), found.group(2)
-    word = re.sub(r"\s*(#.*)?$", "", line)
-    if word in ("else", "fi", "then"):
-        return ("" if word == "then" else word), ""
-    return "", ""
-
-
-def _either(a: bool | None, b: bool | None) -> bool | None:
-    """Three-valued or (None: cannot tell)."""
-    return True if True in (a, b) else None if None in (a, b) else False
-
-
-def _both(a: bool | None, b: bool | None) -> bool | None:
-    """Three-valued and (None: cannot tell)."""
-    return False if False in (a, b) else None if None in (a, b) else True
-
-
-_INTEGER_COMPARISONS = {"-eq": int.__eq__, "-ne": int.__ne__, "-lt": int.__lt__, "-le": int.__le__,
-                        "-gt": int.__gt__, "-ge": int.__ge__}
-
-
-def _test(expanded: str, written: str) -> bool | None:
-    """Whether the ``if`` test ``expanded`` (``written`` with the file's values substituted) holds, as
-    bash evaluates it; None where it depends on what the file does not set (a ``$`` left, a file
-    test, a command)."""
-    try:
-        words = shlex.split(expanded)
-    except ValueError:
-        return None
-    if "$" in expanded.replace("$$", "") or not words or words[0] not in ("[[", "[", "test", "!"):
-        return None
-    result: bool | None = None
-    operator = None
-    clause: list[str] = []
-    for word in words + ["&&"]:
-        if word in ("[[", "]]", "[", "]", "test"):
-            continue
-        if word not in ("&&", "||", "-a", "-o"):
-            clause.append(word)
-            continue
-        value = _clause(clause)
-        result = value if operator is None else (_both(result, value) if operator in ("&&", "-a")
-                                                 else _either(result, value))
-        operator, clause = word, []
-    return result
-
-
-def _clause(words: list[str]) -> bool | None:
-    """One comparison of an ``if`` test (:func:`_test`), or None where it is not one dsauto evaluates."""
-    negated = bool(words) and words[0] == "!"
-    words = words[negated:]
-    value: bool | None = None
-    if len(words) == 2 and words[0] in ("-z", "-n"):
-        value = (words[1] == "") == (words[0] == "-z")
-    elif len(words) == 1:
-        value = words[0] != ""
-    elif len(words) == 3 and words[1] in ("=", "==", "!="):
-        matches = fnmatch.fnmatchcase(words[0], words[2])  # [[ == ]] matches a pattern, a plain word itself
-        value = matches if words[1] != "!=" else not matches
-    elif len(words) == 3 and words[1] in _INTEGER_COMPARISONS and all(_INTEGER.fullmatch(w) for w in words[::2]):
-        value = _INTEGER_COMPARISONS[words[1]](int(words[0]), int(words[2]))
-    return None if value is None else value != negated
-
-
-def _closing_parenthesis(text: str, pos: int) -> int:
-    """Where the ``)`` that closes an array opened just before ``pos`` stands: quotes, escapes,
-    comments and nested parentheses (``$(hostname)``) skipped, as bash reads them."""
-    return _closing(text, pos, "(", ")", comments=True)
-
-
-def _closing(text: str, pos: int, opening: str, closing: str, comments: bool) -> int:
-    """Where the ``closing`` character that matches an ``opening`` before ``pos`` stands, nested
-    openings counted; escapes, quoted text and (``comments``) comments skipped."""
-    depth, word_start = 0, True
-    while pos < len(text):
-        if text.startswith(opening, pos):
-            depth, pos, word_start = depth + 1, pos + len(opening), False
-            continue
-        c = text[pos]
-        if c == "\\":
-            pos += 2
-            continue
-        if c in "'\"":
-            end = text.find(c, pos + 1)
-            pos = len(text) if end < 0 else end + 1
-            word_start = False
-            continue
-        if comments and c == "#" and word_start:
-            end = text.find("\n", pos)
-            pos = len(text) if end < 0 else end
-            continue
-        if c == closing:
-            if depth == 0:
-                return pos
-            depth -= 1
-        word_start = c.isspace()
-        pos += 1
-    return len(text)
-
-
-def _substitute(text: str, scalars: dict[str, str], arrays: dict[str, list[str]], defaults: dict[str, str],
-                double: bool = False, assigned: bool = False) -> str:
-    """``text`` with the references to ``arrays`` and ``scalars`` replaced by their values: outside
-    double quotes split into words at their blanks, as bash splits an unquoted expansion, each word
-    quoted; inside them as they are; not at all inside single quotes or a comment. Defaults and
-    arithmetic as :func:`expand_shell_variables` says. ``double``: ``text`` starts inside double
-    quotes (a default's word within a quoted ``"${NAME:-...}"``); ``assigned``: ``text`` is the value
-    of an assignment, which bash does not split."""
-    def quoted_array(found: re.Match[str]) -> str:  # "${NAME[@]}": each element a word of its own
-        name = found.group(1)[2:].partition("[")[0]
-        return shlex.join(arrays[name]) if name in arrays else found.group(1)
-
-    text = _QUOTED_ARRAY.sub(quoted_array, text)
-    split = not double and not assigned
-    out, pos, word_start = [], 0, True
-    while pos < len(text):
-        c = text[pos]
-        if c == "'" and not double:
-            end = text.find("'", pos + 1)
-            end = len(text) if end < 0 else end + 1
-            out.append(text[pos:end])
-            pos, word_start = end, False
-            continue
-        if c == "#" and word_start and not double:
-            end = text.find("\n", pos)
-            end = len(text) if end < 0 else end
-            out.append(text[pos:end])
-            pos = end
-            continue
-        if c == "\\":
-            out.append(text[pos:pos + 2])
-            pos += 2
-            word_start = False
-            continue
-        if text.startswith("$((", pos):
-            close = _closing_parenthesis(text, pos + 3)
-            if text.startswith(")", close + 1):
-                value = _arithmetic(_substitute(text[pos + 3:close], scalars, arrays, defaults), scalars)
-                written = text[pos:close + 2]  # kept one word, as bash's expansion would be
-                out.append(value if value is not None else written if double else shlex.quote(written))
-                pos, word_start = close + 2, False
-                continue
-        defaulted = _DEFAULTED.match(text, pos) if c == "$" else None
-        if defaulted:
-            name, colon, operator = defaulted.groups()
-            close = _closing_brace(text, defaulted.end())
-            if name in scalars and not (colon and scalars[name] == ""):  # ':' also defaults an empty value
-                value = scalars[name]
-                out.append(_as_words(value, double) if split else _as_word(value, double))
-            else:
-                word = text[defaulted.end():close]
-                if double:  # inside "...": the default's own quotes are removed, its spaces kept
-                    value = _substitute(word.replace('"', ""), scalars, arrays, defaults, True)
-                    written = _as_word(value, True)
-                else:
-                    written = _substitute(word, scalars, arrays, defaults)
-                    try:
-                        value = " ".join(shlex.split(written))  # the default's words, quotes removed
-                    except ValueError:
-                        value = written
-                if name not in scalars:  # the file's own empty value is not the job's to set
-                    defaults[name] = value
-                if operator == "=":  # ${NAME:=default} also sets NAME
-                    scalars[name] = value
-                out.append(written)
-            pos, word_start = close + 1, False
-            continue
-        match = _REFERENCE.match(text, pos) if c == "$" else None
-        if match:
-            array, braced, bare = match.groups()
-            if array is not None and array in arrays:
-                out.append(" ".join(arrays[array]) if double else _as_words(" ".join(arrays[array]), False))
-            elif array is None and (braced or bare) in scalars:
-                value = scalars[braced or bare]
-                out.append(_as_words(value, double) if split else _as_word(value, double))
-            else:
-                out.append(match.group(0))
-            pos, word_start = match.end(), False
-            continue
-        if c == '"':
-            double = not double
-        out.append(c)
-        word_start = c.isspace()
-        pos += 1
-    return "".join(out)
-
-
-def _as_words(value: str, double: bool) -> str:
-    """``value`` unquoted, split at its blanks into words as bash splits an expansion, each quoted
-    (nothing, for an empty value); inside double quotes as :func:`_as_word`."""
-    return _as_word(value, True) if double else shlex.join(value.split())
-
-
-def _as_word(value: str, double: bool) -> str:
-    """``value`` written to stay one word: escaped inside double quotes, quoted outside them."""
-    return value.replace("\\", "\\\\").replace('"', '\\"') if double else shlex.quote(value)
-
-
-def _closing_brace(text: str, pos: int) -> int:
-    """Where the ``}`` that closes a ``${`` opened before ``pos`` stands: nested ``${...}`` counted,
-    escapes and quoted text skipped, as bash reads a default's word."""
-    return _closing(text, pos, "${", "}", comments=False)
-
-
-def _arithmetic(expression: str, scalars: dict[str, str]) -> str | None:
-    """The value of bash's integer arithmetic ``expression`` (``+ - * / %`` and parentheses over
-    numbers and the file's whole-number variables, named bare or with ``$``), or None for anything
-    else (a variable the file does not set or sets to other text, which bash would read from the job
-    or evaluate, and ``**``, whose precedence under a unary minus is not Python's)."""
-    def value(match: re.Match[str]) -> str:
-        held = scalars.get(match.group(0), "")
-        return f"({held})" if _INTEGER.fullmatch(held) else match.group(0)
-
-    names = re.sub(r"[A-Za-z_]\w*", value, expression)
-    if not _ARITHMETIC.fullmatch(names):
-        return None
-    try:
-        tree = ast.parse(names.strip(), mode="eval")
-        return str(_integer_value(tree.body))
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
-        return None
-
-
-def _integer_value(node: ast.AST) -> int:
-    """An integer expression evaluated as bash does: ``/`` and ``%`` truncate towards zero."""
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value = _integer_value(node.operand)
-        return -value if isinstance(node.op, ast.USub) else value
-    if isinstance(node, ast.BinOp):
-        left, right = _integer_value(node.left), _integer_value(node.right)
-        if isinstance(node.op, ast.Add):
-            return left + right
-        if isinstance(node.op, ast.Sub):
-            return left - right
-        if isinstance(node.op, ast.Mult):
-            return left * right
-        if isinstance(node.op, (ast.Div, ast.Mod)):
-            quotient = abs(left) // abs(right) * (1 if (left < 0) == (right < 0) else -1)
-            return quotient if isinstance(node.op, ast.Div) else left - right * quotient
-    raise ValueError("not integer arithmetic")
 
 
 def launch_environment(text: str) -> dict[str, str]:
@@ -625,7 +290,7 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
                                   f"--model (for dsauto's own file, the --model it was planned with).")
             raise DsautoError(f"{where} sets {spelling}, and dsauto does not price {what}; remove it, or plan "
                               f"without --megatron-args.")
-    architecture, notes = _architecture(words, where)
+    architecture, notes = _architecture(words, flags, where)
     notes = repeated + notes
     if model is not None and model.architecture != architecture:
         raise DsautoError(f"{where} trains {'an encoder (pretrain_bert.py)' if architecture == 'encoder' else 'a decoder'}"
@@ -713,14 +378,15 @@ MEGATRON_SCRIPTS = {"pretrain_gpt.py": "decoder", "pretrain_bert.py": "encoder"}
 """Megatron-LM's training scripts whose models dsauto prices, and the architecture each builds."""
 
 
-def _architecture(words: list[str], where: str) -> tuple[str, list[str]]:
+def _architecture(words: list[str], flags: dict[str, str], where: str) -> tuple[str, list[str]]:
     """The architecture the launch's training script builds (:data:`MEGATRON_SCRIPTS`; a bare list of
-    flags: a decoder, as dsauto's own file for one) and the notes on it: a script of another name
-    is priced as pretrain_gpt.py's decoder, said in a note; Megatron-LM's other pretrain_ scripts
-    (T5, Mamba, vision, ...) are refused."""
+    flags, as dsauto's own file: an encoder where they set pretrain_bert.py's --bert-no-binary-head,
+    else a decoder) and the notes on it: a script of another name is priced as pretrain_gpt.py's
+    decoder, said in a note; Megatron-LM's other pretrain_ scripts (T5, Mamba, vision, ...) are
+    refused."""
     index = _script_index(words)
     if index is None:
-        return "decoder", []
+        return ("encoder" if "--bert-no-binary-head" in flags else "decoder"), []
     script = Path(words[index]).name
     if script in MEGATRON_SCRIPTS:
         return MEGATRON_SCRIPTS[script], []
@@ -845,8 +511,7 @@ deepspeed launcher's (``--num_nodes``, ``--num_gpus``)."""
 def _script_index(words: list[str]) -> int | None:
     """Where the training script stands, or None: the first word ending in ``.py`` that a flag
     follows, else the first ending so; an assignment (``SCRIPT=pretrain_gpt.py``) is none."""
-    scripts = [i for i, word in enumerate(words) if word.endswith(".py") and not _ASSIGNMENT.fullmatch(
-        word.partition("=")[0] + "=")]
+    scripts = [i for i, word in enumerate(words) if word.endswith(".py") and not is_assignment(word)]
     return next((i for i in scripts if i + 1 < len(words) and words[i + 1].startswith("--")),
                 scripts[0] if scripts else None)
 
@@ -947,6 +612,14 @@ def _choice(flags: dict[str, str], name: str, where: str, default: str, choices:
 MODEL_CHOICE_FLAGS = {"--position-embedding-type", "--normalization", "--moe-router-score-function"}
 """The choices of :func:`_choice` that describe the model, which a model named with ``--model`` may
 say what dsauto reads from no flag."""
+
+
+def _number(text: str) -> float | None:
+    """``text`` as a number, or None where it is none."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _float(flags: dict[str, str], name: str, where: str, default: float) -> float:
@@ -1196,9 +869,18 @@ def _parallelism(flags: dict[str, str], launch: MegatronLaunch, where: str) -> N
         raise DsautoError(f"{where} sets --moe-pad-expert-input-to-capacity without a positive "
                           f"--moe-expert-capacity-factor, which Megatron-core refuses; add a factor, or drop the flag.")
     balancing = flags.get("--moe-router-load-balancing-type", "aux_loss").split()
-    if experts and (odd := [kind for kind in balancing if kind not in ROUTER_BALANCING]):
+    if odd := [kind for kind in balancing if kind not in ROUTER_BALANCING]:  # Megatron-LM's argparse choices
         raise DsautoError(f"{where} sets --moe-router-load-balancing-type {' '.join(odd)}, which is none of "
                           f"Megatron-LM's {', '.join(ROUTER_BALANCING)}; give one of them.")
+    coefficients = flags.get("--moe-aux-loss-coeff", "0").split()
+    if experts and len(balancing) > 1 and len(coefficients) != len(balancing):
+        raise DsautoError(f"{where} gives {len(balancing)} --moe-router-load-balancing-type values and "
+                          f"{len(coefficients)} --moe-aux-loss-coeff, which Megatron-core refuses (one coefficient "
+                          f"a type); give as many of each.")
+    if experts and "sinkhorn" in balancing and any(_number(value) != 0 for value in coefficients):
+        raise DsautoError(f"{where} balances the router with sinkhorn and a nonzero --moe-aux-loss-coeff "
+                          f"{' '.join(coefficients)}, which Megatron-core's router refuses; set the coefficient to 0 "
+                          f"or balance with aux_loss.")
     if experts and factor > 0 and (rebalanced := [kind for kind in balancing if kind in ROUTER_BALANCING[4:]]):
         raise DsautoError(f"{where} sets --moe-expert-capacity-factor with --moe-router-load-balancing-type "
                           f"{rebalanced[0]}, which Megatron-core refuses (it drops tokens only under "
@@ -1246,7 +928,7 @@ def _data_parallel_overlap(flags: dict[str, str], launch: MegatronLaunch, where:
     gather overlapped needs the distributed optimizer or Megatron-FSDP, and the reduction overlapped);
     under Megatron-FSDP, priced with both, says what a launch without them runs otherwise."""
     zero, grads, params = launch.pins["zero_stage"], "--overlap-grad-reduce" in flags, "--overlap-param-gather" in flags
-    if params and zero == 0:
+    if params and "--use-distributed-optimizer" not in flags and "--use-megatron-fsdp" not in flags:
         raise DsautoError(f"{where} sets --overlap-param-gather without --use-distributed-optimizer or "
                           f"--use-megatron-fsdp, which Megatron-LM refuses; add one, or drop the flag.")
     if params and not grads:

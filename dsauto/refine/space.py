@@ -173,10 +173,8 @@ def base_plans(planner: Planner, top_k: int, progress: Callable[[int, int], None
     best = plans[0]
     budget = planner.cluster.memory_budget_bytes
     for fraction in SAFER_BUDGETS:
-        tighter = dataclasses.replace(planner.cluster, memory_limit_bytes=int(budget * fraction))
         try:
-            safer = Planner(planner.model, tighter, planner.train, planner.pins, planner.profile,
-                            planner.calibration).search(top_k=1)[0]
+            safer = planner.with_budget(budget * fraction).search(top_k=1, near_miss=False)[0]
         except DsautoError:
             break  # nothing fits a tighter budget
         plans.append(dataclasses.replace(safer, memory_budget_bytes=budget))
@@ -187,7 +185,7 @@ def base_plans(planner: Planner, top_k: int, progress: Callable[[int, int], None
         pins = dataclasses.replace(planner.pins, micro_batch=micro_batch, zero_stage=best.zero_stage)
         try:
             plans += Planner(planner.model, planner.cluster, planner.train, pins, planner.profile,
-                             planner.calibration).search(top_k=1)
+                             planner.calibration).search(top_k=1, near_miss=False)
         except DsautoError:
             continue  # nothing fits at that micro-batch
     if planner.pins.engine == "megatron":

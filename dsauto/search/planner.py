@@ -377,7 +377,6 @@ class Planner:
         self.profile = profile
         self.calibration = calibration
         self._mixed_layers = mixed_layer_kinds(model, train.seq_len)
-        self._quote_nearest = True  # a search that fits nothing quotes the nearest plan (_near_miss)
 
     def _price(self, strategy: Strategy) -> _Priced:
         groups = layer_groups(self.model, self.train.seq_len, self.train.dtype_bytes, strategy.tp)
@@ -860,10 +859,13 @@ class Planner:
                     best = fits
         return best
 
-    def search(self, top_k: int = 1, progress: Progress | None = None, within: float = 0.0) -> list[Plan]:
+    def search(self, top_k: int = 1, progress: Progress | None = None, within: float = 0.0,
+               near_miss: bool = True) -> list[Plan]:
         """The ``top_k`` fastest plans, best first, and every other plan predicted within ``within``
         (a fraction: 0.03 is 3%) of the fastest, one per strategy. Raises DsautoError when nothing
-        fits."""
+        fits, quoting how far the nearest plan is over the budget; ``near_miss`` False spares the
+        searches under looser budgets that may take (:meth:`_near_miss`), for a caller that reads
+        no sentence."""
         space = strategies(self.model, self.cluster, self.train, self.pins)
         if not space:
             raise explain_empty_space(self.model, self.cluster, self.train, self.pins)
@@ -956,38 +958,39 @@ class Planner:
         for i, candidate, bound in self._offloaded(spilled, priced, bounds, bounded_out, offloaded):
             consider(i, candidate, bound)
         if not kept:
-            nearest = min(over, key=lambda plan: plan.prediction.peak_memory_bytes, default=None)
-            nearest = nearest or (self._near_miss() if self._quote_nearest else None)
             raise DsautoError(self._does_not_fit([p for p in priced if p is not None] + offloaded, host_short,
-                                                 nearest))
+                                                 over, near_miss))
         near = [e for e in near if -e[0] <= best * (1 + within)] if within > 0 else []
         return [plan for _, _, plan in sorted(kept + near, key=lambda e: (-e[0], -e[1]))]
 
-    def _near_miss(self) -> Plan | None:
+    def with_budget(self, budget_bytes: int) -> Planner:
+        """The same problem's planner under another per-device memory budget."""
+        cluster = dataclasses.replace(self.cluster, memory_limit_bytes=int(budget_bytes))
+        return Planner(self.model, cluster, self.train, self.pins, self.profile, self.calibration)
+
+    def _near_miss(self) -> tuple[Plan, float] | None:
         """Where no plan fits and the layer DP built none over the budget either (it refuses a layer
-        that leaves no room), the fastest plan within :data:`NEAR_MISS_BUDGETS` times the budget,
-        for the sentence to quote how far it is over; None beyond them."""
-        budget = self.cluster.memory_budget_bytes
+        that leaves no room), the fastest plan within the first of :data:`NEAR_MISS_BUDGETS` times the
+        budget that has one, and that factor; None beyond them."""
         for factor in NEAR_MISS_BUDGETS:
-            looser = Planner(self.model, dataclasses.replace(self.cluster, memory_limit_bytes=int(budget * factor)),
-                             self.train, self.pins, self.profile, self.calibration)
-            looser._quote_nearest = False
             try:
-                return looser.search()[0]
+                return self.with_budget(self.cluster.memory_budget_bytes * factor).search(near_miss=False)[0], factor
             except DsautoError:
                 continue
         return None
 
-    def _does_not_fit(self, priced: Sequence[_Priced], host_short: Sequence[Plan] = (),
-                      nearest: Plan | None = None) -> str:
+    def _does_not_fit(self, priced: Sequence[_Priced], host_short: Sequence[Plan] = (), over: Sequence[Plan] = (),
+                      near_miss: bool = False) -> str:
         """The sentence for a search that found no plan within the budget. The layers' lower bound
         (:meth:`_Priced.least_memory`) is quoted only where it exceeds the budget: a bound at or below it
         says nothing of what a plan needs (the plans went over at a moment the bound leaves out, such as
         the optimizer update, or the host's memory held no offload). Raising --memory-limit is offered
         only where the user set it below the device's memory less its reserve, and unpinning only the
         choices the user pinned, by their options. Where plans fit the devices but not the node's host
-        memory (``host_short``), that is what it says; where the layer DP's plans went over the budget,
-        the one with the least peak (``nearest``) is quoted with its peak and stage."""
+        memory (``host_short``), that is what it says. Where no plan fits at some moment the bound
+        leaves out, the plan nearest to fitting is quoted with its peak and stage: of the layer DP's
+        plans over the budget (``over``), the one with the least peak, else (``near_miss``) the
+        fastest under a slightly looser budget (:meth:`_near_miss`)."""
         fits_on = f"{self.model.name} does not fit on {self.cluster.world_size} x {self.cluster.device.name}"
         if host_short:
             need = min(self._node_host_bytes(plan) for plan in host_short)
@@ -1000,13 +1003,19 @@ class Planner:
         where = f"{fits_on} with {format_bytes(budget)} per device under any allowed setting"
         why = (f"the smallest plan needs at least {format_bytes(least)} per device" if budget < least < math.inf else
                "no plan priced stays within it at every moment of the step")
-        if nearest is not None and not budget < least < math.inf:
-            stage = max(nearest.stages, key=lambda st: st.peak_bytes)
-            peak = nearest.prediction.peak_memory_bytes
-            why += (f" (the nearest, {nearest.dims.describe()} ZeRO {nearest.zero_stage} micro-batch "
-                    f"{nearest.micro_batch}, peaks at {format_bytes(peak)}"
-                    f"{f' on pipeline stage {stage.stage}' if nearest.pp > 1 else ''}, "
-                    f"{format_bytes(peak - budget)} over)")
+        if not budget < least < math.inf:
+            nearest = min(over, key=lambda plan: plan.prediction.peak_memory_bytes, default=None)
+            which = "the plan nearest to fitting"
+            if nearest is None and near_miss and (found := self._near_miss()):
+                nearest, factor = found
+                which = f"the fastest plan within {factor - 1:.0%} more"
+            if nearest is not None:
+                stage = max(nearest.stages, key=lambda st: st.peak_bytes)
+                peak = nearest.prediction.peak_memory_bytes
+                why += (f" ({which}, {nearest.dims.describe()} ZeRO {nearest.zero_stage} micro-batch "
+                        f"{nearest.micro_batch}, peaks at {format_bytes(peak)}"
+                        f"{f' on pipeline stage {stage.stage}' if nearest.pp > 1 else ''}, "
+                        f"{format_bytes(peak - budget)} over)")
         state = min((p.least_state(self.model.num_layers) for p in priced), default=math.inf)
         if budget < least < math.inf and 0 < state < math.inf:  # 0: all of it offloaded
             # Which remedy can work: a state over the budget needs more sharding or devices, one

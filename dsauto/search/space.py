@@ -457,7 +457,8 @@ def strategies(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
                                fp8_param_gather=bool(pins.fp8 and pins.fp8_param_gather), cp_comm_type=exchange,
                                expert_a2a_overlap=bool(pins.expert_a2a_overlap))
            for s in out if runnable[s.engine] and not (pins.fp8_param_gather and s.zero_stage == 0)
-           and not (False in (pins.overlap_grad_reduce, pins.overlap_param_gather) and s.zero_stage >= 2)
+           and not (False in (pins.overlap_grad_reduce, pins.overlap_param_gather)
+                    and dp_overlap_refusal(s.engine, s.zero_stage))
            and not (pins.precision_aware_optimizer and (s.zero_stage != 1 or s.offload != "none"))
            # Transformer Engine's fused masked softmax, which keeps 16 bits, needs micro-batch x heads per rank
            # a multiple of 4 (te_softmax_fuses)

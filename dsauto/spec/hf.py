@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from dsauto.errors import DsautoError, DsautoWarning
@@ -264,6 +264,7 @@ def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
     if scaling is not None and not isinstance(scaling, Mapping):
         raise cfg.error(f"rope_scaling must be a mapping or null, got {scaling!r}")
     scaling = {**params, **(scaling or {})}
+    spelled = "rope_type" if scaling.get("rope_type") else "type"
     kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
     if cfg.model_type == "phi3" and kind in ("su", "yarn"):
@@ -271,7 +272,7 @@ def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
     if kind == "default":
         return
     if kind not in _ROPE_SCALINGS:
-        raise cfg.unsupported(f"rope scaling {kind!r} (rope_scaling.rope_type)")
+        raise cfg.unsupported(f"rope scaling {kind!r} (rope_scaling.{spelled})")
     factor = scaling.pop("factor", 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)):  # its bounds: ModelSpec's
         raise cfg.error(f"rope_scaling.factor must be a number, got {factor!r}")
@@ -977,7 +978,8 @@ FAMILIES.update({
         expected={"qkv_bias": (True, "no biases on Q, K and V")}, ignored=_ROUTER_TRAINING),
     "qwen3_moe": Family(
         _SHAPE, {**_LLAMA, "qk_norm": True},
-        {**_LLAMA_DEFAULTS, "head_dim": 128, "max_window_layers": 28, "num_experts": 128,
+        # no head_dim: Qwen3MoeConfig has none, and its attention takes hidden / heads (transformers 5.24)
+        {**_LLAMA_DEFAULTS, "max_window_layers": 28, "num_experts": 128,
          "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False},
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_sliding_window,
          read_experts("num_experts", "num_local_experts"), read_qwen_moe),
@@ -1053,7 +1055,39 @@ FAMILIES.update({
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_granite,
          read_experts("num_local_experts", "num_experts", width=None), read_granite_shared),
         ignored=_ROUTER_TRAINING),
+    # Granite 4.0's hybrid family with attention alone in every layer and no routed experts (Granite 4.0
+    # micro): each layer's MLP is its shared MLP of shared_intermediate_size (transformers'
+    # GraniteMoeHybridDecoderLayer builds block_sparse_moe only with num_local_experts > 0); Mamba layers
+    # and routed experts are refused (refuse_unplannable, expected).
+    "granitemoehybrid": Family(
+        {**_SHAPE, "ffn_hidden_size": ("shared_intermediate_size",)}, _LLAMA,
+        {**_LLAMA_DEFAULTS, **_GRANITE_DEFAULTS, "num_local_experts": 0, "position_embedding_type": "nope"},
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_granite),
+        expected={"num_local_experts": (0, "routed experts beside the shared MLP (num_local_experts)"),
+                  "position_embedding_type": ("rope", "attention without position embeddings")},
+        ignored=_ROUTER_TRAINING | {"layer_types", "intermediate_size", "normalization_function", "init_method",
+                                    "num_experts_per_tok", "mamba_chunk_size", "mamba_conv_bias", "mamba_d_conv",
+                                    "mamba_d_head", "mamba_d_state", "mamba_expand", "mamba_n_groups",
+                                    "mamba_n_heads", "mamba_proj_bias"}),
 })
+TRANSFORMERS_HEADS: dict[str, tuple[int, int | None]] = {
+    "llama": (32, None), "mistral": (32, 8), "qwen2": (32, 32), "qwen3": (32, 32), "phi3": (32, None),
+    "gemma": (16, 16), "gemma2": (8, 4), "gemma3_text": (8, 4), "granite": (32, None), "olmo2": (32, None),
+    "olmo3": (32, None), "smollm3": (16, 4), "glm": (32, 2), "glm4": (32, 2), "nemotron": (48, None),
+    "cohere": (64, None), "cohere2": (64, None), "arcee": (32, None), "seed_oss": (80, 8), "ernie4_5": (16, 2),
+    "exaone4": (32, 32), "starcoder2": (24, 2), "mixtral": (32, 8), "qwen2_moe": (16, 16), "qwen3_moe": (32, 4),
+    "olmoe": (16, None), "deepseek_v2": (32, None), "deepseek_v3": (128, 128), "gpt_oss": (64, 8),
+    "minimax_m2": (48, 8), "llama4_text": (40, 8), "glm4_moe": (96, 8), "granitemoe": (32, None),
+    "granitemoeshared": (32, None), "granitemoehybrid": (32, None), "phi": (32, None),
+}
+"""Each family's config-class defaults of ``num_attention_heads`` and ``num_key_value_heads``
+(transformers 5.24's configuration_<family>.py; None: as many key/value heads as attention heads),
+which a config that leaves them out takes, as transformers builds it: a Mistral config without
+``num_key_value_heads`` has 8, not one a head."""
+for _type, (_heads, _kv_heads) in TRANSFORMERS_HEADS.items():
+    _family = FAMILIES[_type]
+    _defaults = {"num_attention_heads": _heads, **({"num_key_value_heads": _kv_heads} if _kv_heads else {})}
+    FAMILIES[_type] = replace(_family, defaults={**_defaults, **_family.defaults})
 # Kimi K2's config.json names its own model_type; its auto_map builds DeepSeek-V3's config and model
 FAMILIES["kimi_k2"] = FAMILIES["deepseek_v3"]
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
@@ -1202,6 +1236,7 @@ NOT_ATTENTION_ONLY = {
     **dict.fromkeys(("mamba", "mamba2", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "nemotron_h",
                      "granitemoehybrid"), "Mamba state-space layers"),
     "minimax": "lightning (linear) attention layers",
+    "kimi_linear": "Kimi Delta Attention (linear-attention) layers",
     "lfm2": "short convolution layers",
     "lfm2_moe": "short convolution layers",
     "rwkv": "RWKV recurrent layers",
@@ -1215,7 +1250,9 @@ def refuse_unplannable(config: Mapping[str, Any], where: str) -> None:
     """Refuses models with layers other than attention, mixtures of experts dsauto does not read,
     encoder-decoder and multimodal configs with one sentence."""
     model_type = config.get("model_type")
-    if model_type in NOT_ATTENTION_ONLY:
+    layers = config.get("layer_types")
+    attention_only = isinstance(layers, list) and layers and all(kind == "attention" for kind in layers)
+    if model_type in NOT_ATTENTION_ONLY and not (model_type == "granitemoehybrid" and attention_only):
         raise DsautoError(f"{where} is a {model_type} model with {NOT_ATTENTION_ONLY[model_type]}, which dsauto does "
                           f"not price: it plans transformers whose every layer is softmax attention and an MLP "
                           f"(or experts).")

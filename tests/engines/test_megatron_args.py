@@ -239,7 +239,14 @@ def test_the_routers_balancing_and_its_loss_weights_read_as_priced():
     assert launch.unknown == [] and launch.pins["expert_capacity_factor"] is None
     sinkhorn = parse_megatron_args(f"{MINIMAL} {EXPERTS} --moe-router-load-balancing-type sinkhorn".split())
     assert sinkhorn.unknown == [] and sinkhorn.pins["ep"] == 1
-    assert parse_megatron_args(f"{MINIMAL} --moe-router-load-balancing-type balanced".split()).unknown == []
+    with pytest.raises(DsautoError, match="balanced, which is none of Megatron-LM's"):  # argparse's choices
+        parse_megatron_args(f"{MINIMAL} --moe-router-load-balancing-type balanced".split())
+    for extra, message in (("--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1e-3",
+                            "gives 2 --moe-router-load-balancing-type values and 1 --moe-aux-loss-coeff"),
+                           ("--moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 1e-2",
+                            "sinkhorn and a nonzero --moe-aux-loss-coeff 1e-2, which Megatron-core's router refuses")):
+        with pytest.raises(DsautoError, match=message):
+            parse_megatron_args(f"{MINIMAL} {EXPERTS} {extra}".split())
 
 
 def test_a_flag_given_twice_keeps_its_last_value_as_argparse_does():
@@ -262,6 +269,14 @@ def test_megatron_lms_batch_schedules_and_fp8_formats_read_as_priced():
     assert e4m3.pins["fp8"] and "prices it as hybrid (E5M2 gradients)" in e4m3.notes[0]
     with pytest.raises(DsautoError, match="sets --fp8-format e5m2; dsauto prices hybrid and e4m3"):
         parse_megatron_args(f"{MINIMAL} --bf16 --fp8-format e5m2".split())
+
+
+def test_dsautos_own_encoder_arguments_read_back_as_an_encoder(tmp_path):
+    """dsauto's own file for BERT has no script: pretrain_bert.py's --bert-no-binary-head says encoder."""
+    plan = make_plan("bert-large", "a100-80gb", nodes=1, global_batch=64, seq_len=512, engine="megatron")
+    path = write_megatron_args(plan, tmp_path / "megatron_args.txt")
+    assert read_megatron_args(path, plan.model).model == plan.model
+    assert read_megatron_args(path).model.architecture == "encoder"
 
 
 def test_the_training_script_decides_the_architecture(tmp_path):
@@ -638,33 +653,62 @@ def test_shell_defaults_and_arithmetic_read_as_bash_computes_them(tmp_path):
         read_megatron_args(script)
 
 
-def test_branches_and_word_splitting_read_as_bash_runs_them():
-    """if/elif/else blocks over the file's own values run as bash runs them, indented assignments in the
-    branch taken included (Megatron-LM's FP8 scripts append their FP8 flags so); unquoted expansions
-    split at blanks, quoted ones stay words; a branch over what the job sets is left out and named."""
+BASH_CASES = {
+    # Megatron-LM's FP8 scripts: flags added in an if block over the file's own value
+    "if block": ('DTYPE="fp8"\nARGS=(--bf16)\nif [[ "$DTYPE" == "fp8" ]]; then\n    ARGS+=(\n        "--fp8-format hybrid"\n'
+                 '        "--fp8-param-gather"\n    )\nfi\nset -- ${ARGS[@]} "${ARGS[@]}"\n'),
+    "nested elif, then on its own line": ('A=1\nB=2\nif [ $A -eq 1 ]; then\n  if [ $B -gt 5 ]; then X=big\n'
+                                          '  elif [ $B -ge 2 ]\n  then\n    X=mid\n  else\n    X=small\n  fi\n'
+                                          'else\n  X=none\nfi\nset -- $X\n'),
+    "commands after then, else and fi": ('A=1\nif [ "$A" = 1 ]; then X=a\nelse X=b\n  Y=c\nfi; Z=2\nset -- $X ${Y:-none} $Z\n'),
+    "one-line if and lists": ('D=fp8\nARGS=(--bf16)\nif [ "$D" = fp8 ]; then ARGS+=(--fp8-format hybrid); fi\n'
+                              '[[ $D == fp* ]] && ARGS+=(--x)\n[[ $D == bf* ]] && ARGS+=(--y)\n[[ $D == bf* ]] || ARGS+=(--z)\n'
+                              'set -- "${ARGS[@]}"\n'),
+    "quoted patterns are literal": ('A=fp8\nR=()\n[ "$A" = "fp*" ] && R+=(a)\n[[ $A == "fp*" ]] && R+=(b)\n'
+                                    '[[ $A == fp* ]] && R+=(c)\n[[ $A =~ ^fp8 ]] && R+=(d)\n[[ $A =~ "^fp8" ]] && R+=(e)\n'
+                                    'set -- "${R[@]}"\n'),
+    "&& binds tighter inside a test": ('R=()\nif [[ 1 == 1 || 1 == 2 && 1 == 3 ]]; then R+=(t); else R+=(f); fi\n'
+                                       'if [ 1 = 1 -o 1 = 2 -a 1 = 3 ]; then R+=(t2); fi\nA=\n'
+                                       'if ! [ -n "$A" ]; then R+=(empty); fi\nset -- "${R[@]}"\n'),
+    "a here-document and a quoted line are not commands": ('TP=2\ncat <<EOF >/dev/null\n  if you want FP8, set DTYPE\n'
+                                                           '  TP=9\nEOF\necho "Note:\n  if the job fails" >/dev/null\n'
+                                                           'set -- $TP\n'),
+    "a value over several lines": 'P="\n    --tp 2 \\\n    --sp\n"\nset -- x $P\n',
+    "arrays as words": 'A=("--a 1" --b)\nN="x  y"\nset -- "${A[*]}" "${A[@]}" ${A[@]} $N "$N"\n',
+}
+
+
+@pytest.mark.parametrize("script", BASH_CASES.values(), ids=list(BASH_CASES))
+def test_a_launch_script_expands_to_the_words_bash_runs(script):
+    """Branches over the file's own values run as bash runs them, indented assignments in the branch
+    taken included; tests, patterns and word splitting as bash evaluates them; here-documents and
+    quoted text are not read as commands."""
     import subprocess
 
     from dsauto.engines.megatron_args import expand_shell_variables
 
-    script = ('DTYPE="fp8"\nN=2\nMODE=a\nPAIR="--x 1"\nARGS=(--bf16)\n'
-              'if [[ "$DTYPE" == "fp8" ]]; then\n'
-              '    ARGS+=(\n        "--fp8-format hybrid"\n        "--fp8-param-gather"\n    )\n'
-              '    if [ $N -gt 4 ]; then\n        ARGS+=(--big)\n    elif [ "$MODE" = a ] && [ -n "$MODE" ]; then\n'
-              '        ARGS+=(--mode-a)\n        TP=4\n    else\n        ARGS+=(--other)\n    fi\n'
-              'elif [[ $DTYPE == bf* ]]; then\n    ARGS+=(--no)\nelse\n    ARGS+=(--no2)\nfi\n'
-              'if [[ ! "$DTYPE" != fp* || -z "$DTYPE" ]]; then\n  ARGS+=(--negated)\nfi\n'
-              'set -- ${ARGS[@]} "${ARGS[@]}" --tp ${TP:-1} $PAIR "$PAIR"\n')
     bash = subprocess.run(["bash", "-c", script + 'printf "%s\\n" "$@"'], capture_output=True, text=True,
                           check=True).stdout.split("\n")[:-1]
-    ours = shlex.split(expand_shell_variables(script).splitlines()[-1], comments=True)[2:]
-    assert ours == bash == ["--bf16", "--fp8-format", "hybrid", "--fp8-param-gather", "--mode-a", "--negated",
-                            "--bf16", "--fp8-format hybrid", "--fp8-param-gather", "--mode-a", "--negated",
-                            "--tp", "4", "--x", "1", "--x 1"]
+    expanded = expand_shell_variables(script)
+    assert shlex.split(expanded[expanded.rindex("set --"):], comments=True)[2:] == bash
+
+
+def test_what_the_file_cannot_decide_sets_nothing_and_is_reported():
+    """A branch over what the job sets, a file test, the arms of a case and a loop's body set nothing
+    (reported with the outermost test that decides them), whatever they nest; a branch that does not
+    run reads no default."""
+    from dsauto.engines.megatron_args import expand_shell_variables
+
+    script = ('TP=1\nif [ -f /etc/x ]; then\n  if [ 1 = 1 ]; then\n    A=1\n  else\n    B=2\n  fi\nfi\n'
+              'MODEL=small\ncase $MODEL in\n  big) TP=8;;\n  small)\n    TP=2\n    ;;\nesac\n'
+              'for f in --sp --dist; do\n  ARGS+=($f)\ndone\n[ -d /tmp ] && C=3\n'
+              'if [ 1 = 2 ]; then\n  X=${NEVER:-0}\nfi\nset -- $TP $A $C\n')
     unevaluated: dict[str, str] = {}
-    expanded = expand_shell_variables('if [ -f /etc/x ]; then\n  A=(--a)\nelse\n  B=2\nfi\nset -- ${A[@]} $B\n',
-                                      unevaluated=unevaluated)
-    assert unevaluated == {"A": "[ -f /etc/x ]", "B": "[ -f /etc/x ]"}
-    assert shlex.split(expanded.splitlines()[-1]) == ["set", "--", "${A[@]}", "$B"]
+    defaults: dict[str, str] = {}
+    expanded = expand_shell_variables(script, defaults, unevaluated)
+    assert unevaluated == {"A": "[ -f /etc/x ]", "B": "[ -f /etc/x ]", "TP": "case $MODEL in",
+                           "ARGS": "for f in --sp --dist", "C": "a list over a command's status"}
+    assert shlex.split(expanded[expanded.rindex("set --"):])[2:] == ["1", "$A", "$C"] and defaults == {}
 
 
 def test_the_launcher_sizes_the_plan_where_it_says_how_many_ranks_it_starts(tmp_path, capsys):
@@ -685,19 +729,28 @@ def test_the_launcher_sizes_the_plan_where_it_says_how_many_ranks_it_starts(tmp_
     launch = read_megatron_args(script)
     assert launch.world == {} and f"{script}'s launcher sets --nproc-per-node $GPUS, --nnodes 1:4, which fixes no size" \
         in launch.notes[0]
-    # A size from a default the job may set (Megatron-LM's Mixtral script) gives way to the command line's.
-    script.write_text("NNODES=${SLURM_NNODES:-1}\ntorchrun --nnodes $NNODES --nproc_per_node 8" + body)
+    # A size from a default the job may set (Megatron-LM's Mixtral script) is set as the job would set it
+    # for the command line's size, and what the file computes from it follows.
+    script.write_text("NNODES=${SLURM_NNODES:-1}\nGBS=$((4 * NNODES))\ntorchrun --nnodes $NNODES --nproc_per_node 8"
+                      + body.replace("--global-batch-size 8", "--global-batch-size $GBS"))
     launch = read_megatron_args(script)
-    assert launch.world == {"nodes": 1, "gpus_per_node": 8} and launch.world_from_job == {"nodes"}
-    script.write_text("CKPT=${1:-ckpt}\ntorchrun --nproc_per_node 8" + body.rstrip() + " --save $CKPT\n")
-    assert any("leaves $1 to the job and dsauto takes its default ($1=ckpt)" in note
-               for note in read_megatron_args(script).notes)  # a positional argument's default
-    script.write_text("NNODES=${SLURM_NNODES:-1}\ntorchrun --nnodes $NNODES --nproc_per_node 8" + body)
+    assert launch.world == {"nodes": 1, "gpus_per_node": 8} and launch.train["global_batch"] == 4
+    launch = read_megatron_args(script, sizes={"nodes": 2, "gpus_per_node": None})
+    assert launch.world == {"nodes": 2, "gpus_per_node": 8} and launch.train["global_batch"] == 8
+    assert (f"{script}'s launcher takes its size from what the job sets, and dsauto sets SLURM_NNODES=2 for the "
+            f"command line's --nodes and --gpus-per-node, as the job would.") in launch.notes
+    assert not any("leaves SLURM_NNODES" in note for note in launch.notes)
     capsys.readouterr()
     assert main(["plan", "--megatron-args", str(script), "--hardware", "h100-80gb", "--nodes", "2"]) == 0
     assert "on 2 x 8 h100-80gb (16 devices)" in capsys.readouterr().out
+    # a size the file fixes, in both branches of a test over the job's size, still refuses another
+    script.write_text("NNODES=${SLURM_NNODES:-1}\nif [ \"$NNODES\" -gt 1 ]; then\n  G=8\nelse\n  G=8\nfi\n"
+                      "torchrun --nnodes $NNODES --nproc_per_node $G" + body)
     assert main(["plan", "--megatron-args", str(script), "--hardware", "h100-80gb", "--gpus-per-node", "4"]) == 2
     assert "launcher starts 8 ranks a node and the command line gives --gpus-per-node 4" in capsys.readouterr().err
+    script.write_text("CKPT=${1:-ckpt}\ntorchrun --nproc_per_node 8" + body.rstrip() + " --save $CKPT\n")
+    assert any("leaves $1 to the job and dsauto takes its default ($1=ckpt)" in note
+               for note in read_megatron_args(script).notes)  # a positional argument's default
 
 
 def test_errors_name_the_flags_the_launch_file_set(tmp_path, capsys):

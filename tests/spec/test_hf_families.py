@@ -184,7 +184,7 @@ def test_every_config_file_is_checked():
     # (ibm-research/moe-7b-1b-active-shared-experts) no stored source spells out: it is counted
     # against transformers in VARIANTS
     # as are Arcee's and EXAONE 4's, whose public configs no stored source spells out whole
-    variant_only = {"granitemoeshared", "arcee", "exaone4"}
+    variant_only = {"granitemoeshared", "arcee", "exaone4", "granitemoehybrid"}
     assert families == set(FAMILIES) - variant_only
     assert variant_only <= {changes.get("model_type") for _, changes in VARIANTS}
 
@@ -309,7 +309,28 @@ VARIANTS = [
                       "sliding_window_pattern": 4, "rope_scaling": None}),
     ("llama-3.2-1b", {"model_type": "exaone4", "num_hidden_layers": 2, "sliding_window": None, "rope_scaling": None,
                       "layer_types": ["full_attention"] * 2}),
+    # Granite 4.0's hybrid family with attention in every layer and no routed experts (Granite 4.0 micro):
+    # each layer's MLP is its shared MLP
+    ("granite-3.1-8b-instruct", {"model_type": "granitemoehybrid", "num_hidden_layers": 2,
+                                 "layer_types": ["attention"] * 2, "num_local_experts": 0,
+                                 "shared_intermediate_size": 6400, "position_embedding_type": "rope"}),
 ]
+
+
+@pytest.mark.parametrize("name, left_out", [
+    ("mistral-7b-v0.1", ("num_key_value_heads",)), ("mixtral-8x7b", ("num_key_value_heads",)),
+    ("starcoder2-3b", ("num_key_value_heads",)), ("smollm3-3b", ("num_key_value_heads",)),
+    ("qwen3-30b-a3b", ("num_key_value_heads",)), ("seed-oss-36b", ("num_key_value_heads",)),
+    ("gemma-2-9b", ("num_attention_heads", "num_key_value_heads")),
+    ("llama-3.2-1b", ("num_key_value_heads",)),  # LlamaConfig's None: one key/value head a head
+])
+def test_left_out_heads_take_the_config_class_defaults(name, left_out):
+    """A config without its head counts takes its config class's defaults, as transformers builds it
+    (a Mistral config without num_key_value_heads has 8, not one a head)."""
+    data = {key: value for key, value in config(name).items() if key not in left_out}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DsautoWarning)
+        assert model_from_hf_config(data, name).num_parameters() == transformers_count(data)
 
 
 @pytest.mark.parametrize("name, changes", VARIANTS)
@@ -636,11 +657,27 @@ def test_other_moe_families_are_refused_naming_their_fields(model_type, keys):
 
 
 @pytest.mark.parametrize("model_type, what", [("qwen3_next", "Gated DeltaNet"), ("qwen3_5_moe_text", "Gated DeltaNet"),
-                                              ("nemotron_h", "Mamba"), ("jamba", "Mamba"), ("deepseek_v32", "Sparse")])
+                                              ("nemotron_h", "Mamba"), ("jamba", "Mamba"), ("deepseek_v32", "Sparse"),
+                                              ("kimi_linear", "Kimi Delta Attention"), ("granitemoehybrid", "Mamba")])
 def test_models_with_layers_other_than_attention_are_refused_naming_them(model_type, what):
     data = {**config("llama-3.2-1b"), "model_type": model_type, "num_experts": 16}
     with pytest.raises(DsautoError, match=rf"is a {model_type} model with .*{what}.*which dsauto does not price"):
         model_from_hf_config(data, "config.json")
+
+
+def test_granite_hybrids_are_read_where_every_layer_is_attention():
+    """Granite 4.0's hybrid family plans where its layer_types are all attention (Granite 4.0 micro), as
+    Granite with its shared MLP; one Mamba layer, routed experts or NoPE attention are refused."""
+    base = {**config("granite-3.1-8b-instruct"), "model_type": "granitemoehybrid", "num_hidden_layers": 2,
+            "layer_types": ["attention"] * 2, "num_local_experts": 0, "shared_intermediate_size": 6400,
+            "position_embedding_type": "rope"}
+    base.pop("mlp_bias")
+    assert model_from_hf_config(base, "config.json").ffn_hidden_size == 6400
+    for changes, message in (({"layer_types": ["mamba", "attention"]}, "with Mamba state-space layers"),
+                             ({"num_local_experts": 8, "num_experts_per_tok": 2}, "is a mixture of experts"),
+                             ({"position_embedding_type": "nope"}, "attention without position embeddings")):
+        with pytest.raises(DsautoError, match=message):
+            model_from_hf_config({**base, **changes}, "config.json")
 
 
 def test_t5_is_refused_saying_what_is_supported():
