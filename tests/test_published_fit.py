@@ -48,3 +48,21 @@ def test_a_run_is_priced_on_the_network_its_source_states():
     assert fidelity.predict(h100, fidelity.Constants.of(fidelity.run_hardware(h100)))[0].prediction.step_seconds > \
         fidelity.predict(on_dgx, fidelity.Constants.of(fidelity.run_hardware(on_dgx)))[0].prediction.step_seconds
     assert fidelity.build_cases([h100])[0].hardware == fidelity.run_hardware(h100)
+
+
+def test_runs_of_engines_that_reduced_after_the_backward_are_priced_so():
+    """Megatron-LM 2021's local DDP all-reduced the gradients after the backward, and DeepSpeed's
+    pipeline engine reduces after its flush: those runs are priced unoverlapped
+    (--no-overlap-grad-reduce), PyTorch's DDP and Megatron-core's with the overlap they set."""
+    fidelity = load("fidelity")
+    runs, _ = fidelity.load_runs()
+    by_id = {r.id: r for r in runs}
+    plain = lambda run: fidelity.predict(run, fidelity.Constants.of(fidelity.run_hardware(run)))[0]  # noqa: E731
+    # the paper's launch scripts: PyTorch's DDP without a pipeline, Megatron-LM's local DDP with one
+    assert plain(by_id["narayanan21-t1-1.7b"]).overlap_grad_reduce
+    local = plain(by_id["narayanan21-t1-76.1b"])
+    assert not local.overlap_grad_reduce and local.prediction.exposed_comm_seconds > 0
+    assert (local.micro_batch, local.virtual_stages) == (2, 3)  # MBS=2, 5 of its 15 layers a chunk
+    after = [r for r in runs if r.source.key in ("mtnlg", "bloom")]
+    assert len(after) == 4 and not any(r.source.dp_overlap for r in after)
+    assert plain(by_id["dgxc2501-llama31-8b-8gpu"]).overlap_grad_reduce

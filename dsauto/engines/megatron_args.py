@@ -32,7 +32,7 @@ from dsauto.engines.megatron import (
     PLANNED_FOR,
     te_softmax_fuses,
 )
-from dsauto.engines.shell import expand_shell_variables, is_assignment
+from dsauto.engines.shell import ends_command, expand_shell_variables, is_assignment, split_words
 from dsauto.errors import DsautoError
 from dsauto.plan import ACCOUNTED_STAGES, MOMENT_BYTES, accounted_chunks, even_chunks, rank_totals
 from dsauto.spec.model import VOCAB_PAD_MULTIPLE, ModelSpec, in_own_words
@@ -173,7 +173,7 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None,
     try:
         job = _job_for_sizes(text, sizes or {})
         expanded = expand_shell_variables(text, defaults, unevaluated, job)
-        words = shlex.split(expanded.replace("\\\n", " "), comments=True)
+        words = split_words(expanded.replace("\\\n", " "))
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
     launch = parse_megatron_args(words, str(path), model, launch_environment(expanded), launch_vocabulary(text))
@@ -209,12 +209,12 @@ def _job_for_sizes(text: str, sizes: dict[str, int | None]) -> dict[str, str]:
         if given is None:
             continue
         defaults: dict[str, str] = {}
-        words = shlex.split(expand_shell_variables(text, defaults, job=job).replace("\\\n", " "), comments=True)
+        words = split_words(expand_shell_variables(text, defaults, job=job).replace("\\\n", " "))
         if launcher_world(_launcher_words(words)).get(key, given) == given:
             continue
         for name in defaults:
             trial = {**job, name: str(given)}
-            words = shlex.split(expand_shell_variables(text, job=trial).replace("\\\n", " "), comments=True)
+            words = split_words(expand_shell_variables(text, job=trial).replace("\\\n", " "))
             if launcher_world(_launcher_words(words)).get(key) == given:
                 job = trial
                 break
@@ -563,16 +563,24 @@ def _flag_values(words: list[str], where: str, repeated: list[str] | None = None
     i = script + 1 if script is not None else next((i for i, word in enumerate(words) if word.startswith("--")),
                                                    len(words))
     flags: dict[str, str] = {}
-    while i < len(words):
+    passed = []  # the job's own words, which the file passes on unread
+    while i < len(words) and not ends_command(words[i]):
         word = words[i]
+        if _JOB_WORDS.fullmatch(word):
+            passed.append(word)
+            i += 1
+            continue
         if not word.startswith("--"):
             raise DsautoError(f"{where} has the word {word!r} where a flag should start; remove it or give it a flag.")
         name, equals, value = word.partition("=")
         i += 1
         if not equals and name not in SWITCHES:
             values = []
-            while i < len(words) and not words[i].startswith("--"):
-                values.append(words[i])
+            while i < len(words) and not words[i].startswith("--") and not ends_command(words[i]):
+                if _JOB_WORDS.fullmatch(words[i]) and (name not in VALUED or values):  # not a flag's own value
+                    passed.append(words[i])
+                else:
+                    values.append(words[i])
                 i += 1
                 if name in VALUED and name not in MULTI_VALUED:
                     break
@@ -583,7 +591,15 @@ def _flag_values(words: list[str], where: str, repeated: list[str] | None = None
             repeated.append(f"{where} sets {name} twice ({flags[name]!r}, then {value!r}); Megatron-LM takes the "
                             f"last, and so does dsauto.")
         flags[name] = value  # argparse keeps the last
+    if passed:
+        repeated.append(f"{where} passes on {', '.join(passed)} from the job, which dsauto does not see; the plan is "
+                        f"priced without the flags they add.")
     return flags
+
+
+_JOB_WORDS = re.compile(r"\$(?:\{?[A-Za-z_]\w*\}?|[@*]|\{[@*]\}|\{@:\d+\})")
+"""A word that is a bare reference to what the job sets (``$EXTRA_ARGS``, ``$@``), which a launch
+passes on to the training script."""
 
 
 def _int(flags: dict[str, str], name: str, where: str, default: int | None = None, minimum: int = 1) -> int | None:

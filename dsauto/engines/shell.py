@@ -14,16 +14,24 @@ import re
 import shlex
 from dataclasses import dataclass
 
-_ASSIGNMENT = re.compile(r"(?:export[ \t]+|declare[ \t]+-a[ \t]+|local[ \t]+)?([A-Za-z_]\w*)(\+?)=")
+_ASSIGNMENT = re.compile(r"(?:export[ \t]+|declare[ \t]+-[aAgix]+[ \t]+|local[ \t]+|readonly[ \t]+)?"
+                         r"([A-Za-z_]\w*)(\+?)=")
+_ELEMENT = re.compile(r"([A-Za-z_]\w*)\[([^]\s]*)\](\+?)=")  # ARRAY[i]=value
 _QUOTED_ARRAY = re.compile(r"\"(\$\{[A-Za-z_]\w*\[@\]\})\"")  # "${NAME[@]}"; "${NAME[*]}" is one word
 _REFERENCE = re.compile(r"\$\{([A-Za-z_]\w*)\[[@*]\]\}|\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
 _DEFAULTED = re.compile(r"\$\{([A-Za-z_]\w*|\d+)(:?)([-=])")  # a positional argument's too: ${1:-default}
 _ARITHMETIC = re.compile(r"[\d\s+\-*/%()]+")
 _INTEGER = re.compile(r"-?\d+")
-_HEREDOC = re.compile(r"<<-?\s*(['\"]?)([A-Za-z_]\w*)\1")
+_HEREDOC = re.compile(r"(?<![<$(])<<-?\s*(['\"]?)([A-Za-z_]\w*)\1")  # not <<<, nor $(( 1 << N ))
 _WORD = re.compile(r"""(?:[^\s'"\\]|\\.|'[^']*'|"(?:[^"\\]|\\.)*")+""", re.DOTALL)
-_CASE_ARM = re.compile(r"\(?[^()\s][^()]*\)\s*")
-_BLOCK_OPENERS = ("if", "case", "for", "while", "until", "select")
+_SEGMENT = re.compile(r"""'([^']*)'|"((?:[^"\\]|\\.)*)"|((?:[^'"\\]|\\.)+)""", re.DOTALL)
+_CASE_ARM = re.compile(r"\(?\s*[^()\s|]+(?:\s*\|\s*[^()\s|]+)*\s*\)\s*")
+_FUNCTION = re.compile(r"(?:function\s+([A-Za-z_][\w-]*)\s*(?:\(\))?|([A-Za-z_][\w-]*)\s*\(\))\s*(\{)?\s*")
+_ARITHMETIC_ASSIGNMENT = re.compile(r"([A-Za-z_]\w*)\s*(?:([-+*/%]?)=(?!=)\s*(.+)|(\+\+|--))$|(\+\+|--)([A-Za-z_]\w*)$")
+_LOOPS = ("for", "while", "until", "select")
+_CLOSERS = {"fi": "if", "esac": "case", "done": "loop"}
+_OPERATORS = {"|", "||", "&", "&&", ";", ";;"}
+"""Words that end a command."""
 
 
 def is_assignment(word: str) -> bool:
@@ -31,26 +39,40 @@ def is_assignment(word: str) -> bool:
     return bool(_ASSIGNMENT.match(word)) and "=" in word
 
 
+def split_words(text: str) -> list[str]:
+    """``text``'s words as bash splits a command: quotes removed, ``#`` comments only where a word
+    starts (``run#3`` is one word, which shlex's own comments would cut)."""
+    return shlex.split(_strip_comments(text))
+
+
+def ends_command(word: str) -> bool:
+    """Whether a word of a split command line ends the command: a list operator or a redirection
+    (``|``, ``&&``, ``;``, ``2>&1``, ``> log``)."""
+    return word in _OPERATORS or bool(re.fullmatch(r"\d*(?:>>?|<|>&\d*|&>>?)\S*", word))
+
+
 def expand_shell_variables(text: str, defaults: dict[str, str] | None = None,
                            unevaluated: dict[str, str] | None = None, job: dict[str, str] | None = None) -> str:
-    """``text`` with the bash arrays it defines (``NAME=( ... )``, ``NAME+=( ... )``) taken out and
-    each ``${NAME[@]}`` replaced by their words, and each ``$NAME`` / ``${NAME}`` of a variable it
-    sets to one value (``NAME=value``, ``export NAME=value``, a quoted value over several lines
-    too) replaced by that value, as Megatron-LM's example launch scripts build their command
-    (``torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py ${GPT_MODEL_ARGS[@]} ...``): unquoted, an
-    element or a value splits into words at its blanks, as bash splits it, quoted it stays one word
-    (each element one word in ``"${NAME[@]}"``, all of them one in ``"${NAME[*]}"``). A variable set
-    outside the file (``$1``, ``$NNODES`` from the job) stays as written, and nothing inside single
-    quotes, a comment or a here-document is expanded.
+    """``text`` with the bash arrays it defines (``NAME=( ... )``, ``NAME+=( ... )``, ``NAME[i]=...``)
+    taken out and each ``${NAME[@]}`` replaced by their words, and each ``$NAME`` / ``${NAME}`` of a
+    variable it sets to one value (``NAME=value``, ``export NAME=value``, ``NAME+=more``, a quoted
+    value over several lines too, ``(( NAME *= 2 ))``) replaced by that value, as Megatron-LM's
+    example launch scripts build their command (``torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py
+    ${GPT_MODEL_ARGS[@]} ...``): unquoted, an element or a value splits into words at its blanks, as
+    bash splits it, quoted it stays one word (each element one word in ``"${NAME[@]}"``, all of them
+    one in ``"${NAME[*]}"``). A variable set outside the file (``$1``, ``$NNODES`` from the job) or
+    by a command (``$(nproc)``) stays as written, and nothing inside single quotes, a comment or a
+    here-document is expanded.
 
     Branches run as bash runs them where the file decides them: ``if``/``elif``/``else``/``fi``
-    (one-line ones and commands after ``then``/``else`` too) and ``TEST && command`` /
-    ``TEST || command``, over tests of the file's own values (``[[ ... ]]``, ``[ ... ]``, ``test``:
-    string comparisons, patterns and ``=~`` in ``[[ ]]`` where the right side is unquoted, integer
-    comparisons, ``-z``, ``-n``, ``!``, ``&&`` binding tighter than ``||``): the branch taken sets
-    what it sets, the others are left out. A branch the file cannot decide (a test over what the
-    job sets, a file test, arithmetic), and the bodies of ``case`` blocks and loops, set nothing:
-    each variable they would set is added to ``unevaluated`` with the test, for the caller to say
+    (conditions joined by ``&&`` and ``||``, one-line ones and commands after ``then``/``else``
+    too), ``case`` arms over the file's values, and ``TEST && command`` / ``TEST || command``, over
+    tests of the file's own values (``[[ ... ]]``, ``[ ... ]``, ``test``: string comparisons,
+    patterns and ``=~`` in ``[[ ]]`` for their unquoted parts, integer comparisons, ``-z``, ``-n``,
+    ``!``, ``&&`` binding tighter than ``||``); an ``exit`` the file reaches ends it. A branch the
+    file cannot decide (a test over what the job sets, a file test, a command), the bodies of loops
+    and functions (bash runs these where they are called), ``source`` and ``eval`` set nothing:
+    each variable they would set is added to ``unevaluated`` with the reason, for the caller to say
     so; their other commands stay in the text.
 
     ``${NAME:-default}`` (and ``${NAME-default}``; ``${NAME:=default}`` also sets NAME) takes the
@@ -64,23 +86,30 @@ def expand_shell_variables(text: str, defaults: dict[str, str] | None = None,
     out: list[str] = []
     pos, heredoc = 0, None
     while pos < len(text):
+        if heredoc is not None:  # a here-document's lines are input, not commands: read line by line
+            end = text.find("\n", pos)
+            end = len(text) if end < 0 else end + 1
+            heredoc = None if text[pos:end].strip() == heredoc else heredoc
+            pos = end
+            continue
         end = _logical_line_end(text, pos)
         line, pos = text[pos:end], end
-        if heredoc is not None:  # a here-document's lines are input, not commands
-            heredoc = None if line.strip() == heredoc else heredoc
-            continue
-        found = _HEREDOC.search(line) if "<<" in line else None
-        heredoc = found.group(2) if found and not _quoted_at(line, found.start()) else None
+        found = _HEREDOC.search(line) if "<<" in line and not line.lstrip().startswith("#") else None
+        # a here-document opens where the operator stands outside quotes and arithmetic ($(( 1 << N )))
+        # and its body is still to come (inside $( ... ) the logical line holds it whole)
+        heredoc = found.group(2) if found and not _quoted_at(line, found.start()) and (
+            line.count("$((", 0, found.start()) <= line.count("))", 0, found.start())) and not re.search(
+            rf"\n\s*{re.escape(found.group(2))}\s*\n", line[found.end():]) else None
         out.append(shell.run(line))
     return "".join(out)
 
 
 @dataclass
 class _Block:
-    """An open compound command of a launch script: an ``if`` block, a ``case`` or a loop."""
+    """An open compound command of a launch script: an ``if`` block, a ``case``, a loop or a function."""
 
     kind: str
-    """``if``, ``case`` or ``loop``."""
+    """``if``, ``case``, ``loop`` or ``function``."""
     test: str
     """What decides it, as written (for the report of what it would set)."""
     parent: bool | None
@@ -88,7 +117,9 @@ class _Block:
     own: bool | None
     """Whether its branch being read runs, given its surroundings do."""
     taken: bool | None = False
-    """``if``: whether an earlier branch of the block ran."""
+    """``if`` and ``case``: whether an earlier branch of the block ran."""
+    value: str | None = None
+    """``case``: the word its arms match, None where the file does not set it."""
 
     @property
     def runs(self) -> bool | None:
@@ -103,30 +134,86 @@ class _Shell:
                  unevaluated: dict[str, str]):
         self.scalars, self.arrays, self.defaults, self.unevaluated = scalars, arrays, defaults, unevaluated
         self.blocks: list[_Block] = []
+        self.stopped = False  # an exit the file reached
 
     def runs(self) -> bool | None:
         """Whether the command being read runs: True, False, or None where the file cannot tell."""
         return self.blocks[-1].runs if self.blocks else True
 
+    def why(self) -> str:
+        """Why the command being read may or may not run: the outermost block the file cannot decide."""
+        return next((b.test for b in self.blocks if b.own is None), "a list over a command's status")
+
+    def report(self, name: str, why: str | None = None) -> None:
+        self.unevaluated.setdefault(name, why or self.why())
+
     def run(self, line: str) -> str:
         """The logical line ``line`` as the text to read words from: the commands that run (or may),
         expanded; the variables and blocks it sets kept for the lines after it. A whole-line comment
         is kept as written (dsauto's own file states its launch environment in one)."""
+        newline = "\n" if line.endswith("\n") else ""
+        if self.stopped:
+            return newline
         if line.lstrip().startswith("#"):
             return line
         outputs, status = [], True
-        for link, statement in _statements(line):
+        statements = _statements(line)
+        i = 0
+        while i < len(statements):
+            link, statement = statements[i]
+            first = statement.split(None, 1)[0]
+            if first in ("if", "elif", "while", "until"):
+                # the condition: this command and those joined to it by && and ||, up to 'then' / 'do'
+                j = i + 1
+                while j < len(statements) and statements[j][0] in ("&&", "||"):
+                    j += 1
+                self.compound(first, statement[len(first):].strip(), statements[i + 1:j])
+                i, status = j, True
+                continue
             here = self.runs()
             if link == "&&":
                 here = _both(here, status)
             elif link == "||":
                 here = _both(here, _not(status))
+            i += 1
             if here is False and link in ("&&", "||"):
                 continue  # skipped: the list's status stays that of the command before
             status, written = self.statement(statement, here)
             if written:
                 outputs.append(written)
-        return " ; ".join(outputs) + ("\n" if line.endswith("\n") else "")
+            if self.stopped:
+                break
+        return " ; ".join(outputs) + newline
+
+    def condition(self, first: str, rest: list[tuple[str, str]]) -> bool | None:
+        """Whether a condition list succeeds: its commands left to right, each joined to the status
+        before by ``&&`` or ``||``."""
+        value = self.test(first)
+        for link, text in rest:
+            if (link == "&&" and value is False) or (link == "||" and value is True):
+                continue  # not run
+            value = _both(value, self.test(text)) if link == "&&" else _either(value, self.test(text))
+        return value
+
+    def compound(self, keyword: str, test: str, rest: list[tuple[str, str]]) -> None:
+        """Opens an ``if`` block or a loop, or moves an ``if`` block to its ``elif`` branch."""
+        written = " ".join([test, *(f"{link} {text}" for link, text in rest)])
+        parent = self.runs()
+        if keyword == "if":
+            self.blocks.append(_Block("if", written, parent, self.condition(test, rest) if parent is True else
+                                      parent and None))
+            return
+        if keyword in ("while", "until"):
+            self.blocks.append(_Block("loop", f"{keyword} {written}", parent, parent and None))
+            return
+        block = self.blocks[-1] if self.blocks else None
+        if block is None or block.kind != "if":
+            return
+        block.taken = _either(block.taken, block.own)
+        decided = self.condition(test, rest) if block.parent is True and block.taken is not True else None
+        block.own = False if block.taken is True else decided if block.taken is False else (
+            False if decided is False else None)
+        block.test = written
 
     def statement(self, text: str, here: bool | None) -> tuple[bool | None, str]:
         """(exit status, text to keep) of one simple or compound-command word list ``text``, which runs
@@ -134,40 +221,74 @@ class _Shell:
         first, rest = (text.split(None, 1) + [""])[:2] if text.strip() else ("", "")
         rest = rest.strip()
         block = self.blocks[-1] if self.blocks else None
-        if first == "if":
-            parent = self.runs()
-            self.blocks.append(_Block("if", rest, parent, self.test(rest) if parent is True else None))
-            return True, ""
-        if first in ("then", "do"):
-            return self.statement(rest, self.runs()) if rest else (True, "")
-        if first == "elif" and block is not None and block.kind == "if":
-            block.taken = _either(block.taken, block.own)
-            decided = self.test(rest) if block.parent is True and block.taken is not True else None
-            block.own = False if block.taken is True else decided if block.taken is False else (
-                False if decided is False else None)
-            block.test = rest
+        if first in ("then", "do", "{"):
+            return self.statement(rest, self.runs() if first != "{" else here) if rest else (True, "")
+        if first == "}" :
+            if block is not None and block.kind == "function":
+                self.blocks.pop()
             return True, ""
         if first == "else" and block is not None and block.kind == "if":
             block.taken = _either(block.taken, block.own)
             block.own = _not(block.taken)
             return self.statement(rest, self.runs()) if rest else (True, "")
-        if first in ("fi", "esac", "done") and block is not None:
-            self.blocks.pop()
+        if first in _CLOSERS:
+            if block is not None and block.kind == _CLOSERS[first]:
+                self.blocks.pop()
             return True, ""
-        if first in _BLOCK_OPENERS:  # case and loops: their bodies are not evaluated
-            self.blocks.append(_Block("case" if first == "case" else "loop", text, self.runs(), None))
+        if first in _LOOPS:  # a loop's body runs as many times as the file cannot count
+            self.blocks.append(_Block("loop", text.removesuffix("; do"), self.runs(), self.runs() and None))
             return None, ""
+        if first == "case":
+            word, _, arms = rest.partition(" in")
+            parent = self.runs()
+            self.blocks.append(_Block("case", f"case {word.strip()} in", parent, False,
+                                      value=self.value(word.strip()) if parent is True else None))
+            return self.statement(arms.strip(), here) if arms.strip() else (True, "")
         if block is not None and block.kind == "case" and (arm := _CASE_ARM.match(text)):
-            return self.statement(text[arm.end():], here) if text[arm.end():].strip() else (True, "")
+            patterns = [p.strip() for p in text[:arm.end()].strip().strip("()").split("|")]
+            if block.parent is False or block.taken is True:
+                block.own = False
+            elif block.value is None or block.parent is None:
+                block.own, block.taken = None, _either(block.taken, None)
+            else:
+                block.own = any(fnmatch.fnmatchcase(block.value, self.value(p) or p) for p in patterns)
+                block.taken = block.own
+            remainder = text[arm.end():].strip()
+            return self.statement(remainder, self.runs()) if remainder else (True, "")
+        if function := _FUNCTION.fullmatch(text) or _FUNCTION.match(text):
+            name = function.group(1) or function.group(2)
+            self.blocks.append(_Block("function", f"the function {name}, which bash runs where it is called",
+                                      self.runs(), self.runs() and None))
+            remainder = text[function.end():].strip()
+            return self.statement(remainder, self.runs()) if remainder else (True, "")
+        if here is False or not text:
+            return None, ""
+        if first in ("source", ".", "eval"):
+            self.report(f"`{text}`", "a file or string dsauto does not read")
+            return None, ""
+        if first == "exit" and here is True and not any(b.kind == "function" for b in self.blocks):
+            self.stopped = True
+            return None, ""
+        if first == "unset":
+            for name in rest.split():
+                if here is True:  # unset by the file: empty where it stands, as bash expands it
+                    self.arrays.pop(name, None)
+                    self.scalars[name] = ""
+                else:
+                    self.report(name)
+            return (True if here is True else None), ""
+        if first in ("((", "let") or text.startswith("(("):
+            return self.arithmetic(text.removeprefix("let").strip().strip("()").strip(), here), ""
+        if element := _ELEMENT.match(text):
+            self.element(element, text, here)
+            return (True if here is True else None), ""
         match = _ASSIGNMENT.match(text)
         if match:
             self.assign(match, text, here)
             array = text.startswith("(", match.end())  # its words live on in the array, not here
-            return True, self.substitute(text) if here is True and not array else ""
+            return (True if here is True else None), self.substitute(text) if here is True and not array else ""
         if first in ("[[", "[", "test", "!"):
             return (self.test(text) if here is True else None), ""
-        if here is False or not text:
-            return None, ""
         return None, self.substitute(text)
 
     def assign(self, match: re.Match[str], text: str, here: bool | None) -> None:
@@ -176,22 +297,69 @@ class _Shell:
         name, append = match.group(1), match.group(2)
         if here is not True:
             if here is None:
-                # the outermost block the file cannot decide is why
-                self.unevaluated.setdefault(name, next((b.test for b in self.blocks if b.own is None),
-                                                       "a list over a command's status"))
+                self.report(name)
             return
         value = text[match.end():]
         if value.startswith("("):
             close = _closing_parenthesis(value, 1)
-            words = shlex.split(self.substitute(value[1:close]).replace("\\\n", " "), comments=True)
-            self.arrays[name] = self.arrays.get(name, []) + words if append else words
+            words = split_words(self.substitute(value[1:close]).replace("\\\n", " "))
+            before = self.arrays.get(name, [self.scalars[name]] if name in self.scalars else [])
+            self.arrays[name] = before + words if append else words
+            self.scalars.pop(name, None)
+            return
+        word = value[:_word_end(value, 0)]
+        if re.search(r"\$\((?!\()|`", word):  # a command's output: not the file's to tell
+            self.scalars.pop(name, None)
             return
         try:
-            words = shlex.split(self.substitute(value.replace("\\\n", ""), assigned=True), comments=True)
+            words = split_words(self.substitute(word.replace("\\\n", ""), assigned=True))
         except ValueError:
             return
-        if not append and len(words) <= 1:  # NAME=value or NAME= (set, empty); NAME=value command: the command's
-            self.scalars[name] = words[0] if words else ""
+        joined = words[0] if words else ""
+        if value[len(word):].strip() and not value[len(word):].lstrip().startswith("#"):
+            return  # NAME=value command: the command's environment, not the file's variable
+        if append and name in self.arrays:  # NAME+=more on an array appends to its first element
+            values = self.arrays[name] or [""]
+            self.arrays[name] = [values[0] + joined] + values[1:]
+        else:
+            self.scalars[name] = self.scalars.get(name, "") + joined if append else joined
+
+    def element(self, match: re.Match[str], text: str, here: bool | None) -> None:
+        """Sets one element of an array (``NAME[i]=value``) where it runs and its index is a number."""
+        name, index = match.group(1), _arithmetic(self.substitute(match.group(2)), self.scalars)
+        if here is not True or index is None or name not in self.arrays:
+            if here is not False:
+                self.report(name, None if here is None else "an element dsauto cannot place")
+            return
+        word = text[match.end():]
+        words = split_words(self.substitute(word[:_word_end(word, 0)], assigned=True))
+        values, i = self.arrays[name], int(index)
+        if 0 <= i < len(values) + 1:
+            value = (values[i] if i < len(values) and match.group(3) else "") + (words[0] if words else "")
+            self.arrays[name] = values[:i] + [value] + values[i + 1:]
+        else:
+            self.report(name, "an element past the array's end")
+
+    def arithmetic(self, expression: str, here: bool | None) -> bool | None:
+        """Runs an arithmetic command (``(( N *= 2 ))``, ``let N=N+1``): its assignment where the file
+        gives its values, reported where not; a comparison is a status dsauto does not decide."""
+        found = _ARITHMETIC_ASSIGNMENT.match(expression.strip())
+        if not found:
+            return None
+        name = found.group(1) or found.group(6)
+        if here is not True:
+            if here is None:
+                self.report(name)
+            return None
+        step = found.group(4) or found.group(5)
+        operator, operand = (step[0], "1") if step else (found.group(2), found.group(3))
+        value = _arithmetic(f"{name} {operator} ({operand})" if operator else operand, self.scalars)
+        if value is None:
+            self.scalars.pop(name, None)
+            self.report(name, f"(( {expression} ))")
+            return None
+        self.scalars[name] = value
+        return value != "0"
 
     def substitute(self, text: str, assigned: bool = False) -> str:
         return _substitute(text, self.scalars, self.arrays, self.defaults, assigned=assigned)
@@ -208,6 +376,10 @@ class _Shell:
             inner, extended = words[1:-1], False
         elif words and words[0] == "test":
             inner, extended = words[1:], False
+        elif words in (["true"], [":"]):
+            return not negated
+        elif words == ["false"]:
+            return negated
         else:
             return None
         ors, ands = ("||", "-o") if not extended else ("||",), ("&&", "-a") if not extended else ("&&",)
@@ -220,26 +392,37 @@ class _Shell:
         return _not(result) if negated else result
 
     def clause(self, words: list[str], extended: bool) -> bool | None:
-        """One comparison of a test (:meth:`test`); None where it is not one dsauto evaluates."""
+        """One comparison of a test (:meth:`test`); None where it is not one dsauto evaluates. In
+        ``[ ]`` an unquoted value splits at its blanks, and an empty one is no word, as bash splits
+        them; in ``[[ ]]`` the right side of ``==``, ``!=`` and ``=~`` matches as a pattern where unquoted."""
         negated = bool(words) and words[0] == "!"
         words = words[negated:]
-        values = [self.value(word) for word in words]
-        if any(value is None for value in values) or not 1 <= len(words) <= 3:
+        operators = ("=", "==", "!=", "=~", "<", ">", *_INTEGER_COMPARISONS)
+        values: list[str | None] = []
+        kept: list[str] = []
+        for word in words:
+            value = self.value(word)
+            if not extended and value is not None and not any(q in word for q in "'\"") and word not in operators:
+                values += value.split()  # [ ] splits an unquoted value; an empty one vanishes
+                kept += [word] * len(value.split())
+            else:
+                values.append(value)
+                kept.append(word)
+        if any(value is None for value in values) or not 1 <= len(values) <= 3:
             return None
         value: bool | None = None
-        if len(words) == 1:
+        if len(values) == 1:
             value = values[0] != ""
-        elif len(words) == 2 and words[0] in ("-z", "-n"):
-            value = (values[1] == "") == (words[0] == "-z")
-        elif len(words) == 3:
-            left, operator, right = values[0], words[1], values[2]
-            pattern = extended and not any(q in words[2] for q in "'\"")  # unquoted: a pattern in [[ ]]
+        elif len(values) == 2 and kept[0] in ("-z", "-n"):
+            value = (values[1] == "") == (kept[0] == "-z")
+        elif len(values) == 3:
+            left, operator, right = values[0], kept[1], values[2]
             if operator in ("=", "==", "!="):
-                matches = fnmatch.fnmatchcase(left, right) if pattern else left == right
+                matches = fnmatch.fnmatchcase(left, self.pattern(kept[2])) if extended else left == right
                 value = matches if operator != "!=" else not matches
             elif operator == "=~" and extended:
                 try:
-                    value = re.search(right if pattern else re.escape(right), left) is not None
+                    value = re.search(self.pattern(kept[2], regex=True), left) is not None
                 except re.error:
                     value = None
             elif operator in ("<", ">") and extended:
@@ -247,6 +430,18 @@ class _Shell:
             elif operator in _INTEGER_COMPARISONS and all(_INTEGER.fullmatch(v) for v in (left, right)):
                 value = _INTEGER_COMPARISONS[operator](int(left), int(right))
         return None if value is None else value != negated
+
+    def pattern(self, word: str, regex: bool = False) -> str:
+        """A test word as a pattern: its unquoted parts with their glob (or regex) characters, its
+        quoted parts literal, the file's values substituted."""
+        parts = []
+        for single, double, bare in _SEGMENT.findall(word):
+            if bare:
+                parts.append(self.value(bare) or "")
+            else:
+                literal = single if single else (self.value(f'"{double}"') or "")
+                parts.append(re.escape(literal) if regex else re.sub(r"([*?\[])", r"[\1]", literal))
+        return "".join(parts)
 
     def value(self, word: str) -> str | None:
         """A test word's value (quotes removed, the file's values substituted), or None where it holds
@@ -257,7 +452,7 @@ class _Shell:
         except ValueError:
             return None
         value = " ".join(parts)
-        return None if "$" in value else value
+        return None if "$" in value or "`" in value else value
 
 
 _INTEGER_COMPARISONS = {"-eq": int.__eq__, "-ne": int.__ne__, "-lt": int.__lt__, "-le": int.__le__,
@@ -346,7 +541,7 @@ def _statements(line: str) -> list[tuple[str, str]]:
     def cut(end: int, next_link: str, skip: int) -> None:
         nonlocal link, start, pos
         if line[start:end].strip():
-            out.append((link, line[start:end].strip()))
+            out.append((link, line[start:end].strip().removeprefix("\\\n").strip()))
         link, start, pos = next_link, end + skip, end + skip
 
     while pos < len(line):
@@ -384,6 +579,52 @@ def _statements(line: str) -> list[tuple[str, str]]:
         pos += 1
     cut(len(line), "", 0)
     return out
+
+
+def _strip_comments(text: str) -> str:
+    """``text`` without its comments: from a ``#`` that starts a word, outside quotes, to the end of
+    its line, as bash reads them."""
+    out, pos, word_start = [], 0, True
+    while pos < len(text):
+        c = text[pos]
+        if c == "\\":
+            out.append(text[pos:pos + 2])
+            pos, word_start = pos + 2, False
+            continue
+        if c in "'\"":
+            end = _quote_end(text, pos)
+            out.append(text[pos:end])
+            pos, word_start = end, False
+            continue
+        if c == "#" and word_start:
+            end = text.find("\n", pos)
+            pos = len(text) if end < 0 else end
+            continue
+        out.append(c)
+        word_start = c.isspace() or c in ";&|()"
+        pos += 1
+    return "".join(out)
+
+
+def _word_end(text: str, pos: int) -> int:
+    """Where the shell word starting at ``pos`` ends: at the first blank outside quotes, ``$(...)``,
+    ``${...}`` and backquotes."""
+    while pos < len(text) and not text[pos].isspace() and text[pos] not in ";&|":
+        c = text[pos]
+        if c == "\\":
+            pos += 2
+        elif c in "'\"":
+            pos = _quote_end(text, pos)
+        elif text.startswith("$(", pos):
+            pos = _closing_parenthesis(text, pos + 2) + 1
+        elif text.startswith("${", pos):
+            pos = _closing_brace(text, pos + 2) + 1
+        elif c == "`":
+            end = text.find("`", pos + 1)
+            pos = len(text) if end < 0 else end + 1
+        else:
+            pos += 1
+    return min(pos, len(text))
 
 
 def _closing_parenthesis(text: str, pos: int) -> int:

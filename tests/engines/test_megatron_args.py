@@ -675,6 +675,22 @@ BASH_CASES = {
                                                            'set -- $TP\n'),
     "a value over several lines": 'P="\n    --tp 2 \\\n    --sp\n"\nset -- x $P\n',
     "arrays as words": 'A=("--a 1" --b)\nN="x  y"\nset -- "${A[*]}" "${A[@]}" ${A[@]} $N "$N"\n',
+    "conditions joined by && and ||": ('A=1\nB=2\nR=()\nif [[ $A == 1 ]] && [[ $B == 3 ]]; then R+=(x); else R+=(y); fi\n'
+                                       'if [[ $A == 2 ]] || [[ $B == 2 ]]; then R+=(z); fi\n'
+                                       'if [ $A = 2 ]; then R+=(p)\nelif [ $A = 1 ] && \\\n   [ $B = 2 ]; then R+=(q); fi\n'
+                                       'set -- "${R[@]}"\n'),
+    "appending to values, elements and unset": ('X=--bf16\nX+=" --sp"\nY=--a\nY+=(--b)\nA=(--tp 2)\nA[1]=8\n'
+                                                'U=--u\n[[ 1 == 1 ]] && unset U\nset -- $X "${Y[@]}" "${A[@]}" $U\n'),
+    "a # inside a word, a brace group, a one-line case": (
+        'A=(--name run#1 --bf16)\nM=fp8\n[[ $M == fp8 ]] && { P="--fp8-format hybrid"; }\n'
+        'case $M in fp8) C=--c8 ;; bf16) C=--c16 ;; esac\nset -- "${A[@]}" $P $C x#y\n'),
+    "quoted and unquoted parts of a pattern": ('M=llama3-8b\nR=()\n[[ $M == "llama3"* ]] && R+=(a)\n'
+                                               '[[ $M == "llama3*" ]] && R+=(b)\nF=\nif [ -n $F ]; then R+=(c); fi\n'
+                                               'set -- "${R[@]}"\n'),
+    "arithmetic commands": 'G=64\n(( G *= 4 ))\nlet N=G/2\ni=1\n(( i++ ))\nset -- $G $N $i\n',
+    "a here-document with an apostrophe, and a case over arms": (
+        "TP=2\ncat <<'EOF' >/dev/null\nDon't edit: TP=9\nEOF\nMODEL=small\ncase $MODEL in\n  big|huge)\n"
+        "    TP=8\n    ;;\n  small) TP=4 ;;\n  *) TP=1 ;;\nesac\nset -- $TP\n"),
 }
 
 
@@ -685,12 +701,29 @@ def test_a_launch_script_expands_to_the_words_bash_runs(script):
     quoted text are not read as commands."""
     import subprocess
 
-    from dsauto.engines.megatron_args import expand_shell_variables
+    from dsauto.engines.shell import expand_shell_variables, split_words
 
     bash = subprocess.run(["bash", "-c", script + 'printf "%s\\n" "$@"'], capture_output=True, text=True,
                           check=True).stdout.split("\n")[:-1]
     expanded = expand_shell_variables(script)
-    assert shlex.split(expanded[expanded.rindex("set --"):], comments=True)[2:] == bash
+    assert split_words(expanded[expanded.rindex("set --"):])[2:] == bash
+
+
+def test_the_command_ends_where_bash_ends_it_and_the_jobs_words_are_named(tmp_path):
+    """A pipe or a redirection after the launch ends its flags; words the job fills ($EXTRA_ARGS, $@)
+    are named, not read as values; a value a command computes ($(...)) is not the file's, and the
+    value before it does not stand in for it."""
+    script = tmp_path / "train.sh"
+    body = MINIMAL.replace(" --data-path /data/x", "")
+    script.write_text(f"torchrun --nproc_per_node 4 pretrain_gpt.py {body} --data-path /d/x $EXTRA_ARGS \"$@\" "
+                      f"2>&1 | tee log.txt\n")
+    launch = read_megatron_args(script)
+    assert launch.pins["tp"] == 2 and launch.unknown == []
+    assert (f"{script} passes on $EXTRA_ARGS, $@ from the job, which dsauto does not see; the plan is priced "
+            f"without the flags they add.") in launch.notes
+    script.write_text(f"TP=2\nTP=$(echo 8 | tr -d ' ')\ntorchrun pretrain_gpt.py {body.replace('--tensor-model-parallel-size 2', '--tensor-model-parallel-size $TP')}\n")
+    with pytest.raises(DsautoError, match=r"gives --tensor-model-parallel-size '\$TP', not a whole number"):
+        read_megatron_args(script)
 
 
 def test_what_the_file_cannot_decide_sets_nothing_and_is_reported():
@@ -700,13 +733,13 @@ def test_what_the_file_cannot_decide_sets_nothing_and_is_reported():
     from dsauto.engines.megatron_args import expand_shell_variables
 
     script = ('TP=1\nif [ -f /etc/x ]; then\n  if [ 1 = 1 ]; then\n    A=1\n  else\n    B=2\n  fi\nfi\n'
-              'MODEL=small\ncase $MODEL in\n  big) TP=8;;\n  small)\n    TP=2\n    ;;\nesac\n'
+              'case $SLURM_JOB_PARTITION in\n  big) TP=8;;\n  small)\n    TP=2\n    ;;\nesac\n'
               'for f in --sp --dist; do\n  ARGS+=($f)\ndone\n[ -d /tmp ] && C=3\n'
               'if [ 1 = 2 ]; then\n  X=${NEVER:-0}\nfi\nset -- $TP $A $C\n')
     unevaluated: dict[str, str] = {}
     defaults: dict[str, str] = {}
     expanded = expand_shell_variables(script, defaults, unevaluated)
-    assert unevaluated == {"A": "[ -f /etc/x ]", "B": "[ -f /etc/x ]", "TP": "case $MODEL in",
+    assert unevaluated == {"A": "[ -f /etc/x ]", "B": "[ -f /etc/x ]", "TP": "case $SLURM_JOB_PARTITION in",
                            "ARGS": "for f in --sp --dist", "C": "a list over a command's status"}
     assert shlex.split(expanded[expanded.rindex("set --"):])[2:] == ["1", "$A", "$C"] and defaults == {}
 
