@@ -146,6 +146,12 @@ class Source:
     optimizer_moments: str | None = None
     """The dtype the run's optimizer kept Adam's state in, where lower than fp32: priced as Megatron-core's
     precision-aware optimizer with its moments in it (--precision-aware-optimizer)."""
+    dp_overlap: bool = True
+    """False: the runs reduced the gradients, and gathered ZeRO-1's parameters, after the step's last
+    backward, exposed (--no-overlap-grad-reduce): Megatron-LM 2021's local DDP (--DDP-impl local, its
+    default: megatron/training.py train_step all-reduces after forward_backward_func) and DeepSpeed's
+    pipeline engine (its schedule reduces after the flush, then steps and gathers). A record's
+    ``ddp_impl`` (torch: PyTorch's DDP, overlapped; local) overrides it."""
     fitted: bool = True
     """False: the runs are priced and reported (in-sample and CV) but weigh nothing in the fit,
     because their step time is set by a cost dsauto knows it does not price (WHY says which) and
@@ -155,10 +161,15 @@ class Source:
 SOURCES = {
     "narayanan21-t1": Source("narayanan21", "megatron", 0, False, "fp16",
                              "Megatron-LM 2021: engine megatron, no distributed optimizer (ZeRO 0), eager "
-                             "attention, full recomputation (Eq. 3 assumes it), interleaved schedule with its "
-                             "virtual stages left to the planner (not published), pipeline scatter/gather "
-                             "(Sec. 4.1), the layers split evenly over the stages (megatron/model/transformer.py "
-                             "of 2021 divides them)", GPT, True, None, scatter_gather=True, even_stages=True),
+                             "attention, full recomputation (Eq. 3 assumes it), pipeline scatter/gather (Sec. 4.1), "
+                             "the layers split evenly over the stages (megatron/model/transformer.py of 2021 "
+                             "divides them); the micro-batch, the virtual stages and the data-parallel "
+                             "implementation of the paper's launch scripts (examples/sc21/run_table_1.sh, "
+                             "de7dc40f88): PyTorch's DDP without pipelines (gradients all-reduced during the last "
+                             "backward), Megatron-LM's local DDP with them (after the backward); the virtual stages "
+                             "left to the planner where the script sets none and the paper says every run "
+                             "interleaved (39.1B, 1008B)",
+                             GPT, True, None, scatter_gather=True, even_stages=True, dp_overlap=False),
     "narayanan21-t2-zero3": Source("narayanan21", "deepspeed", 3, False, "fp16",
                                    "DeepSpeed ZeRO-3 (2021) without model parallelism: engine deepspeed, every "
                                    "layer sharded, full recomputation (Eq. 3 assumes it), vocabulary 51,200",
@@ -231,11 +242,15 @@ SOURCES = {
                     "tensor parallelism), DeepSpeed's pipeline without interleaving, eager attention, full "
                     "recomputation (the stack recomputed every layer or none, and the TFLOP/s count it), "
                     "vocabulary 51,200, the layers split evenly over the stages (partition_method "
-                    "'type:transformer')", GPT, True, 1, even_stages=True),
+                    "'type:transformer'), the gradients reduced after the pipeline's flush and the parameters "
+                    "gathered after the step (its pipeline engine)", GPT, True, 1, even_stages=True,
+                    dp_overlap=False),
     "bloom": Source("bloom", "megatron", 1, False, "bf16",
                     "Megatron-DeepSpeed 2022 with its BF16 optimizer (ZeRO-1 equivalent, fp32 gradients): "
-                    "engine megatron with ZeRO 1, eager attention, ALiBi, embedding norm",
-                    dict(position_embedding="alibi", embedding_norm=True), None, 1),
+                    "engine megatron with ZeRO 1, eager attention, ALiBi, embedding norm, the gradients "
+                    "reduced after the pipeline's flush and the parameters gathered after the step (DeepSpeed's "
+                    "pipeline engine)", dict(position_embedding="alibi", embedding_norm=True), None, 1,
+                    dp_overlap=False),
     "ibm": Source("ibm", "megatron", 3, True, "bf16",
                   "PyTorch FSDP: engine megatron with ZeRO 3 (Megatron-FSDP shards every layer, as FSDP "
                   "FULL_SHARD); 'every n-th block' checkpointing left to the planner; gradients reduced in "
@@ -560,6 +575,9 @@ def configure(record: dict) -> PublishedRun | str:
                        attention_kernel=kernel,
                        tp_comm_overlap=False if p.get("tp_comm_overlap") is False else source.tp_comm_overlap or None,
                        grad_reduce_in_fp32=None if fp32_reduce else False,
+                       # a record's own data-parallel implementation over its source's
+                       overlap_grad_reduce=None if {"torch": True, "local": False}.get(
+                           p.get("ddp_impl"), source.dp_overlap) else False,
                        precision_aware_optimizer=source.optimizer_moments,
                        # Megatron-LM's and Megatron-DeepSpeed's eager attention ran their fused masked-softmax
                        # kernel (on by default; these runs' 2048 keys fit it), which keeps 16 bits.
@@ -1055,6 +1073,22 @@ WHY = {
 """Why the runs of a source are off, where some are off by more than 15% (cross-validated)."""
 
 CHANGES = [
+    "Narayanan et al. 2021's Table 1 rows priced with their own launch scripts' micro-batch, virtual stages and "
+    "data-parallel implementation (published_runs.yaml: NVIDIA/Megatron-LM examples/sc21/run_table_1.sh at "
+    "de7dc40f88, 2021-08-10, 'scripts for sc21'), where the planner had chosen what the paper's table leaves out: "
+    "PyTorch's DistributedDataParallel for the rows without a pipeline (DDP=torch: the gradients all-reduced in "
+    "buckets during the last backward), Megatron-LM's own DDP for the pipelined ones (DDP=local: train_step "
+    "all-reduces after forward_backward_func, not overlapped; priced with --no-overlap-grad-reduce, "
+    "Strategy.overlap_grad_reduce), and MBS 16, 16, 16, 8, 4, 2, 2, 1, 1, 1; the script sets no virtual stages for "
+    "39B and 1T where the paper says every Table 1 run interleaved (Sec. 5.1), so those stay the planner's (pinned "
+    "to the script's plain 1F1B, 39.1B came out +9.4%, which the paper's interleaving explains). Megatron-DeepSpeed's "
+    "pipeline engine (mtnlg, bloom) reduces after its flush and gathers ZeRO-1's parameters after the step: priced "
+    "unoverlapped too (Source.dp_overlap). CV: 1.7B -1.6% -> -2.2%, 3.6B +0.0% -> -0.4%, 7.5B +3.7% -> +3.3%, "
+    "18.4B +4.2% -> +4.0%, 39.1B +2.3% -> +4.1%, 76.1B -0.0% -> +1.3%, 145.6B +1.2% -> +4.1%, 310.1B +1.6% -> "
+    "+1.8%, 529.6B and 1008B unchanged (+4.6%, +8.6% -> +8.5%); MT-NLG and BLOOM within 0.1 point. The A100 refit "
+    "(matmul_efficiency 0.671 -> 0.672, memory_bandwidth_efficiency 0.759 -> 0.771, attention_efficiency 0.339 -> "
+    "0.338; written into the presets) moved the rest by 0.2 point at most. Headline: CV median 5.1% unchanged, "
+    "max 71.4% -> 71.5% (the ZeRO-3 rows), in-sample 5.1% / 71.6% -> 5.1% / 71.7%; fp8_cv and moe unchanged.",
     "Megatron-Bridge's 25.11 Llama 3.1 405B and Qwen3-235B-A22B rows priced with their recipes' pipeline split, "
     "Megatron-core's even split counting the embedding and the loss as a layer each (published_runs.yaml "
     "pipeline_split: llama31_405b_pretrain_config and qwen3_235b_a22b_pretrain_config set "
