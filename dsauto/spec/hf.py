@@ -437,6 +437,32 @@ def read_deepseek(cfg: Config, spec: dict[str, Any]) -> None:
     spec["num_kv_heads"] = 0  # latent attention: every head has its own keys and values
 
 
+def read_ernie_moe(cfg: Config, spec: dict[str, Any]) -> None:
+    """ERNIE 4.5's experts (transformers' Ernie4_5_MoeSparseMoeBlock): ``moe_num_experts`` routed, the
+    top ``moe_k`` of softmax scores, ``moe_num_shared_experts`` shared ones of the expert width; the
+    MoE layers from ``moe_layer_start_index`` to ``moe_layer_end_index`` (-1: the last) where
+    ``(i + 1) % moe_layer_interval == 0`` (Ernie4_5_MoeDecoderLayer), the others dense. Its router
+    chooses the experts from the scores plus a per-expert correction bias (``moe_statics``), which
+    Megatron-core takes with sigmoid scores only: named as not built (the same work)."""
+    experts, top_k, width = cfg.whole("moe_num_experts"), cfg.whole("moe_k"), cfg.whole("moe_intermediate_size")
+    if not experts or not top_k or not width:
+        raise cfg.error(f"an ernie4_5_moe config must give moe_num_experts, moe_k and moe_intermediate_size above "
+                        f"0, got {experts}, {top_k} and {width}")
+    layers, interval = spec["num_layers"], cfg.whole("moe_layer_interval", 1)
+    start, end = cfg.whole("moe_layer_start_index", 0), cfg.whole("moe_layer_end_index", -1)
+    if interval < 1 or not 0 <= start < layers:
+        raise cfg.error(f"moe_layer_interval must be at least 1 and moe_layer_start_index a layer, got {interval} "
+                        f"and {start}")
+    if end not in (-1, layers - 1):
+        raise cfg.unsupported(f"dense layers after the last MoE layer (moe_layer_end_index={end} of {layers} layers)")
+    spec.update(num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=width,
+                shared_expert_ffn_hidden_size=cfg.whole("moe_num_shared_experts", 0) * width,
+                moe_layer_freq=interval, moe_layer_phase=(interval - 1) % interval, moe_first_dense_layers=start)
+    spec["unmodelled"] = (*spec.get("unmodelled", ()),
+                          "a per-expert correction bias added to the softmax scores that choose the experts "
+                          "(moe_statics; Megatron-core's --moe-router-enable-expert-bias needs sigmoid scores)")
+
+
 # --- readers of one family ---------------------------------------------------------------------------
 
 
@@ -1055,6 +1081,15 @@ FAMILIES.update({
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_granite,
          read_experts("num_local_experts", "num_experts", width=None), read_granite_shared),
         ignored=_ROUTER_TRAINING),
+    "ernie4_5_moe": Family(
+        _SHAPE, {**_LLAMA, "rotary_interleaved": True},
+        {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "tie_word_embeddings": True,
+         "moe_num_experts": 64, "moe_k": 6, "moe_intermediate_size": 1536, "moe_num_shared_experts": 2,
+         "moe_layer_start_index": 1, "moe_layer_end_index": -1, "moe_layer_interval": 1},
+        (*_LLAMA_READERS, read_ernie_moe),
+        # the experts carry no biases where use_bias gives the rest theirs (Ernie4_5_MoeExperts)
+        expected={"use_bias": (False, "biases on the attention and dense MLPs beside bias-free experts (use_bias)")},
+        ignored=_ROUTER_TRAINING | {"moe_norm_min"}),
     # Granite 4.0's hybrid family with attention alone in every layer and no routed experts (Granite 4.0
     # micro): each layer's MLP is its shared MLP of shared_intermediate_size (transformers'
     # GraniteMoeHybridDecoderLayer builds block_sparse_moe only with num_local_experts > 0); Mamba layers
@@ -1078,7 +1113,7 @@ TRANSFORMERS_HEADS: dict[str, tuple[int, int | None]] = {
     "exaone4": (32, 32), "starcoder2": (24, 2), "mixtral": (32, 8), "qwen2_moe": (16, 16), "qwen3_moe": (32, 4),
     "olmoe": (16, None), "deepseek_v2": (32, None), "deepseek_v3": (128, 128), "gpt_oss": (64, 8),
     "minimax_m2": (48, 8), "llama4_text": (40, 8), "glm4_moe": (96, 8), "granitemoe": (32, None),
-    "granitemoeshared": (32, None), "granitemoehybrid": (32, None), "phi": (32, None),
+    "granitemoeshared": (32, None), "granitemoehybrid": (32, None), "phi": (32, None), "ernie4_5_moe": (20, 4),
 }
 """Each family's config-class defaults of ``num_attention_heads`` and ``num_key_value_heads``
 (transformers 5.24's configuration_<family>.py; None: as many key/value heads as attention heads),
@@ -1091,7 +1126,8 @@ for _type, (_heads, _kv_heads) in TRANSFORMERS_HEADS.items():
 # Kimi K2's config.json names its own model_type; its auto_map builds DeepSeek-V3's config and model
 FAMILIES["kimi_k2"] = FAMILIES["deepseek_v3"]
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
-                          "glm4_moe", "granitemoe", "granitemoeshared", "minimax_m2", "llama4_text", "kimi_k2"})
+                          "glm4_moe", "granitemoe", "granitemoeshared", "minimax_m2", "llama4_text", "kimi_k2",
+                          "ernie4_5_moe"})
 """The families read as mixtures of experts."""
 
 ENCODER_DECODER = "encoder-decoder models (t5, bart, ...) are not supported yet: dsauto plans decoder-only " \
@@ -1128,7 +1164,7 @@ def model_from_hf_config(config: Mapping[str, Any], where: str, default_name: st
     for read in family.readers:
         read(cfg, spec)
     if unmodelled := read_router(cfg, spec):
-        spec["unmodelled"] = unmodelled
+        spec["unmodelled"] = (*spec.get("unmodelled", ()), *unmodelled)
     for key, (modelled, meaning) in family.expected.items():
         value = cfg.get(key, modelled)
         if value != modelled:

@@ -88,6 +88,9 @@ PUBLISHED = {
     "seed-oss-36b": (36e9, 0.005, "Seed-OSS-36B model card: 36B"),
     "ernie-4.5-0.3b": (0.3e9, 0.21, "transformers' ERNIE 4.5 page: '0.3B parameters in total' (its size class; "
                        "0.36B counted)"),
+    # transformers 5.24's Ernie4_5_MoeConfig defaults, which it documents as the ERNIE-4.5-21B-A3B style
+    # configuration (configuration_ernie4_5_moe.py: auto_docstring checkpoint baidu/ERNIE-4.5-21B-A3B-PT)
+    "ernie-4.5-21b-a3b": (21e9, 0.04, "model name (ERNIE-4.5-21B-A3B): 21B total, its size class (21.8B counted)"),
 }
 
 # Published active parameters: (count, tolerance, whether the publisher counts the input embedding,
@@ -109,6 +112,8 @@ PUBLISHED_ACTIVE = {
                    "embedding, 9.81B without the output layer too)"),
     "llama-4-maverick-text": (17e9, 0.011, True, "Meta's Llama 4 announcement: 17B active parameters"),
     "kimi-k2": (32e9, 0.03, True, "MoonshotAI/Kimi-K2 README: '32 billion activated parameters'"),
+    "ernie-4.5-21b-a3b": (3e9, 0.12, True, "model name (A3B): 3B activated, its size class (3.35B counted, the "
+                          "tied embedding matrix once)"),
 }
 
 REFUSED = {"t5-base": "encoder-decoder"}
@@ -174,7 +179,7 @@ def transformers_count(data: dict) -> int:
                 else transformers.AutoModelForCausalLM)
         with torch.device("meta"):
             model = auto.from_config(cfg)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)  # ERNIE's frozen router bias apart
 
 
 def test_every_config_file_is_checked():
@@ -217,7 +222,8 @@ def test_active_count_matches_transformers(name):
     spec = load(name)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     skipped = experts * (spec.num_experts - spec.moe_top_k) // spec.num_experts
-    assert spec.num_active_parameters() == sum(p.numel() for p in model.parameters()) - skipped
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert spec.num_active_parameters() == trainable - skipped
     assert spec.num_active_parameters() < spec.num_parameters()
 
 
@@ -649,7 +655,7 @@ def test_unknown_key_of_a_mixture_of_experts_is_an_error_naming_it():
 def test_other_moe_families_are_refused_naming_their_fields(model_type, keys):
     data = {**config("llama-3.2-1b"), "model_type": model_type, **keys}
     with pytest.raises(DsautoError, match=r"is a mixture of experts .*which dsauto reads only for model_type "
-                                          r"deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, granitemoe, granitemoeshared, kimi_k2, "
+                                          r"deepseek_v2, deepseek_v3, ernie4_5_moe, glm4_moe, gpt_oss, granitemoe, granitemoeshared, kimi_k2, "
                                           r"llama4_text, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_moe\.$") as error:
         model_from_hf_config(data, "config.json")
     for key in keys:
@@ -663,6 +669,21 @@ def test_models_with_layers_other_than_attention_are_refused_naming_them(model_t
     data = {**config("llama-3.2-1b"), "model_type": model_type, "num_experts": 16}
     with pytest.raises(DsautoError, match=rf"is a {model_type} model with .*{what}.*which dsauto does not price"):
         model_from_hf_config(data, "config.json")
+
+
+def test_ernie_moe_layers_experts_and_router_read_as_transformers_builds_them():
+    """ERNIE 4.5's MoE layers run from moe_layer_start_index every moe_layer_interval ((i + 1) % interval:
+    Ernie4_5_MoeDecoderLayer), its shared experts are moe_num_shared_experts of the expert width, and its
+    softmax router's correction bias is named as what Megatron-core does not build."""
+    model = load("ernie-4.5-21b-a3b")
+    assert model.moe_layers() == tuple(range(1, 28)) and model.shared_expert_ffn_hidden_size == 2 * 1536
+    assert any("correction bias" in clause for clause in model.unmodelled)
+    spaced = model_from_hf_config({**config("ernie-4.5-21b-a3b"), "num_hidden_layers": 6, "moe_layer_interval": 2,
+                                   "moe_layer_end_index": -1,
+                                   "moe_layer_start_index": 2}, "config.json")
+    assert spaced.moe_layers() == (3, 5)  # layers 3 and 5: (i + 1) % 2 == 0 from layer 2
+    with pytest.raises(DsautoError, match=r"dense layers after the last MoE layer \(moe_layer_end_index=20 of 28"):
+        model_from_hf_config({**config("ernie-4.5-21b-a3b"), "moe_layer_end_index": 20}, "config.json")
 
 
 def test_granite_hybrids_are_read_where_every_layer_is_attention():
