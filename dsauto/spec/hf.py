@@ -595,6 +595,21 @@ def read_glm4_moe(cfg: Config, spec: dict[str, Any]) -> None:
     spec["qk_norm"] = cfg.flag("use_qk_norm")
 
 
+def read_dots1(cfg: Config, spec: dict[str, Any]) -> None:
+    """dots.llm1: GLM-4.5's experts (read_glm4_moe) under Qwen3's attention with per-head query/key
+    norms, its sliding layers those from ``max_window_layers`` on where ``sliding_window`` is set
+    (Dots1Config, without Qwen's ``use_sliding_window``), unless ``layer_types`` names them."""
+    spec["shared_expert_ffn_hidden_size"] = (cfg.whole("n_shared_experts") or 0) * spec["moe_ffn_hidden_size"]
+    spec["moe_first_dense_layers"] = cfg.whole("first_k_dense_replace", 0)
+    spec["moe_router"] = "sigmoid"
+    window, layers = cfg.whole("sliding_window"), spec["num_layers"]
+    types = cfg.get("layer_types")
+    first = cfg.whole("max_window_layers", layers)
+    sliding = (sliding_layer_types(cfg, types, layers) if types is not None else
+               [window is not None and i >= first for i in range(layers)])
+    set_window(cfg, spec, window, sliding)
+
+
 def read_mtp(cfg: Config, spec: dict[str, Any]) -> None:
     """DeepSeek-V3's and GLM-4.5's multi-token-prediction layers (``num_nextn_predict_layers``), which
     Megatron-Bridge builds as Megatron-core's ``mtp_num_layers`` (deepseek_v3_bridge.py, glm45_bridge.py)
@@ -1081,6 +1096,13 @@ FAMILIES.update({
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_granite,
          read_experts("num_local_experts", "num_experts", width=None), read_granite_shared),
         ignored=_ROUTER_TRAINING),
+    "dots1": Family(
+        _SHAPE, {**_LLAMA, "qk_norm": True},
+        {**_LLAMA_DEFAULTS, "first_k_dense_replace": 0, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+         "n_group": 1, "topk_group": 1, "max_window_layers": 62, "sliding_window": 4096},
+        (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")),
+         read_experts("n_routed_experts", "num_local_experts"), read_dots1),
+        ignored=_ROUTER_TRAINING),
     "ernie4_5_moe": Family(
         _SHAPE, {**_LLAMA, "rotary_interleaved": True},
         {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "tie_word_embeddings": True,
@@ -1114,6 +1136,7 @@ TRANSFORMERS_HEADS: dict[str, tuple[int, int | None]] = {
     "olmoe": (16, None), "deepseek_v2": (32, None), "deepseek_v3": (128, 128), "gpt_oss": (64, 8),
     "minimax_m2": (48, 8), "llama4_text": (40, 8), "glm4_moe": (96, 8), "granitemoe": (32, None),
     "granitemoeshared": (32, None), "granitemoehybrid": (32, None), "phi": (32, None), "ernie4_5_moe": (20, 4),
+    "dots1": (32, None),
 }
 """Each family's config-class defaults of ``num_attention_heads`` and ``num_key_value_heads``
 (transformers 5.24's configuration_<family>.py; None: as many key/value heads as attention heads),
@@ -1127,7 +1150,7 @@ for _type, (_heads, _kv_heads) in TRANSFORMERS_HEADS.items():
 FAMILIES["kimi_k2"] = FAMILIES["deepseek_v3"]
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
                           "glm4_moe", "granitemoe", "granitemoeshared", "minimax_m2", "llama4_text", "kimi_k2",
-                          "ernie4_5_moe"})
+                          "ernie4_5_moe", "dots1"})
 """The families read as mixtures of experts."""
 
 ENCODER_DECODER = "encoder-decoder models (t5, bart, ...) are not supported yet: dsauto plans decoder-only " \

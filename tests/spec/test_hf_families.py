@@ -189,7 +189,7 @@ def test_every_config_file_is_checked():
     # (ibm-research/moe-7b-1b-active-shared-experts) no stored source spells out: it is counted
     # against transformers in VARIANTS
     # as are Arcee's and EXAONE 4's, whose public configs no stored source spells out whole
-    variant_only = {"granitemoeshared", "arcee", "exaone4", "granitemoehybrid"}
+    variant_only = {"granitemoeshared", "arcee", "exaone4", "granitemoehybrid", "dots1"}
     assert families == set(FAMILIES) - variant_only
     assert variant_only <= {changes.get("model_type") for _, changes in VARIANTS}
 
@@ -253,6 +253,9 @@ def test_config_object_reads_like_its_json(name):
 
 
 # Variants of each family that switch its options, counted against transformers.
+DROP = object()
+"""A VARIANTS change that takes the key out of the config."""
+
 VARIANTS = [
     ("llama-3.2-1b", {"attention_bias": True}),
     ("llama-3.2-1b", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False}),
@@ -317,6 +320,14 @@ VARIANTS = [
                       "layer_types": ["full_attention"] * 2}),
     # Granite 4.0's hybrid family with attention in every layer and no routed experts (Granite 4.0 micro):
     # each layer's MLP is its shared MLP
+    # dots.llm1: GLM-4.5's experts (sigmoid routing, shared experts, the first layers dense) under Qwen3's
+    # attention with per-head query/key norms, from GLM-4.5-Air's shape without its GLM-only keys
+    ("glm-4.5-air", {"model_type": "dots1", "use_qk_norm": DROP, "partial_rotary_factor": DROP,
+                     "num_nextn_predict_layers": DROP, "num_hidden_layers": 3, "n_routed_experts": 16,
+                     "first_k_dense_replace": 1}),
+    ("glm-4.5-air", {"model_type": "dots1", "use_qk_norm": DROP, "partial_rotary_factor": DROP,
+                     "num_nextn_predict_layers": DROP, "num_hidden_layers": 2, "n_routed_experts": 8,
+                     "attention_bias": True, "n_shared_experts": 2, "max_window_layers": 2}),
     ("granite-3.1-8b-instruct", {"model_type": "granitemoehybrid", "num_hidden_layers": 2,
                                  "layer_types": ["attention"] * 2, "num_local_experts": 0,
                                  "shared_intermediate_size": 6400, "position_embedding_type": "rope"}),
@@ -341,7 +352,7 @@ def test_left_out_heads_take_the_config_class_defaults(name, left_out):
 
 @pytest.mark.parametrize("name, changes", VARIANTS)
 def test_variant_counts_match_transformers(name, changes):
-    data = {**config(name), **changes}
+    data = {key: value for key, value in {**config(name), **changes}.items() if value is not DROP}
     assert model_from_hf_config(data, name).num_parameters() == transformers_count(data)
 
 
@@ -655,7 +666,7 @@ def test_unknown_key_of_a_mixture_of_experts_is_an_error_naming_it():
 def test_other_moe_families_are_refused_naming_their_fields(model_type, keys):
     data = {**config("llama-3.2-1b"), "model_type": model_type, **keys}
     with pytest.raises(DsautoError, match=r"is a mixture of experts .*which dsauto reads only for model_type "
-                                          r"deepseek_v2, deepseek_v3, ernie4_5_moe, glm4_moe, gpt_oss, granitemoe, granitemoeshared, kimi_k2, "
+                                          r"deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, glm4_moe, gpt_oss, granitemoe, granitemoeshared, kimi_k2, "
                                           r"llama4_text, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_moe\.$") as error:
         model_from_hf_config(data, "config.json")
     for key in keys:

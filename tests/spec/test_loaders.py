@@ -265,7 +265,7 @@ BAD_FILES = [
     ("model.yaml", GOOD_MODEL.replace("num_layers: 4\n", ""), load_model,
      r"is missing the required key 'num_layers'"),
     ("config.json", json.dumps({"model_type": "xlnet", "d_model": 512}), load_model,
-     r"model_type 'xlnet', which dsauto cannot read; use one of model_type arcee, bert, bloom, cohere, cohere2, deepseek_v2, deepseek_v3, ernie4_5, ernie4_5_moe, exaone4, falcon"),
+     r"model_type 'xlnet', which dsauto cannot read; use one of model_type arcee, bert, bloom, cohere, cohere2, deepseek_v2, deepseek_v3, dots1, ernie4_5, ernie4_5_moe, exaone4, falcon"),
     ("config.json", json.dumps({"model_type": "t5", "d_model": 512}), load_model,
      r"is an encoder-decoder model \(model_type 't5'\); encoder-decoder models .* are not supported yet"),
     ("config.json", json.dumps({**LLAMA3_8B_CONFIG, "hidden_size": None}), load_model,
