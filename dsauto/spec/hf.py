@@ -610,6 +610,21 @@ def read_dots1(cfg: Config, spec: dict[str, Any]) -> None:
     set_window(cfg, spec, window, sliding)
 
 
+def read_ministral3(cfg: Config, spec: dict[str, Any]) -> None:
+    """Ministral 3: Mistral's layers whose queries are scaled by 1 + beta log(1 + floor(position /
+    original context)) in every layer (``rope_parameters.llama_4_scaling_beta``; transformers'
+    Ministral3Attention), which Megatron-core does not build: named (an elementwise multiply), and
+    kept out of the YaRN parameters it sits beside."""
+    params = dict(spec.get("rope_scaling_params") or [])
+    beta = params.pop("llama_4_scaling_beta", 0.0)
+    if "rope_scaling_params" in spec:
+        spec["rope_scaling_params"] = [[name, value] for name, value in params.items()]
+    if beta:
+        spec["unmodelled"] = (*spec.get("unmodelled", ()),
+                              f"every layer's queries scaled by 1 + {beta:g} log(1 + floor(position / original "
+                              f"context)) (llama_4_scaling_beta), an elementwise multiply")
+
+
 def read_mtp(cfg: Config, spec: dict[str, Any]) -> None:
     """DeepSeek-V3's and GLM-4.5's multi-token-prediction layers (``num_nextn_predict_layers``), which
     Megatron-Bridge builds as Megatron-core's ``mtp_num_layers`` (deepseek_v3_bridge.py, glm45_bridge.py)
@@ -791,6 +806,9 @@ FAMILIES: dict[str, Family] = {
         ignored=_OLD_ROPE),
     "mistral": Family(
         _SHAPE, _LLAMA, _LLAMA_DEFAULTS, (*_LLAMA_READERS, read_sliding_window)),
+    "ministral3": Family(
+        _SHAPE, _LLAMA, {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "head_dim": 128},
+        (*_LLAMA_READERS, read_sliding_window, read_ministral3)),
     "qwen2": Family(
         _SHAPE, {**_LLAMA, "qkv_bias": True}, {**_LLAMA_DEFAULTS, "max_window_layers": 28},
         (*_LLAMA_READERS, read_sliding_window, read_qwen)),
@@ -1136,7 +1154,7 @@ TRANSFORMERS_HEADS: dict[str, tuple[int, int | None]] = {
     "olmoe": (16, None), "deepseek_v2": (32, None), "deepseek_v3": (128, 128), "gpt_oss": (64, 8),
     "minimax_m2": (48, 8), "llama4_text": (40, 8), "glm4_moe": (96, 8), "granitemoe": (32, None),
     "granitemoeshared": (32, None), "granitemoehybrid": (32, None), "phi": (32, None), "ernie4_5_moe": (20, 4),
-    "dots1": (32, None),
+    "dots1": (32, None), "ministral3": (32, 8),
 }
 """Each family's config-class defaults of ``num_attention_heads`` and ``num_key_value_heads``
 (transformers 5.24's configuration_<family>.py; None: as many key/value heads as attention heads),

@@ -189,7 +189,7 @@ def test_every_config_file_is_checked():
     # (ibm-research/moe-7b-1b-active-shared-experts) no stored source spells out: it is counted
     # against transformers in VARIANTS
     # as are Arcee's and EXAONE 4's, whose public configs no stored source spells out whole
-    variant_only = {"granitemoeshared", "arcee", "exaone4", "granitemoehybrid", "dots1"}
+    variant_only = {"granitemoeshared", "arcee", "exaone4", "granitemoehybrid", "dots1", "ministral3"}
     assert families == set(FAMILIES) - variant_only
     assert variant_only <= {changes.get("model_type") for _, changes in VARIANTS}
 
@@ -328,6 +328,11 @@ VARIANTS = [
     ("glm-4.5-air", {"model_type": "dots1", "use_qk_norm": DROP, "partial_rotary_factor": DROP,
                      "num_nextn_predict_layers": DROP, "num_hidden_layers": 2, "n_routed_experts": 8,
                      "attention_bias": True, "n_shared_experts": 2, "max_window_layers": 2}),
+    # Ministral 3: Mistral's layers, YaRN positions and every layer's queries scaled with the position
+    ("mistral-7b-v0.1", {"model_type": "ministral3", "num_hidden_layers": 2, "head_dim": 128, "rope_theta": DROP,
+                         "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                                             "original_max_position_embeddings": 16384, "beta_fast": 32.0,
+                                             "beta_slow": 1.0, "llama_4_scaling_beta": 0.1}}),
     ("granite-3.1-8b-instruct", {"model_type": "granitemoehybrid", "num_hidden_layers": 2,
                                  "layer_types": ["attention"] * 2, "num_local_experts": 0,
                                  "shared_intermediate_size": 6400, "position_embedding_type": "rope"}),
@@ -680,6 +685,16 @@ def test_models_with_layers_other_than_attention_are_refused_naming_them(model_t
     data = {**config("llama-3.2-1b"), "model_type": model_type, "num_experts": 16}
     with pytest.raises(DsautoError, match=rf"is a {model_type} model with .*{what}.*which dsauto does not price"):
         model_from_hf_config(data, "config.json")
+
+
+def test_ministral3_queries_scaled_with_the_position_are_named_not_read_as_yarn():
+    data = {**config("mistral-7b-v0.1"), "model_type": "ministral3",
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                                "original_max_position_embeddings": 16384, "llama_4_scaling_beta": 0.1}}
+    data.pop("rope_theta")
+    model = model_from_hf_config(data, "config.json")
+    assert model.rope_scaling == "yarn" and "llama_4_scaling_beta" not in dict(model.rope_scaling_params)
+    assert any("llama_4_scaling_beta" in clause for clause in model.unmodelled)
 
 
 def test_ernie_moe_layers_experts_and_router_read_as_transformers_builds_them():
