@@ -437,6 +437,20 @@ def read_deepseek(cfg: Config, spec: dict[str, Any]) -> None:
     spec["num_kv_heads"] = 0  # latent attention: every head has its own keys and values
 
 
+def read_mlp_layer_types(cfg: Config, spec: dict[str, Any]) -> None:
+    """GLM-4.7-Flash's ``mlp_layer_types`` (dense or sparse per layer; Glm4MoeLiteConfig's default: the
+    first dense, the rest sparse), read as the first dense layers and MoE layers after them, the
+    pattern Megatron states; another is refused."""
+    layers = spec["num_layers"]
+    types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    dense = next((i for i, kind in enumerate(types) if kind != "dense"), len(types))
+    if (not isinstance(types, list) or len(types) != layers or not set(types) <= {"dense", "sparse"}
+            or any(kind != "sparse" for kind in types[dense:])):
+        raise cfg.unsupported(f"MLP layer types {types!r} other than dense layers first, then sparse ones "
+                              f"(mlp_layer_types)")
+    spec["moe_first_dense_layers"] = dense
+
+
 def read_ernie_moe(cfg: Config, spec: dict[str, Any]) -> None:
     """ERNIE 4.5's experts (transformers' Ernie4_5_MoeSparseMoeBlock): ``moe_num_experts`` routed, the
     top ``moe_k`` of softmax scores, ``moe_num_shared_experts`` shared ones of the expert width; the
@@ -1121,6 +1135,15 @@ FAMILIES.update({
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")),
          read_experts("n_routed_experts", "num_local_experts"), read_dots1),
         ignored=_ROUTER_TRAINING),
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention and sigmoid-routed experts, its dense layers named by
+    # mlp_layer_types (transformers' Glm4MoeLiteDecoderLayer)
+    "glm4_moe_lite": Family(
+        _SHAPE, _LLAMA, {**_DEEPSEEK_DEFAULTS, "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 4,
+                         "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 1.8,
+                         "n_group": 1, "topk_group": 1, "moe_intermediate_size": 1536},
+        (*_LLAMA_READERS, read_experts("n_routed_experts", "num_local_experts", "num_experts"), read_deepseek,
+         read_mtp, read_mlp_layer_types),
+        expected=_DEEPSEEK_EXPECTED, ignored=_DEEPSEEK_IGNORED),
     "ernie4_5_moe": Family(
         _SHAPE, {**_LLAMA, "rotary_interleaved": True},
         {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "tie_word_embeddings": True,
@@ -1154,7 +1177,7 @@ TRANSFORMERS_HEADS: dict[str, tuple[int, int | None]] = {
     "olmoe": (16, None), "deepseek_v2": (32, None), "deepseek_v3": (128, 128), "gpt_oss": (64, 8),
     "minimax_m2": (48, 8), "llama4_text": (40, 8), "glm4_moe": (96, 8), "granitemoe": (32, None),
     "granitemoeshared": (32, None), "granitemoehybrid": (32, None), "phi": (32, None), "ernie4_5_moe": (20, 4),
-    "dots1": (32, None), "ministral3": (32, 8),
+    "dots1": (32, None), "ministral3": (32, 8), "glm4_moe_lite": (20, 20),
 }
 """Each family's config-class defaults of ``num_attention_heads`` and ``num_key_value_heads``
 (transformers 5.24's configuration_<family>.py; None: as many key/value heads as attention heads),
@@ -1168,7 +1191,7 @@ for _type, (_heads, _kv_heads) in TRANSFORMERS_HEADS.items():
 FAMILIES["kimi_k2"] = FAMILIES["deepseek_v3"]
 MOE_FAMILIES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss",
                           "glm4_moe", "granitemoe", "granitemoeshared", "minimax_m2", "llama4_text", "kimi_k2",
-                          "ernie4_5_moe", "dots1"})
+                          "ernie4_5_moe", "dots1", "glm4_moe_lite"})
 """The families read as mixtures of experts."""
 
 ENCODER_DECODER = "encoder-decoder models (t5, bart, ...) are not supported yet: dsauto plans decoder-only " \

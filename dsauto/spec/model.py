@@ -283,7 +283,8 @@ class ModelSpec:
         if self.attention_head_dim < 0 or self.attention_head_dim > MAX_WIDTH:
             raise ValueError(f"attention_head_dim must be 0 (hidden_size / num_attention_heads) or "
                              f"positive and at most {MAX_WIDTH}, got {self.attention_head_dim}")
-        if not self.attention_head_dim and self.hidden_size % self.num_attention_heads:
+        # latent attention's heads take their widths from qk_nope/qk_rope/v_head_dim (GLM-4.7-Flash: 20 of 2048)
+        if not self.attention_head_dim and not self.kv_lora_rank and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                 f"({self.num_attention_heads}); give attention_head_dim"

@@ -189,7 +189,7 @@ def test_every_config_file_is_checked():
     # (ibm-research/moe-7b-1b-active-shared-experts) no stored source spells out: it is counted
     # against transformers in VARIANTS
     # as are Arcee's and EXAONE 4's, whose public configs no stored source spells out whole
-    variant_only = {"granitemoeshared", "arcee", "exaone4", "granitemoehybrid", "dots1", "ministral3"}
+    variant_only = {"granitemoeshared", "arcee", "exaone4", "granitemoehybrid", "dots1", "ministral3", "glm4_moe_lite"}
     assert families == set(FAMILIES) - variant_only
     assert variant_only <= {changes.get("model_type") for _, changes in VARIANTS}
 
@@ -328,6 +328,9 @@ VARIANTS = [
     ("glm-4.5-air", {"model_type": "dots1", "use_qk_norm": DROP, "partial_rotary_factor": DROP,
                      "num_nextn_predict_layers": DROP, "num_hidden_layers": 2, "n_routed_experts": 8,
                      "attention_bias": True, "n_shared_experts": 2, "max_window_layers": 2}),
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts, its dense layers named by mlp_layer_types
+    ("deepseek-v3", {"model_type": "glm4_moe_lite", "num_hidden_layers": 4, "n_routed_experts": 16,
+                     "first_k_dense_replace": DROP, "mlp_layer_types": ["dense", "dense", "sparse", "sparse"]}),
     # Ministral 3: Mistral's layers, YaRN positions and every layer's queries scaled with the position
     ("mistral-7b-v0.1", {"model_type": "ministral3", "num_hidden_layers": 2, "head_dim": 128, "rope_theta": DROP,
                          "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
@@ -671,7 +674,7 @@ def test_unknown_key_of_a_mixture_of_experts_is_an_error_naming_it():
 def test_other_moe_families_are_refused_naming_their_fields(model_type, keys):
     data = {**config("llama-3.2-1b"), "model_type": model_type, **keys}
     with pytest.raises(DsautoError, match=r"is a mixture of experts .*which dsauto reads only for model_type "
-                                          r"deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, glm4_moe, gpt_oss, granitemoe, granitemoeshared, kimi_k2, "
+                                          r"deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, glm4_moe, glm4_moe_lite, gpt_oss, granitemoe, granitemoeshared, kimi_k2, "
                                           r"llama4_text, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_moe\.$") as error:
         model_from_hf_config(data, "config.json")
     for key in keys:
@@ -685,6 +688,16 @@ def test_models_with_layers_other_than_attention_are_refused_naming_them(model_t
     data = {**config("llama-3.2-1b"), "model_type": model_type, "num_experts": 16}
     with pytest.raises(DsautoError, match=rf"is a {model_type} model with .*{what}.*which dsauto does not price"):
         model_from_hf_config(data, "config.json")
+
+
+def test_mlp_layer_types_read_as_the_first_dense_layers_or_refused():
+    data = {**config("deepseek-v3"), "model_type": "glm4_moe_lite", "num_hidden_layers": 4}
+    data.pop("first_k_dense_replace")
+    model = model_from_hf_config({**data, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}, "config.json")
+    assert model.moe_layers() == (1, 2, 3)
+    assert model_from_hf_config(data, "config.json").moe_layers() == (1, 2, 3)  # Glm4MoeLiteConfig's default
+    with pytest.raises(DsautoError, match=r"MLP layer types .* other than dense layers first"):
+        model_from_hf_config({**data, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}, "config.json")
 
 
 def test_ministral3_queries_scaled_with_the_position_are_named_not_read_as_yarn():
