@@ -61,7 +61,7 @@ def test_pins_and_memory_limit(tmp_path, capsys):
 
 def test_explain_and_validate(tmp_path, capsys):
     out_dir = tmp_path / "out"
-    assert run(capsys, "tune", "--out", str(out_dir))[0] == 0
+    assert run(capsys, "tune", "--engine", "deepspeed", "--out", str(out_dir))[0] == 0
     code, out, _ = run(capsys, "explain", str(out_dir / "plan.yaml"))
     assert code == 0 and "dsauto plan: gpt-tiny" in out
     code, out, err = run(capsys, "validate", str(out_dir / "ds_config.json"))

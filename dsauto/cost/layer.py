@@ -339,12 +339,14 @@ class CostModel:
         return passes.forward_seconds + passes.backward_seconds
 
     def grad_sync_seconds(self, grad_bytes: float) -> float:
-        """Once-per-step gradient reduction of ZeRO 0 (all-reduce) or 1 (reduce-scatter; with
-        Megatron-core's partial distributed optimizer, inside an instance and then across them)."""
+        """Once-per-step gradient reduction of ZeRO 0 (all-reduce) or 1: Megatron-core's distributed
+        optimizer reduce-scatters (its partial one inside an instance and then across them);
+        DeepSpeed's ZeRO-1 all-reduces each bucket whole (use_multi_rank_bucket_allreduce, which its
+        plans set: stage_1_and_2.py, average_tensor and allreduce_bucket)."""
         ctx = self.context
         if ctx.dist_opt_group is not None and ctx.dist_opt_inter_group is not None:
             return partial_dist_opt_sync_seconds(grad_bytes, ctx.dist_opt_group, ctx.dist_opt_inter_group)
-        if self.strategy.zero_stage == 1:
+        if self.strategy.zero_stage == 1 and self.strategy.engine == "megatron":
             return self.context.dp_group.reduce_scatter(grad_bytes)
         return self.context.dp_group.all_reduce(grad_bytes)
 

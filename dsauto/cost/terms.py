@@ -1105,7 +1105,10 @@ def data_parallel_cost(group: LayerGroup, option: LayerOption, ctx: LayerContext
                 gather = ctx.hpz_group.all_gather(param_volume) + split_latency
             backward = device.overlapped(backward, gather + comm.reduce_scatter(grad_volume))
         elif zero >= 2:
-            backward = device.overlapped(backward, comm.reduce_scatter(grad_volume))
+            # DeepSpeed's ZeRO-2 all-reduces each bucket whole (use_multi_rank_bucket_allreduce, which
+            # its plans set: stage_1_and_2.py, average_tensor); Megatron-FSDP reduce-scatters.
+            reduce = comm.all_reduce if ctx.engine == "deepspeed" and zero == 2 else comm.reduce_scatter
+            backward = device.overlapped(backward, reduce(grad_volume))
             step_seconds = comm.all_gather(param_volume)  # updated shards back to every rank
         elif zero == 1:
             grad_sync = grad_volume  # reduce-scattered once per step, like an all-reduce's half

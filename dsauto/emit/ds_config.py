@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any, Literal
 from unittest import mock
 
-from dsauto.engines.deepspeed import MOE_CAPACITY_FACTOR, MOE_KEY, hf_trainer_plan_refusal, stage3_max_live_parameters
+from dsauto.engines.deepspeed import (
+    MOE_CAPACITY_FACTOR,
+    MOE_KEY,
+    allgather_bucket_elements,
+    hf_trainer_plan_refusal,
+    stage3_max_live_parameters,
+)
 from dsauto.errors import DsautoError, DsautoWarning
 from dsauto.plan import Plan
 from dsauto.plan_io import PLAN_ID_KEY, PLAN_KEY, plan_id
@@ -214,7 +220,10 @@ def _zero_section(plan: Plan, element_bytes: int) -> dict[str, Any]:
     })
     if plan.zero_stage < 3:
         # Stages 1 and 2 all-gather the updated parameter partitions after the step in buckets.
-        section["allgather_bucket_size"] = reduce_bucket
+        section["allgather_bucket_size"] = allgather_bucket_elements(plan)
+        # Each gradient bucket all-reduced whole, as priced (DeepSpeed's default from 0.16; 0.15
+        # reduced each partition's slice to its owner instead): stage_1_and_2.py average_tensor.
+        section["use_multi_rank_bucket_allreduce"] = True
     else:
         section.update({
             "stage3_prefetch_bucket_size": max(0, plan.prefetch_bucket_bytes // element_bytes),

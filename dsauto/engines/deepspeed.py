@@ -107,10 +107,11 @@ def unpriced_config_settings(config: Mapping[str, Any], plan: Plan) -> list[str]
     """Settings of ``config`` under which DeepSpeed communicates otherwise than ``plan`` is priced, one
     phrase each (empty when none); they do not contradict the plan's choices, so the hook warns
     rather than refuses. The plan prices ZeRO's gradient reductions overlapped with backward in the
-    training dtype by reduce-scatter, its parameter gathers unquantized: DeepSpeed turns
-    ``overlap_comm`` off below ZeRO-3 when the key is missing (ZeroConfig.overlap_comm_valid),
-    ``reduce_scatter: false`` all-reduces instead, and ``communication_data_type`` fp32 doubles the
-    bytes of a 16-bit plan's reductions."""
+    training dtype (ZeRO 1-2: each bucket all-reduced whole, ZeRO-3: reduce-scattered), its parameter
+    gathers unquantized: DeepSpeed turns ``overlap_comm`` off below ZeRO-3 when the key is missing
+    (ZeroConfig.overlap_comm_valid), ``use_multi_rank_bucket_allreduce: false`` reduces each
+    partition's slice to its owner instead, one reduce a rank, and ``communication_data_type`` fp32
+    doubles the bytes of a 16-bit plan's reductions."""
     zero = config.get("zero_optimization", {})
     zero = zero if isinstance(zero, Mapping) else {}
     found = []
@@ -123,9 +124,10 @@ def unpriced_config_settings(config: Mapping[str, Any], plan: Plan) -> list[str]
     for key, what in QUANTIZED_KEYS:
         if zero.get(key) is True:
             found.append(f"zero_optimization.{key} {what}, moving fewer bytes than the plan prices")
-    if zero.get("reduce_scatter") is False and plan.zero_stage in (1, 2):
-        found.append("zero_optimization.reduce_scatter is false, so the gradients are all-reduced, twice the "
-                     "bytes the plan's reduce-scatter moves")
+    if zero.get("use_multi_rank_bucket_allreduce") is False and zero.get("reduce_scatter") is not False \
+            and plan.zero_stage in (1, 2):
+        found.append("zero_optimization.use_multi_rank_bucket_allreduce is false, so each partition's gradients are "
+                     "reduced to its owner, one reduce a rank, where the plan all-reduces each bucket whole")
     if str(config.get("communication_data_type", "")).lower() in ("fp32", "float32") and plan.dtype != "fp32":
         found.append(f"communication_data_type is fp32, so the gradients are reduced in 4 bytes an element "
                      f"where the plan's {plan.dtype} reduces them in 2")
@@ -158,6 +160,18 @@ def stage3_max_live_parameters(plan: Plan) -> int:
     return max(1, 2 * plan.prefetch_bucket_bytes // DTYPE_BYTES[plan.dtype])
 
 
+ALLGATHER_ALIGNMENT = 2
+"""DeepSpeed's ``nccl_start_alignment_factor``: ZeRO 1-2's ``allgather_bucket_size`` must be a multiple
+of it (deepspeed/runtime/zero/stage_1_and_2.py asserts it)."""
+
+
+def allgather_bucket_elements(plan: Plan) -> int:
+    """ZeRO 1-2's ``allgather_bucket_size`` for ``plan``: its reduction bucket in elements, rounded up to
+    :data:`ALLGATHER_ALIGNMENT`."""
+    elements = max(1, plan.reduce_bucket_bytes // DTYPE_BYTES[plan.dtype])
+    return elements + elements % ALLGATHER_ALIGNMENT
+
+
 def _bucket_differences(zero: Mapping[str, Any], plan: Plan) -> list[str]:
     """Where ``zero_optimization``'s bucket sizes (elements of the training dtype) are not the plan's
     (``reduce_bucket_bytes``, ``prefetch_bucket_bytes``), whose memory and time the prediction prices
@@ -166,7 +180,7 @@ def _bucket_differences(zero: Mapping[str, Any], plan: Plan) -> list[str]:
     element = DTYPE_BYTES[plan.dtype]
     planned = {"reduce_bucket_size": plan.reduce_bucket_bytes // element}
     if plan.zero_stage in (1, 2):
-        planned["allgather_bucket_size"] = plan.reduce_bucket_bytes // element
+        planned["allgather_bucket_size"] = allgather_bucket_elements(plan)
     if plan.zero_stage == 3:
         planned.update(stage3_prefetch_bucket_size=plan.prefetch_bucket_bytes // element,
                        stage3_max_live_parameters=stage3_max_live_parameters(plan))

@@ -862,10 +862,14 @@ def explain_empty_space(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec
                                  fp8_param_gather_recipe(pins))
         if reason:
             return DsautoError(f"--offload {pins.offload} cannot run: {reason}.")
-        reason = hpz_refusal(engine, dims, pins.zero_stage if pins.zero_stage is not None else 3, pins.hpz or 1,
+        cp = pins.cp or 1
+        with_cp = ParallelDims(dp=max(1, world // (tp * pp * cp)), tp=tp, pp=pp, cp=cp)  # hpZ needs cp 1 too
+        reason = hpz_refusal(engine, with_cp, pins.zero_stage if pins.zero_stage is not None else 3, pins.hpz or 1,
                              cluster.devices_per_node)
         if reason:
-            return DsautoError(f"--hpz {pins.hpz} cannot run: {reason}.")
+            remedy = ("leave it out, or plan with tp, pp and cp 1" if with_cp.world_size != with_cp.dp
+                      else "pin one that divides both, or leave it out")
+            return DsautoError(f"--hpz {pins.hpz} cannot run: {reason}; {remedy}.")
     if (pins.dist_opt_instances or 1) > 1:
         dims = ParallelDims(dp=max(1, world // (tp * pp * (pins.cp or 1))), tp=tp, pp=pp, cp=pins.cp or 1)
         reason = dist_opt_instances_refusal(pins.engine or "megatron", dims,

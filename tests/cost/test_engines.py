@@ -251,3 +251,35 @@ def test_a_search_that_fits_nothing_quotes_how_far_the_nearest_plan_is_over():
     with pytest.raises(DsautoError, match=r"\(the plan nearest to fitting, tp=1 pp=1 dp=8 ZeRO 2 micro-batch 1, peaks "
                                           r"at [\d.]+ GiB, [\d.]+ MiB over\)"):
         find_plans(make_problem("gpt2-xl", "a100-80gb", memory_limit=f"{peak * 0.9 / 2**20:.3f}MiB", **kw))
+
+
+def test_zero_1_and_2_reduce_as_each_engine_does():
+    """DeepSpeed's ZeRO 1-2 all-reduce each gradient bucket whole (use_multi_rank_bucket_allreduce, which
+    its plans write: stage_1_and_2.py average_tensor); Megatron-core's distributed optimizer
+    reduce-scatters. The written config says so, its all-gather bucket a multiple of DeepSpeed's
+    alignment."""
+    from dsauto.emit.ds_config import ds_config
+
+    cluster = load_cluster("a100-80gb", nodes=4, gpus_per_node=8)
+    train = TrainSpec(global_batch=256, seq_len=4096, dtype="bf16")
+    for engine, reduce in (("deepspeed", "all_reduce"), ("megatron", "reduce_scatter")):
+        strategy = Strategy(dims=ParallelDims(dp=32), zero_stage=1, micro_batch=1, grad_accum=8,
+                            sequence_parallel=False, engine=engine)
+        cost = CostModel(cluster, train, strategy, 4096)
+        assert cost.grad_sync_seconds(1e9) == pytest.approx(getattr(cost.context.dp_group, reduce)(1e9))
+    plan = find_plans(make_problem("gpt2-xl", "a100-80gb", nodes=2, global_batch=64, seq_len=1024, zero_stage=2,
+                                   engine="deepspeed"))[0]
+    zero = ds_config(plan)["zero_optimization"]
+    assert zero["use_multi_rank_bucket_allreduce"] is True and zero["allgather_bucket_size"] % 2 == 0
+
+
+@pytest.mark.parametrize("pins, message", [
+    (dict(cp=2, hpz=8), r"--hpz 8 cannot run: hpZ's groups are consecutive ranks, which are all data-parallel only "
+                        r"when tp, pp and cp are 1; leave it out, or plan with tp, pp and cp 1\."),
+    (dict(hpz=3), r"--hpz 3 cannot run: hpz 3 must divide the 8 devices of a node and dp 16; pin one that divides "
+                  r"both, or leave it out\."),
+])
+def test_hierarchical_partitioning_refusals_name_their_remedy(pins, message):
+    with pytest.raises(DsautoError, match=message):
+        find_plans(make_problem("llama3-8b", "h100-80gb", nodes=2, seq_len=8192, global_batch=16, engine="deepspeed",
+                                zero_stage=3, **pins))

@@ -74,7 +74,7 @@ def test_a_written_config_has_no_unpriced_settings(zero1_plan):
     (lambda z, c: z.pop("overlap_comm"), "missing, which DeepSpeed reads as false under ZeRO stage 1"),
     (lambda z, c: z.update(zero_quantized_weights=True), "ZeRO++'s qwZ"),
     (lambda z, c: z.update(zero_quantized_gradients=True), "ZeRO++'s qgZ"),
-    (lambda z, c: z.update(reduce_scatter=False), "all-reduced, twice the bytes"),
+    (lambda z, c: z.update(use_multi_rank_bucket_allreduce=False), "reduced to its owner, one reduce a rank"),
     (lambda z, c: c.update(communication_data_type="fp32"), "reduced in 4 bytes an element where the plan's bf16"),
     (lambda z, c: z.update(reduce_bucket_size=1000), "zero_optimization.reduce_bucket_size is 1000, where the plan "
                                                      "is priced with"),
