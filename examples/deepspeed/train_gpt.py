@@ -1,7 +1,7 @@
 """Train a small GPT with DeepSpeed and a dsauto plan: a DeepSpeed script whose one change is the
 ``initialize`` call.
 
-    dsauto tune --model gpt-tiny --hardware cpu --nodes 1 --gpus-per-node 2 --out out/
+    dsauto tune --model gpt-tiny --hardware cpu --nodes 1 --gpus-per-node 2 --engine deepspeed --out out/
     DS_ACCELERATOR=cpu LOCAL_SIZE=2 deepspeed --include localhost:0,1 examples/deepspeed/train_gpt.py \\
         --deepspeed_config out/ds_config.json --steps 20
 
