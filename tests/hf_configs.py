@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 CONFIGS = Path(__file__).parent / "spec" / "configs"
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def _dense_decoder_or_encoder(path: Path) -> bool:

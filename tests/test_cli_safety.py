@@ -55,7 +55,7 @@ def test_a_plain_two_rank_deepspeed_config_is_valid(tmp_path, capsys):
     (lambda c: c.update(train_batch_size=64), "train_batch_size is 64 but the plan's global_batch is 8"),
 ])
 def test_a_config_contradicting_its_own_plan_is_refused(tmp_path, capsys, change, phrase):
-    assert run(capsys, "tune", "--out", str(tmp_path / "out"))[0] == 0
+    assert run(capsys, "tune", "--engine", "deepspeed", "--out", str(tmp_path / "out"))[0] == 0
     config = json.loads((tmp_path / "out" / "ds_config.json").read_text())
     change(config)
     path = tmp_path / "edited.json"

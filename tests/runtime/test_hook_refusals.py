@@ -15,13 +15,15 @@ from dsauto.emit.ds_config import ds_config
 from dsauto.errors import DsautoError
 from dsauto.models import build_model
 from dsauto.search.planner import Planner
+from dsauto.search.space import Constraints
 from dsauto.spec.loaders import load_cluster, load_model
 from dsauto.spec.training import TrainSpec
 
 
 @pytest.fixture(scope="module")
 def plan():
-    planner = Planner(load_model("gpt-tiny"), load_cluster("cpu", nodes=1, gpus_per_node=2), TrainSpec(4, 64, "fp32"))
+    planner = Planner(load_model("gpt-tiny"), load_cluster("cpu", nodes=1, gpus_per_node=2), TrainSpec(4, 64, "fp32"),
+                      Constraints(engine="deepspeed"))
     return planner.search()[0]
 
 
@@ -75,10 +77,12 @@ from dsauto.errors import DsautoWarning
 from dsauto.models import build_model
 from dsauto.runtime.deepspeed import RANK_VARIABLES
 from dsauto.search.planner import Planner
+from dsauto.search.space import Constraints
 from dsauto.spec.loaders import load_cluster, load_model
 from dsauto.spec.training import TrainSpec
 
-plan = Planner(load_model("gpt-tiny"), load_cluster("cpu", nodes=1, gpus_per_node=2), TrainSpec(4, 64, "fp32")).search()[0]
+plan = Planner(load_model("gpt-tiny"), load_cluster("cpu", nodes=1, gpus_per_node=2), TrainSpec(4, 64, "fp32"),
+               Constraints(engine="deepspeed", zero_stage=1)).search()[0]
 def reached(**kwargs):
     raise RuntimeError("deepspeed.initialize was called")
 deepspeed.initialize = reached
