@@ -46,6 +46,8 @@ FUSED_ATTENTION_BACKWARD = 2.5
 # (tensorwise) scaling first reads it once more for its maximum (Float8CurrentScalingQuantizer).
 FP8_CAST_BYTES = 4
 FP8_AMAX_BYTES = 2
+FP32_BYTES = 4
+"""Bytes of an fp32 element."""
 FP8_BYTES = 1
 # Transformer Engine keeps a linear layer's weight in FP8 twice, as it is and transposed (Hopper's
 # FP8 GEMMs take K-major operands, so the input gradient needs the transpose).
@@ -1089,7 +1091,12 @@ def data_parallel_cost(group: LayerGroup, option: LayerOption, ctx: LayerContext
     # FP8 weights (--fp8-param-gather) are gathered at one byte a parameter (Megatron-core's
     # parameter buffer is then uint8: megatron/core/distributed/param_and_grad_buffer.py).
     param_volume = params * (FP8_BYTES if ctx.fp8_params(group) else ctx.dtype_bytes)
-    grad_volume = params * ctx.grad_bytes_per_param
+    # DeepSpeed-Ulysses reduces the gradients in fp32 whatever the training dtype: the engine takes its
+    # communication dtype from seq_parallel_communication_data_type, fp32 by default
+    # (deepspeed/runtime/constants.py), and ZeRO 1-2 force fp32 beside sequence parallelism
+    # (stage_1_and_2.py, allreduce_bucket). Time only: the fp32 copy of a bucket is not priced.
+    reduced_bytes = FP32_BYTES if ctx.engine == "deepspeed" and ctx.cp > 1 else ctx.grad_bytes_per_param
+    grad_volume = params * reduced_bytes
     dp, zero, comm, device = ctx.dp, ctx.zero_stage, ctx.dp_group, ctx.device
     forward, backward = passes.forward_seconds, passes.backward_seconds
     step_seconds, grad_sync = 0.0, 0.0
@@ -1111,7 +1118,7 @@ def data_parallel_cost(group: LayerGroup, option: LayerOption, ctx: LayerContext
             backward = device.overlapped(backward, reduce(grad_volume))
             step_seconds = comm.all_gather(param_volume)  # updated shards back to every rank
         elif zero == 1:
-            grad_sync = grad_volume  # reduce-scattered once per step, like an all-reduce's half
+            grad_sync = grad_volume  # reduced once per step (CostModel.grad_sync_seconds: each engine's way)
             # Megatron-core's partial distributed optimizer gathers the updated parameters inside an
             # instance only (param_and_grad_buffer.py, _ParamAndGradBucketGroup.start_param_sync:
             # the all-gather runs over intra_distributed_optimizer_instance_group).

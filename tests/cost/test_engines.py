@@ -283,3 +283,21 @@ def test_hierarchical_partitioning_refusals_name_their_remedy(pins, message):
     with pytest.raises(DsautoError, match=message):
         find_plans(make_problem("llama3-8b", "h100-80gb", nodes=2, seq_len=8192, global_batch=16, engine="deepspeed",
                                 zero_stage=3, **pins))
+
+
+def test_deepspeed_ulysses_reduces_gradients_in_fp32():
+    """DeepSpeed-Ulysses (cp > 1 under DeepSpeed) reduces the gradients in fp32 whatever the training
+    dtype (seq_parallel_communication_data_type's default; ZeRO 1-2 force it): twice a bf16 plan's
+    bytes; Megatron-core's context parallelism keeps its own gradients' dtype."""
+    cluster = load_cluster("h100-80gb", nodes=2, gpus_per_node=8)
+    model, train = load_model("llama3-8b"), TrainSpec(global_batch=16, seq_len=8192, dtype="bf16")
+    group = layer_groups(model, train.seq_len, train.dtype_bytes, 1)[1]
+    option = LayerOption(checkpoint=True, shard_params=False, split=1)
+
+    def synced(engine: str, cp: int) -> float:
+        strategy = Strategy(dims=ParallelDims(dp=16 // cp, cp=cp), zero_stage=0, micro_batch=1, grad_accum=1,
+                            sequence_parallel=False, engine=engine)
+        return CostModel(cluster, train, strategy, model.hidden_size).layer(group, option).grad_sync_bytes
+
+    assert synced("deepspeed", 2) == pytest.approx(2 * synced("deepspeed", 1))
+    assert synced("megatron", 2) == pytest.approx(synced("megatron", 1))
