@@ -699,6 +699,12 @@ class Plan:
         """The degrees as one value (their rank order and placement rules live there)."""
         return ParallelDims(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelDims)})
 
+    @property
+    def gathers_params_overlapped(self) -> bool:
+        """Megatron-core's ``overlap_param_gather`` as the plan runs it: only with the distributed
+        optimizer or Megatron-FSDP (ZeRO 1-3), which own a parameter gather."""
+        return self.zero_stage >= 1 and self.overlap_param_gather
+
     def layer_choice(self, layer: int) -> LayerChoice:
         """The choices applying to ``layer`` (flat numbering)."""
         for run in self.layers:

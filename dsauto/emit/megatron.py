@@ -462,8 +462,8 @@ def _data_parallel(plan: Plan) -> list[str]:
         ]
     if plan.overlap_grad_reduce:
         lines.append("--overlap-grad-reduce")
-    if plan.zero_stage >= 1 and plan.overlap_param_gather:
-        lines.append("--overlap-param-gather")  # needs the distributed optimizer or Megatron-FSDP
+    if plan.gathers_params_overlapped:
+        lines.append("--overlap-param-gather")
     lines += optimizer_offload_flags(plan)
     lines.append(f"--ddp-bucket-size {ddp_bucket_size(plan)}")
     return lines

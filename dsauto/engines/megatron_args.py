@@ -173,7 +173,7 @@ def read_megatron_args(path: Path | str, model: ModelSpec | None = None,
     try:
         job = _job_for_sizes(text, sizes or {})
         expanded = expand_shell_variables(text, defaults, unevaluated, job)
-        words = split_words(expanded.replace("\\\n", " "))
+        words = split_words(expanded)
     except ValueError as error:
         raise DsautoError(f"{path} does not split into arguments ({error}); quote it as a shell would.") from None
     launch = parse_megatron_args(words, str(path), model, launch_environment(expanded), launch_vocabulary(text))
@@ -209,12 +209,12 @@ def _job_for_sizes(text: str, sizes: dict[str, int | None]) -> dict[str, str]:
         if given is None:
             continue
         defaults: dict[str, str] = {}
-        words = split_words(expand_shell_variables(text, defaults, job=job).replace("\\\n", " "))
+        words = split_words(expand_shell_variables(text, defaults, job=job))
         if launcher_world(_launcher_words(words)).get(key, given) == given:
             continue
         for name in defaults:
             trial = {**job, name: str(given)}
-            words = split_words(expand_shell_variables(text, job=trial).replace("\\\n", " "))
+            words = split_words(expand_shell_variables(text, job=trial))
             if launcher_world(_launcher_words(words)).get(key) == given:
                 job = trial
                 break
@@ -278,8 +278,8 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
     ``model``, the launch plans that model, after checking that the flags describe it (its
     vocabulary stands in for a missing ``--vocab-size``: Megatron-LM reads it from the tokenizer; so
     does ``vocabulary``, the one dsauto's own file states, without a model)."""
-    words, repeated = list(words), []
-    flags = _flag_values(words, where, repeated)
+    words, flag_notes = list(words), []
+    flags = _flag_values(words, where, flag_notes)
     undescribed = [spelling for spelling in DESCRIBED_BY_MODEL if _sets(flags, spelling)]
     for spelling, what in REFUSED.items():
         if _sets(flags, spelling) and not (model is not None and spelling in DESCRIBED_BY_MODEL):
@@ -291,7 +291,7 @@ def parse_megatron_args(words: Iterable[str], where: str = "the arguments", mode
             raise DsautoError(f"{where} sets {spelling}, and dsauto does not price {what}; remove it, or plan "
                               f"without --megatron-args.")
     architecture, notes = _architecture(words, flags, where)
-    notes = repeated + notes
+    notes = flag_notes + notes
     if model is not None and model.architecture != architecture:
         raise DsautoError(f"{where} trains {'an encoder (pretrain_bert.py)' if architecture == 'encoder' else 'a decoder'}"
                           f", and --model {model.name} is {'an encoder' if model.architecture == 'encoder' else 'a decoder'}"
@@ -552,13 +552,14 @@ def _fixed_size(value: str) -> bool:
     return low.isdigit() and int(low) >= 1 and (not high or high == low)
 
 
-def _flag_values(words: list[str], where: str, repeated: list[str] | None = None) -> dict[str, str]:
+def _flag_values(words: list[str], where: str, notes: list[str] | None = None) -> dict[str, str]:
     """{flag: its value ('' for a switch; several words joined by spaces)}. The words up to the
     training script (the first ending in ``.py``), or to the first flag without one, are the
     launcher's and are skipped. A flag read here takes the values it takes; any other takes every
     word up to the next flag (Megatron-LM's lists, such as ``--data-path``). A flag given twice keeps
-    its last value, as argparse does; one read here with two values is said in ``repeated``."""
-    repeated = [] if repeated is None else repeated
+    its last value, as argparse does; one read here with two values is said in ``notes``, and so
+    are the job's words the launch passes on (``$EXTRA_ARGS``)."""
+    notes = [] if notes is None else notes
     script = _script_index(words)
     i = script + 1 if script is not None else next((i for i, word in enumerate(words) if word.startswith("--")),
                                                    len(words))
@@ -588,11 +589,11 @@ def _flag_values(words: list[str], where: str, repeated: list[str] | None = None
         if name in VALUED and not value:
             raise DsautoError(f"{where} gives {name} no value; give it one.")
         if name in flags and flags[name] != value and name in VALUED | SWITCHES:
-            repeated.append(f"{where} sets {name} twice ({flags[name]!r}, then {value!r}); Megatron-LM takes the "
+            notes.append(f"{where} sets {name} twice ({flags[name]!r}, then {value!r}); Megatron-LM takes the "
                             f"last, and so does dsauto.")
         flags[name] = value  # argparse keeps the last
     if passed:
-        repeated.append(f"{where} passes on {', '.join(passed)} from the job, which dsauto does not see; the plan is "
+        notes.append(f"{where} passes on {', '.join(passed)} from the job, which dsauto does not see; the plan is "
                         f"priced without the flags they add.")
     return flags
 

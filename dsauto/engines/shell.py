@@ -36,13 +36,14 @@ _OPERATORS = {"|", "||", "&", "&&", ";", ";;"}
 
 def is_assignment(word: str) -> bool:
     """Whether a command word is a variable assignment (``NAME=value``), not a command."""
-    return bool(_ASSIGNMENT.match(word)) and "=" in word
+    return bool(_ASSIGNMENT.match(word))
 
 
 def split_words(text: str) -> list[str]:
-    """``text``'s words as bash splits a command: quotes removed, ``#`` comments only where a word
-    starts (``run#3`` is one word, which shlex's own comments would cut)."""
-    return shlex.split(_strip_comments(text))
+    """``text``'s words as bash splits a command: ``\\`` line continuations joined, quotes removed,
+    ``#`` comments only where a word starts (``run#3`` is one word, which shlex's own comments would
+    cut)."""
+    return shlex.split(_strip_comments(text.replace("\\\n", " ")))
 
 
 def ends_command(word: str) -> bool:
@@ -201,10 +202,10 @@ class _Shell:
         parent = self.runs()
         if keyword == "if":
             self.blocks.append(_Block("if", written, parent, self.condition(test, rest) if parent is True else
-                                      parent and None))
+                                      _undecided(parent)))
             return
         if keyword in ("while", "until"):
-            self.blocks.append(_Block("loop", f"{keyword} {written}", parent, parent and None))
+            self.blocks.append(_Block("loop", f"{keyword} {written}", parent, _undecided(parent)))
             return
         block = self.blocks[-1] if self.blocks else None
         if block is None or block.kind != "if":
@@ -223,7 +224,7 @@ class _Shell:
         block = self.blocks[-1] if self.blocks else None
         if first in ("then", "do", "{"):
             return self.statement(rest, self.runs() if first != "{" else here) if rest else (True, "")
-        if first == "}" :
+        if first == "}":
             if block is not None and block.kind == "function":
                 self.blocks.pop()
             return True, ""
@@ -236,7 +237,7 @@ class _Shell:
                 self.blocks.pop()
             return True, ""
         if first in _LOOPS:  # a loop's body runs as many times as the file cannot count
-            self.blocks.append(_Block("loop", text.removesuffix("; do"), self.runs(), self.runs() and None))
+            self.blocks.append(_Block("loop", text.removesuffix("; do"), self.runs(), _undecided(self.runs())))
             return None, ""
         if first == "case":
             word, _, arms = rest.partition(" in")
@@ -255,10 +256,10 @@ class _Shell:
                 block.taken = block.own
             remainder = text[arm.end():].strip()
             return self.statement(remainder, self.runs()) if remainder else (True, "")
-        if function := _FUNCTION.fullmatch(text) or _FUNCTION.match(text):
+        if function := _FUNCTION.match(text):
             name = function.group(1) or function.group(2)
             self.blocks.append(_Block("function", f"the function {name}, which bash runs where it is called",
-                                      self.runs(), self.runs() and None))
+                                      self.runs(), _undecided(self.runs())))
             remainder = text[function.end():].strip()
             return self.statement(remainder, self.runs()) if remainder else (True, "")
         if here is False or not text:
@@ -276,17 +277,18 @@ class _Shell:
                     self.scalars[name] = ""
                 else:
                     self.report(name)
-            return (True if here is True else None), ""
-        if first in ("((", "let") or text.startswith("(("):
+            return here, ""
+        if first == "let" or text.startswith("(("):
             return self.arithmetic(text.removeprefix("let").strip().strip("()").strip(), here), ""
+        # from here on the command runs (here True) or the file cannot tell (None), its status likewise
         if element := _ELEMENT.match(text):
             self.element(element, text, here)
-            return (True if here is True else None), ""
+            return here, ""
         match = _ASSIGNMENT.match(text)
         if match:
             self.assign(match, text, here)
             array = text.startswith("(", match.end())  # its words live on in the array, not here
-            return (True if here is True else None), self.substitute(text) if here is True and not array else ""
+            return here, self.substitute(text) if here is True and not array else ""
         if first in ("[[", "[", "test", "!"):
             return (self.test(text) if here is True else None), ""
         return None, self.substitute(text)
@@ -302,7 +304,7 @@ class _Shell:
         value = text[match.end():]
         if value.startswith("("):
             close = _closing_parenthesis(value, 1)
-            words = split_words(self.substitute(value[1:close]).replace("\\\n", " "))
+            words = split_words(self.substitute(value[1:close]))
             before = self.arrays.get(name, [self.scalars[name]] if name in self.scalars else [])
             self.arrays[name] = before + words if append else words
             self.scalars.pop(name, None)
@@ -484,6 +486,12 @@ def _not(a: bool | None) -> bool | None:
     return None if a is None else not a
 
 
+def _undecided(parent: bool | None) -> bool | None:
+    """What the file can tell of a branch it does not decide under ``parent``: it does not run where
+    its surroundings do not, and may otherwise."""
+    return False if parent is False else None
+
+
 def _logical_line_end(text: str, pos: int) -> int:
     """Where the logical line starting at ``pos`` ends (past its newline): at the first newline
     outside quotes, parentheses (an array's words) and comments that no backslash continues."""
@@ -536,8 +544,10 @@ def _quoted_at(line: str, index: int) -> bool:
 def _statements(line: str) -> list[tuple[str, str]]:
     """The commands of a logical line and what links each to the one before (``''``, ``;``, ``&&``,
     ``||``): cut at those outside quotes, parentheses and ``[[ ... ]]``; comments dropped."""
+    line = _strip_comments(line)
     out: list[tuple[str, str]] = []
     link, start, pos, depth, word_start, extended = "", 0, 0, 0, True, False
+
     def cut(end: int, next_link: str, skip: int) -> None:
         nonlocal link, start, pos
         if line[start:end].strip():
@@ -551,11 +561,6 @@ def _statements(line: str) -> list[tuple[str, str]]:
             continue
         if c in "'\"":
             pos, word_start = _quote_end(line, pos), False
-            continue
-        if c == "#" and word_start:
-            end = line.find("\n", pos)
-            end = len(line) if end < 0 else end
-            line = line[:pos] + line[end:]
             continue
         if word_start and line.startswith("[[", pos) and line[pos + 2:pos + 3] in (" ", "\t"):
             extended = True

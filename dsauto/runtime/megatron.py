@@ -457,7 +457,7 @@ def ddp_config(plan: Plan, *, megatron_fsdp: bool = True, **overrides: Any) -> D
     fields: dict[str, Any] = dict(
         use_distributed_optimizer=zero >= 1,
         overlap_grad_reduce=plan.overlap_grad_reduce,
-        overlap_param_gather=zero >= 1 and plan.overlap_param_gather,  # needs the distributed optimizer or FSDP
+        overlap_param_gather=plan.gathers_params_overlapped,
         bucket_size=ddp_bucket_size(plan),  # counts parameters
         # Megatron-LM reduces in fp32 under bf16 (validate_args) unless --grad-reduce-in-bf16.
         grad_reduce_in_fp32=plan.dtype == "bf16" and plan.grad_reduce_in_fp32,
@@ -495,7 +495,7 @@ def optimizer_config(plan: Plan, **overrides: Any) -> OptimizerConfig:
 
     fields: dict[str, Any] = dict(
         use_distributed_optimizer=plan.zero_stage >= 1,
-        overlap_param_gather=plan.zero_stage >= 1 and plan.overlap_param_gather,
+        overlap_param_gather=plan.gathers_params_overlapped,
         bf16=plan.dtype == "bf16",
         fp16=plan.dtype == "fp16",
         params_dtype=_torch_dtype(plan),

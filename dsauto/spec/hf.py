@@ -238,6 +238,10 @@ def read_activation(key: str, gated: bool) -> Reader:
     return read
 
 
+QUERY_SCALING = "llama_4_scaling_beta"
+"""Ministral 3's query scaling with the position, a key of its rope parameters that is no rotation's."""
+
+
 def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
     """Rotary base, partial rotary and scaling, in either spelling (see the module doc)."""
     params, local_base = cfg.get("rope_parameters"), None
@@ -264,6 +268,7 @@ def read_rope(cfg: Config, spec: dict[str, Any]) -> None:
     if scaling is not None and not isinstance(scaling, Mapping):
         raise cfg.error(f"rope_scaling must be a mapping or null, got {scaling!r}")
     scaling = {**params, **(scaling or {})}
+    scaling.pop(QUERY_SCALING, None)  # not the rotation's: read_ministral3's
     spelled = "rope_type" if scaling.get("rope_type") else "type"
     kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
@@ -601,21 +606,26 @@ def read_granite_shared(cfg: Config, spec: dict[str, Any]) -> None:
 
 
 def read_glm4_moe(cfg: Config, spec: dict[str, Any]) -> None:
-    """GLM-4.5: DeepSeek-V3's experts (shared ones, the first layers dense, sigmoid routing with a
-    load-balancing bias buffer) under grouped-query attention with optional per-head query/key norms."""
-    spec["shared_expert_ffn_hidden_size"] = (cfg.whole("n_shared_experts") or 0) * spec["moe_ffn_hidden_size"]
-    spec["moe_first_dense_layers"] = cfg.whole("first_k_dense_replace", 0)
-    spec["moe_router"] = "sigmoid"
+    """GLM-4.5: DeepSeek-V3's experts (:func:`read_sigmoid_experts`) under grouped-query attention with
+    optional per-head query/key norms."""
+    read_sigmoid_experts(cfg, spec)
     spec["qk_norm"] = cfg.flag("use_qk_norm")
 
 
-def read_dots1(cfg: Config, spec: dict[str, Any]) -> None:
-    """dots.llm1: GLM-4.5's experts (read_glm4_moe) under Qwen3's attention with per-head query/key
-    norms, its sliding layers those from ``max_window_layers`` on where ``sliding_window`` is set
-    (Dots1Config, without Qwen's ``use_sliding_window``), unless ``layer_types`` names them."""
+def read_sigmoid_experts(cfg: Config, spec: dict[str, Any]) -> None:
+    """DeepSeek-V3's experts as GLM-4.5 and dots.llm1 spell them: ``n_shared_experts`` shared ones of
+    the expert width, the first ``first_k_dense_replace`` layers dense, sigmoid routing with a
+    load-balancing bias buffer."""
     spec["shared_expert_ffn_hidden_size"] = (cfg.whole("n_shared_experts") or 0) * spec["moe_ffn_hidden_size"]
     spec["moe_first_dense_layers"] = cfg.whole("first_k_dense_replace", 0)
     spec["moe_router"] = "sigmoid"
+
+
+def read_dots1(cfg: Config, spec: dict[str, Any]) -> None:
+    """dots.llm1: GLM-4.5's experts (:func:`read_sigmoid_experts`) under Qwen3's attention with per-head
+    query/key norms, its sliding layers those from ``max_window_layers`` on where ``sliding_window`` is
+    set (Dots1Config, without Qwen's ``use_sliding_window``), unless ``layer_types`` names them."""
+    read_sigmoid_experts(cfg, spec)
     window, layers = cfg.whole("sliding_window"), spec["num_layers"]
     types = cfg.get("layer_types")
     first = cfg.whole("max_window_layers", layers)
@@ -627,12 +637,10 @@ def read_dots1(cfg: Config, spec: dict[str, Any]) -> None:
 def read_ministral3(cfg: Config, spec: dict[str, Any]) -> None:
     """Ministral 3: Mistral's layers whose queries are scaled by 1 + beta log(1 + floor(position /
     original context)) in every layer (``rope_parameters.llama_4_scaling_beta``; transformers'
-    Ministral3Attention), which Megatron-core does not build: named (an elementwise multiply), and
-    kept out of the YaRN parameters it sits beside."""
-    params = dict(spec.get("rope_scaling_params") or [])
-    beta = params.pop("llama_4_scaling_beta", 0.0)
-    if "rope_scaling_params" in spec:
-        spec["rope_scaling_params"] = [[name, value] for name, value in params.items()]
+    Ministral3Attention), which Megatron-core does not build: named (an elementwise multiply); read_rope
+    leaves it out of the YaRN parameters it sits beside."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    beta = params.get(QUERY_SCALING, 0.0) if isinstance(params, Mapping) else 0.0
     if beta:
         spec["unmodelled"] = (*spec.get("unmodelled", ()),
                               f"every layer's queries scaled by 1 + {beta:g} log(1 + floor(position / original "
@@ -1352,7 +1360,8 @@ def refuse_unplannable(config: Mapping[str, Any], where: str) -> None:
     model_type = config.get("model_type")
     layers = config.get("layer_types")
     attention_only = isinstance(layers, list) and layers and all(kind == "attention" for kind in layers)
-    if model_type in NOT_ATTENTION_ONLY and not (model_type == "granitemoehybrid" and attention_only):
+    # a hybrid family with a reader (Granite 4.0's) is read where every layer is attention
+    if model_type in NOT_ATTENTION_ONLY and not (model_type in FAMILIES and attention_only):
         raise DsautoError(f"{where} is a {model_type} model with {NOT_ATTENTION_ONLY[model_type]}, which dsauto does "
                           f"not price: it plans transformers whose every layer is softmax attention and an MLP "
                           f"(or experts).")
