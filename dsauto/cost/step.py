@@ -49,6 +49,10 @@ from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import LayerGroup, ModelSpec, layer_group_per_layer, layer_groups
 from dsauto.spec.training import TrainSpec
 
+DEEPSPEED_SUB_GROUP_SIZE = 10**9
+"""Elements of a ZeRO-3 optimizer sub-group, DeepSpeed's ``sub_group_size`` default
+(deepspeed/runtime/zero/config.py), which dsauto's configs leave as it is."""
+
 
 def layer_group_of(groups: Sequence[LayerGroup], layer: int, num_layers: int) -> LayerGroup:
     """The group descriptor of a layer in flat numbering (0 embedding, 1..L blocks, L+1 head): the
@@ -350,7 +354,8 @@ def offload_staging_bytes(strategy: Strategy, largest_param_bytes: float, partit
 def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim: float, activation: float,
                           head_transient: float, layers: Sequence[tuple[float, float]], bucket: int,
                           awaiting_grad: float, local_grads: float, embedding_grad: float, tied_grad: float,
-                          backward_working: float, single_tensor: bool, staging: float = 0.0) -> float:
+                          backward_working: float, single_tensor: bool, staging: float = 0.0,
+                          grads_in_16_bits: bool = False) -> float:
     """Peak bytes of a DeepSpeed rank over the moments of a step, each with what the engine holds
     then. ``grads``: the gradient column (whole under ZeRO 0/1, this rank's partition under ZeRO-2);
     ``activation``: the kept activations; ``layers``: per transformer layer of the stage, in
@@ -438,7 +443,8 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
     else:
         loss = activation + head_transient + (grads if later else 0.0)
         embedding += (grads if later else 0.0) + (grads if reduces else 0.0)
-    stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor)
+    stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor,
+                                    grads_in_16_bits=grads_in_16_bits)
     return max(params + optim + max(loss, layer, embedding), stepping)
 
 
@@ -523,18 +529,30 @@ def mlp_backward_bytes(model: ModelSpec, tokens: int, tp: int, dtype_bytes: int)
 
 def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim: float, bucket: int,
                          single_tensor: bool, largest_main_param_bytes: float = 0.0,
-                         grads_in_16_bits: bool = False, optimizer_bytes_per_param: int = 12) -> float:
+                         grads_in_16_bits: bool = False, optimizer_bytes_per_param: int = 12,
+                         sub_group_size: int = DEEPSPEED_SUB_GROUP_SIZE) -> float:
     """Memory of a rank during the optimizer update of ZeRO 1-3 (0 otherwise), when the activations
     are gone. The ZeRO optimizers hand torch's AdamW (the emitted ``torch_adam`` with ``fused``) one
     flat fp32 partition (``optim`` holds it and the two moments, 12 bytes per parameter) and, as its
-    gradient, a new flat fp32 copy of the partition's gradients (one partition-sized temporary:
-    deepspeed/runtime/zero/stage_1_and_2.py, ``step``; stage3.py, ``_prepare_fp32_grad_for_sub_group``);
-    the fused update works in place, on a CPU as on CUDA (``torch._fused_adamw_``), and makes none
-    (torch's default multi-tensor and per-tensor updates made one and two more). ZeRO-3 also keeps
-    its gradient bucket. ZeRO-1 has reduce-scattered its gradients into the partition by then.
+    gradient, the partition's gradients flattened into one new tensor of their dtype and cast to
+    fp32 (deepspeed/runtime/zero/stage_1_and_2.py, ``step``: ``flatten`` then ``.to``; stage3.py,
+    ``_prepare_fp32_grad_for_sub_group``, the same). In fp32 the cast returns the flat copy itself:
+    one partition-sized fp32 temporary. With 16-bit gradients (``grads_in_16_bits``) the flat 16-bit
+    copy and its fp32 cast are both alive while the cast runs, beside the gradients they were made
+    from: 6 bytes per element of the partition. ZeRO-3 does this per sub-group of its partition,
+    releasing each fp32 copy after its update (``_release_sub_group``); a sub-group closes once it
+    holds ``sub_group_size`` elements (``_create_fp16_sub_groups``; the default, DeepSpeed's own),
+    so its temporaries are those of at most that many elements plus one parameter's partition
+    (``largest_main_param_bytes``, in fp32) less one. The fused update works in place, on a CPU as on
+    CUDA (``torch._fused_adamw_``), and makes none (torch's default multi-tensor and per-tensor
+    updates made one and two more). ZeRO-3 also keeps its gradient bucket. ZeRO-1 has
+    reduce-scattered its gradients into the partition by then.
     Measured (the 17M-parameter GPT of tests/cost/test_cost.py, 2 CPU ranks, fp32, DeepSpeed 0.19.8,
     torch 2.13, a tracker region around the update): 225.4 MiB under ZeRO-1 and -2, 209.1 MiB under
-    ZeRO-3, which this reproduces to 0.1 MiB.
+    ZeRO-3, which this reproduces to 0.1 MiB. In bf16 and fp32, eight 1024 x 1024 linear layers
+    (benchmarks/deepspeed_update.py): ZeRO-1 and -2 96 and 112 MiB, ZeRO-3 90 and 100 MiB, each as
+    this prices it; with sub-groups of 2**20 elements (two layers' partitions) 72 and 88 MiB, which
+    the bound of one partition more prices 3 and 2 MiB over.
 
     Megatron-core's distributed optimizer steps its fp32 main-parameter shards with the gradient
     buffer's shard as their gradient (no copy under bf16's fp32 buffer) and a fused multi-tensor
@@ -579,10 +597,22 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
         return params + grads + optim + copies if copies else 0.0
     if strategy.dims.replicas <= 1 or strategy.zero_stage == 0:
         return 0.0
-    partition = optim / 3
-    temporaries = 1  # the flattened fp32 gradient partition (see above)
+    elements = optim / optimizer_bytes_per_param  # of the fp32 partition the rank updates
+    if strategy.zero_stage == 3:  # one sub-group at a time
+        elements = min(elements, sub_group_size + largest_main_param_bytes / 4 - 1)
+    temporaries = elements * (2 + 4 if grads_in_16_bits else 4)  # the flat copy, and its fp32 cast
     kept_grads = grads / strategy.dims.replicas if strategy.zero_stage == 1 else grads
-    return params + kept_grads + optim + temporaries * partition + (bucket if strategy.zero_stage == 3 else 0)
+    return params + kept_grads + optim + temporaries + (bucket if strategy.zero_stage == 3 else 0)
+
+
+def deepspeed_step_bytes(strategy: Strategy, cost: CostModel, params: float, grads: float, optim: float,
+                         bucket: int, single_tensor: bool, held: Sequence[LayerGroup]) -> float:
+    """:func:`optimizer_step_bytes` of a DeepSpeed stage holding the layer groups ``held``: its
+    gradients' dtype, and the fp32 partition of its largest parameter, which bounds a ZeRO-3
+    sub-group (each parameter is partitioned over the data-parallel ranks)."""
+    largest = max((g.largest_op_params for g in held), default=0.0) / strategy.tp / strategy.dims.replicas
+    return optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor, 4 * largest,
+                                cost.context.grad_bytes_per_param < 4, cost.context.optimizer_bytes_per_param)
 
 
 def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy, cost: CostModel,
@@ -784,7 +814,8 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                 embedding_grad=embedding_grad, tied_grad=tied_grad,
                 backward_working=mlp_backward_bytes(model, cost.tokens, strategy.tp, train.dtype_bytes)
                 * cost.calibration.activation_memory if any(1 <= j <= num_layers for j in held) else 0.0,
-                single_tensor=cluster.device.name == "cpu", staging=staging)
+                single_tensor=cluster.device.name == "cpu", staging=staging,
+                grads_in_16_bits=cost.context.grad_bytes_per_param < 4)
             transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
         elif deepspeed_pipeline_applies(strategy):
             # DeepSpeed's pipeline engine: the moments of its 1F1B step (deepspeed_pipeline_moment_peak).
@@ -837,11 +868,13 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                                     for j, t in zip(held, own) if j == head), default=0.0),
                 body_transient=max((t for j, t in zip(held, own) if j != head), default=0.0),
                 awaiting_grad=min(largest_grad * cost.calibration.static_memory, grads * strategy.dims.replicas),
-                stepping=optimizer_step_bytes(strategy, params, grads, optim, bucket, cluster.device.name == "cpu"))
+                stepping=deepspeed_step_bytes(strategy, cost, params, grads, optim, bucket,
+                                              cluster.device.name == "cpu", [by_layer[j] for j in held]))
             transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
         else:
             peak = params + grads + optim + activation + transient
-            stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, cluster.device.name == "cpu")
+            stepping = deepspeed_step_bytes(strategy, cost, params, grads, optim, bucket,
+                                            cluster.device.name == "cpu", [by_layer[j] for j in held])
             if stepping > peak:  # the optimizer update, after the activations are gone, is the peak
                 peak = stepping
                 transient = peak - (params + grads + optim + activation)

@@ -1,0 +1,186 @@
+"""The memory of DeepSpeed's ZeRO optimizer update, measured tensor by tensor, against the cost model.
+
+ZeRO 1-3 hand torch's AdamW a flat fp32 partition and, as its gradient, the partition's gradients
+flattened and cast to fp32 (dsauto.cost.step.optimizer_step_bytes): with 16-bit gradients both the
+flat 16-bit copy and its fp32 cast are alive at once, and ZeRO-3 does it one ``sub_group_size``
+sub-group at a time. This measures the peak of live tensor bytes during ``engine.step()`` on 2 CPU
+ranks (gloo, DeepSpeed's CPU accelerator, the emitted optimizer: torch's fused AdamW) for a model
+of eight 1024 x 1024 linear layers without biases and one token a step, so that the update is
+the step's peak, in fp32 and bf16, under ZeRO-1, -2 and -3, and under ZeRO-3 with sub-groups of
+2**20 elements (two layers' partitions); and prices each with ``optimizer_step_bytes`` from the
+model's parameter count. Results: benchmarks/results/deepspeed_update.md.
+
+Run: python benchmarks/deepspeed_update.py      (launches 2 DeepSpeed ranks itself; about a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HIDDEN, LAYERS, DP = 1024, 8, 2
+BUCKET_ELEMENTS = 2**20
+"""``reduce_bucket_size``: ZeRO-3 keeps one bucket of it through the update."""
+MiB = 2**20
+RESULTS = Path(__file__).resolve().parent / "results" / "deepspeed_update.md"
+
+
+@dataclass(frozen=True)
+class Case:
+    zero_stage: int
+    dtype: str  # "fp32" or "bf16"
+    sub_group_size: int | None = None  # None: DeepSpeed's default, larger than this model
+
+    @property
+    def name(self) -> str:
+        sub = f" sub-group {self.sub_group_size}" if self.sub_group_size else ""
+        return f"zero{self.zero_stage} {self.dtype}{sub}"
+
+    def config(self) -> dict:
+        zero = {"stage": self.zero_stage, "overlap_comm": True, "contiguous_gradients": True,
+                "reduce_bucket_size": BUCKET_ELEMENTS, "stage3_param_persistence_threshold": 0}
+        if self.sub_group_size:
+            zero["sub_group_size"] = self.sub_group_size
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
+                  "zero_optimization": zero}
+        if self.dtype == "bf16":
+            config["bf16"] = {"enabled": True}
+        return config
+
+
+CASES = (Case(1, "fp32"), Case(1, "bf16"), Case(2, "fp32"), Case(2, "bf16"), Case(3, "fp32"), Case(3, "bf16"),
+         Case(3, "fp32", 2**20), Case(3, "bf16", 2**20))
+
+
+def predicted_bytes(case: Case) -> float:
+    """The update's peak as the cost model prices it, from the model's shape alone."""
+    from dsauto.cost.step import DEEPSPEED_SUB_GROUP_SIZE, optimizer_step_bytes
+    from dsauto.cost.strategy import Strategy
+    from dsauto.parallel import ParallelDims
+
+    elements = HIDDEN * HIDDEN * LAYERS
+    width = 2 if case.dtype == "bf16" else 4
+    strategy = Strategy(dims=ParallelDims(dp=DP, tp=1, pp=1), zero_stage=case.zero_stage, micro_batch=1,
+                        grad_accum=1, sequence_parallel=False)
+    shards = DP if case.zero_stage == 3 else 1
+    params, grads = elements * width / shards, elements * width / (DP if case.zero_stage >= 2 else 1)
+    optim = elements * 12 / DP
+    largest = 4 * HIDDEN * HIDDEN / DP  # one layer's fp32 partition
+    return optimizer_step_bytes(strategy, params, grads, optim, BUCKET_ELEMENTS * width, single_tensor=True,
+                                largest_main_param_bytes=largest, grads_in_16_bits=case.dtype == "bf16",
+                                sub_group_size=case.sub_group_size or DEEPSPEED_SUB_GROUP_SIZE)
+
+
+def worker(cases_path: str, out_path: str) -> None:
+    """One rank: trains each case two steps and records the peak of live tensor bytes in the second
+    step's update (every tensor counted from before the model is built)."""
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+
+    import dsauto.deepspeed
+    from dsauto.profile.memory import MemoryTracker
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = {}
+    for raw in json.loads(Path(cases_path).read_text()):
+        case = Case(**raw)
+        torch.manual_seed(0)
+        with MemoryTracker() as tracker:
+            model = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(LAYERS)])
+            engine, *_ = dsauto.deepspeed.initialize(model=model, config=case.config(),
+                                                     model_parameters=model.parameters())
+            dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
+            for step in range(2):
+                loss = engine(torch.randn(1, HIDDEN, dtype=dtype)).float().pow(2).mean()
+                engine.backward(loss)
+                if step == 1:
+                    with tracker.region("update"):
+                        engine.step()
+                else:
+                    engine.step()
+        results[case.name] = tracker.peak_bytes("update")
+        engine.destroy()
+        del engine, model
+        dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def measure(cases: tuple[Case, ...] = CASES, timeout: float = 900) -> dict[str, float]:
+    """Launches :func:`worker` on 2 ranks under dsauto's launch guard; rank 0's peaks by case name."""
+    from dsauto.profile.launch import free_port, launch, stop
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cases_file, out = Path(tmp) / "cases.json", Path(tmp) / "out.json"
+        cases_file.write_text(json.dumps([asdict(c) for c in cases]))
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                              os.environ.get("PYTHONPATH", "")])}
+        port = free_port()
+        process = launch([sys.executable, "-m", "deepspeed.launcher.runner", "--include", "localhost:0,1",
+                          "--master_port", str(port), __file__, "--worker", str(cases_file), str(out)],
+                         env, port, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(process)
+            raise
+        if process.returncode != 0 or not out.exists():
+            raise RuntimeError(f"the ranks failed (exit {process.returncode}): {stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return
+    import deepspeed
+    import torch
+
+    measured = measure()
+    rows, errors = [], []
+    for case in CASES:
+        predicted, got = predicted_bytes(case), measured[case.name]
+        errors.append((predicted - got) / got)
+        rows.append(f"| {case.name} | {predicted / MiB:.1f} MiB | {got / MiB:.1f} MiB | {errors[-1]:+.1%} |")
+    under = max([0.0] + [-e for e in errors])
+    summary = f"max_memory_error={max(abs(e) for e in errors):.3f} max_under_prediction={under:.3f} plans={len(CASES)}"
+    RESULTS.write_text("\n".join([
+        "# DeepSpeed's ZeRO optimizer update: predicted vs measured memory",
+        "",
+        "Command: `python benchmarks/deepspeed_update.py` (2 CPU ranks, gloo; DeepSpeed "
+        f"{deepspeed.__version__}, torch {torch.__version__}, Python {platform.python_version()}).",
+        "",
+        f"Model: {LAYERS} linear layers of {HIDDEN} x {HIDDEN} without biases ({LAYERS * HIDDEN * HIDDEN / 1e6:.1f}M "
+        f"parameters), one token a step, so that the update is the step's peak; reduce_bucket_size "
+        f"{BUCKET_ELEMENTS} elements. Measured: the peak of live tensor bytes on rank 0 during the second "
+        "step's `engine.step()` (dsauto.profile.memory.MemoryTracker, every tensor counted from before the "
+        "model was built). Predicted: `dsauto.cost.step.optimizer_step_bytes` from the parameter count "
+        "(with the case's sub_group_size where it sets one).",
+        "",
+        "| case | predicted | measured | error |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+        f"`{summary}`",
+        "",
+    ]))
+    print(summary)
+
+
+if __name__ == "__main__":
+    main()
