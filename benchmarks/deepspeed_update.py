@@ -8,7 +8,8 @@ ranks (gloo, DeepSpeed's CPU accelerator, the emitted optimizer: torch's fused A
 of eight 1024 x 1024 linear layers without biases and one token a step, so that the update is
 the step's peak, in fp32 and bf16, under ZeRO-1, -2 and -3, and under ZeRO-3 with sub-groups of
 2**20 elements (two layers' partitions); and prices each with ``optimizer_step_bytes`` from the
-model's parameter count. Results: benchmarks/results/deepspeed_update.md.
+model's parameter count. Without ZeRO, bf16 runs DeepSpeed's FP16_UnfusedOptimizer, which casts every
+gradient to fp32 at once. Results: benchmarks/results/deepspeed_update.md.
 
 Run: python benchmarks/deepspeed_update.py      (launches 2 DeepSpeed ranks itself; about a minute)
 """
@@ -56,7 +57,7 @@ class Case:
         return config
 
 
-CASES = (Case(1, "fp32"), Case(1, "bf16"), Case(2, "fp32"), Case(2, "bf16"), Case(3, "fp32"), Case(3, "bf16"),
+CASES = (Case(0, "fp32"), Case(0, "bf16"), Case(1, "fp32"), Case(1, "bf16"), Case(2, "fp32"), Case(2, "bf16"), Case(3, "fp32"), Case(3, "bf16"),
          Case(3, "fp32", 2**20), Case(3, "bf16", 2**20))
 
 
@@ -72,11 +73,13 @@ def predicted_bytes(case: Case) -> float:
                         grad_accum=1, sequence_parallel=False)
     shards = DP if case.zero_stage == 3 else 1
     params, grads = elements * width / shards, elements * width / (DP if case.zero_stage >= 2 else 1)
-    optim = elements * 12 / DP
+    optim = elements * (12 if case.zero_stage or case.dtype == "bf16" else 8) / (DP if case.zero_stage else 1)
     largest = 4 * HIDDEN * HIDDEN / DP  # one layer's fp32 partition
-    return optimizer_step_bytes(strategy, params, grads, optim, BUCKET_ELEMENTS * width, single_tensor=True,
+    step = optimizer_step_bytes(strategy, params, grads, optim, BUCKET_ELEMENTS * width, single_tensor=True,
                                 largest_main_param_bytes=largest, grads_in_16_bits=case.dtype == "bf16",
                                 sub_group_size=case.sub_group_size or DEEPSPEED_SUB_GROUP_SIZE)
+    # 0: the update holds no more than the model state, which every moment of the step holds.
+    return max(step, params + grads + optim)
 
 
 def worker(cases_path: str, out_path: str) -> None:
@@ -170,7 +173,8 @@ def main() -> None:
         f"{BUCKET_ELEMENTS} elements. Measured: the peak of live tensor bytes on rank 0 during the second "
         "step's `engine.step()` (dsauto.profile.memory.MemoryTracker, every tensor counted from before the "
         "model was built). Predicted: `dsauto.cost.step.optimizer_step_bytes` from the parameter count "
-        "(with the case's sub_group_size where it sets one).",
+        "(with the case's sub_group_size where it sets one), or the model state where it prices no update "
+        "of its own (fp32 without ZeRO: torch's fused AdamW updates in place).",
         "",
         "| case | predicted | measured | error |",
         "|---|---|---|---|",

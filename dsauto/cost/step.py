@@ -436,7 +436,9 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
     if strategy.zero_stage == 0:
         loss = activation + head_transient + (grads if later else 0.0)
         embedding = grads + 2 * tied_grad
-        return params + optim + max(loss, layer, embedding, 2 * grads)
+        stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor,
+                                        grads_in_16_bits=grads_in_16_bits)
+        return max(params + optim + max(loss, layer, embedding, 2 * grads), stepping)
     if strategy.zero_stage == 1:
         loss = activation + head_transient + (grads + buffers if later else 0.0)
         embedding += grads if later else partition if reduces else 0.0
@@ -531,8 +533,9 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
                          single_tensor: bool, largest_main_param_bytes: float = 0.0,
                          grads_in_16_bits: bool = False, optimizer_bytes_per_param: int = 12,
                          sub_group_size: int = DEEPSPEED_SUB_GROUP_SIZE) -> float:
-    """Memory of a rank during the optimizer update of ZeRO 1-3 (0 otherwise), when the activations
-    are gone. The ZeRO optimizers hand torch's AdamW (the emitted ``torch_adam`` with ``fused``) one
+    """Memory of a rank during the optimizer update, when the activations are gone, or 0 where the
+    update holds nothing the other moments of the step do not (DeepSpeed: fp32 without ZeRO, or any
+    ZeRO-0 pipeline, whose BF16_Optimizer this does not price). The ZeRO optimizers hand torch's AdamW (the emitted ``torch_adam`` with ``fused``) one
     flat fp32 partition (``optim`` holds it and the two moments, 12 bytes per parameter) and, as its
     gradient, the partition's gradients flattened into one new tensor of their dtype and cast to
     fp32 (deepspeed/runtime/zero/stage_1_and_2.py, ``step``: ``flatten`` then ``.to``; stage3.py,
@@ -552,7 +555,8 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
     ZeRO-3, which this reproduces to 0.1 MiB. In bf16 and fp32, eight 1024 x 1024 linear layers
     (benchmarks/deepspeed_update.py): ZeRO-1 and -2 96 and 112 MiB, ZeRO-3 90 and 100 MiB, each as
     this prices it; with sub-groups of 2**20 elements (two layers' partitions) 72 and 88 MiB, which
-    the bound of one partition more prices 3 and 2 MiB over.
+    the bound of one partition more prices 3 and 2 MiB over; without ZeRO, bf16's update 160 MiB
+    (16-bit parameters and gradients, 12 bytes of state and the 4-byte copies of the gradients).
 
     Megatron-core's distributed optimizer steps its fp32 main-parameter shards with the gradient
     buffer's shard as their gradient (no copy under bf16's fp32 buffer) and a fused multi-tensor
@@ -595,9 +599,15 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
         if single_tensor:
             return params + grads + optim + copies + 2 * largest_main_param_bytes
         return params + grads + optim + copies if copies else 0.0
-    if strategy.dims.replicas <= 1 or strategy.zero_stage == 0:
-        return 0.0
     elements = optim / optimizer_bytes_per_param  # of the fp32 partition the rank updates
+    if strategy.zero_stage == 0:
+        # FP16_UnfusedOptimizer, which DeepSpeed wraps torch's AdamW in for 16-bit training without
+        # ZeRO or a pipeline (engine.py, _do_optimizer_sanity_check and _configure_fp16_optimizer),
+        # gives every fp32 main parameter ``.to(fp32)`` of its gradient at once before the update
+        # (runtime/fp16/unfused_optimizer.py, ``step``), beside the 16-bit gradients.
+        return params + grads + optim + 4 * elements if grads_in_16_bits and strategy.pp == 1 else 0.0
+    if strategy.dims.replicas <= 1:
+        return 0.0
     if strategy.zero_stage == 3:  # one sub-group at a time
         elements = min(elements, sub_group_size + largest_main_param_bytes / 4 - 1)
     temporaries = elements * (2 + 4 if grads_in_16_bits else 4)  # the flat copy, and its fp32 cast
