@@ -109,6 +109,9 @@ def hf_convention(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` (a :func:`ds_config`) with ``"auto"`` where Hugging Face's TrainingArguments own
     the value; the plan's values stay where the plan decides."""
     config = copy.deepcopy(config)
+    # A transformers model's experts are its own modules, which take no DeepSpeed-MoE arguments
+    # (ep is 1 under the Trainer: hf_trainer_plan_refusal): nothing would read the block.
+    config.pop(MOE_KEY, None)
     for key in HF_AUTO_KEYS:
         config[key] = AUTO
     params = config.get("optimizer", {}).get("params", {})

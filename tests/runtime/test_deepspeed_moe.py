@@ -49,6 +49,13 @@ def test_config_names_the_deepspeed_moe_layers():
         {"layer": 3, "ep_size": 2, "num_experts": 4, "k": 2, "capacity_factor": 1.0}]
 
 
+
+def test_the_hf_convention_carries_no_deepspeed_moe_block():
+    # A transformers model's experts are its own modules: nothing under the Trainer reads the block.
+    config = ds_config(make_plan(ep=1, zero_stage=1), target="hf")
+    assert MOE_KEY not in config and MOE_KEY in ds_config(make_plan(ep=1, zero_stage=1))
+
+
 def test_hook_refuses_moe_layers_that_disagree_with_the_plan():
     plan = make_plan(ep=2, zero_stage=1)
     with pytest.raises(DsautoError, match=r"layer 0 has ep_size=1 but the plan's expert-parallel degree is ep=2"):
