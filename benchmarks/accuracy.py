@@ -138,6 +138,8 @@ VARIANT_CASES = (  # (index of the shape in SHAPES, case)
     # bf16 (DeepSpeed's CPU accelerator trains bf16: CPU_Accelerator.is_bf16_supported).
     (0, Case(0, 2, 1, "none", dtype="bf16")), (0, Case(1, 1, 1, "none", dtype="bf16")),
     (0, Case(1, 2, 2, "half", dtype="bf16")), (0, Case(2, 4, 1, "all", dtype="bf16")),
+    # bf16 through DeepSpeed's pipeline engine: its BF16_Optimizer (engine.py, _do_optimizer_sanity_check).
+    (1, Case(0, 2, 2, "none", pp=2, dtype="bf16")), (1, Case(0, 1, 4, "all", pp=2, dtype="bf16")),
 )
 """Plans beyond the data-parallel fp32 ones (``--plans variants``)."""
 
@@ -666,7 +668,9 @@ def variant_lines(rows, summary: str, wall: float, command: str) -> list[str]:
             "dp 1. offload-optimizer: ZeRO-Offload (`offload_optimizer` to the CPU, DeepSpeedCPUAdam); on CPU "
             "ranks the host is the device, so the predicted peak is the device peak plus the host bytes "
             "(`Prediction.offloaded_bytes`). bf16: the model and gradients in bf16 on DeepSpeed's CPU "
-            "accelerator, priced with a bf16 profile.")
+            "accelerator, priced with a bf16 profile; without ZeRO DeepSpeed wraps the optimizer in "
+            "FP16_UnfusedOptimizer, and through the pipeline engine in BF16_Optimizer, whose 16-bit gradient "
+            "accumulator the pp2 bf16 rows hold beside `.grad` (`dsauto.cost.terms.deepspeed_bf16_optimizer`).")
     return [*lines[:2], note, "", *lines[2:]]
 
 

@@ -42,6 +42,7 @@ from dsauto.cost.terms import (
     activation_memory,
     context_parallel_seconds,
     data_parallel_cost,
+    deepspeed_bf16_optimizer,
     expert_dispatch_seconds,
     gathered_unit_params,
     model_state,
@@ -189,6 +190,7 @@ class CostModel:
             tp_comm_overlap=strategy.tp_comm_overlap,
             attention_kernel=strategy.attention_kernel,
             fp8=strategy.fp8, fp8_recipe=strategy.fp8_recipe, fp8_param_gather=strategy.fp8_param_gather,
+            bf16_optimizer=deepspeed_bf16_optimizer(strategy.engine, strategy.zero_stage, strategy.pp, train.dtype),
         )
 
     def _fits(self, size: int, spans_nodes: bool,

@@ -355,7 +355,7 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
                           head_transient: float, layers: Sequence[tuple[float, float]], bucket: int,
                           awaiting_grad: float, local_grads: float, embedding_grad: float, tied_grad: float,
                           backward_working: float, single_tensor: bool, staging: float = 0.0,
-                          grads_in_16_bits: bool = False) -> float:
+                          grads_in_16_bits: bool = False, accumulator: float = 0.0) -> float:
     """Peak bytes of a DeepSpeed rank over the moments of a step, each with what the engine holds
     then. ``grads``: the gradient column (whole under ZeRO 0/1, this rank's partition under ZeRO-2);
     ``activation``: the kept activations; ``layers``: per transformer layer of the stage, in
@@ -437,7 +437,7 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
         loss = activation + head_transient + (grads if later else 0.0)
         embedding = grads + 2 * tied_grad
         stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor,
-                                        grads_in_16_bits=grads_in_16_bits)
+                                        grads_in_16_bits=grads_in_16_bits, accumulator=accumulator)
         return max(params + optim + max(loss, layer, embedding, 2 * grads), stepping)
     if strategy.zero_stage == 1:
         loss = activation + head_transient + (grads + buffers if later else 0.0)
@@ -461,7 +461,7 @@ def deepspeed_pipeline_applies(strategy: Strategy) -> bool:
 def deepspeed_pipeline_moment_peak(strategy: Strategy, stage: int, flight: float, params: float, grads: float,
                                    optim: float, activation: float, head_transient: float,
                                    layers: Sequence[tuple[float, float]], bucket: int, boundary: float,
-                                   logits: float, backward_working: float) -> float:
+                                   logits: float, backward_working: float, stepping: float = 0.0) -> float:
     """Peak bytes of a rank of DeepSpeed's pipeline engine over the moments of a step (1F1B,
     deepspeed/runtime/pipe/schedule.py ``TrainSchedule``; engine.py ``PipelineEngine``, DeepSpeed
     0.19.8). ``activation``: what one micro-batch keeps on this stage; ``flight``: micro-batches in
@@ -496,7 +496,8 @@ def deepspeed_pipeline_moment_peak(strategy: Strategy, stage: int, flight: float
 
     The moments: each layer's backward in the first micro-batch (the others in flight kept, the
     gradients of the layers after it) and in the second (as many in flight as remain, every
-    gradient); the loss on the last stage; the reduction after the flush.
+    gradient); the loss on the last stage; the reduction after the flush; the update (``stepping``,
+    :func:`optimizer_step_bytes`, beside the kept buffers).
     """
     m = strategy.grad_accum
     last = stage == strategy.pp - 1
@@ -513,7 +514,7 @@ def deepspeed_pipeline_moment_peak(strategy: Strategy, stage: int, flight: float
     if last:
         moments.append(activation + head_transient + (grads + buffers if m > 1 else 0.0))
     moments.append(2 * grads if strategy.zero_stage == 0 else grads + 2 * bucket)
-    return params + optim + pipe + max(moments)
+    return max(params + optim + pipe + max(moments), stepping + pipe)
 
 
 def mlp_backward_bytes(model: ModelSpec, tokens: int, tp: int, dtype_bytes: int) -> float:
@@ -532,10 +533,9 @@ def mlp_backward_bytes(model: ModelSpec, tokens: int, tp: int, dtype_bytes: int)
 def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim: float, bucket: int,
                          single_tensor: bool, largest_main_param_bytes: float = 0.0,
                          grads_in_16_bits: bool = False, optimizer_bytes_per_param: int = 12,
-                         sub_group_size: int = DEEPSPEED_SUB_GROUP_SIZE) -> float:
+                         sub_group_size: int = DEEPSPEED_SUB_GROUP_SIZE, accumulator: float = 0.0) -> float:
     """Memory of a rank during the optimizer update, when the activations are gone, or 0 where the
-    update holds nothing the other moments of the step do not (DeepSpeed: fp32 without ZeRO, or any
-    ZeRO-0 pipeline, whose BF16_Optimizer this does not price). The ZeRO optimizers hand torch's AdamW (the emitted ``torch_adam`` with ``fused``) one
+    update holds nothing the other moments of the step do not (DeepSpeed: fp32 without ZeRO). The ZeRO optimizers hand torch's AdamW (the emitted ``torch_adam`` with ``fused``) one
     flat fp32 partition (``optim`` holds it and the two moments, 12 bytes per parameter) and, as its
     gradient, the partition's gradients flattened into one new tensor of their dtype and cast to
     fp32 (deepspeed/runtime/zero/stage_1_and_2.py, ``step``: ``flatten`` then ``.to``; stage3.py,
@@ -599,13 +599,15 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
         if single_tensor:
             return params + grads + optim + copies + 2 * largest_main_param_bytes
         return params + grads + optim + copies if copies else 0.0
-    elements = optim / optimizer_bytes_per_param  # of the fp32 partition the rank updates
+    elements = (optim - accumulator) / optimizer_bytes_per_param  # of the fp32 partition the rank updates
     if strategy.zero_stage == 0:
-        # FP16_UnfusedOptimizer, which DeepSpeed wraps torch's AdamW in for 16-bit training without
-        # ZeRO or a pipeline (engine.py, _do_optimizer_sanity_check and _configure_fp16_optimizer),
-        # gives every fp32 main parameter ``.to(fp32)`` of its gradient at once before the update
-        # (runtime/fp16/unfused_optimizer.py, ``step``), beside the 16-bit gradients.
-        return params + grads + optim + 4 * elements if grads_in_16_bits and strategy.pp == 1 else 0.0
+        # Without ZeRO, 16-bit training casts the gradients of the rank's fp32 main weights to fp32
+        # before the update, beside the 16-bit gradients: FP16_UnfusedOptimizer, which DeepSpeed wraps
+        # torch's AdamW in (engine.py, _do_optimizer_sanity_check and _configure_fp16_optimizer),
+        # every parameter's gradient at once (runtime/fp16/unfused_optimizer.py, ``step``); under a
+        # bf16 pipeline BF16_Optimizer, its partition of the accumulator (``accumulator``: its bytes,
+        # which ``optim`` holds; dsauto.cost.terms.deepspeed_bf16_optimizer).
+        return params + grads + optim + 4 * elements if grads_in_16_bits else 0.0
     if strategy.dims.replicas <= 1:
         return 0.0
     if strategy.zero_stage == 3:  # one sub-group at a time
@@ -622,7 +624,8 @@ def deepspeed_step_bytes(strategy: Strategy, cost: CostModel, params: float, gra
     sub-group (each parameter is partitioned over the data-parallel ranks)."""
     largest = max((g.largest_op_params for g in held), default=0.0) / strategy.tp / strategy.dims.replicas
     return optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor, 4 * largest,
-                                cost.context.grad_bytes_per_param < 4, cost.context.optimizer_bytes_per_param)
+                                cost.context.grad_bytes_per_param < 4, cost.context.optimizer_bytes_per_param,
+                                accumulator=grads if cost.context.bf16_optimizer else 0.0)
 
 
 def megatron_stage_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy, cost: CostModel,
@@ -825,7 +828,8 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                 backward_working=mlp_backward_bytes(model, cost.tokens, strategy.tp, train.dtype_bytes)
                 * cost.calibration.activation_memory if any(1 <= j <= num_layers for j in held) else 0.0,
                 single_tensor=cluster.device.name == "cpu", staging=staging,
-                grads_in_16_bits=cost.context.grad_bytes_per_param < 4)
+                grads_in_16_bits=cost.context.grad_bytes_per_param < 4,
+                accumulator=grads if cost.context.bf16_optimizer else 0.0)
             transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
         elif deepspeed_pipeline_applies(strategy):
             # DeepSpeed's pipeline engine: the moments of its 1F1B step (deepspeed_pipeline_moment_peak).
@@ -854,7 +858,10 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                 logits=cost.tokens * head_group.largest_op_params / model.hidden_size / strategy.tp
                 * train.dtype_bytes * dynamic,
                 backward_working=mlp_backward_bytes(model, cost.tokens, strategy.tp, train.dtype_bytes) * dynamic
-                if any(1 <= j <= num_layers for j in held) else 0.0)
+                if any(1 <= j <= num_layers for j in held) else 0.0,
+                stepping=optimizer_step_bytes(strategy, params, grads, optim, bucket, cluster.device.name == "cpu",
+                                              grads_in_16_bits=cost.context.grad_bytes_per_param < 4,
+                                              accumulator=grads if cost.context.bf16_optimizer else 0.0))
             transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
         elif zero3_moments_apply(strategy):
             # DeepSpeed ZeRO-3: the moments of the step, with the parameters the coordinator holds

@@ -232,6 +232,10 @@ class LayerContext:
     dist_opt_inter_group: Group | None = None
     """The ranks holding the same shard in every instance, calibrated: the shard's all-reduce runs
     over it; None with one instance."""
+    bf16_optimizer: bool = False
+    """DeepSpeed's BF16_Optimizer runs the update (:func:`deepspeed_bf16_optimizer`): the fp32 main
+    weights and moments partitioned over the data-parallel ranks without ZeRO, beside a 16-bit
+    gradient accumulator of every parameter (:func:`model_state`)."""
     softmax_fp32: bool = True
     """Megatron-core's unfused attention computes its softmax on an fp32 copy of 16-bit scores and
     keeps its fp32 output (:attr:`dsauto.cost.strategy.Strategy.attention_softmax_in_fp32`); False:
@@ -1125,6 +1129,8 @@ def data_parallel_cost(group: LayerGroup, option: LayerOption, ctx: LayerContext
             step_seconds = (ctx.dist_opt_group if ctx.dist_opt_group is not None else comm).all_gather(param_volume)
         else:
             grad_sync = grad_volume
+            if ctx.bf16_optimizer:  # the updated 16-bit partitions gathered (deepspeed_bf16_optimizer)
+                step_seconds = comm.all_gather(param_volume)
         if zero == 3 and not ctx.shards(option):
             step_seconds = comm.all_gather(param_volume)  # re-gather the persistent copy
     return DataParallelCost(forward, backward, step_seconds, grad_sync)
@@ -1185,6 +1191,22 @@ def state_bytes_per_param(engine: str, dtype_bytes: int, bf16: bool, zero_stage:
     return dtype_bytes, 12 if dtype_bytes < 4 or zero_stage >= 1 else 8
 
 
+def deepspeed_bf16_optimizer(engine: str, zero_stage: int, pp: int, dtype: str) -> bool:
+    """Whether DeepSpeed wraps the optimizer in its BF16_Optimizer: bf16 through the pipeline engine
+    without ZeRO, the gradients accumulated in bf16, DeepSpeed's default ``grad_accum_dtype``
+    (deepspeed/runtime/engine.py, ``_do_optimizer_sanity_check``). Outside a pipeline it wraps 16-bit
+    training without ZeRO in FP16_UnfusedOptimizer (:func:`dsauto.cost.step.optimizer_step_bytes`).
+
+    BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, ``_setup_for_real_optimizer``) flattens the
+    16-bit parameters, keeps fp32 main weights of this rank's 1/dp partition only (and the moments
+    the wrapped optimizer makes for them), and a gradient accumulator in ``grad_accum_dtype`` for
+    every parameter (``fp32_groups_gradients_flat``) into which the pipeline engine adds ``.grad``
+    after each micro-batch's backward (pipe/engine.py, ``update_hp_grads``), ``.grad`` kept beside it
+    until the step; at the step it casts its partition of the accumulator to fp32 for the wrapped
+    optimizer, then all-gathers the updated 16-bit partitions (``update_lp_params``)."""
+    return engine == "deepspeed" and zero_stage == 0 and pp > 1 and dtype == "bf16"
+
+
 def model_state(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> ModelState:
     """Parameters, gradients and optimizer state of one layer on one rank, by ZeRO stage and
     residency."""
@@ -1235,6 +1257,8 @@ def _state(local: float, dp: int, option: LayerOption, ctx: LayerContext, fp8_pa
     grads_bytes = local * ctx.grad_bytes_per_param / (dp if zero >= 2 else 1)
     optimizer_shards = optimizer_shard_ranks(dp, ctx)
     optimizer_bytes = local * ctx.optimizer_bytes_per_param / optimizer_shards
+    if ctx.bf16_optimizer:
+        optimizer_bytes += local * ctx.dtype_bytes  # its gradient accumulator, whole
     static = ctx.calibration.static_memory
     return ModelState(static * params_bytes, static * grads_bytes, static * optimizer_bytes,
                       optimizer_params=local / optimizer_shards)
@@ -1249,7 +1273,7 @@ def optimizer_shard_ranks(dp: int, ctx: LayerContext) -> int:
     ``_build_model_gbuf_range``), which ``get_megatron_optimizer`` (megatron/core/optimizer/
     __init__.py) takes as the intra-instance group, ``intra_dp_cp_group`` (and
     ``intra_expt_dp_group`` for the experts)."""
-    if ctx.zero_stage < 1:
+    if ctx.zero_stage < 1 and not ctx.bf16_optimizer:
         return 1
     return max(1, dp // ctx.dist_opt_instances)
 

@@ -52,3 +52,43 @@ def test_the_update_peaks_where_real_deepspeed_engines_peak():
         assert measured[case.name] - 2**10 <= predicted <= measured[case.name] * 1.05, (case, predicted, measured)
         if case.sub_group_size is None:
             assert predicted == pytest.approx(measured[case.name], rel=1e-3), case
+
+
+def test_without_zero_16_bit_training_casts_every_gradient_at_the_update():
+    # FP16_UnfusedOptimizer: 16-bit parameters and gradients, 12 bytes of state, 4-byte copies.
+    assert optimizer_step_bytes(strategy(0), 2e8, 2e8, 12e8, 0, False, grads_in_16_bits=True) == 20e8
+    assert optimizer_step_bytes(strategy(0), 4e8, 4e8, 8e8, 0, False) == 0.0  # fp32: in place
+
+
+def test_a_bf16_pipeline_without_zero_runs_bf16_optimizer():
+    from dsauto.cost.layer import CostModel
+    from dsauto.cost.step import predict_step
+    from dsauto.cost.strategy import LayerOption
+    from dsauto.cost.terms import deepspeed_bf16_optimizer
+    from dsauto.spec.loaders import load_cluster
+    from dsauto.spec.model import ModelSpec, layer_groups
+    from dsauto.spec.training import TrainSpec
+
+    assert deepspeed_bf16_optimizer("deepspeed", 0, 2, "bf16")
+    assert not any((deepspeed_bf16_optimizer("deepspeed", 1, 2, "bf16"), deepspeed_bf16_optimizer("deepspeed", 0, 1, "bf16"),
+                    deepspeed_bf16_optimizer("deepspeed", 0, 2, "fp16"), deepspeed_bf16_optimizer("megatron", 0, 2, "bf16")))
+    model = ModelSpec(name="m", architecture="decoder", num_layers=4, hidden_size=256, num_attention_heads=4,
+                      ffn_hidden_size=1024, vocab_size=4096, max_position_embeddings=256, dropout=False)
+    cpu = load_cluster("cpu", nodes=1, gpus_per_node=4)
+    train = TrainSpec(global_batch=8, seq_len=256, dtype="bf16")
+    block = layer_groups(model, 256, 2)[1]
+    option = LayerOption(checkpoint=False, shard_params=False, split=1)
+    for dp in (1, 2):
+        s = Strategy(dims=ParallelDims(dp=dp, tp=1, pp=2), zero_stage=0, micro_batch=1, grad_accum=8 // dp,
+                     sequence_parallel=False)
+        layer = CostModel(cpu, train, s, model.hidden_size).layer(block, option)
+        # fp32 main weights and moments of the rank's 1/dp partition, and the whole 16-bit accumulator
+        assert layer.optimizer_bytes == pytest.approx(block.params * (12 / dp + 2))
+        assert layer.grads_bytes == pytest.approx(block.params * 2)
+        step = predict_step(model, cpu, train, s, [2, 2], [option] * 6)
+        for stage in step.stages:
+            # the update: parameters, .grad, the accumulator and the state, and the fp32 cast of the
+            # partition of the accumulator
+            update = stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes \
+                + 4 * (stage.optimizer_bytes - stage.grads_bytes) / 12
+            assert stage.peak_bytes >= update - 2

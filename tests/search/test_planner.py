@@ -145,14 +145,23 @@ def test_a_lower_bound_within_the_budget_is_not_quoted_as_what_a_plan_needs():
 def test_a_pipeline_stage_bound_counts_its_own_gradients_not_the_models():
     """DeepSpeed's pipeline engine: the layers' bound leaves out each stage's gradients (its first
     micro-batch's loss comes before any exists), not the whole model's, and the end of backward
-    holds them all, so llama3-405b on 32 A100s without offload is quoted at least the 16 bytes a
-    parameter of its model state over 32 stages (189 GiB), and every pipeline strategy's bound on
-    any layout is positive and below the peak of the plan its search finds."""
+    holds them all: llama3-405b's ZeRO-0 pipeline over 32 A100s holds 18 bytes a parameter (16-bit
+    weights and gradients, BF16_Optimizer's 16-bit accumulator and 12 bytes of fp32 state) over 32
+    stages, 212.6 GiB, above ZeRO-3's bound over 32 ranks, which the refusal quotes (16 bytes a
+    parameter, 189 GiB, and its gathered layers); and every pipeline strategy's bound on any
+    layout is positive and below the peak of the plan its search finds."""
     from dsauto.api import make_plan, make_problem
 
-    with pytest.raises(DsautoError, match=r"the smallest plan needs at least 189\.[0-9] GiB per device") as caught:
+    with pytest.raises(DsautoError, match=r"the smallest plan needs at least 207\.[0-9] GiB per device, its model "
+                                          r"state alone at least 189\.0 GiB") as caught:
         make_plan("llama3-405b", "a100-80gb", nodes=4, engine="deepspeed", offload="none", memory_limit="80GiB")
     assert "--memory-limit" not in str(caught.value)  # more than the device holds
+    problem = make_problem("llama3-405b", "a100-80gb", nodes=4, engine="deepspeed", offload="none",
+                           memory_limit="80GiB", pp=32, zero_stage=0)
+    priced = Planner(problem.model, problem.cluster, problem.train, problem.pins)._price(
+        next(iter(strategies(problem.model, problem.cluster, problem.train, problem.pins))))
+    assert priced.least_memory(problem.model.num_layers) / 2**30 == pytest.approx(
+        problem.model.num_parameters() * 18 / 32 / 2**30, rel=0.01)
     problem = make_problem("llama2-13b", "a100-80gb", nodes=1, engine="deepspeed", global_batch=64, seq_len=4096)
     planner = Planner(problem.model, problem.cluster, problem.train, problem.pins)
     checked = 0
