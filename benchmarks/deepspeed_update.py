@@ -7,8 +7,9 @@ sub-group at a time. This measures the peak of live tensor bytes during ``engine
 ranks (gloo, DeepSpeed's CPU accelerator, the emitted optimizer: torch's fused AdamW) for a model
 of eight 1024 x 1024 linear layers without biases and one token a step, so that the update is
 the step's peak, in fp32 and bf16, under ZeRO-1, -2 and -3, and under ZeRO-3 with sub-groups of
-2**20 elements (two layers' partitions); and prices each with ``optimizer_step_bytes`` from the
-model's parameter count. Without ZeRO, bf16 runs DeepSpeed's FP16_UnfusedOptimizer, which casts every
+2**20 elements (two layers' partitions), and under DeepSpeed-Ulysses (ZeRO-3 over one
+sequence-parallel group of both ranks, whose reduction bucket is fp32); and prices each with
+``optimizer_step_bytes`` from the model's parameter count. Without ZeRO, bf16 runs DeepSpeed's FP16_UnfusedOptimizer, which casts every
 gradient to fp32 at once. Results: benchmarks/results/deepspeed_update.md.
 
 Run: python benchmarks/deepspeed_update.py      (launches 2 DeepSpeed ranks itself; about a minute)
@@ -38,11 +39,13 @@ class Case:
     zero_stage: int
     dtype: str  # "fp32" or "bf16"
     sub_group_size: int | None = None  # None: DeepSpeed's default, larger than this model
+    sequence_parallel: int = 1  # DeepSpeed-Ulysses' degree: the ranks are then one sequence-parallel group
 
     @property
     def name(self) -> str:
         sub = f" sub-group {self.sub_group_size}" if self.sub_group_size else ""
-        return f"zero{self.zero_stage} {self.dtype}{sub}"
+        ulysses = f" ulysses {self.sequence_parallel}" if self.sequence_parallel > 1 else ""
+        return f"zero{self.zero_stage} {self.dtype}{sub}{ulysses}"
 
     def config(self) -> dict:
         zero = {"stage": self.zero_stage, "overlap_comm": True, "contiguous_gradients": True,
@@ -54,28 +57,32 @@ class Case:
                   "zero_optimization": zero}
         if self.dtype == "bf16":
             config["bf16"] = {"enabled": True}
+        if self.sequence_parallel > 1:
+            config["sequence_parallel_size"] = self.sequence_parallel
         return config
 
 
 CASES = (Case(0, "fp32"), Case(0, "bf16"), Case(1, "fp32"), Case(1, "bf16"), Case(2, "fp32"), Case(2, "bf16"), Case(3, "fp32"), Case(3, "bf16"),
-         Case(3, "fp32", 2**20), Case(3, "bf16", 2**20))
+         Case(3, "fp32", 2**20), Case(3, "bf16", 2**20), Case(3, "bf16", sequence_parallel=DP))
 
 
 def predicted_bytes(case: Case) -> float:
     """The update's peak as the cost model prices it, from the model's shape alone."""
-    from dsauto.cost.step import DEEPSPEED_SUB_GROUP_SIZE, optimizer_step_bytes
+    from dsauto.cost.step import DEEPSPEED_SUB_GROUP_SIZE, held_bucket_bytes, optimizer_step_bytes
     from dsauto.cost.strategy import Strategy
     from dsauto.parallel import ParallelDims
 
     elements = HIDDEN * HIDDEN * LAYERS
     width = 2 if case.dtype == "bf16" else 4
-    strategy = Strategy(dims=ParallelDims(dp=DP, tp=1, pp=1), zero_stage=case.zero_stage, micro_batch=1,
-                        grad_accum=1, sequence_parallel=False)
+    sp = case.sequence_parallel  # DeepSpeed's ZeRO partitions over the sequence-data-parallel ranks
+    strategy = Strategy(dims=ParallelDims(dp=DP // sp, tp=1, pp=1, cp=sp), zero_stage=case.zero_stage,
+                        micro_batch=1, grad_accum=1, sequence_parallel=False)
     shards = DP if case.zero_stage == 3 else 1
     params, grads = elements * width / shards, elements * width / (DP if case.zero_stage >= 2 else 1)
     optim = elements * (12 if case.zero_stage or case.dtype == "bf16" else 8) / (DP if case.zero_stage else 1)
     largest = 4 * HIDDEN * HIDDEN / DP  # one layer's fp32 partition
-    step = optimizer_step_bytes(strategy, params, grads, optim, BUCKET_ELEMENTS * width, single_tensor=True,
+    bucket = held_bucket_bytes(strategy, BUCKET_ELEMENTS * width, width)
+    step = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor=True,
                                 largest_main_param_bytes=largest, grads_in_16_bits=case.dtype == "bf16",
                                 sub_group_size=case.sub_group_size or DEEPSPEED_SUB_GROUP_SIZE)
     # 0: the update holds no more than the model state, which every moment of the step holds.
@@ -99,8 +106,11 @@ def worker(cases_path: str, out_path: str) -> None:
         torch.manual_seed(0)
         with MemoryTracker() as tracker:
             model = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(LAYERS)])
+            # DeepSpeed-Ulysses' groups from the mesh (data-parallel 1 x sequence-parallel sp).
+            mesh = {"mesh_param": (DP // case.sequence_parallel, case.sequence_parallel)} \
+                if case.sequence_parallel > 1 else {}
             engine, *_ = dsauto.deepspeed.initialize(model=model, config=case.config(),
-                                                     model_parameters=model.parameters())
+                                                     model_parameters=model.parameters(), **mesh)
             dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
             for step in range(2):
                 loss = engine(torch.randn(1, HIDDEN, dtype=dtype)).float().pow(2).mean()

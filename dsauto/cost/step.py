@@ -216,6 +216,19 @@ def bucket_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int) -> int
     return int(min(2**30, max(2**24, local)))
 
 
+def held_bucket_bytes(strategy: Strategy, bucket: int, dtype_bytes: int) -> int:
+    """Memory of one reduction bucket of ``bucket`` bytes in the training dtype as the engine
+    allocates it: ZeRO-3's persistent bucket takes its communication dtype (deepspeed/runtime/zero/
+    stage3.py, ``ipg_buckets`` by dtype, each ``buffer`` of ``reduce_bucket_size`` elements), fp32
+    under DeepSpeed-Ulysses (the engine passes ``seq_parallel_communication_data_type``, fp32 by
+    default: engine.py); measured on two CPU ranks at sequence-parallel size 2, bf16, a bucket of
+    2**20 elements: 2 MiB more at every moment of the step than without. ZeRO 1-2 keep their
+    buckets in the training dtype (``_gradient_reduction_buffer_dtype``)."""
+    if strategy.engine == "deepspeed" and strategy.zero_stage == 3 and strategy.dims.cp > 1:
+        return bucket * 4 // dtype_bytes
+    return bucket
+
+
 def prefetch_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int,
                    options: Sequence[LayerOption], num_layers: int, experts_whole: bool = False) -> int:
     """ZeRO-3 prefetch bucket: the largest unit any sharded layer gathers at once, so that one unit
@@ -721,6 +734,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     hidden = p2p_hidden_fraction(strategy, cluster.device.comm_overlap_efficiency)
     exposures: list[float] = []  # each stage's transfers per micro-batch that the step waits for
     bucket = bucket_bytes(groups, strategy.tp, train.dtype_bytes) if reduce_bucket is None else reduce_bucket
+    held_bucket = held_bucket_bytes(strategy, bucket, train.dtype_bytes)  # what one takes in memory
     # The emitted ZeRO-3 prefetch bucket, which bounds the parameters held gathered (dsauto.cost.zero3).
     default_prefetch = prefetch_bytes(groups, strategy.tp, train.dtype_bytes, options, num_layers,
                                       strategy.experts_gathered_whole)
@@ -789,7 +803,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
             strategy, max((by_layer[j].largest_op_params for j in held), default=0.0)
             / strategy.tp * train.dtype_bytes * cost.calibration.static_memory,
             grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1) / max(1, strategy.dims.replicas))
-        transient = (layer_transient + stage_constant_bytes(strategy, bucket, grads)
+        transient = (layer_transient + stage_constant_bytes(strategy, held_bucket, grads)
                      + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory,
                                                 grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1)))
         if strategy.engine == "deepspeed" and any(cost.context.shards(options[j]) for j in held):
@@ -877,7 +891,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
             table_sharded = options[0 if model.tied_embeddings else head].shard_params
             head_group = by_layer[head]
             peak = zero3_moment_peak(
-                params, grads, optim, stage_constant_bytes(strategy, bucket, grads),
+                params, grads, optim, stage_constant_bytes(strategy, held_bucket, grads),
                 gathered_params_bytes(sharded, prefetch_bucket or default_prefetch) * dynamic, activation,
                 head_activation=sum(c.activation_bytes for j, c in zip(held, costs) if j == head) * flight,
                 head_transient=max((head_moment_bytes(t, head_group, options[head], table_sharded, cost.tokens,
@@ -885,12 +899,12 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                                     for j, t in zip(held, own) if j == head), default=0.0),
                 body_transient=max((t for j, t in zip(held, own) if j != head), default=0.0),
                 awaiting_grad=min(largest_grad * cost.calibration.static_memory, grads * strategy.dims.replicas),
-                stepping=deepspeed_step_bytes(strategy, cost, params, grads, optim, bucket,
+                stepping=deepspeed_step_bytes(strategy, cost, params, grads, optim, held_bucket,
                                               cluster.device.name == "cpu", [by_layer[j] for j in held]))
             transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
         else:
             peak = params + grads + optim + activation + transient
-            stepping = deepspeed_step_bytes(strategy, cost, params, grads, optim, bucket,
+            stepping = deepspeed_step_bytes(strategy, cost, params, grads, optim, held_bucket,
                                             cluster.device.name == "cpu", [by_layer[j] for j in held])
             if stepping > peak:  # the optimizer update, after the activations are gone, is the peak
                 peak = stepping

@@ -30,6 +30,7 @@ from dsauto.cost.step import (
     deepspeed_pipeline_applies,
     first_chunk_share,
     gradient_transient_bytes,
+    held_bucket_bytes,
     in_flight,
     layer_group_of,
     p2p_exposed_seconds,
@@ -418,7 +419,8 @@ class Planner:
             zero3 = _zero3_moment_rows(self.model, groups, options, cost, time, act, trans,
                                        min(largest_grad * cost.calibration.static_memory,
                                            grads * strategy.dims.replicas))
-        constant = (_beside_activations(strategy, grads, bucket)
+        held_bucket = held_bucket_bytes(strategy, bucket, self.train.dtype_bytes)
+        constant = (_beside_activations(strategy, grads, held_bucket)
                     + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory,
                                                grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1)))
         return _Priced(strategy, options, time, compute, static, act, trans,

@@ -92,3 +92,16 @@ def test_a_bf16_pipeline_without_zero_runs_bf16_optimizer():
             update = stage.params_bytes + stage.grads_bytes + stage.optimizer_bytes \
                 + 4 * (stage.optimizer_bytes - stage.grads_bytes) / 12
             assert stage.peak_bytes >= update - 2
+
+
+def test_zero3_keeps_its_bucket_in_fp32_under_ulysses():
+    from dsauto.cost.step import held_bucket_bytes
+
+    ulysses = Strategy(dims=ParallelDims(dp=1, tp=1, pp=1, cp=2), zero_stage=3, micro_batch=1, grad_accum=1,
+                       sequence_parallel=False)
+    assert held_bucket_bytes(ulysses, 2 * 2**20, 2) == 4 * 2**20  # bf16 gradients, an fp32 bucket
+    assert held_bucket_bytes(ulysses, 4 * 2**20, 4) == 4 * 2**20
+    assert held_bucket_bytes(strategy(3), 2 * 2**20, 2) == 2 * 2**20  # without Ulysses: the training dtype
+    zero2 = Strategy(dims=ParallelDims(dp=1, tp=1, pp=1, cp=2), zero_stage=2, micro_batch=1, grad_accum=1,
+                     sequence_parallel=False)
+    assert held_bucket_bytes(zero2, 2 * 2**20, 2) == 2 * 2**20  # ZeRO 1-2's buckets: the training dtype
