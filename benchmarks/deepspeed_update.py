@@ -9,7 +9,9 @@ of eight 1024 x 1024 linear layers without biases and one token a step, so that 
 the step's peak, in fp32 and bf16, under ZeRO-1, -2 and -3, and under ZeRO-3 with sub-groups of
 2**20 elements (two layers' partitions), and under DeepSpeed-Ulysses (ZeRO-3 over one
 sequence-parallel group of both ranks, whose reduction bucket is fp32); and prices each with
-``optimizer_step_bytes`` from the model's parameter count. Without ZeRO, bf16 runs DeepSpeed's FP16_UnfusedOptimizer, which casts every
+``optimizer_step_bytes`` from the model's parameter count. Under DeepSpeed-Ulysses it also
+compares what backward's peak gains over the same case without it (each reduction's fp32 copy)
+with what the cost model adds. Without ZeRO, bf16 runs DeepSpeed's FP16_UnfusedOptimizer, which casts every
 gradient to fp32 at once. Results: benchmarks/results/deepspeed_update.md.
 
 Run: python benchmarks/deepspeed_update.py      (launches 2 DeepSpeed ranks itself; about a minute)
@@ -18,6 +20,7 @@ Run: python benchmarks/deepspeed_update.py      (launches 2 DeepSpeed ranks itse
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -63,7 +66,9 @@ class Case:
 
 
 CASES = (Case(0, "fp32"), Case(0, "bf16"), Case(1, "fp32"), Case(1, "bf16"), Case(2, "fp32"), Case(2, "bf16"), Case(3, "fp32"), Case(3, "bf16"),
-         Case(3, "fp32", 2**20), Case(3, "bf16", 2**20), Case(3, "bf16", sequence_parallel=DP))
+         Case(3, "fp32", 2**20), Case(3, "bf16", 2**20), Case(0, "bf16", sequence_parallel=DP),
+         Case(1, "bf16", sequence_parallel=DP), Case(2, "bf16", sequence_parallel=DP),
+         Case(3, "bf16", sequence_parallel=DP))
 
 
 def predicted_bytes(case: Case) -> float:
@@ -89,9 +94,39 @@ def predicted_bytes(case: Case) -> float:
     return max(step, params + grads + optim)
 
 
+def sequence_groups(size: int):
+    """DeepSpeed-Ulysses' groups over ``size`` ranks, as dsauto's hook builds them
+    (dsauto.runtime.ulysses: DeepSpeed's ``parallel_state_sp`` as the mpu, whose sequence-data-parallel
+    group ZeRO partitions over), or None for ``size`` 1."""
+    if size <= 1:
+        return None
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    if getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None) is None:
+        parallel_state_sp.initialize_sequence_parallel(size)
+    return parallel_state_sp
+
+
+def predicted_ulysses_bytes(case: Case) -> float:
+    """What the cost model adds to backward's peak under DeepSpeed-Ulysses: the fp32 copy a reduction
+    holds (ZeRO 0-2, ``dsauto.cost.step.ulysses_cast_bytes``) or ZeRO-3's bucket, fp32 in place of
+    the training dtype (``held_bucket_bytes``)."""
+    from dsauto.cost.step import held_bucket_bytes, ulysses_cast_bytes
+    from dsauto.cost.strategy import Strategy
+    from dsauto.parallel import ParallelDims
+
+    width = 2 if case.dtype == "bf16" else 4
+    strategy = Strategy(dims=ParallelDims(dp=DP // case.sequence_parallel, tp=1, pp=1, cp=case.sequence_parallel),
+                        zero_stage=case.zero_stage, micro_batch=1, grad_accum=1, sequence_parallel=False)
+    bucket, local_grads = BUCKET_ELEMENTS * width, HIDDEN * HIDDEN * LAYERS * width
+    return (ulysses_cast_bytes(strategy, bucket, local_grads, width == 2)
+            + held_bucket_bytes(strategy, bucket, width) - bucket if case.zero_stage == 3 else
+            ulysses_cast_bytes(strategy, bucket, local_grads, width == 2))
+
+
 def worker(cases_path: str, out_path: str) -> None:
-    """One rank: trains each case two steps and records the peak of live tensor bytes in the second
-    step's update (every tensor counted from before the model is built)."""
+    """One rank: trains each case two steps and records the peaks of live tensor bytes in the second
+    step's backward and update (every tensor counted from before the model is built)."""
     import deepspeed
     import deepspeed.comm as dist
     import torch
@@ -106,21 +141,17 @@ def worker(cases_path: str, out_path: str) -> None:
         torch.manual_seed(0)
         with MemoryTracker() as tracker:
             model = torch.nn.Sequential(*[torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(LAYERS)])
-            # DeepSpeed-Ulysses' groups from the mesh (data-parallel 1 x sequence-parallel sp).
-            mesh = {"mesh_param": (DP // case.sequence_parallel, case.sequence_parallel)} \
-                if case.sequence_parallel > 1 else {}
             engine, *_ = dsauto.deepspeed.initialize(model=model, config=case.config(),
-                                                     model_parameters=model.parameters(), **mesh)
+                                                     model_parameters=model.parameters(),
+                                                     mpu=sequence_groups(case.sequence_parallel))
             dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
             for step in range(2):
                 loss = engine(torch.randn(1, HIDDEN, dtype=dtype)).float().pow(2).mean()
-                engine.backward(loss)
-                if step == 1:
-                    with tracker.region("update"):
-                        engine.step()
-                else:
+                with tracker.region(f"backward {step}"):
+                    engine.backward(loss)
+                with tracker.region(f"update {step}"):
                     engine.step()
-        results[case.name] = tracker.peak_bytes("update")
+        results[case.name] = {"backward": tracker.peak_bytes("backward 1"), "update": tracker.peak_bytes("update 1")}
         engine.destroy()
         del engine, model
         dist.barrier()
@@ -129,8 +160,9 @@ def worker(cases_path: str, out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def measure(cases: tuple[Case, ...] = CASES, timeout: float = 900) -> dict[str, float]:
-    """Launches :func:`worker` on 2 ranks under dsauto's launch guard; rank 0's peaks by case name."""
+def measure(cases: tuple[Case, ...] = CASES, timeout: float = 900) -> dict[str, dict[str, float]]:
+    """Launches :func:`worker` on 2 ranks under dsauto's launch guard; rank 0's peaks by case name
+    ({"backward": bytes, "update": bytes})."""
     from dsauto.profile.launch import free_port, launch, stop
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,9 +199,15 @@ def main() -> None:
     measured = measure()
     rows, errors = [], []
     for case in CASES:
-        predicted, got = predicted_bytes(case), measured[case.name]
+        predicted, got = predicted_bytes(case), measured[case.name]["update"]
         errors.append((predicted - got) / got)
         rows.append(f"| {case.name} | {predicted / MiB:.1f} MiB | {got / MiB:.1f} MiB | {errors[-1]:+.1%} |")
+    ulysses = []
+    for case in (c for c in CASES if c.sequence_parallel > 1):
+        plain = dataclasses.replace(case, sequence_parallel=1).name
+        more = measured[case.name]["backward"] - measured[plain]["backward"]
+        ulysses.append(f"| zero{case.zero_stage} {case.dtype} | {predicted_ulysses_bytes(case) / MiB:.1f} MiB | "
+                       f"{more / MiB:.1f} MiB |")
     under = max([0.0] + [-e for e in errors])
     summary = f"max_memory_error={max(abs(e) for e in errors):.3f} max_under_prediction={under:.3f} plans={len(CASES)}"
     RESULTS.write_text("\n".join([
@@ -191,6 +229,17 @@ def main() -> None:
         *rows,
         "",
         f"`{summary}`",
+        "",
+        "## Backward under DeepSpeed-Ulysses",
+        "",
+        f"What the second step's backward peaks above the same case without Ulysses (sequence-parallel size "
+        f"{DP}, the groups built as dsauto's hook builds them: DeepSpeed's `parallel_state_sp` as the mpu), "
+        "against what the cost model adds: the fp32 copy each reduction casts into (ZeRO 0-2), ZeRO-3's "
+        "bucket in fp32.",
+        "",
+        "| case | priced | measured |",
+        "|---|---|---|",
+        *ulysses,
         "",
     ]))
     print(summary)

@@ -364,6 +364,18 @@ def offload_staging_bytes(strategy: Strategy, largest_param_bytes: float, partit
     return largest_param_bytes, largest_param_bytes + accumulated
 
 
+def ulysses_cast_bytes(strategy: Strategy, bucket: int, local_grads: float, grads_in_16_bits: bool) -> float:
+    """The fp32 copy a reduction of DeepSpeed without ZeRO or with ZeRO-1/2 holds under
+    DeepSpeed-Ulysses with 16-bit gradients, which all-reduces in fp32 (the communication dtype it
+    forces): each flattened 16-bit bucket is cast to fp32 for its reduction (engine.py and
+    stage_1_and_2.py, ``allreduce_bucket``), twice its bytes: ZeRO-0's one flat copy of the
+    ``local_grads`` after backward, ZeRO-1/2's buckets of ``bucket`` bytes while a layer's backward
+    fills the next. 0 otherwise (ZeRO-3 keeps its bucket in fp32: :func:`held_bucket_bytes`)."""
+    if strategy.engine != "deepspeed" or strategy.dims.cp <= 1 or not grads_in_16_bits or strategy.zero_stage > 2:
+        return 0.0
+    return 2.0 * (local_grads if strategy.zero_stage == 0 else min(bucket, local_grads))
+
+
 def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim: float, activation: float,
                           head_transient: float, layers: Sequence[tuple[float, float]], bucket: int,
                           awaiting_grad: float, local_grads: float, embedding_grad: float, tied_grad: float,
@@ -391,6 +403,12 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
       loss (a weight's hook fires once its gradient is whole), and their sum (``tied_grad`` twice);
     - after backward: ZeRO-0's flattened all-reduce copy, or ZeRO-1/2's optimizer update
       (:func:`optimizer_step_bytes`).
+
+    Under DeepSpeed-Ulysses with 16-bit gradients each reduction also holds an fp32 copy of what
+    it reduces (ZeRO-0: the flat gradients; ZeRO-1/2: a bucket). Measured on two CPU ranks
+    (benchmarks/deepspeed_update.py, bf16, sequence-parallel size 2, 8M parameters, buckets of
+    2**20 elements): backward's peak 32 MiB (ZeRO-0) and 4 MiB (ZeRO-1, -2) above the same step
+    without Ulysses.
 
     What the engine holds besides (DeepSpeed 0.19.8; measured tensor by tensor on two CPU ranks,
     benchmarks/results/accuracy.md):
@@ -435,6 +453,7 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
         loss = activation + head_transient + (buffers if later and strategy.zero_stage == 1 else 0.0)
         return params + staging + kept + max(loss, held + buffers, buffers + embedding_grad + 2 * tied_grad)
     partition = local_grads / strategy.dims.replicas  # ZeRO-1's partition (ZeRO-2's is ``grads``)
+    reducing = ulysses_cast_bytes(strategy, bucket, local_grads, grads_in_16_bits)
     layer = 0.0
     for held_activation, after in layers:
         if strategy.zero_stage == 0:
@@ -443,15 +462,16 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
             kept = grads if later else (partition if after > bucket else 0.0)
         else:
             kept = (grads if later else 0.0) + (grads if after > bucket else 0.0)
-        layer = max(layer, held_activation + backward_working + awaiting_grad + buffers + kept)
+        layer = max(layer, held_activation + backward_working + awaiting_grad + buffers + kept
+                    + (reducing if strategy.zero_stage else 0.0))
     reduces = local_grads > bucket  # a bucket is reduced (and copied out) during backward
-    embedding = buffers + embedding_grad + 2 * tied_grad
+    embedding = buffers + embedding_grad + 2 * tied_grad + (reducing if strategy.zero_stage else 0.0)
     if strategy.zero_stage == 0:
         loss = activation + head_transient + (grads if later else 0.0)
         embedding = grads + 2 * tied_grad
         stepping = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor,
                                         grads_in_16_bits=grads_in_16_bits, accumulator=accumulator)
-        return max(params + optim + max(loss, layer, embedding, 2 * grads), stepping)
+        return max(params + optim + max(loss, layer, embedding, 2 * grads + reducing), stepping)
     if strategy.zero_stage == 1:
         loss = activation + head_transient + (grads + buffers if later else 0.0)
         embedding += grads if later else partition if reduces else 0.0

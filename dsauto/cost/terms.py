@@ -1098,8 +1098,8 @@ def data_parallel_cost(group: LayerGroup, option: LayerOption, ctx: LayerContext
     # DeepSpeed-Ulysses reduces the gradients in fp32 whatever the training dtype: the engine takes its
     # communication dtype from seq_parallel_communication_data_type, fp32 by default
     # (deepspeed/runtime/constants.py), and ZeRO 1-2 force fp32 beside sequence parallelism
-    # (stage_1_and_2.py, allreduce_bucket). In memory ZeRO-3's bucket is then fp32
-    # (dsauto.cost.step.held_bucket_bytes); the fp32 copy ZeRO 1-2 cast a bucket into is not priced.
+    # (stage_1_and_2.py, allreduce_bucket). Its memory: dsauto.cost.step.held_bucket_bytes (ZeRO-3's
+    # bucket) and deepspeed_moment_peak (the fp32 copies ZeRO 0-2 cast into).
     reduced_bytes = FP32_BYTES if ctx.engine == "deepspeed" and ctx.cp > 1 else ctx.grad_bytes_per_param
     grad_volume = params * reduced_bytes
     dp, zero, comm, device = ctx.dp, ctx.zero_stage, ctx.dp_group, ctx.device
