@@ -1204,7 +1204,9 @@ def deepspeed_bf16_optimizer(engine: str, zero_stage: int, pp: int, dtype: str) 
     every parameter (``fp32_groups_gradients_flat``) into which the pipeline engine adds ``.grad``
     after each micro-batch's backward (pipe/engine.py, ``update_hp_grads``), ``.grad`` kept beside it
     until the step; at the step it casts its partition of the accumulator to fp32 for the wrapped
-    optimizer, then all-gathers the updated 16-bit partitions (``update_lp_params``)."""
+    optimizer, then all-gathers the updated 16-bit partitions (``update_lp_params``). Over more than one
+    data-parallel replica dsauto plans such a pipeline as ZeRO-1 instead
+    (:func:`dsauto.engines.rules.deepspeed_bf16_pipeline_refusal`)."""
     return engine == "deepspeed" and zero_stage == 0 and pp > 1 and dtype == "bf16"
 
 
