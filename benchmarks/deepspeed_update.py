@@ -27,6 +27,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,7 +74,8 @@ CASES = (Case(0, "fp32"), Case(0, "bf16"), Case(1, "fp32"), Case(1, "bf16"), Cas
 
 def predicted_bytes(case: Case) -> float:
     """The update's peak as the cost model prices it, from the model's shape alone."""
-    from dsauto.cost.step import DEEPSPEED_SUB_GROUP_SIZE, held_bucket_bytes, optimizer_step_bytes
+    from dsauto.cost.step import held_bucket_bytes, optimizer_step_bytes
+    from dsauto.engines.deepspeed import SUB_GROUP_SIZE
     from dsauto.cost.strategy import Strategy
     from dsauto.parallel import ParallelDims
 
@@ -89,7 +91,7 @@ def predicted_bytes(case: Case) -> float:
     bucket = held_bucket_bytes(strategy, BUCKET_ELEMENTS * width, width)
     step = optimizer_step_bytes(strategy, params, grads, optim, bucket, single_tensor=True,
                                 largest_main_param_bytes=largest, grads_in_16_bits=case.dtype == "bf16",
-                                sub_group_size=case.sub_group_size or DEEPSPEED_SUB_GROUP_SIZE)
+                                sub_group_size=case.sub_group_size or SUB_GROUP_SIZE)
     # 0: the update holds no more than the model state, which every moment of the step holds.
     return max(step, params + grads + optim)
 
@@ -124,6 +126,16 @@ def predicted_ulysses_bytes(case: Case) -> float:
             ulysses_cast_bytes(strategy, bucket, local_grads, width == 2))
 
 
+def settle() -> None:
+    """Lets gloo's worker threads drop the tensors of the collectives that finished: a reduced copy
+    is freed when the thread that ran its all-reduce lets go of it, which on CPU ranks can come after
+    the collective returns (on a GPU the caching allocator frees it on its stream instead)."""
+    import deepspeed.comm as dist
+
+    dist.barrier()
+    time.sleep(0.2)
+
+
 def worker(cases_path: str, out_path: str) -> None:
     """One rank: trains each case two steps and records the peaks of live tensor bytes in the second
     step's backward and update (every tensor counted from before the model is built)."""
@@ -149,8 +161,10 @@ def worker(cases_path: str, out_path: str) -> None:
                 loss = engine(torch.randn(1, HIDDEN, dtype=dtype)).float().pow(2).mean()
                 with tracker.region(f"backward {step}"):
                     engine.backward(loss)
+                settle()
                 with tracker.region(f"update {step}"):
                     engine.step()
+                settle()
         results[case.name] = {"backward": tracker.peak_bytes("backward 1"), "update": tracker.peak_bytes("update 1")}
         engine.destroy()
         del engine, model
@@ -234,8 +248,9 @@ def main() -> None:
         "",
         f"What the second step's backward peaks above the same case without Ulysses (sequence-parallel size "
         f"{DP}, the groups built as dsauto's hook builds them: DeepSpeed's `parallel_state_sp` as the mpu), "
-        "against what the cost model adds: the fp32 copy each reduction casts into (ZeRO 0-2), ZeRO-3's "
-        "bucket in fp32.",
+        "against what the cost model adds: the fp32 copy each reduction casts into (ZeRO 0-2; under ZeRO-1/2 "
+        "two buckets' copies, the two overlap_comm keeps in flight, of which one or two are alive at the peak "
+        "from run to run on CPU ranks, by when gloo's threads free them), ZeRO-3's bucket in fp32.",
         "",
         "| case | priced | measured |",
         "|---|---|---|",

@@ -44,14 +44,11 @@ from dsauto.cost.zero3 import (
     zero3_moment_peak,
     zero3_moments_apply,
 )
+from dsauto.engines.deepspeed import SUB_GROUP_SIZE
 from dsauto.plan import Basis, Prediction, StagePrediction, rank_chunks, rank_layers
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import LayerGroup, ModelSpec, layer_group_per_layer, layer_groups
 from dsauto.spec.training import TrainSpec
-
-DEEPSPEED_SUB_GROUP_SIZE = 10**9
-"""Elements of a ZeRO-3 optimizer sub-group, DeepSpeed's ``sub_group_size`` default
-(deepspeed/runtime/zero/config.py), which dsauto's configs leave as it is."""
 
 
 def layer_group_of(groups: Sequence[LayerGroup], layer: int, num_layers: int) -> LayerGroup:
@@ -369,11 +366,13 @@ def ulysses_cast_bytes(strategy: Strategy, bucket: int, local_grads: float, grad
     DeepSpeed-Ulysses with 16-bit gradients, which all-reduces in fp32 (the communication dtype it
     forces): each flattened 16-bit bucket is cast to fp32 for its reduction (engine.py and
     stage_1_and_2.py, ``allreduce_bucket``), twice its bytes: ZeRO-0's one flat copy of the
-    ``local_grads`` after backward, ZeRO-1/2's buckets of ``bucket`` bytes while a layer's backward
-    fills the next. 0 otherwise (ZeRO-3 keeps its bucket in fp32: :func:`held_bucket_bytes`)."""
+    ``local_grads`` after backward; ZeRO-1/2's of two buckets of ``bucket`` bytes, the two
+    ``overlap_comm`` keeps in flight while a layer's backward fills the next (measured on CPU ranks,
+    where gloo's threads free a reduced copy when they finish with it: one or two copies from run to
+    run). 0 otherwise (ZeRO-3 keeps its bucket in fp32: :func:`held_bucket_bytes`)."""
     if strategy.engine != "deepspeed" or strategy.dims.cp <= 1 or not grads_in_16_bits or strategy.zero_stage > 2:
         return 0.0
-    return 2.0 * (local_grads if strategy.zero_stage == 0 else min(bucket, local_grads))
+    return 2.0 * (local_grads if strategy.zero_stage == 0 else min(2 * bucket, local_grads))
 
 
 def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim: float, activation: float,
@@ -405,10 +404,10 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
       (:func:`optimizer_step_bytes`).
 
     Under DeepSpeed-Ulysses with 16-bit gradients each reduction also holds an fp32 copy of what
-    it reduces (ZeRO-0: the flat gradients; ZeRO-1/2: a bucket). Measured on two CPU ranks
-    (benchmarks/deepspeed_update.py, bf16, sequence-parallel size 2, 8M parameters, buckets of
-    2**20 elements): backward's peak 32 MiB (ZeRO-0) and 4 MiB (ZeRO-1, -2) above the same step
-    without Ulysses.
+    it reduces (ZeRO-0: the flat gradients; ZeRO-1/2: two buckets, :func:`ulysses_cast_bytes`).
+    Measured on two CPU ranks (benchmarks/deepspeed_update.py, bf16, sequence-parallel size 2, 8M
+    parameters, buckets of 2**20 elements): backward's peak 32 MiB (ZeRO-0) and 4 or 8 MiB (ZeRO-1,
+    -2; priced 8) above the same step without Ulysses.
 
     What the engine holds besides (DeepSpeed 0.19.8; measured tensor by tensor on two CPU ranks,
     benchmarks/results/accuracy.md):
@@ -566,7 +565,7 @@ def mlp_backward_bytes(model: ModelSpec, tokens: int, tp: int, dtype_bytes: int)
 def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim: float, bucket: int,
                          single_tensor: bool, largest_main_param_bytes: float = 0.0,
                          grads_in_16_bits: bool = False, optimizer_bytes_per_param: int = 12,
-                         sub_group_size: int = DEEPSPEED_SUB_GROUP_SIZE, accumulator: float = 0.0) -> float:
+                         sub_group_size: int = SUB_GROUP_SIZE, accumulator: float = 0.0) -> float:
     """Memory of a rank during the optimizer update, when the activations are gone, or 0 where the
     update holds nothing the other moments of the step do not (DeepSpeed: fp32 without ZeRO). The ZeRO optimizers hand torch's AdamW (the emitted ``torch_adam`` with ``fused``) one
     flat fp32 partition (``optim`` holds it and the two moments, 12 bytes per parameter) and, as its
@@ -577,9 +576,9 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
     copy and its fp32 cast are both alive while the cast runs, beside the gradients they were made
     from: 6 bytes per element of the partition. ZeRO-3 does this per sub-group of its partition,
     releasing each fp32 copy after its update (``_release_sub_group``); a sub-group closes once it
-    holds ``sub_group_size`` elements (``_create_fp16_sub_groups``; the default, DeepSpeed's own),
-    so its temporaries are those of at most that many elements plus one parameter's partition
-    (``largest_main_param_bytes``, in fp32) less one. The fused update works in place, on a CPU as on
+    holds ``sub_group_size`` elements (``_create_fp16_sub_groups``; by default DeepSpeed's default,
+    which dsauto's configs write out), so its temporaries are those of at most that many elements
+    plus one parameter's partition (``largest_main_param_bytes``, in fp32) less one. The fused update works in place, on a CPU as on
     CUDA (``torch._fused_adamw_``), and makes none (torch's default multi-tensor and per-tensor
     updates made one and two more). ZeRO-3 also keeps its gradient bucket. ZeRO-1 has
     reduce-scattered its gradients into the partition by then.

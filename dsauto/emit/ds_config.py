@@ -27,6 +27,7 @@ from unittest import mock
 from dsauto.engines.deepspeed import (
     MOE_CAPACITY_FACTOR,
     MOE_KEY,
+    SUB_GROUP_SIZE,
     allgather_bucket_elements,
     hf_trainer_plan_refusal,
     stage3_max_live_parameters,
@@ -237,6 +238,7 @@ def _zero_section(plan: Plan, element_bytes: int) -> dict[str, Any]:
             # (dsauto.cost.zero3.gathered_params_bytes; measured in benchmarks/results/accuracy.md).
             "stage3_max_live_parameters": stage3_max_live_parameters(plan),
             "stage3_max_reuse_distance": STAGE3_MAX_REUSE_DISTANCE,
+            "sub_group_size": SUB_GROUP_SIZE,  # the update's sub-groups, as priced
         })
         if plan.hpz > 1:
             section["zero_hpz_partition_size"] = plan.hpz  # ZeRO++ hierarchical partitioning

@@ -26,6 +26,10 @@ MOE_KEY = "dsauto_moe"
 """Top-level key of ``ds_config.json`` with the DeepSpeed-MoE settings of a mixture-of-experts plan
 (``deepspeed.moe.layer.MoE`` arguments: ``ep_size`` and the rest per MoE layer). DeepSpeed has no
 config key for them: they are arguments of the model's MoE layers, which the hook checks."""
+SUB_GROUP_SIZE = 10**9
+"""``zero_optimization.sub_group_size`` of a ZeRO-3 plan (elements): DeepSpeed's default
+(deepspeed/runtime/zero/config.py), written out because the cost model prices the update's
+temporaries per sub-group of it (dsauto.cost.step.optimizer_step_bytes)."""
 MOE_CAPACITY_FACTOR = 1.0
 """Capacity factor of DeepSpeed-MoE's gate that plans assume: DeepSpeed's default
 (``deepspeed.moe.layer.MoE(capacity_factor=1.0)``, tokens beyond it dropped). Each expert gets

@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 
-from dsauto.cost.step import DEEPSPEED_SUB_GROUP_SIZE, optimizer_step_bytes
+from dsauto.cost.step import optimizer_step_bytes
 from dsauto.cost.strategy import Strategy
+from dsauto.engines.deepspeed import SUB_GROUP_SIZE
 from dsauto.parallel import ParallelDims
 from tests.benchmark_modules import load
 
@@ -34,7 +35,7 @@ def test_zero3_casts_one_sub_group_at_a_time():
     # at most one parameter's partition less one element), not the whole partition's 53 GiB.
     elements, largest = 70e9 / 8, 4 * (8192 * 28672) / 8
     step = optimizer_step_bytes(strategy(3), 2 * elements, 2 * elements, 12 * elements, 0, False, largest, True)
-    sub = DEEPSPEED_SUB_GROUP_SIZE + largest / 4 - 1
+    sub = SUB_GROUP_SIZE + largest / 4 - 1
     assert step == pytest.approx(16 * elements + 6 * sub)
     assert 6 * sub < 6 * GiB < 6 * 4 * elements / 4
     # A partition smaller than a sub-group is cast whole.
@@ -57,7 +58,11 @@ def test_the_update_peaks_where_real_deepspeed_engines_peak():
         if case.sequence_parallel > 1:  # DeepSpeed-Ulysses: what backward holds more
             plain = measured[dataclasses.replace(case, sequence_parallel=1).name]["backward"]
             more = measured[case.name]["backward"] - plain
-            assert bench.predicted_ulysses_bytes(case) == pytest.approx(more, rel=0.01), case
+            priced = bench.predicted_ulysses_bytes(case)
+            if case.zero_stage in (1, 2):  # one or two reductions' copies alive, by gloo's threads: two priced
+                assert more <= priced * 1.01 and priced <= 2 * more * 1.01, (case, priced, more)
+            else:
+                assert priced == pytest.approx(more, rel=0.01), case
 
 
 def test_without_zero_16_bit_training_casts_every_gradient_at_the_update():

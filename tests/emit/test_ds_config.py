@@ -145,6 +145,7 @@ def test_zero3_section_counts_elements(zero3_plan):
     assert zero["stage3_prefetch_bucket_size"] == zero3_plan.prefetch_bucket_bytes // 2
     assert {"stage3_param_persistence_threshold", "stage3_max_live_parameters"} <= set(zero)
     assert "allgather_bucket_size" not in zero
+    assert zero["sub_group_size"] == 10**9  # the update's sub-groups, written out as priced
 
 
 def test_zero1_section_and_pipeline_section(pipeline_plan):
