@@ -140,6 +140,9 @@ VARIANT_CASES = (  # (index of the shape in SHAPES, case)
     (0, Case(1, 2, 2, "half", dtype="bf16")), (0, Case(2, 4, 1, "all", dtype="bf16")),
     # bf16 through DeepSpeed's pipeline engine: its BF16_Optimizer (engine.py, _do_optimizer_sanity_check).
     (1, Case(0, 2, 2, "none", pp=2, dtype="bf16")), (1, Case(0, 1, 4, "all", pp=2, dtype="bf16")),
+    # bf16 ZeRO-3: 16-bit gathers, buckets and gradient partitions, and the update's flat copies.
+    (0, Case(3, 2, 1, "none", dtype="bf16")), (0, Case(3, 1, 2, "half", shard="mixed", dtype="bf16")),
+    (1, Case(3, 4, 1, "all", shard="mixed", split=2, dtype="bf16")),
 )
 """Plans beyond the data-parallel fp32 ones (``--plans variants``)."""
 
