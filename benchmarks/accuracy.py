@@ -673,7 +673,7 @@ def variant_lines(rows, summary: str, wall: float, command: str) -> list[str]:
             "(`Prediction.offloaded_bytes`). bf16: the model and gradients in bf16 on DeepSpeed's CPU "
             "accelerator, priced with a bf16 profile; without ZeRO DeepSpeed wraps the optimizer in "
             "FP16_UnfusedOptimizer, and through the pipeline engine in BF16_Optimizer, whose 16-bit gradient "
-            "accumulator the pp2 bf16 rows hold beside `.grad` (`dsauto.cost.terms.deepspeed_bf16_optimizer`).")
+            "accumulator the pp2 bf16 rows hold beside `.grad` (`dsauto.plan.deepspeed_bf16_optimizer`).")
     return [*lines[:2], note, "", *lines[2:]]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from dsauto.plan import LayerChoice, Plan
+from dsauto.plan import LayerChoice, Plan, deepspeed_bf16_optimizer
 from dsauto.spec.model import layer_groups
 from dsauto.units import format_bytes, format_count, format_flops, format_seconds, counted
 
@@ -17,6 +17,15 @@ from dsauto.units import format_bytes, format_count, format_flops, format_second
 CP_EXCHANGES = {"p2p": "a ring of keys and values", "all_gather": "keys and values all-gathered",
                 "a2a": "all-to-all over heads"}
 """How a Megatron-core plan's context parallelism exchanges the shards, in words."""
+
+
+def _optimizer_text(plan: Plan) -> str:
+    """The optimizer wrapper DeepSpeed runs where it holds memory a ZeRO optimizer does not."""
+    if deepspeed_bf16_optimizer(plan.engine, plan.zero_stage, plan.pp, plan.dtype):
+        return " with its BF16_Optimizer (a 16-bit gradient accumulator, counted with the optimizer state)"
+    if plan.engine == "deepspeed" and plan.zero_stage == 0 and plan.dtype in ("bf16", "fp16"):
+        return " with its FP16_UnfusedOptimizer (fp32 copies of the gradients at the update)"
+    return ""
 
 
 def _layer_range(run: LayerChoice) -> str:
@@ -51,7 +60,7 @@ def describe_plan(plan: Plan) -> str:
         f"dsauto plan: {plan.model.name} on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} "
         f"({counted(plan.world_size, 'device')}), {format_count(plan.model.num_parameters())} parameters"
         f"{_mtp_parameters_text(plan)}",
-        f"  engine      {plan.engine}" + ("" if plan.ranking is None else f"; {_ranking_text(plan)}"),
+        f"  engine      {plan.engine}{_optimizer_text(plan)}" + ("" if plan.ranking is None else f"; {_ranking_text(plan)}"),
         f"  degrees     {plan.dims.describe()}; {counted(plan.world_size, 'device')} = "
         f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "")
         + (" (DeepSpeed-Ulysses)" if plan.cp > 1 and plan.engine == "deepspeed" else "")

@@ -759,3 +759,21 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Any, where: str = "the plan") -> Plan:
         return from_dict(cls, data, where)
+
+
+def deepspeed_bf16_optimizer(engine: str, zero_stage: int, pp: int, dtype: str) -> bool:
+    """Whether DeepSpeed wraps the optimizer in its BF16_Optimizer: bf16 through the pipeline engine
+    without ZeRO, the gradients accumulated in bf16, DeepSpeed's default ``grad_accum_dtype``
+    (deepspeed/runtime/engine.py, ``_do_optimizer_sanity_check``). Outside a pipeline it wraps 16-bit
+    training without ZeRO in FP16_UnfusedOptimizer (dsauto.cost.step.optimizer_step_bytes).
+
+    BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, ``_setup_for_real_optimizer``) flattens the
+    16-bit parameters, keeps fp32 main weights of this rank's 1/dp partition only (and the moments
+    the wrapped optimizer makes for them), and a gradient accumulator in ``grad_accum_dtype`` for
+    every parameter (``fp32_groups_gradients_flat``) into which the pipeline engine adds ``.grad``
+    after each micro-batch's backward (pipe/engine.py, ``update_hp_grads``), ``.grad`` kept beside it
+    until the step; at the step it casts its partition of the accumulator to fp32 for the wrapped
+    optimizer, then all-gathers the updated 16-bit partitions (``update_lp_params``). Over more than one
+    data-parallel replica dsauto plans such a pipeline as ZeRO-1 instead
+    (dsauto.engines.rules.deepspeed_bf16_pipeline_refusal; dsauto.cost.terms prices its state)."""
+    return engine == "deepspeed" and zero_stage == 0 and pp > 1 and dtype == "bf16"

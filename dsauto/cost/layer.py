@@ -42,7 +42,6 @@ from dsauto.cost.terms import (
     activation_memory,
     context_parallel_seconds,
     data_parallel_cost,
-    deepspeed_bf16_optimizer,
     expert_dispatch_seconds,
     gathered_unit_params,
     model_state,
@@ -53,6 +52,7 @@ from dsauto.cost.terms import (
     steady_pair_fraction,
     zero3_hook_seconds,
 )
+from dsauto.plan import deepspeed_bf16_optimizer
 from dsauto.spec.cluster import ClusterSpec
 from dsauto.spec.model import LayerGroup
 from dsauto.spec.training import TrainSpec

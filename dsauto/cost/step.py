@@ -638,7 +638,7 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
         # torch's AdamW in (engine.py, _do_optimizer_sanity_check and _configure_fp16_optimizer),
         # every parameter's gradient at once (runtime/fp16/unfused_optimizer.py, ``step``); under a
         # bf16 pipeline BF16_Optimizer, its partition of the accumulator (``accumulator``: its bytes,
-        # which ``optim`` holds; dsauto.cost.terms.deepspeed_bf16_optimizer).
+        # which ``optim`` holds; dsauto.plan.deepspeed_bf16_optimizer).
         return params + grads + optim + 4 * elements if grads_in_16_bits else 0.0
     if strategy.dims.replicas <= 1:
         return 0.0

@@ -233,7 +233,7 @@ class LayerContext:
     """The ranks holding the same shard in every instance, calibrated: the shard's all-reduce runs
     over it; None with one instance."""
     bf16_optimizer: bool = False
-    """DeepSpeed's BF16_Optimizer runs the update (:func:`deepspeed_bf16_optimizer`): the fp32 main
+    """DeepSpeed's BF16_Optimizer runs the update (:func:`dsauto.plan.deepspeed_bf16_optimizer`): the fp32 main
     weights and moments partitioned over the data-parallel ranks without ZeRO, beside a 16-bit
     gradient accumulator of every parameter (:func:`model_state`)."""
     softmax_fp32: bool = True
@@ -1130,7 +1130,7 @@ def data_parallel_cost(group: LayerGroup, option: LayerOption, ctx: LayerContext
             step_seconds = (ctx.dist_opt_group if ctx.dist_opt_group is not None else comm).all_gather(param_volume)
         else:
             grad_sync = grad_volume
-            if ctx.bf16_optimizer:  # the updated 16-bit partitions gathered (deepspeed_bf16_optimizer)
+            if ctx.bf16_optimizer:  # the updated 16-bit partitions gathered (BF16_Optimizer)
                 step_seconds = comm.all_gather(param_volume)
         if zero == 3 and not ctx.shards(option):
             step_seconds = comm.all_gather(param_volume)  # re-gather the persistent copy
@@ -1190,24 +1190,6 @@ def state_bytes_per_param(engine: str, dtype_bytes: int, bf16: bool, zero_stage:
             return dtype_bytes, 16
         return 4, 8
     return dtype_bytes, 12 if dtype_bytes < 4 or zero_stage >= 1 else 8
-
-
-def deepspeed_bf16_optimizer(engine: str, zero_stage: int, pp: int, dtype: str) -> bool:
-    """Whether DeepSpeed wraps the optimizer in its BF16_Optimizer: bf16 through the pipeline engine
-    without ZeRO, the gradients accumulated in bf16, DeepSpeed's default ``grad_accum_dtype``
-    (deepspeed/runtime/engine.py, ``_do_optimizer_sanity_check``). Outside a pipeline it wraps 16-bit
-    training without ZeRO in FP16_UnfusedOptimizer (:func:`dsauto.cost.step.optimizer_step_bytes`).
-
-    BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, ``_setup_for_real_optimizer``) flattens the
-    16-bit parameters, keeps fp32 main weights of this rank's 1/dp partition only (and the moments
-    the wrapped optimizer makes for them), and a gradient accumulator in ``grad_accum_dtype`` for
-    every parameter (``fp32_groups_gradients_flat``) into which the pipeline engine adds ``.grad``
-    after each micro-batch's backward (pipe/engine.py, ``update_hp_grads``), ``.grad`` kept beside it
-    until the step; at the step it casts its partition of the accumulator to fp32 for the wrapped
-    optimizer, then all-gathers the updated 16-bit partitions (``update_lp_params``). Over more than one
-    data-parallel replica dsauto plans such a pipeline as ZeRO-1 instead
-    (:func:`dsauto.engines.rules.deepspeed_bf16_pipeline_refusal`)."""
-    return engine == "deepspeed" and zero_stage == 0 and pp > 1 and dtype == "bf16"
 
 
 def model_state(group: LayerGroup, option: LayerOption, ctx: LayerContext) -> ModelState:

@@ -81,7 +81,7 @@ def deepspeed_bf16_pipeline_refusal(engine: Engine, dims: ParallelDims, zero_sta
     parameters on each rank and all-gathers the updated bf16 weights after the step
     (deepspeed/runtime/bf16_optimizer.py, ``fp32_groups_flat_partition``, ``update_lp_params``): the
     sharding and traffic of ZeRO stage 1, which is how dsauto plans it, not those of stage 0 (over
-    one replica it runs, priced with its gradient accumulator: dsauto.cost.terms.deepspeed_bf16_optimizer)."""
+    one replica it runs, priced with its gradient accumulator: dsauto.plan.deepspeed_bf16_optimizer)."""
     if engine == "deepspeed" and zero_stage == 0 and dims.pp > 1 and dims.replicas > 1 and dtype == "bf16":
         return (f"DeepSpeed's pipeline engine (pp {dims.pp}) trains bf16 over {dims.replicas} data-parallel "
                 f"replicas with its BF16_Optimizer, which shards the optimizer state as ZeRO stage 1 does")

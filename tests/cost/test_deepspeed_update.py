@@ -75,7 +75,7 @@ def test_a_bf16_pipeline_without_zero_runs_bf16_optimizer():
     from dsauto.cost.layer import CostModel
     from dsauto.cost.step import predict_step
     from dsauto.cost.strategy import LayerOption
-    from dsauto.cost.terms import deepspeed_bf16_optimizer
+    from dsauto.plan import deepspeed_bf16_optimizer
     from dsauto.spec.loaders import load_cluster
     from dsauto.spec.model import ModelSpec, layer_groups
     from dsauto.spec.training import TrainSpec
@@ -116,3 +116,17 @@ def test_zero3_keeps_its_bucket_in_fp32_under_ulysses():
     zero2 = Strategy(dims=ParallelDims(dp=1, tp=1, pp=1, cp=2), zero_stage=2, micro_batch=1, grad_accum=1,
                      sequence_parallel=False)
     assert held_bucket_bytes(zero2, 2 * 2**20, 2) == 2 * 2**20  # ZeRO 1-2's buckets: the training dtype
+
+
+def test_the_description_names_the_wrapper_that_holds_more():
+    from dsauto.api import make_plan
+    from dsauto.describe import describe_plan
+
+    def described(**pins) -> str:
+        return describe_plan(make_plan("bert-large", "a100-80gb", nodes=1, engine="deepspeed", global_batch=64,
+                                       seq_len=512, **pins))
+
+    assert "with its FP16_UnfusedOptimizer (fp32 copies of the gradients at the update)" in described(zero_stage=0, pp=1)
+    assert "with its BF16_Optimizer (a 16-bit gradient accumulator, counted with the optimizer state)" in described(
+        zero_stage=0, pp=8)
+    assert "Optimizer" not in described(zero_stage=1, pp=1)
