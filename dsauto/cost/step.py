@@ -213,6 +213,11 @@ def bucket_bytes(groups: Sequence[LayerGroup], tp: int, dtype_bytes: int) -> int
     return int(min(2**30, max(2**24, local)))
 
 
+DEEPSPEED_ALLREDUCE_ELEMENTS = 500_000_000
+"""Elements DeepSpeed flattens into one all-reduce without ZeRO (engine.py, ``allreduce_gradients``'s
+``MEMORY_OPT_ALLREDUCE_SIZE``)."""
+
+
 def held_bucket_bytes(strategy: Strategy, bucket: int, dtype_bytes: int) -> int:
     """Memory of one reduction bucket of ``bucket`` bytes in the training dtype as the engine
     allocates it: ZeRO-3's persistent bucket takes its communication dtype (deepspeed/runtime/zero/
@@ -361,25 +366,32 @@ def offload_staging_bytes(strategy: Strategy, largest_param_bytes: float, partit
     return largest_param_bytes, largest_param_bytes + accumulated
 
 
-def ulysses_cast_bytes(strategy: Strategy, bucket: int, local_grads: float, grads_in_16_bits: bool) -> float:
+def ulysses_cast_bytes(strategy: Strategy, bucket: int, local_grads: float, grads_in_16_bits: bool,
+                       largest_grad: float = 0.0) -> float:
     """The fp32 copy a reduction of DeepSpeed without ZeRO or with ZeRO-1/2 holds under
     DeepSpeed-Ulysses with 16-bit gradients, which all-reduces in fp32 (the communication dtype it
     forces): each flattened 16-bit bucket is cast to fp32 for its reduction (engine.py and
-    stage_1_and_2.py, ``allreduce_bucket``), twice its bytes: ZeRO-0's one flat copy of the
-    ``local_grads`` after backward; ZeRO-1/2's of two buckets of ``bucket`` bytes, the two
-    ``overlap_comm`` keeps in flight while a layer's backward fills the next (measured on CPU ranks,
-    where gloo's threads free a reduced copy when they finish with it: one or two copies from run to
-    run). 0 otherwise (ZeRO-3 keeps its bucket in fp32: :func:`held_bucket_bytes`)."""
+    stage_1_and_2.py, ``allreduce_bucket``), twice its bytes. ZeRO-0 flattens ``local_grads`` after
+    backward in buckets of at most 5e8 elements (``allreduce_no_retain``), one at a time; ZeRO-1/2
+    reduce two buckets of ``bucket`` bytes at once, the two ``overlap_comm`` keeps in flight while a
+    layer's backward fills the next (measured on CPU ranks, where gloo's threads free a reduced copy
+    when they finish with it: one or two copies from run to run), and a gradient larger than a bucket
+    (``largest_grad``: the stage's largest) whole, beside the bucket in flight (``average_tensor`` of
+    ``extra_large_param_to_reduce``). 0 otherwise (ZeRO-3 keeps its bucket in fp32:
+    :func:`held_bucket_bytes`)."""
     if strategy.engine != "deepspeed" or strategy.dims.cp <= 1 or not grads_in_16_bits or strategy.zero_stage > 2:
         return 0.0
-    return 2.0 * (local_grads if strategy.zero_stage == 0 else min(2 * bucket, local_grads))
+    if strategy.zero_stage == 0:
+        return 2.0 * min(local_grads, DEEPSPEED_ALLREDUCE_ELEMENTS * 2)
+    return 2.0 * min(local_grads, 2 * bucket if largest_grad <= bucket else bucket + largest_grad)
 
 
 def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim: float, activation: float,
                           head_transient: float, layers: Sequence[tuple[float, float]], bucket: int,
                           awaiting_grad: float, local_grads: float, embedding_grad: float, tied_grad: float,
                           backward_working: float, single_tensor: bool, staging: float = 0.0,
-                          grads_in_16_bits: bool = False, accumulator: float = 0.0) -> float:
+                          grads_in_16_bits: bool = False, accumulator: float = 0.0,
+                          largest_grad: float = 0.0) -> float:
     """Peak bytes of a DeepSpeed rank over the moments of a step, each with what the engine holds
     then. ``grads``: the gradient column (whole under ZeRO 0/1, this rank's partition under ZeRO-2);
     ``activation``: the kept activations; ``layers``: per transformer layer of the stage, in
@@ -400,8 +412,8 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
     - the embedding's backward, the last, when the activations are gone: the embedding's gradient,
       and under tied embeddings the output layer's gradient of the table, which waited since the
       loss (a weight's hook fires once its gradient is whole), and their sum (``tied_grad`` twice);
-    - after backward: ZeRO-0's flattened all-reduce copy, or ZeRO-1/2's optimizer update
-      (:func:`optimizer_step_bytes`).
+    - after backward: ZeRO-0's flattened all-reduce copy, and the optimizer update
+      (:func:`optimizer_step_bytes`: ZeRO-1/2's, or 16-bit ZeRO-0's FP16_UnfusedOptimizer's).
 
     Under DeepSpeed-Ulysses with 16-bit gradients each reduction also holds an fp32 copy of what
     it reduces (ZeRO-0: the flat gradients; ZeRO-1/2: two buckets, :func:`ulysses_cast_bytes`).
@@ -436,6 +448,11 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
     m = strategy.grad_accum
     later = m > 1  # a micro-batch after the first holds what the earlier ones left
     buffers = 2.0 * bucket if strategy.zero_stage else 0.0
+    # Under DeepSpeed-Ulysses, a reduction's fp32 copy (ulysses_cast_bytes), at the moments a bucket
+    # is reduced: a layer's backward once a bucket's worth of gradients came after it, the last
+    # reduction at the embedding's backward.
+    reducing = ulysses_cast_bytes(strategy, bucket, local_grads, grads_in_16_bits, largest_grad)
+    bucket_reducing = reducing if strategy.zero_stage else 0.0
     if strategy.offload != "none" and strategy.zero_stage in (1, 2):
         # ZeRO-Offload: ``optim`` is on the host, and no gradient stays on the device: each is
         # copied into the reduction buckets by its hook (``contiguous_gradients`` is forced on) and
@@ -448,11 +465,12 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
         # keeps its buckets, as without offload: measured at the second micro-batch's loss, the
         # whole 16.3 MiB of gradients beside the two buckets.
         kept = grads if later and strategy.zero_stage == 1 else 0.0
-        held = max((h + backward_working + awaiting_grad for h, _ in layers), default=0.0)
+        held = max((h + backward_working + awaiting_grad + (bucket_reducing if after > bucket else 0.0)
+                    for h, after in layers), default=0.0)
         loss = activation + head_transient + (buffers if later and strategy.zero_stage == 1 else 0.0)
-        return params + staging + kept + max(loss, held + buffers, buffers + embedding_grad + 2 * tied_grad)
+        return params + staging + kept + max(loss, held + buffers,
+                                             buffers + embedding_grad + 2 * tied_grad + bucket_reducing)
     partition = local_grads / strategy.dims.replicas  # ZeRO-1's partition (ZeRO-2's is ``grads``)
-    reducing = ulysses_cast_bytes(strategy, bucket, local_grads, grads_in_16_bits)
     layer = 0.0
     for held_activation, after in layers:
         if strategy.zero_stage == 0:
@@ -462,9 +480,9 @@ def deepspeed_moment_peak(strategy: Strategy, params: float, grads: float, optim
         else:
             kept = (grads if later else 0.0) + (grads if after > bucket else 0.0)
         layer = max(layer, held_activation + backward_working + awaiting_grad + buffers + kept
-                    + (reducing if strategy.zero_stage else 0.0))
+                    + (bucket_reducing if after > bucket else 0.0))
     reduces = local_grads > bucket  # a bucket is reduced (and copied out) during backward
-    embedding = buffers + embedding_grad + 2 * tied_grad + (reducing if strategy.zero_stage else 0.0)
+    embedding = buffers + embedding_grad + 2 * tied_grad + bucket_reducing
     if strategy.zero_stage == 0:
         loss = activation + head_transient + (grads if later else 0.0)
         embedding = grads + 2 * tied_grad
@@ -567,8 +585,9 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
                          grads_in_16_bits: bool = False, optimizer_bytes_per_param: int = 12,
                          sub_group_size: int = SUB_GROUP_SIZE, accumulator: float = 0.0) -> float:
     """Memory of a rank during the optimizer update, when the activations are gone, or 0 where the
-    update holds nothing the other moments of the step do not (DeepSpeed: fp32 without ZeRO). The ZeRO optimizers hand torch's AdamW (the emitted ``torch_adam`` with ``fused``) one
-    flat fp32 partition (``optim`` holds it and the two moments, 12 bytes per parameter) and, as its
+    update holds nothing the other moments of the step do not (DeepSpeed: fp32 without ZeRO). The
+    ZeRO optimizers, over any number of data-parallel ranks (one included: a pipeline's ZeRO-1),
+    hand torch's AdamW (the emitted ``torch_adam`` with ``fused``) one flat fp32 partition (``optim`` holds it and the two moments, 12 bytes per parameter) and, as its
     gradient, the partition's gradients flattened into one new tensor of their dtype and cast to
     fp32 (deepspeed/runtime/zero/stage_1_and_2.py, ``step``: ``flatten`` then ``.to``; stage3.py,
     ``_prepare_fp32_grad_for_sub_group``, the same). In fp32 the cast returns the flat copy itself:
@@ -640,8 +659,6 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
         # bf16 pipeline BF16_Optimizer, its partition of the accumulator (``accumulator``: its bytes,
         # which ``optim`` holds; dsauto.plan.deepspeed_bf16_optimizer).
         return params + grads + optim + 4 * elements if grads_in_16_bits else 0.0
-    if strategy.dims.replicas <= 1:
-        return 0.0
     if strategy.zero_stage == 3:  # one sub-group at a time
         elements = min(elements, sub_group_size + largest_main_param_bytes / 4 - 1)
     temporaries = elements * (2 + 4 if grads_in_16_bits else 4)  # the flat copy, and its fp32 cast
@@ -862,7 +879,9 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                 * cost.calibration.activation_memory if any(1 <= j <= num_layers for j in held) else 0.0,
                 single_tensor=cluster.device.name == "cpu", staging=staging,
                 grads_in_16_bits=cost.context.grad_bytes_per_param < 4,
-                accumulator=grads if cost.context.bf16_optimizer else 0.0)
+                accumulator=grads if cost.context.bf16_optimizer else 0.0,
+                largest_grad=max((by_layer[j].largest_op_params for j in held), default=0.0)
+                / strategy.tp * train.dtype_bytes * cost.calibration.static_memory)
             transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
         elif deepspeed_pipeline_applies(strategy):
             # DeepSpeed's pipeline engine: the moments of its 1F1B step (deepspeed_pipeline_moment_peak).

@@ -1250,8 +1250,8 @@ def _state(local: float, dp: int, option: LayerOption, ctx: LayerContext, fp8_pa
 
 
 def optimizer_shard_ranks(dp: int, ctx: LayerContext) -> int:
-    """Ranks over which ZeRO (1 and above) shards the optimizer state of parameters whose
-    data-parallel group has ``dp`` ranks: all of them, or under Megatron-core's partial distributed
+    """Ranks over which ZeRO (1 and above, and DeepSpeed's BF16_Optimizer) shards the optimizer state
+    of parameters whose data-parallel group has ``dp`` ranks: all of them, or under Megatron-core's partial distributed
     optimizer the dp / instances ranks of one instance, each instance holding a whole copy of the
     state (fp32 main parameters and Adam moments). The distributed optimizer shards over the
     data-parallel group it is given (megatron/core/optimizer/distrib_optimizer.py,

@@ -130,3 +130,42 @@ def test_the_description_names_the_wrapper_that_holds_more():
     assert "with its BF16_Optimizer (a 16-bit gradient accumulator, counted with the optimizer state)" in described(
         zero_stage=0, pp=8)
     assert "Optimizer" not in described(zero_stage=1, pp=1)
+
+
+def test_one_replica_still_flattens_and_casts():
+    # A pipeline's ZeRO-1 over one data-parallel rank: the partition is every gradient.
+    one = Strategy(dims=ParallelDims(dp=1, tp=1, pp=2), zero_stage=1, micro_batch=1, grad_accum=4,
+                   sequence_parallel=False)
+    assert optimizer_step_bytes(one, 2e8, 2e8, 12e8, 0, False, grads_in_16_bits=True) == (2 + 2 + 12 + 6) * 1e8
+
+
+def test_ulysses_casts_where_a_bucket_is_reduced():
+    from dsauto.cost.step import deepspeed_moment_peak, ulysses_cast_bytes
+
+    MiB = 2**20
+
+    def ulysses(zero: int, offload: str = "none") -> Strategy:
+        return Strategy(dims=ParallelDims(dp=1, tp=1, pp=1, cp=2), zero_stage=zero, micro_batch=1, grad_accum=1,
+                        sequence_parallel=False, offload=offload)
+
+    bucket = 4 * MiB
+    assert ulysses_cast_bytes(ulysses(2), bucket, 64 * MiB, True) == 2 * 2 * bucket  # two buckets in flight
+    assert ulysses_cast_bytes(ulysses(2), bucket, 64 * MiB, True, largest_grad=16 * MiB) == 2 * (bucket + 16 * MiB)
+    assert ulysses_cast_bytes(ulysses(2), bucket, 64 * MiB, False) == 0.0  # fp32 gradients: no cast
+    assert ulysses_cast_bytes(ulysses(0), bucket, 64 * MiB, True) == 2 * 64 * MiB
+    assert ulysses_cast_bytes(ulysses(0), bucket, 4e9, True) == 2 * 2 * 5e8  # one 5e8-element bucket at a time
+
+    def peak(zero: int, layers, offload: str = "none", cp: bool = True) -> float:
+        s = ulysses(zero, offload) if cp else Strategy(dims=ParallelDims(dp=2, tp=1, pp=1), zero_stage=zero,
+                                                        micro_batch=1, grad_accum=1, sequence_parallel=False,
+                                                        offload=offload)
+        return deepspeed_moment_peak(s, 10 * MiB, 32 * MiB, 0.0, 100 * MiB, 0.0, layers, bucket, 0.0, 64 * MiB,
+                                     0.0, 0.0, 0.0, False, grads_in_16_bits=True)
+
+    # The first layer in backward, before a bucket's worth of gradients: nothing reduced, no cast.
+    assert peak(2, [(100 * MiB, 0.0)]) == peak(2, [(100 * MiB, 0.0)], cp=False)
+    # Once a bucket's worth came after the layer, its reduction's copies are alive too.
+    assert peak(2, [(100 * MiB, 8 * MiB)]) == peak(2, [(100 * MiB, 8 * MiB)], cp=False) + 4 * bucket
+    # ZeRO-Offload casts the same way.
+    assert peak(2, [(100 * MiB, 8 * MiB)], "optimizer") == peak(2, [(100 * MiB, 8 * MiB)], "optimizer", cp=False) \
+        + 4 * bucket
