@@ -66,24 +66,30 @@ class Case:
         return config
 
 
-CASES = (Case(0, "fp32"), Case(0, "bf16"), Case(1, "fp32"), Case(1, "bf16"), Case(2, "fp32"), Case(2, "bf16"), Case(3, "fp32"), Case(3, "bf16"),
+CASES = (*(Case(zero, dtype) for zero in range(4) for dtype in ("fp32", "bf16")),
          Case(3, "fp32", 2**20), Case(3, "bf16", 2**20), Case(0, "bf16", sequence_parallel=DP),
          Case(1, "bf16", sequence_parallel=DP), Case(2, "bf16", sequence_parallel=DP),
          Case(3, "bf16", sequence_parallel=DP))
+
+
+def priced_as(case: Case):
+    """(the case's strategy as the cost model takes it, its gradients' bytes per element)."""
+    from dsauto.cost.strategy import Strategy
+    from dsauto.parallel import ParallelDims
+
+    sp = case.sequence_parallel  # DeepSpeed's ZeRO partitions over the sequence-data-parallel ranks
+    strategy = Strategy(dims=ParallelDims(dp=DP // sp, tp=1, pp=1, cp=sp), zero_stage=case.zero_stage,
+                        micro_batch=1, grad_accum=1, sequence_parallel=False)
+    return strategy, 2 if case.dtype == "bf16" else 4
 
 
 def predicted_bytes(case: Case) -> float:
     """The update's peak as the cost model prices it, from the model's shape alone."""
     from dsauto.cost.step import held_bucket_bytes, optimizer_step_bytes
     from dsauto.engines.deepspeed import SUB_GROUP_SIZE
-    from dsauto.cost.strategy import Strategy
-    from dsauto.parallel import ParallelDims
 
+    strategy, width = priced_as(case)
     elements = HIDDEN * HIDDEN * LAYERS
-    width = 2 if case.dtype == "bf16" else 4
-    sp = case.sequence_parallel  # DeepSpeed's ZeRO partitions over the sequence-data-parallel ranks
-    strategy = Strategy(dims=ParallelDims(dp=DP // sp, tp=1, pp=1, cp=sp), zero_stage=case.zero_stage,
-                        micro_batch=1, grad_accum=1, sequence_parallel=False)
     shards = DP if case.zero_stage == 3 else 1
     params, grads = elements * width / shards, elements * width / (DP if case.zero_stage >= 2 else 1)
     optim = elements * (12 if case.zero_stage or case.dtype == "bf16" else 8) / (DP if case.zero_stage else 1)
@@ -94,6 +100,19 @@ def predicted_bytes(case: Case) -> float:
                                 sub_group_size=case.sub_group_size or SUB_GROUP_SIZE)
     # 0: the update holds no more than the model state, which every moment of the step holds.
     return max(step, params + grads + optim)
+
+
+def predicted_ulysses_bytes(case: Case) -> float:
+    """What the cost model adds to backward's peak under DeepSpeed-Ulysses: the fp32 copy a reduction
+    holds (ZeRO 0-2, ``dsauto.cost.step.ulysses_cast_bytes``) or ZeRO-3's bucket, fp32 in place of
+    the training dtype (``held_bucket_bytes``)."""
+    from dsauto.cost.step import held_bucket_bytes, ulysses_cast_bytes
+
+    strategy, width = priced_as(case)
+    bucket, local_grads = BUCKET_ELEMENTS * width, HIDDEN * HIDDEN * LAYERS * width
+    if case.zero_stage == 3:
+        return held_bucket_bytes(strategy, bucket, width) - bucket
+    return ulysses_cast_bytes(strategy, bucket, local_grads, width == 2)
 
 
 def sequence_groups(size: int):
@@ -107,23 +126,6 @@ def sequence_groups(size: int):
     if getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None) is None:
         parallel_state_sp.initialize_sequence_parallel(size)
     return parallel_state_sp
-
-
-def predicted_ulysses_bytes(case: Case) -> float:
-    """What the cost model adds to backward's peak under DeepSpeed-Ulysses: the fp32 copy a reduction
-    holds (ZeRO 0-2, ``dsauto.cost.step.ulysses_cast_bytes``) or ZeRO-3's bucket, fp32 in place of
-    the training dtype (``held_bucket_bytes``)."""
-    from dsauto.cost.step import held_bucket_bytes, ulysses_cast_bytes
-    from dsauto.cost.strategy import Strategy
-    from dsauto.parallel import ParallelDims
-
-    width = 2 if case.dtype == "bf16" else 4
-    strategy = Strategy(dims=ParallelDims(dp=DP // case.sequence_parallel, tp=1, pp=1, cp=case.sequence_parallel),
-                        zero_stage=case.zero_stage, micro_batch=1, grad_accum=1, sequence_parallel=False)
-    bucket, local_grads = BUCKET_ELEMENTS * width, HIDDEN * HIDDEN * LAYERS * width
-    return (ulysses_cast_bytes(strategy, bucket, local_grads, width == 2)
-            + held_bucket_bytes(strategy, bucket, width) - bucket if case.zero_stage == 3 else
-            ulysses_cast_bytes(strategy, bucket, local_grads, width == 2))
 
 
 def settle() -> None:

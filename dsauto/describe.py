@@ -60,7 +60,8 @@ def describe_plan(plan: Plan) -> str:
         f"dsauto plan: {plan.model.name} on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} "
         f"({counted(plan.world_size, 'device')}), {format_count(plan.model.num_parameters())} parameters"
         f"{_mtp_parameters_text(plan)}",
-        f"  engine      {plan.engine}{_optimizer_text(plan)}" + ("" if plan.ranking is None else f"; {_ranking_text(plan)}"),
+        f"  engine      {plan.engine}{_optimizer_text(plan)}"
+        + ("" if plan.ranking is None else f"; {_ranking_text(plan)}"),
         f"  degrees     {plan.dims.describe()}; {counted(plan.world_size, 'device')} = "
         f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "")
         + (" (DeepSpeed-Ulysses)" if plan.cp > 1 and plan.engine == "deepspeed" else "")

@@ -587,9 +587,10 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
     """Memory of a rank during the optimizer update, when the activations are gone, or 0 where the
     update holds nothing the other moments of the step do not (DeepSpeed: fp32 without ZeRO). The
     ZeRO optimizers, over any number of data-parallel ranks (one included: a pipeline's ZeRO-1),
-    hand torch's AdamW (the emitted ``torch_adam`` with ``fused``) one flat fp32 partition (``optim`` holds it and the two moments, 12 bytes per parameter) and, as its
-    gradient, the partition's gradients flattened into one new tensor of their dtype and cast to
-    fp32 (deepspeed/runtime/zero/stage_1_and_2.py, ``step``: ``flatten`` then ``.to``; stage3.py,
+    hand torch's AdamW (the emitted ``torch_adam`` with ``fused``) one flat fp32 partition (``optim``
+    holds it and the two moments, 12 bytes per parameter) and, as its gradient, the partition's
+    gradients flattened into one new tensor of their dtype and cast to fp32
+    (deepspeed/runtime/zero/stage_1_and_2.py, ``step``: ``flatten`` then ``.to``; stage3.py,
     ``_prepare_fp32_grad_for_sub_group``, the same). In fp32 the cast returns the flat copy itself:
     one partition-sized fp32 temporary. With 16-bit gradients (``grads_in_16_bits``) the flat 16-bit
     copy and its fp32 cast are both alive while the cast runs, beside the gradients they were made
@@ -597,9 +598,9 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
     releasing each fp32 copy after its update (``_release_sub_group``); a sub-group closes once it
     holds ``sub_group_size`` elements (``_create_fp16_sub_groups``; by default DeepSpeed's default,
     which dsauto's configs write out), so its temporaries are those of at most that many elements
-    plus one parameter's partition (``largest_main_param_bytes``, in fp32) less one. The fused update works in place, on a CPU as on
-    CUDA (``torch._fused_adamw_``), and makes none (torch's default multi-tensor and per-tensor
-    updates made one and two more). ZeRO-3 also keeps its gradient bucket. ZeRO-1 has
+    plus one parameter's partition (``largest_main_param_bytes``, in fp32) less one. The fused update
+    works in place, on a CPU as on CUDA (``torch._fused_adamw_``), and makes none (torch's default
+    multi-tensor and per-tensor updates made one and two more). ZeRO-3 also keeps its gradient bucket. ZeRO-1 has
     reduce-scattered its gradients into the partition by then.
     Measured (the 17M-parameter GPT of tests/cost/test_cost.py, 2 CPU ranks, fp32, DeepSpeed 0.19.8,
     torch 2.13, a tracker region around the update): 225.4 MiB under ZeRO-1 and -2, 209.1 MiB under
@@ -835,9 +836,10 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         layer_transient = max((c.transient_bytes for c in costs), default=0.0)  # a stage may be empty
         largest_grad = max((gathered_unit_params(by_layer[j], options[j], strategy.tp, strategy.experts_gathered_whole)
                             for j in held), default=0.0) * train.dtype_bytes
+        largest_param = max((by_layer[j].largest_op_params for j in held), default=0.0) \
+            / strategy.tp * train.dtype_bytes * cost.calibration.static_memory  # its gradient's bytes too
         staging, host_staging = offload_staging_bytes(
-            strategy, max((by_layer[j].largest_op_params for j in held), default=0.0)
-            / strategy.tp * train.dtype_bytes * cost.calibration.static_memory,
+            strategy, largest_param,
             grads * (strategy.dims.replicas if strategy.zero_stage >= 2 else 1) / max(1, strategy.dims.replicas))
         transient = (layer_transient + stage_constant_bytes(strategy, held_bucket, grads)
                      + gradient_transient_bytes(strategy, bucket, largest_grad * cost.calibration.static_memory,
@@ -880,8 +882,7 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                 single_tensor=cluster.device.name == "cpu", staging=staging,
                 grads_in_16_bits=cost.context.grad_bytes_per_param < 4,
                 accumulator=grads if cost.context.bf16_optimizer else 0.0,
-                largest_grad=max((by_layer[j].largest_op_params for j in held), default=0.0)
-                / strategy.tp * train.dtype_bytes * cost.calibration.static_memory)
+                largest_grad=largest_param)
             transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
         elif deepspeed_pipeline_applies(strategy):
             # DeepSpeed's pipeline engine: the moments of its 1F1B step (deepspeed_pipeline_moment_peak).
@@ -911,9 +912,8 @@ def predict_step(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                 * train.dtype_bytes * dynamic,
                 backward_working=mlp_backward_bytes(model, cost.tokens, strategy.tp, train.dtype_bytes) * dynamic
                 if any(1 <= j <= num_layers for j in held) else 0.0,
-                stepping=optimizer_step_bytes(strategy, params, grads, optim, bucket, cluster.device.name == "cpu",
-                                              grads_in_16_bits=cost.context.grad_bytes_per_param < 4,
-                                              accumulator=grads if cost.context.bf16_optimizer else 0.0))
+                stepping=deepspeed_step_bytes(strategy, cost, params, grads, optim, bucket,
+                                              cluster.device.name == "cpu", [by_layer[j] for j in held]))
             transient = max(0.0, peak - (params + grads + optim + activation))  # what the columns miss
         elif zero3_moments_apply(strategy):
             # DeepSpeed ZeRO-3: the moments of the step, with the parameters the coordinator holds

@@ -233,9 +233,9 @@ class LayerContext:
     """The ranks holding the same shard in every instance, calibrated: the shard's all-reduce runs
     over it; None with one instance."""
     bf16_optimizer: bool = False
-    """DeepSpeed's BF16_Optimizer runs the update (:func:`dsauto.plan.deepspeed_bf16_optimizer`): the fp32 main
-    weights and moments partitioned over the data-parallel ranks without ZeRO, beside a 16-bit
-    gradient accumulator of every parameter (:func:`model_state`)."""
+    """DeepSpeed's BF16_Optimizer runs the update (:func:`dsauto.plan.deepspeed_bf16_optimizer`): the
+    fp32 main weights and moments partitioned over the data-parallel ranks without ZeRO, beside a
+    16-bit gradient accumulator of every parameter (:func:`model_state`)."""
     softmax_fp32: bool = True
     """Megatron-core's unfused attention computes its softmax on an fp32 copy of 16-bit scores and
     keeps its fp32 output (:attr:`dsauto.cost.strategy.Strategy.attention_softmax_in_fp32`); False:
@@ -1251,10 +1251,10 @@ def _state(local: float, dp: int, option: LayerOption, ctx: LayerContext, fp8_pa
 
 def optimizer_shard_ranks(dp: int, ctx: LayerContext) -> int:
     """Ranks over which ZeRO (1 and above, and DeepSpeed's BF16_Optimizer) shards the optimizer state
-    of parameters whose data-parallel group has ``dp`` ranks: all of them, or under Megatron-core's partial distributed
-    optimizer the dp / instances ranks of one instance, each instance holding a whole copy of the
-    state (fp32 main parameters and Adam moments). The distributed optimizer shards over the
-    data-parallel group it is given (megatron/core/optimizer/distrib_optimizer.py,
+    of parameters whose data-parallel group has ``dp`` ranks: all of them, or under Megatron-core's
+    partial distributed optimizer the dp / instances ranks of one instance, each instance holding a
+    whole copy of the state (fp32 main parameters and Adam moments). The distributed optimizer
+    shards over the data-parallel group it is given (megatron/core/optimizer/distrib_optimizer.py,
     ``_build_model_gbuf_range``), which ``get_megatron_optimizer`` (megatron/core/optimizer/
     __init__.py) takes as the intra-instance group, ``intra_dp_cp_group`` (and
     ``intra_expt_dp_group`` for the experts)."""

@@ -590,11 +590,11 @@ def _flag_values(words: list[str], where: str, notes: list[str] | None = None) -
             raise DsautoError(f"{where} gives {name} no value; give it one.")
         if name in flags and flags[name] != value and name in VALUED | SWITCHES:
             notes.append(f"{where} sets {name} twice ({flags[name]!r}, then {value!r}); Megatron-LM takes the "
-                            f"last, and so does dsauto.")
+                         f"last, and so does dsauto.")
         flags[name] = value  # argparse keeps the last
     if passed:
         notes.append(f"{where} passes on {', '.join(passed)} from the job, which dsauto does not see; the plan is "
-                        f"priced without the flags they add.")
+                     f"priced without the flags they add.")
     return flags
 
 

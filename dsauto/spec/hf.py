@@ -442,6 +442,11 @@ def read_deepseek(cfg: Config, spec: dict[str, Any]) -> None:
     spec["num_kv_heads"] = 0  # latent attention: every head has its own keys and values
 
 
+def add_unmodelled(spec: dict[str, Any], *what: str) -> None:
+    """Adds clauses to what the model does that dsauto does not build (``ModelSpec.unmodelled``)."""
+    spec["unmodelled"] = (*spec.get("unmodelled", ()), *what)
+
+
 def read_mlp_layer_types(cfg: Config, spec: dict[str, Any]) -> None:
     """GLM-4.7-Flash's ``mlp_layer_types`` (dense or sparse per layer; Glm4MoeLiteConfig's default: the
     first dense, the rest sparse), read as the first dense layers and MoE layers after them, the
@@ -477,9 +482,8 @@ def read_ernie_moe(cfg: Config, spec: dict[str, Any]) -> None:
     spec.update(num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=width,
                 shared_expert_ffn_hidden_size=cfg.whole("moe_num_shared_experts", 0) * width,
                 moe_layer_freq=interval, moe_layer_phase=(interval - 1) % interval, moe_first_dense_layers=start)
-    spec["unmodelled"] = (*spec.get("unmodelled", ()),
-                          "a per-expert correction bias added to the softmax scores that choose the experts "
-                          "(moe_statics; Megatron-core's --moe-router-enable-expert-bias needs sigmoid scores)")
+    add_unmodelled(spec, "a per-expert correction bias added to the softmax scores that choose the experts "
+                         "(moe_statics; Megatron-core's --moe-router-enable-expert-bias needs sigmoid scores)")
 
 
 # --- readers of one family ---------------------------------------------------------------------------
@@ -642,9 +646,8 @@ def read_ministral3(cfg: Config, spec: dict[str, Any]) -> None:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     beta = params.get(QUERY_SCALING, 0.0) if isinstance(params, Mapping) else 0.0
     if beta:
-        spec["unmodelled"] = (*spec.get("unmodelled", ()),
-                              f"every layer's queries scaled by 1 + {beta:g} log(1 + floor(position / original "
-                              f"context)) (llama_4_scaling_beta), an elementwise multiply")
+        add_unmodelled(spec, f"every layer's queries scaled by 1 + {beta:g} log(1 + floor(position / original "
+                             f"context)) (llama_4_scaling_beta), an elementwise multiply")
 
 
 def read_mtp(cfg: Config, spec: dict[str, Any]) -> None:
@@ -1236,7 +1239,7 @@ def model_from_hf_config(config: Mapping[str, Any], where: str, default_name: st
     for read in family.readers:
         read(cfg, spec)
     if unmodelled := read_router(cfg, spec):
-        spec["unmodelled"] = (*spec.get("unmodelled", ()), *unmodelled)
+        add_unmodelled(spec, *unmodelled)
     for key, (modelled, meaning) in family.expected.items():
         value = cfg.get(key, modelled)
         if value != modelled:
