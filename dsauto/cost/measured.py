@@ -35,6 +35,12 @@ class MeasuredLayer(Protocol):
         """Bytes autograd keeps for backward after the forward pass."""
         ...
 
+    @property
+    def hidden_bytes(self) -> float:
+        """The head only: what its layers before the LM head matrix keep for backward (the final
+        norm), with their output; 0 for other layers or where not measured."""
+        ...
+
 
 @runtime_checkable
 class MeasuredCollective(Protocol):
@@ -128,6 +134,7 @@ class AveragedLayer:
     forward_seconds: float
     backward_seconds: float
     activation_bytes: float
+    hidden_bytes: float = 0.0
 
 
 def transformer_layer_estimate(profile: MeasuredCosts, group: LayerGroup, tp: int, micro_batch: int,

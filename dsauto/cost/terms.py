@@ -1280,6 +1280,12 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     full_activation += tokens * group.expert_act_bytes_per_token / t * (expert_load_factor(ctx) - 1)
     full_activation += tokens * fp8_activation_change_bytes_per_token(group, ctx)
     megatron = ctx.engine == "megatron"
+    if not megatron:
+        # The model DeepSpeed trains computes its RMSNorms in fp32 and its gated activation apart
+        # (Hugging Face's modeling code; dsauto's reference layers alike); a measured layer (below)
+        # stands as measured.
+        full_activation += tokens * (group.unfused_extra_bytes_per_token / replicated_div
+                                     + group.unfused_extra_tp_bytes_per_token / t)
     # The routed copies as the engine keeps them, and Megatron-core's MLPs; a measured layer (below)
     # stands as measured.
     full_activation += tokens / t * routed_copy_change_bytes_per_token(group, ctx) * expert_load_factor(ctx)
@@ -1304,6 +1310,13 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
             full_activation = measured_uncheckpointed.activation_bytes
         if option.checkpoint:
             checkpoint_activation = measured.activation_bytes
+    if measured is not None and group.kind == "head" and measured.hidden_bytes and not megatron:
+        # The head's final norm as the reference head ran it (its kept bytes and output,
+        # dsauto.profile.layers.head_hidden_bytes): the count's input and output are a fused norm's,
+        # and torch's RMSNorm on CPU keeps fp32 copies besides (measured in bf16, bench-llama's
+        # loss in 2 chunks, ZeRO-3: 1.9 MiB at the head where the count had 0.75, the plan's peak
+        # 2.1% low; benchmarks/results/accuracy.md). Megatron-core runs its own final norm.
+        full_activation = measured.hidden_bytes
     if option.checkpoint:
         activation = checkpoint_activation
         transient = full_activation  # the recomputed layer lives until its backward ends

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsauto.models.moe import MoeMlp, feed_forward
-from dsauto.spec.model import ModelSpec
+from dsauto.spec.model import ModelSpec, rmsnorm_weight_in_fp32
 
 # scaled_dot_product_attention takes enable_gqa from torch 2.5 on.
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -27,8 +27,30 @@ _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 def _norm(model: ModelSpec, width: int | None = None) -> nn.Module:
     width = width or model.hidden_size
     if model.norm == "rmsnorm":
-        return nn.RMSNorm(width, eps=model.norm_epsilon)
+        return RMSNorm(width, model.norm_epsilon, weight_in_fp32=rmsnorm_weight_in_fp32(model))
     return nn.LayerNorm(width, eps=model.norm_epsilon, bias=model.norm_bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as Hugging Face's modeling code computes it, which is what DeepSpeed trains: in fp32,
+    the result cast back to the input's dtype before the weight multiplies it (LlamaRMSNorm, and
+    Mistral's, Qwen's, DeepSeek's alike) or after (``weight_in_fp32``: OLMo 2's; Gemma's, which
+    scales by one plus the weight, keeps the same tensors). So it keeps what those keep for backward,
+    on every device, where torch's own RMSNorm keeps other tensors on CPU (its fp32 decomposition)
+    than on CUDA (a fused kernel). The cost model prices the same (``LayerGroup.
+    unfused_extra_bytes_per_token``)."""
+
+    def __init__(self, width: int, eps: float, weight_in_fp32: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps, self.weight_in_fp32 = eps, weight_in_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        upcast = x.float()
+        normed = upcast * torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight.float() * normed).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -73,7 +95,21 @@ def _activation(model: ModelSpec):
         return F.relu
     if model.mlp == "relu2":
         return _squared_relu
+    if model.gelu_formula == "gelu_new":
+        return _gelu_new
+    if model.gelu_formula == "gelu_fast":
+        return _gelu_fast
     return functools.partial(F.gelu, approximate="tanh" if model.gelu_tanh else "none")
+
+
+# The tanh GeLU as Hugging Face's NewGELUActivation and FastGELUActivation write it (GPT-2, GPT-J,
+# Phi): Python operators, so autograd keeps what those keep (dsauto.spec.model.GELU_FORMULA_WIDTHS).
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
 
 
 class Embedding(nn.Module):

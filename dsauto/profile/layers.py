@@ -61,6 +61,10 @@ class LayerMeasurement:
     the input and output gradients and the parameter gradients)."""
     params_bytes: int
     """Bytes of the layer's parameters on this rank."""
+    hidden_bytes: int = 0
+    """The head only: bytes its layers before the LM head matrix keep for backward (the final norm,
+    an encoder's transform) and their output, which the matrix keeps as its input; what a loss
+    computed in checkpointed chunks keeps outside them. 0 for other layers, or where not measured."""
 
 
 def sync(device: torch.device) -> None:
@@ -123,9 +127,11 @@ def uncontended(run: Callable[[], tuple[float, float]], device: torch.device,
     return kept if len(kept) >= max(1, repeats // 2) else tried
 
 
-def _saved_bytes(run: Callable[[], torch.Tensor], params: set[int]) -> tuple[torch.Tensor, int]:
-    """Run a forward pass and count the distinct storages autograd saves for backward."""
-    storages: dict[int, int] = {}
+def _saved_bytes(run: Callable[[], torch.Tensor], params: set[int],
+                 storages: dict[int, int] | None = None) -> tuple[torch.Tensor, int]:
+    """Run a forward pass and count the distinct storages autograd saves for backward (added to
+    ``storages``, by data pointer, when given)."""
+    storages = {} if storages is None else storages
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -136,6 +142,22 @@ def _saved_bytes(run: Callable[[], torch.Tensor], params: set[int]) -> tuple[tor
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
     return out, sum(storages.values())
+
+
+def head_hidden_bytes(head: nn.Module, x: torch.Tensor) -> int:
+    """What the head's layers before its LM head matrix keep for backward (``head.hidden``: the
+    final norm, an encoder's transform), with their output, which the matrix keeps as its input.
+
+    The analytic count prices a fused norm, which keeps its input and output (and per-token
+    statistics); torch's RMSNorm runs unfused on some devices and keeps more: torch 2.13 on CPU
+    computes it in fp32 (aten's ``_fused_rms_norm`` decomposes there), keeping a bf16 input's fp32
+    copy and the normalised fp32 product besides the output, 10 bytes an element where the count
+    has 4. Measured, the head's kept bytes are what its device runs."""
+    storages: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in head.parameters()}
+    out, _ = _saved_bytes(lambda: head.hidden(x), params, storages)
+    storages[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def measure_layer(module: nn.Module, make_input: Callable[[], tuple[torch.Tensor, ...]],
@@ -302,12 +324,13 @@ def _profile_layers(model: ModelSpec, seq_len: int, micro_batches: Sequence[int]
             else:
                 timed = layer
         fwd, bwd, activation, peak = measure_layer(timed, make_input, ckpt, device, warmup, repeats)
+        hidden = head_hidden_bytes(layer, *make_input()) if group == "head" else 0
         name = {"block": model.architecture, "moe-block": model.architecture + MOE_GROUP_SUFFIX}.get(group, group)
         params_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
         results.append(LayerMeasurement(
             group=name, tp=tp, micro_batch=micro_batch, checkpoint=ckpt, forward_seconds=fwd,
             backward_seconds=bwd, activation_bytes=activation, peak_bytes=peak,
-            params_bytes=params_bytes))
+            params_bytes=params_bytes, hidden_bytes=hidden))
         if progress is not None:
             progress(f"[{n}/{len(jobs)}] {name} tp={tp} micro-batch {micro_batch}"
                      f"{' recomputed' if ckpt else ''}: forward {fwd * 1e3:.2f} ms, "

@@ -189,6 +189,7 @@ class Profile:
             activation_bytes=round(a.activation_bytes * micro_batch / lo),
             peak_bytes=round(line(a.peak_bytes, b.peak_bytes)),
             params_bytes=a.params_bytes,
+            hidden_bytes=round(a.hidden_bytes * micro_batch / lo),
         )
 
     def collective(self, op: str, group_size: int, scope: str) -> CollectiveFit | None:
@@ -394,4 +395,4 @@ def _scaled(m: LayerMeasurement, micro_batch: int, time_factor: float, bytes_fac
         group=m.group, tp=m.tp, micro_batch=micro_batch, checkpoint=m.checkpoint,
         forward_seconds=m.forward_seconds * time_factor, backward_seconds=m.backward_seconds * time_factor,
         activation_bytes=round(m.activation_bytes * bytes_factor), peak_bytes=round(m.peak_bytes * bytes_factor),
-        params_bytes=m.params_bytes)
+        params_bytes=m.params_bytes, hidden_bytes=round(m.hidden_bytes * bytes_factor))

@@ -229,6 +229,8 @@ def read_activation(key: str, gated: bool) -> Reader:
         elif name in _GELU:
             spec["mlp"] = "geglu" if gated else "gelu"
             spec["gelu_tanh"] = _GELU[name]
+            if name in ("gelu_new", "gelu_fast"):  # NewGELUActivation, FastGELUActivation: Python operators
+                spec["gelu_formula"] = name
         elif name in ("relu", "relu2") and not gated:
             spec["mlp"] = name
         else:

@@ -26,6 +26,7 @@ Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post", "output"]
 PositionEmbedding = Literal["learned", "rope", "alibi"]
 RopeScaling = Literal["", "linear", "llama3", "yarn", "dynamic", "longrope"]
+GeluFormula = Literal["", "gelu_new", "gelu_fast"]
 LayerKind = Literal["embedding", "transformer", "head"]
 MoeRouter = Literal["softmax", "sigmoid"]
 
@@ -123,6 +124,11 @@ class ModelSpec:
     gelu_tanh: bool = False
     """GeLU is computed with its tanh approximation (GPT-2's ``gelu_new``, Gemma's
     ``gelu_pytorch_tanh``) rather than exactly (BERT's ``gelu``)."""
+    gelu_formula: GeluFormula = ""
+    """The tanh GeLU written out in Python operators, as Hugging Face's ``gelu_new``
+    (NewGELUActivation: GPT-2, GPT-J, Phi) and ``gelu_fast`` (FastGELUActivation) compute it, which
+    keeps intermediate products for backward where torch's kernel keeps the input (the model
+    DeepSpeed trains; :func:`unfused_extra_widths`); '' for torch's kernel (``gelu_pytorch_tanh``)."""
     rotary_base: float = 10000.0
     """Base (theta) of the rotary embedding's frequencies."""
     rotary_base_local: float = 0.0
@@ -289,6 +295,9 @@ class ModelSpec:
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                 f"({self.num_attention_heads}); give attention_head_dim"
             )
+        if self.gelu_formula and not (self.gelu_tanh and self.mlp in ("gelu", "geglu")):
+            raise ValueError(f"gelu_formula {self.gelu_formula} writes out the tanh GeLU; it needs mlp gelu or geglu "
+                             f"and gelu_tanh, not mlp {self.mlp} with gelu_tanh {self.gelu_tanh}")
         if self.norms_per_layer not in (1, 2, 4):
             raise ValueError(f"norms_per_layer must be 1, 2 or 4, got {self.norms_per_layer}")
         if self.norms_per_layer == 1 and not self.parallel_attention:
@@ -647,6 +656,14 @@ class LayerGroup:
     """Of ``matmul_flops_per_token``, the router's (and the shared experts' gate's)."""
     shared_expert_out_input_elements_per_token: float = 0.0
     """Of ``expert_out_input_elements_per_token``, the shared experts' output projection's inputs."""
+    unfused_extra_bytes_per_token: float = 0.0
+    """What the model DeepSpeed trains keeps beyond the fused-kernel count above that tensor
+    parallelism would replicate, averaged over the layers: Hugging Face's modeling code, whose
+    RMSNorms compute in fp32 (the hidden-width and latent norms here) and whose gated MLPs keep the
+    activation function's output (:func:`unfused_extra_widths`); dsauto's reference layers compute
+    the same. Megatron-core fuses them (its own terms below)."""
+    unfused_extra_tp_bytes_per_token: float = 0.0
+    """The same, of what tensor parallelism splits: the query and key norms and the MLP's."""
     megatron_mlp_extra_bytes_per_token: float = 0.0
     """What Megatron-core's dense MLP keeps beyond ``mlp_act_bytes_per_token`` (negative: short of it),
     averaged over the layers, as its activation runs (:func:`megatron_activation_widths`). Measured on
@@ -698,6 +715,57 @@ class LayerGroup:
     def forward_flops_per_token(self) -> float:
         """Forward FLOPs per token of the whole layer: linear layers and attention."""
         return self.matmul_flops_per_token + self.attention_flops_per_token
+
+
+def rmsnorm_weight_in_fp32(model: ModelSpec) -> bool:
+    """Whether Hugging Face's RMSNorm of ``model`` multiplies by its weight in fp32 before the cast
+    back (Gemma's ``GemmaRMSNorm``, by one plus the weight; OLMo 2's and 3's ``Olmo2RMSNorm``) rather
+    than after it (``LlamaRMSNorm``: Llama, Mistral, Qwen, DeepSeek and the rest)."""
+    return model.norm_plus_one or model.norm_position == "output"
+
+
+def rmsnorm_extra_bytes_per_element(model: ModelSpec, dtype_bytes: int) -> float:
+    """What one of Hugging Face's RMSNorms keeps for backward beyond a fused norm (its input, and its
+    output where a matrix multiply keeps it as its input), per element of its width; 0 for LayerNorm,
+    which runs torch's fused kernel (its input and per-token statistics).
+
+    ``LlamaRMSNorm`` casts the input to fp32 (``to(float32)``, which the square and the
+    normalising multiply keep: the input itself in fp32), multiplies it by the reciprocal RMS and
+    casts back, which the weight's multiply keeps: 4 bytes beyond the count in any dtype (16-bit:
+    the fp32 copy and the normalised 16-bit value instead of the input; fp32: the normalised
+    value). With the weight multiplied in fp32 (:func:`rmsnorm_weight_in_fp32`), the normalised
+    value is kept in fp32: 8 bytes less the input's (16-bit), 4 (fp32). Measured against
+    transformers' own layers (tests/spec/test_unfused_activations.py)."""
+    if model.norm != "rmsnorm":
+        return 0.0
+    return 8.0 - dtype_bytes if rmsnorm_weight_in_fp32(model) else 4.0
+
+
+def unfused_extra_widths(model: ModelSpec, dense_fraction: float) -> tuple[float, float, float]:
+    """(widths of RMSNorm that tensor parallelism replicates, widths of RMSNorm it splits, widths of
+    the MLP's inner size) per token of one transformer layer whose activations Hugging Face's
+    modeling code keeps beyond the fused-kernel count of :func:`layer_groups`: every RMSNorm of the
+    layer (its pre- or post-norms of the hidden width and latent attention's latent norms; the query
+    and key norms of their widths), each priced at :func:`rmsnorm_extra_bytes_per_element`; and in a
+    gated MLP (``act_fn(gate_proj(x)) * up_proj(x)``: LlamaMLP, GemmaMLP) the activation function's
+    output, which the product keeps beside the gate's and the up projection's outputs
+    (``dense_fraction`` of the layers: the routed and shared experts are left to the engine-neutral
+    count), and what a GeLU written out in Python keeps (:data:`GELU_FORMULA_WIDTHS`)."""
+    replicated = model.norms_per_layer * model.hidden_size
+    if model.latent_attention:
+        replicated += model.q_lora_rank + model.kv_lora_rank
+    split = (model.num_attention_heads + model.kv_heads) * model.head_dim if model.qk_norm else 0
+    inner = (1 if model.gated_mlp else 0) + GELU_FORMULA_WIDTHS.get(model.gelu_formula, 0)
+    return replicated, split, dense_fraction * inner
+
+
+GELU_FORMULA_WIDTHS = {"gelu_new": 3, "gelu_fast": 6}
+"""Widths of the MLP's inner size that Hugging Face's Python tanh GeLU keeps beyond its input: of
+``0.5 * x * (1 + tanh(c * (x + 0.044715 * x**3)))`` (``gelu_new``) the tanh's output, which its
+backward reads, and both factors of the last product; ``gelu_fast`` (``x * c * (1 + 0.044715 * x *
+x)`` inside the tanh) also both factors of the product inside it and ``0.044715 * x``, a factor of
+``x * x``'s product. Measured against transformers' activations
+(tests/spec/test_unfused_activations.py)."""
 
 
 def megatron_activation_widths(model: ModelSpec) -> tuple[int, int]:
@@ -791,6 +859,8 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     qk_norm_share = 1.0 if model.qk_norm else (model.rotary_layers() / model.num_layers if model.qk_l2_norm else 0.0)
     shared_act, router_act = moe_fraction * inner * fs * b, moe_fraction * 2 * experts * 4
     megatron_mlp, megatron_routed = megatron_activation_widths(model)
+    norm_widths, norm_tp_widths, mlp_widths = unfused_extra_widths(model, dense_fraction)
+    norm_extra = rmsnorm_extra_bytes_per_element(model, b)
     expert_act = moe_fraction * top_k * (inner * fe * b + 2 * h * b) + shared_act + router_act
     act_tp = ((q_width + k_width + v_width + out_width) * b + dense_fraction * inner * f * b + expert_act + 4 * a
               + qk_norm_share * (qd + kvd) * b)
@@ -891,6 +961,8 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         megatron_expert_extra_bytes_per_token=moe_fraction * top_k * (
             megatron_routed * fe + (h if model.moe_probs_on_input else 0)) * b,
         moe_probs_on_input=model.moe_probs_on_input and moe_fraction > 0,
+        unfused_extra_bytes_per_token=norm_widths * norm_extra,
+        unfused_extra_tp_bytes_per_token=norm_tp_widths * norm_extra + mlp_widths * f * b,
         megatron_mlp_extra_bytes_per_token=dense_fraction * megatron_mlp * f * b,
         megatron_shared_expert_extra_bytes_per_token=moe_fraction * megatron_mlp * fs * b,
         activation_keeps_output=model.mlp == "relu",
@@ -916,6 +988,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         attention_score_bytes_per_token=0.0,
         checkpoint_bytes_per_token=0.0,
         tp_comm_bytes_per_token=h * b,  # vocab-parallel lookup ends in one all-reduce
+        unfused_extra_bytes_per_token=h * norm_extra if embedding_norm else 0.0,
     )
 
     # Head: final norm (pre-norm models), (encoder: dense + norm transform), LM head (with a bias
@@ -938,6 +1011,8 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         softmax_bytes_per_token=0.0,
         act_tp_bytes_per_token=0.0,
         act_replicated_bytes_per_token=2 * h * b + (2 * h * b if transform else 0),
+        # the final norm and the transform's (dsauto.profile.layers.head_hidden_bytes measures them)
+        unfused_extra_bytes_per_token=((0 if post_norm else h) + (h if transform else 0)) * norm_extra,
         attention_score_bytes_per_token=0.0,
         checkpoint_bytes_per_token=h * b,
         tp_comm_bytes_per_token=h * b,  # gradient of the column-parallel head's input (backward)

@@ -1,5 +1,7 @@
 """The profile satisfies the protocol through which the cost model and the search read it."""
 
+import pytest
+
 from dsauto.cost.measured import MeasuredCollective, MeasuredCosts, MeasuredLayer
 from dsauto.profile.collectives import CollectiveFit
 from dsauto.profile.layers import LayerMeasurement
@@ -41,3 +43,34 @@ def test_an_object_missing_a_member_is_not_measured_costs():
         seq_len, dtype, calibration, collectives = SEQ, "fp32", None, ()
 
     assert not isinstance(NoEstimates(), MeasuredCosts)
+
+
+def test_the_head_keeps_its_final_norm_as_measured_under_deepspeed():
+    # The analytic count prices a fused final norm (its input and output); a profile that measured
+    # the reference head's norm (LayerMeasurement.hidden_bytes) replaces it under DeepSpeed, whose
+    # model it is, and not under Megatron-core, which runs its own.
+    import dataclasses
+
+    from dsauto.cost.layer import CostModel
+    from dsauto.cost.strategy import LayerOption, Strategy
+    from dsauto.parallel import ParallelDims
+    from dsauto.spec.loaders import load_cluster
+    from dsauto.spec.model import layer_groups
+    from dsauto.spec.training import TrainSpec
+
+    profile = _profile()
+    measured_hidden = 123_456
+    layers = tuple(dataclasses.replace(m, hidden_bytes=measured_hidden * m.micro_batch) if m.group == "head" else m
+                   for m in profile.layers)
+    profile = dataclasses.replace(profile, layers=layers)
+    head = layer_groups(profile.model, SEQ, 4)[2]
+    plain = LayerOption(checkpoint=False, shard_params=False, split=1)
+    train = TrainSpec(global_batch=4, seq_len=SEQ, dtype="fp32")
+    analytic = SEQ * 2 * head.act_replicated_bytes_per_token
+    for engine, kept in (("deepspeed", 2 * measured_hidden), ("megatron", analytic)):
+        strategy = Strategy(dims=ParallelDims(dp=2, tp=1, pp=1), zero_stage=1, micro_batch=2, grad_accum=1,
+                            sequence_parallel=False, engine=engine)
+        model = CostModel(load_cluster("cpu", nodes=1, gpus_per_node=2), train, strategy,
+                          profile.model.hidden_size, profile)
+        assert model.layer(head, plain).activation_bytes == pytest.approx(kept), engine
+        assert model.layer(head, dataclasses.replace(plain, split=2)).activation_bytes == pytest.approx(kept), engine

@@ -81,3 +81,32 @@ def test_swiglu_gqa_rope_layers_profile_too(tiny):
     # why measuring matters: torch's RMSNorm is not fused and keeps its normalised output as well as
     # its input, and the fused gate/up output stays alive through the views SwiGLU takes of it.
     assert analytic < decoder.activation_bytes < 1.6 * analytic
+
+
+def test_the_head_measures_what_its_final_norm_keeps(tiny, measured):
+    # A LayerNorm keeps its input and per-token statistics, and the LM head matrix the norm's output:
+    # the analytic count's input and output. Only the head measures it.
+    head = layer_groups(tiny, SEQ, 4, tp=1)[2]
+    for m in measured:
+        tokens = m.micro_batch * SEQ
+        if m.group != "head":
+            assert m.hidden_bytes == 0
+        elif m.tp == 1:
+            assert m.hidden_bytes == pytest.approx(tokens * head.act_replicated_bytes_per_token, rel=0.01)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_head_of_an_rmsnorm_model_keeps_what_the_count_prices(dtype):
+    # The reference RMSNorm computes as Hugging Face's LlamaRMSNorm (fp32, cast back, then the
+    # weight): beyond the fused count's input and output it keeps 4 bytes an element in either
+    # dtype (the unfused extra), and a 4-byte reciprocal RMS per token.
+    llama = dataclasses.replace(load_model("gpt-tiny"), name="tiny-llama", norm="rmsnorm", mlp="swiglu",
+                                position_embedding="rope", tied_embeddings=False, linear_bias=False)
+    head = reference_layer(llama, "head", 1, llama.padded_vocab_size(1)).to(dtype)
+    from dsauto.profile.layers import head_hidden_bytes
+
+    x = torch.randn(2, SEQ, llama.hidden_size, dtype=dtype, requires_grad=True)
+    counted = layer_groups(llama, SEQ, x.element_size(), tp=1)[2]
+    per_token = counted.act_replicated_bytes_per_token + counted.unfused_extra_bytes_per_token
+    assert counted.unfused_extra_bytes_per_token == 4 * llama.hidden_size
+    assert head_hidden_bytes(head, x) == 2 * SEQ * (per_token + 4)

@@ -77,13 +77,14 @@ def test_impossible_budget_names_the_smallest_need():
         Planner(model, cluster, train).search()
     assert 4 < float(caught.value.args[0].split("needs at least ")[1].split(" GiB")[0]) < 80
     assert "raise --memory-limit" in str(caught.value)
-    # With its optimizer and parameters offloaded llama2-7b fits 2.5 GiB a device, so at 2 GiB no bound
-    # above the limit is quoted (the offloaded strategies' bounds count too)
+    # With its optimizer and parameters offloaded llama2-7b fits 3 GiB a device (a recomputed layer's
+    # activations as Hugging Face's Llama keeps them), so at 2 GiB no bound above the limit is quoted
+    # (the offloaded strategies' bounds count too)
     model, cluster, train = setup(model="llama2-7b", nodes=1, per_node=8, batch=8, memory_limit=2 * 2**30)
     with pytest.raises(DsautoError, match=r"does not fit .*: no plan priced stays within it") as caught:
         Planner(model, cluster, train).search()
     assert "raise --memory-limit" in str(caught.value)  # 2 GiB set, the device holds more
-    Planner(model, dataclasses.replace(cluster, memory_limit_bytes=5 * 2**29), train).search()
+    Planner(model, dataclasses.replace(cluster, memory_limit_bytes=6 * 2**29), train).search()
 
 
 def test_an_impossible_budget_says_whether_the_state_or_the_activations_overflow():

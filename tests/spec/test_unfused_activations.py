@@ -1,0 +1,108 @@
+"""What Hugging Face's modeling code keeps for backward, against the activation count DeepSpeed plans
+are priced with (the fused-kernel count of :func:`dsauto.spec.model.layer_groups` plus its unfused
+extras, ``unfused_extra_bytes_per_token`` and ``unfused_extra_tp_bytes_per_token``): one decoder
+layer of each family, built by transformers from a tiny config on CPU, its saved tensors counted
+storage by storage as autograd packs them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsauto.spec.hf import model_from_hf_config
+from dsauto.spec.model import layer_groups
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, BATCH = 64, 2
+BASE = {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": SEQ, "head_dim": 32}
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen3": ("Qwen3Config", {}),  # query and key norms of the head width
+    "gemma": ("GemmaConfig", {}),  # (1 + weight) in fp32, a gated GeLU
+    "olmo2": ("Olmo2Config", {"eos_token_id": 1, "pad_token_id": 1}),  # norms after each branch, query and key norms over all heads
+    "gemma3": ("Gemma3TextConfig", {}),  # four norms a layer, query and key norms
+    # Not here: latent attention (DeepSeek V3), whose unequal query and value head widths torch's CPU
+    # attention runs on its fp32 math path, keeping the scores, which a GPU's kernels do not.
+}
+
+
+def layer_saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """Bytes of the distinct storages the first decoder layer saves for backward in one forward of
+    the whole model, but those handed to it from outside (rotary tables, masks) and the weights."""
+    layer = model.model.layers[0]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    outside: set[int] = set()
+    saved: dict[int, int] = {}
+    inside = [False]
+
+    def enter(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        for value in (*args, *kwargs.values()):
+            for tensor in (value if isinstance(value, tuple) else (value,)):
+                if isinstance(tensor, torch.Tensor) and tensor is not hidden:
+                    outside.add(tensor.untyped_storage().data_ptr())
+        inside[0] = True
+
+    def leave(module, args, kwargs, output):
+        inside[0] = False
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        ptr = tensor.untyped_storage().data_ptr()
+        if inside[0] and ptr not in params and ptr not in outside:
+            saved[ptr] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    layer.register_forward_pre_hook(enter, with_kwargs=True)
+    layer.register_forward_hook(leave, with_kwargs=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=tokens)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_decoder_layer_keeps_what_its_deepspeed_count_prices(family, dtype):
+    config_class, extra = FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**BASE, **extra}, attention_dropout=0.0)
+    config._attn_implementation = "sdpa"
+    spec = model_from_hf_config(config.to_dict(), f"tiny {config_class}", f"tiny-{family}")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    tokens = torch.randint(0, BASE["vocab_size"], (BATCH, SEQ))
+    measured = layer_saved_bytes(model, tokens)
+    block = layer_groups(spec, SEQ, torch.finfo(dtype).bits // 8, tp=1)[1]
+    count = BATCH * SEQ * (block.act_tp_bytes_per_token + block.act_replicated_bytes_per_token)
+    priced = count + BATCH * SEQ * (block.unfused_extra_bytes_per_token + block.unfused_extra_tp_bytes_per_token)
+    assert block.unfused_extra_bytes_per_token > 0 and block.unfused_extra_tp_bytes_per_token > 0
+    # Up to the per-token statistics (a norm's reciprocal RMS, attention's log-sum-exp), a few percent.
+    assert priced == pytest.approx(measured, rel=0.01), (count, priced, measured)
+    assert count < 0.9 * measured
+
+
+@pytest.mark.parametrize("name", ["gelu_new", "gelu_fast"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_python_gelu_keeps_its_intermediate_products(name, dtype):
+    # GPT-2's, GPT-J's and Phi's activation: transformers' own, counted beside the input the fused
+    # count keeps (the output, which the next matrix keeps, is counted there).
+    from transformers.activations import ACT2FN
+
+    from dsauto.spec.model import GELU_FORMULA_WIDTHS
+
+    x = torch.randn(BATCH, SEQ, 352, dtype=dtype, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ACT2FN[name](x)
+    beyond_input = sum(saved.values()) - x.untyped_storage().nbytes()
+    assert beyond_input == GELU_FORMULA_WIDTHS[name] * x.nbytes
+    config = transformers.GPT2Config(n_embd=128, n_head=4, n_inner=352, activation_function=name)
+    spec = model_from_hf_config(config.to_dict(), f"GPT2Config with {name}", "tiny-gpt2")
+    assert spec.gelu_formula == name
+    block = layer_groups(spec, SEQ, x.element_size(), tp=1)[1]
+    assert block.unfused_extra_tp_bytes_per_token == GELU_FORMULA_WIDTHS[name] * 352 * x.element_size()
