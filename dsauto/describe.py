@@ -28,6 +28,19 @@ def _optimizer_text(plan: Plan) -> str:
     return ""
 
 
+def _activations_text(plan: Plan) -> str:
+    """What a DeepSpeed plan's activations are priced as, where Hugging Face's modeling code keeps
+    more than fused kernels would (:func:`dsauto.spec.model.unfused_extra_widths`)."""
+    model = plan.model
+    kept = [part for part, present in (("fp32 RMSNorms", model.norm == "rmsnorm"),
+                                       ("the gated activation's output", model.gated_mlp),
+                                       (f"the {model.gelu_formula} GeLU's products", bool(model.gelu_formula)))
+            if present]
+    if plan.engine != "deepspeed" or not kept:
+        return ""
+    return f"; activations as Hugging Face's modeling code keeps them ({', '.join(kept)})"
+
+
 def _layer_range(run: LayerChoice) -> str:
     return f"{run.first}" if run.first == run.last else f"{run.first}-{run.last}"
 
@@ -60,7 +73,7 @@ def describe_plan(plan: Plan) -> str:
         f"dsauto plan: {plan.model.name} on {plan.nodes} x {plan.gpus_per_node} {plan.hardware} "
         f"({counted(plan.world_size, 'device')}), {format_count(plan.model.num_parameters())} parameters"
         f"{_mtp_parameters_text(plan)}",
-        f"  engine      {plan.engine}{_optimizer_text(plan)}"
+        f"  engine      {plan.engine}{_optimizer_text(plan)}{_activations_text(plan)}"
         + ("" if plan.ranking is None else f"; {_ranking_text(plan)}"),
         f"  degrees     {plan.dims.describe()}; {counted(plan.world_size, 'device')} = "
         f"dp {plan.dp} x tp {plan.tp} x pp {plan.pp}" + (f" x cp {plan.cp}" if plan.cp > 1 else "")

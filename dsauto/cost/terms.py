@@ -645,8 +645,8 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     re-running it frees a few bytes per head and token, which the model counts as nothing (and it
     costs a whole attention forward). ``layernorm``: the pre-norms' outputs
     (:attr:`LayerGroup.norm_output_bytes_per_token`; split like them under sequence parallelism).
-    ``mlp``: the dense MLP's inner activations (:attr:`LayerGroup.mlp_act_bytes_per_token`).
-    ``moe_act``: the routed experts' activation outputs (:attr:`LayerGroup.
+    ``mlp``: the dense MLP's inner activations (:attr:`LayerGroup.mlp_act_bytes_per_token`, and what
+    the engine's MLP keeps besides). ``moe_act``: the routed experts' activation outputs (:attr:`LayerGroup.
     expert_act_output_bytes_per_token`), at the busiest rank's load like the experts' other
     activations (:func:`expert_load_factor`). ``mla_up_proj``: latent attention's queries, keys and
     values (:attr:`LayerGroup.mla_up_output_bytes_per_token`), which the attention core keeps as its
@@ -673,7 +673,9 @@ def selective_saved_bytes_per_token(group: LayerGroup, option: LayerOption, ctx:
     megatron = ctx.engine == "megatron"
     if "mlp" in modules:
         kept_in_fp8 = fp8_mlp_out_saved_bytes(group, ctx) * mlp_out_input_elements(group)
-        unfused = group.megatron_mlp_extra_bytes_per_token if megatron else 0.0
+        # what the engine's MLP keeps beyond the count: Megatron-core's unfused activations, or under
+        # DeepSpeed Hugging Face's (the checkpointed MLP keeps its input alone)
+        unfused = group.megatron_mlp_extra_bytes_per_token if megatron else group.unfused_mlp_extra_bytes_per_token
         saved += (group.mlp_act_bytes_per_token + unfused - kept_in_fp8) / ctx.tp
     fp8_saved = ctx.dtype_bytes - FP8_BYTES if ctx.fp8 else 0  # per element kept in FP8
     if "moe" in modules or "shared_experts" in modules:  # 'moe' recomputes the shared experts too
@@ -1311,11 +1313,11 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
         if option.checkpoint:
             checkpoint_activation = measured.activation_bytes
     if measured is not None and group.kind == "head" and measured.hidden_bytes and not megatron:
-        # The head's final norm as the reference head ran it (its kept bytes and output,
-        # dsauto.profile.layers.head_hidden_bytes): the count's input and output are a fused norm's,
-        # and torch's RMSNorm on CPU keeps fp32 copies besides (measured in bf16, bench-llama's
-        # loss in 2 chunks, ZeRO-3: 1.9 MiB at the head where the count had 0.75, the plan's peak
-        # 2.1% low; benchmarks/results/accuracy.md). Megatron-core runs its own final norm.
+        # The head's final norm as the profiled head ran it (its kept bytes and output,
+        # dsauto.profile.layers.head_hidden_bytes). The count of a fused norm had put bench-llama's
+        # bf16 ZeRO-3 plan with its loss in 2 chunks 2.1% low (torch's RMSNorm on CPU: 1.9 MiB at
+        # the head where the count had 0.75; benchmarks/results/accuracy.md). Megatron-core runs
+        # its own final norm.
         full_activation = measured.hidden_bytes
     if option.checkpoint:
         activation = checkpoint_activation

@@ -4,7 +4,9 @@ The model is three parts in execution order, the same numbering as :class:`dsaut
 ``embedding`` (layer 0), ``layers[0..L-1]`` (layers 1..L) and ``head`` (layer L+1: final norm,
 LM head and cross-entropy). Its parameters are exactly those :func:`dsauto.spec.model.layer_groups`
 counts, so measured and analytic costs describe the same network. Written in the style of nanoGPT:
-one file, plain modules, fused QKV and (for SwiGLU) fused gate/up matrices as Megatron fuses them.
+one file, plain modules, fused QKV and (for SwiGLU) fused gate/up matrices as Megatron fuses them,
+and RMSNorm and the Python tanh GeLUs computed as Hugging Face's modeling code computes them, which
+is what DeepSpeed trains (the activations they keep are priced so: ``unfused_extra_widths``).
 """
 
 from __future__ import annotations

@@ -146,13 +146,11 @@ def _saved_bytes(run: Callable[[], torch.Tensor], params: set[int],
 
 def head_hidden_bytes(head: nn.Module, x: torch.Tensor) -> int:
     """What the head's layers before its LM head matrix keep for backward (``head.hidden``: the
-    final norm, an encoder's transform), with their output, which the matrix keeps as its input.
-
-    The analytic count prices a fused norm, which keeps its input and output (and per-token
-    statistics); torch's RMSNorm runs unfused on some devices and keeps more: torch 2.13 on CPU
-    computes it in fp32 (aten's ``_fused_rms_norm`` decomposes there), keeping a bf16 input's fp32
-    copy and the normalised fp32 product besides the output, 10 bytes an element where the count
-    has 4. Measured, the head's kept bytes are what its device runs."""
+    final norm, an encoder's transform), with their output, which the matrix keeps as its input:
+    what a loss computed in chunks keeps outside them, which the head's kept activations (its
+    loss's log-softmax among them) do not tell apart. Measured, it is what the device ran: torch's
+    own RMSNorm, before the reference head computed Hugging Face's, kept 10 bytes an element in
+    bf16 on CPU (its fp32 decomposition) and 4 on CUDA (a fused kernel)."""
     storages: dict[int, int] = {}
     params = {p.untyped_storage().data_ptr() for p in head.parameters()}
     out, _ = _saved_bytes(lambda: head.hidden(x), params, storages)

@@ -664,6 +664,9 @@ class LayerGroup:
     the same. Megatron-core fuses them (its own terms below)."""
     unfused_extra_tp_bytes_per_token: float = 0.0
     """The same, of what tensor parallelism splits: the query and key norms and the MLP's."""
+    unfused_mlp_extra_bytes_per_token: float = 0.0
+    """Of ``unfused_extra_tp_bytes_per_token``, the dense MLP's: what recomputing ``mlp`` frees
+    besides ``mlp_act_bytes_per_token`` under DeepSpeed."""
     megatron_mlp_extra_bytes_per_token: float = 0.0
     """What Megatron-core's dense MLP keeps beyond ``mlp_act_bytes_per_token`` (negative: short of it),
     averaged over the layers, as its activation runs (:func:`megatron_activation_widths`). Measured on
@@ -963,6 +966,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         moe_probs_on_input=model.moe_probs_on_input and moe_fraction > 0,
         unfused_extra_bytes_per_token=norm_widths * norm_extra,
         unfused_extra_tp_bytes_per_token=norm_tp_widths * norm_extra + mlp_widths * f * b,
+        unfused_mlp_extra_bytes_per_token=mlp_widths * f * b,
         megatron_mlp_extra_bytes_per_token=dense_fraction * megatron_mlp * f * b,
         megatron_shared_expert_extra_bytes_per_token=moe_fraction * megatron_mlp * fs * b,
         activation_keeps_output=model.mlp == "relu",

@@ -106,3 +106,51 @@ def test_a_python_gelu_keeps_its_intermediate_products(name, dtype):
     assert spec.gelu_formula == name
     block = layer_groups(spec, SEQ, x.element_size(), tp=1)[1]
     assert block.unfused_extra_tp_bytes_per_token == GELU_FORMULA_WIDTHS[name] * 352 * x.element_size()
+
+
+def test_a_deepspeed_plan_says_whose_activations_it_priced():
+    from dsauto.api import make_plan
+    from dsauto.describe import describe_plan
+
+    def engine_line(model: str, engine: str) -> str:
+        plan = make_plan(model, "a100-80gb", nodes=1, engine=engine, global_batch=64, seq_len=512)
+        return next(line for line in describe_plan(plan).splitlines() if line.lstrip().startswith("engine"))
+
+    assert ("activations as Hugging Face's modeling code keeps them (fp32 RMSNorms, the gated activation's output)"
+            in engine_line("llama2-7b", "deepspeed"))
+    assert "the gelu_new GeLU's products" in engine_line("gpt2-xl", "deepspeed")
+    assert "Hugging Face" not in engine_line("llama2-7b", "megatron")
+    assert "Hugging Face" not in engine_line("bert-large", "deepspeed")  # LayerNorm, exact GeLU: torch's kernels
+
+
+def test_recomputing_a_hugging_face_mlp_frees_what_it_keeps():
+    # The DeepSpeed hook checkpoints LlamaMLP, which then keeps its input alone: the gate's, the up
+    # projection's, the SiLU's and the product's outputs are freed, the count's three and the unfused
+    # one (LayerGroup.unfused_mlp_extra_bytes_per_token).
+    from dsauto.api import make_plan
+    from dsauto.profile.memory import MemoryTracker
+    from dsauto.runtime.layers import find_layers
+    from dsauto.runtime.recompute import apply_selective_recompute
+
+    config = transformers.LlamaConfig(**{**BASE, "num_hidden_layers": 2}, attention_dropout=0.0)
+    config._attn_implementation = "sdpa"
+    spec = model_from_hf_config(config.to_dict(), "tiny LlamaConfig", "tiny-llama")
+    kept = {}
+    for modules in (None, "mlp"):
+        plan = make_plan(spec, "cpu", nodes=1, gpus_per_node=2, engine="deepspeed", global_batch=2 * BATCH,
+                         seq_len=SEQ, dtype="fp32", micro_batch=BATCH, zero_stage=1, checkpoint=False,
+                         recompute_modules=modules)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        if modules:
+            apply_selective_recompute(plan, find_layers(model))
+        tracker = MemoryTracker()
+        with tracker:
+            logits = model(input_ids=torch.randint(0, BASE["vocab_size"], (BATCH, SEQ))).logits
+        kept[modules] = (tracker.final_bytes(), plan.stages[0].activation_bytes)
+        del logits
+    block = layer_groups(spec, SEQ, 4, tp=1)[1]
+    freed = 2 * BATCH * SEQ * (block.mlp_act_bytes_per_token + block.unfused_mlp_extra_bytes_per_token)
+    assert block.unfused_mlp_extra_bytes_per_token == BASE["intermediate_size"] * 4  # the SiLU's output
+    assert kept[None][0] - kept["mlp"][0] == freed
+    assert kept[None][1] - kept["mlp"][1] == freed  # the plans' kept activations
