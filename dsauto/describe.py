@@ -33,6 +33,7 @@ def _activations_text(plan: Plan) -> str:
     more than fused kernels would (:func:`dsauto.spec.model.unfused_extra_widths`)."""
     model = plan.model
     kept = [part for part, present in (("fp32 RMSNorms", model.norm == "rmsnorm"),
+                                       ("fp32 LayerNorms", model.layernorm_fp32),
                                        ("the gated activation's output", model.gated_mlp),
                                        (f"the {model.gelu_formula} GeLU's products", bool(model.gelu_formula)))
             if present]

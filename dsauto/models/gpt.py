@@ -30,7 +30,27 @@ def _norm(model: ModelSpec, width: int | None = None) -> nn.Module:
     width = width or model.hidden_size
     if model.norm == "rmsnorm":
         return RMSNorm(width, model.norm_epsilon, weight_in_fp32=rmsnorm_weight_in_fp32(model))
+    if model.layernorm_fp32:
+        return LayerNormFp32(width, model.norm_epsilon)
     return nn.LayerNorm(width, eps=model.norm_epsilon, bias=model.norm_bias)
+
+
+class LayerNormFp32(nn.Module):
+    """LayerNorm without a bias as Hugging Face's CohereLayerNorm computes it (Command R): in fp32,
+    the mean subtracted once for the variance and again to normalise, the weight applied in fp32,
+    the result cast back; so it keeps what that keeps (``ModelSpec.layernorm_fp32``)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        upcast = x.float()
+        mean = upcast.mean(-1, keepdim=True)
+        variance = (upcast - mean).pow(2).mean(-1, keepdim=True)
+        normed = (upcast - mean) * torch.rsqrt(variance + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

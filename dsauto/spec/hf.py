@@ -818,7 +818,7 @@ _GLM_DEFAULTS = {**_LLAMA_DEFAULTS, "rms_norm_eps": 1.5625e-07, "head_dim": 128,
                  "partial_rotary_factor": 0.5}
 # Command R: one bias-free LayerNorm feeding attention and MLP side by side (CohereDecoderLayer)
 _COHERE = {**_LLAMA, "norm": "layernorm", "norm_bias": False, "parallel_attention": True, "norms_per_layer": 1,
-           "rotary_interleaved": True}
+           "rotary_interleaved": True, "layernorm_fp32": True}
 _COHERE_DEFAULTS = {**_LLAMA_DEFAULTS, "layer_norm_eps": 1e-5, "tie_word_embeddings": True, "logit_scale": 0.0625}
 _COHERE_READERS: tuple[Reader, ...] = (
     read_kv_heads(), read_tied, read_rope, read_norm_epsilon("layer_norm_eps"), read_dropout("attention_dropout"),

@@ -104,6 +104,11 @@ class ModelSpec:
     norm (OLMo 2 and 3)."""
     norm_epsilon: float = 1e-5
     """Epsilon of every norm."""
+    layernorm_fp32: bool = False
+    """The LayerNorm is written out in Python operators in fp32 (Cohere's CohereLayerNorm: Command R,
+    Command R7B), which keeps the centred input twice and the normalised value for backward, in
+    fp32, where torch's kernel keeps the input (the model DeepSpeed trains;
+    :func:`unfused_norm_bytes_per_element`)."""
     norm_plus_one: bool = False
     """Norms scale by (1 + weight), the weight starting at zero (Gemma; Megatron's
     ``--apply-layernorm-1p``)."""
@@ -298,6 +303,8 @@ class ModelSpec:
         if self.gelu_formula and not (self.gelu_tanh and self.mlp in ("gelu", "geglu")):
             raise ValueError(f"gelu_formula {self.gelu_formula} writes out the tanh GeLU; it needs mlp gelu or geglu "
                              f"and gelu_tanh, not mlp {self.mlp} with gelu_tanh {self.gelu_tanh}")
+        if self.layernorm_fp32 and self.norm != "layernorm":
+            raise ValueError(f"layernorm_fp32 computes a LayerNorm in fp32; it needs norm layernorm, not {self.norm}")
         if self.norms_per_layer not in (1, 2, 4):
             raise ValueError(f"norms_per_layer must be 1, 2 or 4, got {self.norms_per_layer}")
         if self.norms_per_layer == 1 and not self.parallel_attention:
@@ -727,10 +734,15 @@ def rmsnorm_weight_in_fp32(model: ModelSpec) -> bool:
     return model.norm_plus_one or model.norm_position == "output"
 
 
-def rmsnorm_extra_bytes_per_element(model: ModelSpec, dtype_bytes: int) -> float:
-    """What one of Hugging Face's RMSNorms keeps for backward beyond a fused norm (its input, and its
-    output where a matrix multiply keeps it as its input), per element of its width; 0 for LayerNorm,
-    which runs torch's fused kernel (its input and per-token statistics).
+def unfused_norm_bytes_per_element(model: ModelSpec, dtype_bytes: int) -> float:
+    """What one of Hugging Face's norms keeps for backward beyond a fused norm (its input, and its
+    output where a matrix multiply keeps it as its input), per element of its width; 0 for a
+    LayerNorm that runs torch's kernel (its input and per-token statistics).
+
+    Cohere's LayerNorm in fp32 (:attr:`ModelSpec.layernorm_fp32`) subtracts the mean twice, once for
+    the variance and once to normalise, each difference kept by its square or its multiply, and
+    multiplies by the weight in fp32, which keeps the normalised value: three fp32 copies where the
+    count has the input, 12 bytes less the element's.
 
     ``LlamaRMSNorm`` casts the input to fp32 (``to(float32)``, which the square and the
     normalising multiply keep: the input itself in fp32), multiplies it by the reciprocal RMS and
@@ -739,6 +751,8 @@ def rmsnorm_extra_bytes_per_element(model: ModelSpec, dtype_bytes: int) -> float
     value). With the weight multiplied in fp32 (:func:`rmsnorm_weight_in_fp32`), the normalised
     value is kept in fp32: 8 bytes less the input's (16-bit), 4 (fp32). Measured against
     transformers' own layers (tests/spec/test_unfused_activations.py)."""
+    if model.layernorm_fp32:
+        return 12.0 - dtype_bytes
     if model.norm != "rmsnorm":
         return 0.0
     return 8.0 - dtype_bytes if rmsnorm_weight_in_fp32(model) else 4.0
@@ -747,9 +761,9 @@ def rmsnorm_extra_bytes_per_element(model: ModelSpec, dtype_bytes: int) -> float
 def unfused_extra_widths(model: ModelSpec, dense_fraction: float) -> tuple[float, float, float]:
     """(widths of RMSNorm that tensor parallelism replicates, widths of RMSNorm it splits, widths of
     the MLP's inner size) per token of one transformer layer whose activations Hugging Face's
-    modeling code keeps beyond the fused-kernel count of :func:`layer_groups`: every RMSNorm of the
+    modeling code keeps beyond the fused-kernel count of :func:`layer_groups`: every norm of the
     layer (its pre- or post-norms of the hidden width and latent attention's latent norms; the query
-    and key norms of their widths), each priced at :func:`rmsnorm_extra_bytes_per_element`; and in a
+    and key norms of their widths), each priced at :func:`unfused_norm_bytes_per_element`; and in a
     gated MLP (``act_fn(gate_proj(x)) * up_proj(x)``: LlamaMLP, GemmaMLP) the activation function's
     output, which the product keeps beside the gate's and the up projection's outputs
     (``dense_fraction`` of the layers: the routed and shared experts are left to the engine-neutral
@@ -863,7 +877,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     shared_act, router_act = moe_fraction * inner * fs * b, moe_fraction * 2 * experts * 4
     megatron_mlp, megatron_routed = megatron_activation_widths(model)
     norm_widths, norm_tp_widths, mlp_widths = unfused_extra_widths(model, dense_fraction)
-    norm_extra = rmsnorm_extra_bytes_per_element(model, b)
+    norm_extra = unfused_norm_bytes_per_element(model, b)
     expert_act = moe_fraction * top_k * (inner * fe * b + 2 * h * b) + shared_act + router_act
     act_tp = ((q_width + k_width + v_width + out_width) * b + dense_fraction * inner * f * b + expert_act + 4 * a
               + qk_norm_share * (qd + kvd) * b)

@@ -23,6 +23,7 @@ FAMILIES = {
     "gemma": ("GemmaConfig", {}),  # (1 + weight) in fp32, a gated GeLU
     "olmo2": ("Olmo2Config", {"eos_token_id": 1, "pad_token_id": 1}),  # norms after each branch, query and key norms over all heads
     "gemma3": ("Gemma3TextConfig", {}),  # four norms a layer, query and key norms
+    "cohere": ("CohereConfig", {}),  # one LayerNorm in fp32 for parallel attention and MLP
     # Not here: latent attention (DeepSeek V3), whose unequal query and value head widths torch's CPU
     # attention runs on its fp32 math path, keeping the scores, which a GPU's kernels do not.
 }
