@@ -1287,7 +1287,8 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
         # (Hugging Face's modeling code; dsauto's reference layers alike); a measured layer (below)
         # stands as measured.
         full_activation += tokens * (group.unfused_extra_bytes_per_token / replicated_div
-                                     + group.unfused_extra_tp_bytes_per_token / t)
+                                     + group.unfused_extra_tp_bytes_per_token / t
+                                     + group.unfused_expert_extra_bytes_per_token / t * expert_load_factor(ctx))
     # The routed copies as the engine keeps them, and Megatron-core's MLPs; a measured layer (below)
     # stands as measured.
     full_activation += tokens / t * routed_copy_change_bytes_per_token(group, ctx) * expert_load_factor(ctx)

@@ -674,6 +674,9 @@ class LayerGroup:
     unfused_mlp_extra_bytes_per_token: float = 0.0
     """Of ``unfused_extra_tp_bytes_per_token``, the dense MLP's: what recomputing ``mlp`` frees
     besides ``mlp_act_bytes_per_token`` under DeepSpeed."""
+    unfused_expert_extra_bytes_per_token: float = 0.0
+    """The same beyond ``expert_act_bytes_per_token``, of the routed experts' top-k copies at the
+    mean load, averaged over the layers (the shared experts' is in ``unfused_extra_tp_bytes_per_token``)."""
     megatron_mlp_extra_bytes_per_token: float = 0.0
     """What Megatron-core's dense MLP keeps beyond ``mlp_act_bytes_per_token`` (negative: short of it),
     averaged over the layers, as its activation runs (:func:`megatron_activation_widths`). Measured on
@@ -758,22 +761,22 @@ def unfused_norm_bytes_per_element(model: ModelSpec, dtype_bytes: int) -> float:
     return 8.0 - dtype_bytes if rmsnorm_weight_in_fp32(model) else 4.0
 
 
-def unfused_extra_widths(model: ModelSpec, dense_fraction: float) -> tuple[float, float, float]:
-    """(widths of RMSNorm that tensor parallelism replicates, widths of RMSNorm it splits, widths of
-    the MLP's inner size) per token of one transformer layer whose activations Hugging Face's
-    modeling code keeps beyond the fused-kernel count of :func:`layer_groups`: every norm of the
-    layer (its pre- or post-norms of the hidden width and latent attention's latent norms; the query
-    and key norms of their widths), each priced at :func:`unfused_norm_bytes_per_element`; and in a
-    gated MLP (``act_fn(gate_proj(x)) * up_proj(x)``: LlamaMLP, GemmaMLP) the activation function's
-    output, which the product keeps beside the gate's and the up projection's outputs
-    (``dense_fraction`` of the layers: the routed and shared experts are left to the engine-neutral
-    count), and what a GeLU written out in Python keeps (:data:`GELU_FORMULA_WIDTHS`)."""
+def unfused_extra_widths(model: ModelSpec) -> tuple[float, float, float]:
+    """(widths of norm that tensor parallelism replicates, widths of norm it splits, widths of an
+    MLP's inner size) per token of one transformer layer whose activations Hugging Face's modeling
+    code keeps beyond the fused-kernel count of :func:`layer_groups`: every norm of the layer (its
+    pre- or post-norms of the hidden width and latent attention's latent norms; the query and key
+    norms of their widths), each priced at :func:`unfused_norm_bytes_per_element`; and, of every MLP
+    (the dense one, each routed copy's expert, the shared experts), in a gated one
+    (``act_fn(gate_proj(x)) * up_proj(x)``: LlamaMLP, GemmaMLP, and transformers' grouped experts
+    alike) the activation function's output, which the product keeps beside the gate's and the up
+    projection's outputs, and what a GeLU written out in Python keeps (:data:`GELU_FORMULA_WIDTHS`)."""
     replicated = model.norms_per_layer * model.hidden_size
     if model.latent_attention:
         replicated += model.q_lora_rank + model.kv_lora_rank
     split = (model.num_attention_heads + model.kv_heads) * model.head_dim if model.qk_norm else 0
     inner = (1 if model.gated_mlp else 0) + GELU_FORMULA_WIDTHS.get(model.gelu_formula, 0)
-    return replicated, split, dense_fraction * inner
+    return replicated, split, inner
 
 
 GELU_FORMULA_WIDTHS = {"gelu_new": 3, "gelu_fast": 6}
@@ -876,7 +879,7 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
     qk_norm_share = 1.0 if model.qk_norm else (model.rotary_layers() / model.num_layers if model.qk_l2_norm else 0.0)
     shared_act, router_act = moe_fraction * inner * fs * b, moe_fraction * 2 * experts * 4
     megatron_mlp, megatron_routed = megatron_activation_widths(model)
-    norm_widths, norm_tp_widths, mlp_widths = unfused_extra_widths(model, dense_fraction)
+    norm_widths, norm_tp_widths, mlp_widths = unfused_extra_widths(model)
     norm_extra = unfused_norm_bytes_per_element(model, b)
     expert_act = moe_fraction * top_k * (inner * fe * b + 2 * h * b) + shared_act + router_act
     act_tp = ((q_width + k_width + v_width + out_width) * b + dense_fraction * inner * f * b + expert_act + 4 * a
@@ -978,9 +981,13 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         megatron_expert_extra_bytes_per_token=moe_fraction * top_k * (
             megatron_routed * fe + (h if model.moe_probs_on_input else 0)) * b,
         moe_probs_on_input=model.moe_probs_on_input and moe_fraction > 0,
-        unfused_extra_bytes_per_token=norm_widths * norm_extra,
-        unfused_extra_tp_bytes_per_token=norm_tp_widths * norm_extra + mlp_widths * f * b,
-        unfused_mlp_extra_bytes_per_token=mlp_widths * f * b,
+        # and the shared experts' output, which their sigmoid gate's product keeps (Qwen2-MoE's
+        # shared_expert_gate, in transformers' Qwen2MoeSparseMoeBlock and the reference layer alike)
+        unfused_extra_bytes_per_token=norm_widths * norm_extra + (
+            moe_fraction * h * b if model.shared_expert_gate and fs else 0.0),
+        unfused_extra_tp_bytes_per_token=norm_tp_widths * norm_extra + mlp_widths * (dense_fraction * f + moe_fraction * fs) * b,
+        unfused_mlp_extra_bytes_per_token=mlp_widths * dense_fraction * f * b,
+        unfused_expert_extra_bytes_per_token=mlp_widths * moe_fraction * top_k * fe * b,
         megatron_mlp_extra_bytes_per_token=dense_fraction * megatron_mlp * f * b,
         megatron_shared_expert_extra_bytes_per_token=moe_fraction * megatron_mlp * fs * b,
         activation_keeps_output=model.mlp == "relu",

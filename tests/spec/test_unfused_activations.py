@@ -155,3 +155,35 @@ def test_recomputing_a_hugging_face_mlp_frees_what_it_keeps():
     assert block.unfused_mlp_extra_bytes_per_token == BASE["intermediate_size"] * 4  # the SiLU's output
     assert kept[None][0] - kept["mlp"][0] == freed
     assert kept[None][1] - kept["mlp"][1] == freed  # the plans' kept activations
+
+
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "moe_intermediate_size": 96, "mlp_only_layers": []}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "eos_token_id": 1, "pad_token_id": 1}),
+    # shared experts behind a sigmoid gate, whose product keeps their output
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "moe_intermediate_size": 96,
+                                     "shared_expert_intermediate_size": 128, "mlp_only_layers": []}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_a_mixture_of_experts_layer_keeps_what_its_deepspeed_count_prices(family):
+    # transformers' grouped experts: each routed copy keeps its input, the gate and up projection's
+    # output, the SiLU's, the product and its output (weighted by the router); the count's inner
+    # three and two hidden widths, and the SiLU's output (LayerGroup.unfused_expert_extra_bytes_per_token).
+    # What is left is the routing's index tensors (int64, a few per copy).
+    config_class, extra = MOE_FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**BASE, **extra}, num_experts_per_tok=2, attention_dropout=0.0)
+    config._attn_implementation = "sdpa"
+    spec = model_from_hf_config(config.to_dict(), f"tiny {config_class}", f"tiny-{family}")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    measured = layer_saved_bytes(model, torch.randint(0, BASE["vocab_size"], (BATCH, SEQ)))
+    block = layer_groups(spec, SEQ, 2, tp=1)[1]
+    count = BATCH * SEQ * (block.act_tp_bytes_per_token + block.act_replicated_bytes_per_token)
+    priced = count + BATCH * SEQ * (block.unfused_extra_bytes_per_token + block.unfused_extra_tp_bytes_per_token
+                                    + block.unfused_expert_extra_bytes_per_token)
+    assert block.unfused_expert_extra_bytes_per_token == 2 * spec.expert_ffn_hidden_size * 2
+    assert priced == pytest.approx(measured, rel=0.02), (count, priced, measured)
+    assert priced <= measured
