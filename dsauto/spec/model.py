@@ -1048,8 +1048,10 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         # fp32 too: the loss runs on an fp32 copy of the logits (dsauto.models.gpt.Head:
         # ``logits.float()``), whose gradient log_softmax's backward makes before the cast back
         # (measured in bf16 on two CPU ranks: three 8 MiB fp32 tensors at 512 tokens x 4096,
-        # benchmarks/accuracy.py --plans variants).
-        logits_bytes_per_token=vocab * 3 * 4,
+        # benchmarks/accuracy.py --plans variants). Soft-capped logits (Gemma 2 and 3) keep the
+        # tanh's output in the training dtype besides, which its backward reads (transformers'
+        # Gemma2ForCausalLM and the reference head alike; measured: tests/spec/test_unfused_activations.py).
+        logits_bytes_per_token=vocab * 3 * 4 + (vocab * b if model.final_logit_softcap else 0),
     )
     if model.mtp_layers:
         head = dataclasses.replace(head, mtp_layers=model.mtp_layers,

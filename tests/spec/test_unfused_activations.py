@@ -187,3 +187,29 @@ def test_a_mixture_of_experts_layer_keeps_what_its_deepspeed_count_prices(family
     assert block.unfused_expert_extra_bytes_per_token == 2 * spec.expert_ffn_hidden_size * 2
     assert priced == pytest.approx(measured, rel=0.02), (count, priced, measured)
     assert priced <= measured
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_the_loss_of_soft_capped_logits_keeps_the_tanh_output(softcap):
+    # Gemma 2's and 3's final_logit_softcapping: tanh keeps its 16-bit output for backward, beside the
+    # fp32 log-softmax, its gradient and the logits' gradient the count prices at the loss.
+    import dataclasses
+
+    from dsauto.profile.layers import reference_layer
+    from dsauto.profile.memory import MemoryTracker
+    from dsauto.spec.loaders import load_model
+
+    model = dataclasses.replace(load_model("gpt-tiny"), name="tiny-capped", norm="rmsnorm", mlp="swiglu",
+                                position_embedding="rope", tied_embeddings=False, linear_bias=False,
+                                final_logit_softcap=softcap, vocab_size=8192)
+    vocab = model.padded_vocab_size(1)
+    head = reference_layer(model, "head", 1, vocab).to(torch.bfloat16)
+    x = torch.randn(BATCH, SEQ, model.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (BATCH, SEQ))
+    tracker = MemoryTracker()
+    with tracker:
+        head(x, labels).backward()
+    counted = layer_groups(model, SEQ, 2, tp=1)[2]
+    priced = BATCH * SEQ * (counted.logits_bytes_per_token + counted.act_replicated_bytes_per_token
+                            + counted.unfused_extra_bytes_per_token)
+    assert priced == pytest.approx(tracker.peak_bytes(), rel=0.02)
