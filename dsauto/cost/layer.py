@@ -191,6 +191,7 @@ class CostModel:
             attention_kernel=strategy.attention_kernel,
             fp8=strategy.fp8, fp8_recipe=strategy.fp8_recipe, fp8_param_gather=strategy.fp8_param_gather,
             bf16_optimizer=deepspeed_bf16_optimizer(strategy.engine, strategy.zero_stage, strategy.pp, train.dtype),
+            reference_layers_measured=self.profile is not None and self.profile.engine == "deepspeed",
         )
 
     def _fits(self, size: int, spans_nodes: bool,

@@ -82,6 +82,12 @@ class MeasuredCosts(Protocol):
         ...
 
     @property
+    def engine(self) -> str:
+        """Whose transformer layers were measured: ``deepspeed``, dsauto's reference layers (or the
+        user's own); ``megatron``, Megatron-core's own dense layer."""
+        ...
+
+    @property
     def calibration(self) -> Calibration | None:
         """Correction factors fitted to measured steps, applied by default; None if not fitted."""
         ...

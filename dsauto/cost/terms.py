@@ -232,6 +232,10 @@ class LayerContext:
     dist_opt_inter_group: Group | None = None
     """The ranks holding the same shard in every instance, calibrated: the shard's all-reduce runs
     over it; None with one instance."""
+    reference_layers_measured: bool = False
+    """The profile measured dsauto's reference transformer layers (a ``deepspeed`` profile), which
+    keep what Hugging Face's modeling code keeps (``LayerGroup.unfused_*``), not Megatron-core's
+    fused kernels."""
     bf16_optimizer: bool = False
     """DeepSpeed's BF16_Optimizer runs the update (:func:`dsauto.plan.deepspeed_bf16_optimizer`): the
     fp32 main weights and moments partitioned over the data-parallel ranks without ZeRO, beside a
@@ -1282,13 +1286,14 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     full_activation += tokens * group.expert_act_bytes_per_token / t * (expert_load_factor(ctx) - 1)
     full_activation += tokens * fp8_activation_change_bytes_per_token(group, ctx)
     megatron = ctx.engine == "megatron"
+    # The model DeepSpeed trains computes its RMSNorms in fp32 and its gated activation apart
+    # (Hugging Face's modeling code; dsauto's reference layers alike); a measured layer (below)
+    # stands as measured.
+    unfused_extra = tokens * (group.unfused_extra_bytes_per_token / replicated_div
+                              + group.unfused_extra_tp_bytes_per_token / t
+                              + group.unfused_expert_extra_bytes_per_token / t * expert_load_factor(ctx))
     if not megatron:
-        # The model DeepSpeed trains computes its RMSNorms in fp32 and its gated activation apart
-        # (Hugging Face's modeling code; dsauto's reference layers alike); a measured layer (below)
-        # stands as measured.
-        full_activation += tokens * (group.unfused_extra_bytes_per_token / replicated_div
-                                     + group.unfused_extra_tp_bytes_per_token / t
-                                     + group.unfused_expert_extra_bytes_per_token / t * expert_load_factor(ctx))
+        full_activation += unfused_extra
     # The routed copies as the engine keeps them, and Megatron-core's MLPs; a measured layer (below)
     # stands as measured.
     full_activation += tokens / t * routed_copy_change_bytes_per_token(group, ctx) * expert_load_factor(ctx)
@@ -1311,6 +1316,11 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
     if measured is not None and group.kind == "transformer" and replicated_div == 1:
         if measured_uncheckpointed is not None and not eager_megatron:
             full_activation = measured_uncheckpointed.activation_bytes
+            if megatron and ctx.reference_layers_measured:
+                # reference layers priced for Megatron-core: less what its fused norms and SwiGLU keep
+                # no copy of (a DeepSpeed plan keeps the measurement whole)
+                full_activation -= unfused_extra
+
         if option.checkpoint:
             checkpoint_activation = measured.activation_bytes
     if measured is not None and group.kind == "head" and measured.hidden_bytes and not megatron:

@@ -56,7 +56,7 @@ class LayerNormFp32(nn.Module):
 class RMSNorm(nn.Module):
     """RMSNorm as Hugging Face's modeling code computes it, which is what DeepSpeed trains: in fp32,
     the result cast back to the input's dtype before the weight multiplies it (LlamaRMSNorm, and
-    Mistral's, Qwen's, DeepSeek's alike) or after (``weight_in_fp32``: OLMo 2's; Gemma's, which
+    Mistral's, Qwen's, DeepSeek's alike) or after (``weight_in_fp32``: OLMo 2's, gpt-oss's; Gemma's, which
     scales by one plus the weight, keeps the same tensors). So it keeps what those keep for backward,
     on every device, where torch's own RMSNorm keeps other tensors on CPU (its fp32 decomposition)
     than on CUDA (a fused kernel). The cost model prices the same (``LayerGroup.
@@ -124,8 +124,8 @@ def _activation(model: ModelSpec):
     return functools.partial(F.gelu, approximate="tanh" if model.gelu_tanh else "none")
 
 
-# The tanh GeLU as Hugging Face's NewGELUActivation and FastGELUActivation write it (GPT-2, GPT-J,
-# Phi): Python operators, so autograd keeps what those keep (dsauto.spec.model.GELU_FORMULA_WIDTHS).
+# The tanh GeLU as Hugging Face's NewGELUActivation and FastGELUActivation write it (GPT-2, Phi;
+# GPT-NeoX-20B): Python operators, so autograd keeps what those keep (dsauto.spec.model.GELU_FORMULA_WIDTHS).
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
@@ -243,6 +243,7 @@ class Block(nn.Module):
         self.rotary_base, self.rotary_percent = model.rotary_base, model.rotary_percent
         self.gated = model.gated_mlp
         self.act = _activation(model)
+        self.glu_clamp = model.glu_clamp
         self.post_norm, self.output_norm = model.norm_position == "post", model.norm_position == "output"
         self.residual_scale = model.residual_multiplier
         self.parallel = model.parallel_attention
@@ -291,7 +292,7 @@ class Block(nn.Module):
         if self.moe is not None:
             out = self.moe(x)
             return self.mlp_out_norm(out) if self.mlp_out_norm is not None else out
-        out = feed_forward(x, self.mlp_in, self.mlp_out, self.act, self.gated)
+        out = feed_forward(x, self.mlp_in, self.mlp_out, self.act, self.gated, self.glu_clamp)
         return self.mlp_out_norm(out) if self.mlp_out_norm is not None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

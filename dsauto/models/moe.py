@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsauto.spec.hf import QUICK_GELU_ALPHA
 from dsauto.spec.model import ModelSpec
 
 DEEPSPEED_CAPACITY_FACTOR = 1.0
@@ -47,24 +48,35 @@ class Expert(nn.Module):
         h = model.hidden_size
         self.gated = model.gated_mlp
         self.act = act
+        self.glu_clamp = model.glu_clamp
         self.mlp_in = nn.Linear(h, (2 if self.gated else 1) * ffn, bias=bias)
         self.mlp_out = nn.Linear(ffn, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return feed_forward(x, self.mlp_in, self.mlp_out, self.act, self.gated)
+        return feed_forward(x, self.mlp_in, self.mlp_out, self.act, self.gated, self.glu_clamp)
 
 
 def feed_forward(x: torch.Tensor, mlp_in: nn.Module, mlp_out: nn.Module,
-                 act: Callable[[torch.Tensor], torch.Tensor], gated: bool) -> torch.Tensor:
+                 act: Callable[[torch.Tensor], torch.Tensor], gated: bool, glu_clamp: float = 0.0) -> torch.Tensor:
     """A feed-forward block: ``mlp_in``, the activation (on the gate half times the up half when
-    ``gated``, the fused gate/up matrix's output), ``mlp_out``; a dense layer's MLP and an expert alike."""
+    ``gated``, the fused gate/up matrix's output; gpt-oss's clamped one with ``glu_clamp``),
+    ``mlp_out``; a dense layer's MLP and an expert alike."""
     inner = mlp_in(x)
     if gated:
         gate, up = inner.chunk(2, dim=-1)
-        inner = act(gate) * up
+        inner = clamped_glu(gate, up, glu_clamp) if glu_clamp else act(gate) * up
     else:
         inner = act(inner)
     return mlp_out(inner)
+
+
+def clamped_glu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation as transformers computes it (``GptOssExperts._apply_gate``): both
+    halves clamped, the gate's ``x sigmoid(1.702 x)`` times the linear half plus one; so it keeps what
+    that keeps (``dsauto.spec.model.unfused_extra_widths``)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * QUICK_GELU_ALPHA))
 
 
 class MoeMlp(nn.Module):

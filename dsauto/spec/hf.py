@@ -810,7 +810,7 @@ _GEMMA_READERS: tuple[Reader, ...] = (read_kv_heads(), read_head_dim, read_tied,
                                       read_gemma, read_bidirectional)
 _GRANITE_DEFAULTS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
                      "attention_multiplier": 1.0}
-_OLMO2 = {**_LLAMA, "qk_norm": True, "qk_norm_full_width": True, "norm_position": "output"}
+_OLMO2 = {**_LLAMA, "qk_norm": True, "qk_norm_full_width": True, "norm_position": "output", "norm_weight_fp32": True}
 # Gemma 3 and OLMo 3 give the sliding-window layers their own rotary embedding, which config.json's
 # rope_scaling does not scale (their config classes put it in full_attention's parameters)
 _GLOBAL_ONLY_SCALING = {"rope_scaling_local": False}
@@ -1089,7 +1089,8 @@ FAMILIES.update({
          read_mtp),
         expected=_DEEPSEEK_EXPECTED, ignored=_DEEPSEEK_IGNORED),
     "gpt_oss": Family(
-        _SHAPE, {**_LLAMA, "attention_sinks": True, "moe_router_bias": True, "moe_expert_bias": True},
+        _SHAPE, {**_LLAMA, "attention_sinks": True, "moe_router_bias": True, "moe_expert_bias": True,
+                 "norm_weight_fp32": True},
         {**_LLAMA_DEFAULTS, "rms_norm_eps": 1e-5, "num_local_experts": 128, "num_experts_per_tok": 4,
          "attention_bias": True},
         (*_LLAMA_READERS, read_biases(attention_bias=("qkv", "proj")), read_sliding_window,

@@ -104,6 +104,11 @@ class ModelSpec:
     norm (OLMo 2 and 3)."""
     norm_epsilon: float = 1e-5
     """Epsilon of every norm."""
+    norm_weight_fp32: bool = False
+    """The RMSNorm multiplies by its weight in fp32 before the cast back (OLMo 2's and 3's
+    ``Olmo2RMSNorm``, gpt-oss's ``GptOssRMSNorm``; Gemma's, by one plus the weight, with
+    ``norm_plus_one``) rather than after it (``LlamaRMSNorm``), which keeps the normalised value in
+    fp32 (:func:`unfused_norm_bytes_per_element`)."""
     layernorm_fp32: bool = False
     """The LayerNorm is written out in Python operators in fp32 (Cohere's CohereLayerNorm: Command R,
     Command R7B), which keeps the centred input twice and the normalised value for backward, in
@@ -131,7 +136,7 @@ class ModelSpec:
     ``gelu_pytorch_tanh``) rather than exactly (BERT's ``gelu``)."""
     gelu_formula: GeluFormula = ""
     """The tanh GeLU written out in Python operators, as Hugging Face's ``gelu_new``
-    (NewGELUActivation: GPT-2, GPT-J, Phi) and ``gelu_fast`` (FastGELUActivation) compute it, which
+    (NewGELUActivation: GPT-2, Phi) and ``gelu_fast`` (FastGELUActivation: GPT-NeoX-20B) compute it, which
     keeps intermediate products for backward where torch's kernel keeps the input (the model
     DeepSpeed trains; :func:`unfused_extra_widths`); '' for torch's kernel (``gelu_pytorch_tanh``)."""
     rotary_base: float = 10000.0
@@ -303,6 +308,8 @@ class ModelSpec:
         if self.gelu_formula and not (self.gelu_tanh and self.mlp in ("gelu", "geglu")):
             raise ValueError(f"gelu_formula {self.gelu_formula} writes out the tanh GeLU; it needs mlp gelu or geglu "
                              f"and gelu_tanh, not mlp {self.mlp} with gelu_tanh {self.gelu_tanh}")
+        if self.norm_weight_fp32 and self.norm != "rmsnorm":
+            raise ValueError(f"norm_weight_fp32 describes an RMSNorm; it needs norm rmsnorm, not {self.norm}")
         if self.layernorm_fp32 and self.norm != "layernorm":
             raise ValueError(f"layernorm_fp32 computes a LayerNorm in fp32; it needs norm layernorm, not {self.norm}")
         if self.norms_per_layer not in (1, 2, 4):
@@ -732,9 +739,10 @@ class LayerGroup:
 
 def rmsnorm_weight_in_fp32(model: ModelSpec) -> bool:
     """Whether Hugging Face's RMSNorm of ``model`` multiplies by its weight in fp32 before the cast
-    back (Gemma's ``GemmaRMSNorm``, by one plus the weight; OLMo 2's and 3's ``Olmo2RMSNorm``) rather
-    than after it (``LlamaRMSNorm``: Llama, Mistral, Qwen, DeepSeek and the rest)."""
-    return model.norm_plus_one or model.norm_position == "output"
+    back (Gemma's ``GemmaRMSNorm``, by one plus the weight; :attr:`ModelSpec.norm_weight_fp32`: OLMo
+    2's and 3's, gpt-oss's) rather than after it (``LlamaRMSNorm``: Llama, Mistral, Qwen, DeepSeek,
+    EXAONE 4 and the rest)."""
+    return model.norm_plus_one or model.norm_weight_fp32
 
 
 def unfused_norm_bytes_per_element(model: ModelSpec, dtype_bytes: int) -> float:
@@ -770,12 +778,17 @@ def unfused_extra_widths(model: ModelSpec) -> tuple[float, float, float]:
     (the dense one, each routed copy's expert, the shared experts), in a gated one
     (``act_fn(gate_proj(x)) * up_proj(x)``: LlamaMLP, GemmaMLP, and transformers' grouped experts
     alike) the activation function's output, which the product keeps beside the gate's and the up
-    projection's outputs, and what a GeLU written out in Python keeps (:data:`GELU_FORMULA_WIDTHS`)."""
+    projection's outputs, what a GeLU written out in Python keeps (:data:`GELU_FORMULA_WIDTHS`), and
+    gpt-oss's clamped gate's three more (``glu_clamp``)."""
     replicated = model.norms_per_layer * model.hidden_size
     if model.latent_attention:
         replicated += model.q_lora_rank + model.kv_lora_rank
     split = (model.num_attention_heads + model.kv_heads) * model.head_dim if model.qk_norm else 0
     inner = (1 if model.gated_mlp else 0) + GELU_FORMULA_WIDTHS.get(model.gelu_formula, 0)
+    if model.glu_clamp:
+        # gpt-oss (GptOssExperts._apply_gate): the clamped gate, its sigmoid and the linear half plus
+        # one are kept too, for the two products after them
+        inner += 3
     return replicated, split, inner
 
 

@@ -74,3 +74,40 @@ def test_the_head_keeps_its_final_norm_as_measured_under_deepspeed():
                           profile.model.hidden_size, profile)
         assert model.layer(head, plain).activation_bytes == pytest.approx(kept), engine
         assert model.layer(head, dataclasses.replace(plain, split=2)).activation_bytes == pytest.approx(kept), engine
+
+
+def test_reference_layers_priced_for_megatron_core_lose_what_its_fused_kernels_do_not_keep():
+    # A deepspeed profile measured dsauto's reference layers, whose RMSNorms and SwiGLU keep what
+    # Hugging Face's do; Megatron-core's fused kernels keep the count's, so a Megatron-core plan
+    # priced with such a profile takes the measurement less the unfused extras. A megatron profile
+    # measured Megatron-core's own layer, which stands as measured; a DeepSpeed plan keeps it whole.
+    import dataclasses
+
+    from dsauto.cost.layer import CostModel
+    from dsauto.cost.strategy import LayerOption, Strategy
+    from dsauto.parallel import ParallelDims
+    from dsauto.spec.loaders import load_cluster
+    from dsauto.spec.model import layer_groups
+    from dsauto.spec.training import TrainSpec
+
+    reference = _profile()
+    measured = 2 * 5_000_000  # a micro-batch of 2 sequences, more than the extras it holds
+    reference = dataclasses.replace(reference, layers=tuple(
+        dataclasses.replace(m, activation_bytes=measured // 2 * m.micro_batch) for m in reference.layers))
+    llama = dataclasses.replace(reference.model, norm="rmsnorm", mlp="swiglu", position_embedding="rope",
+                                linear_bias=False, tied_embeddings=False)
+    block = layer_groups(llama, SEQ, 2, tp=1)[1]
+    tokens = 2 * SEQ
+    extra = tokens * (block.unfused_extra_bytes_per_token + block.unfused_extra_tp_bytes_per_token)
+    assert extra > 0
+    plain = LayerOption(checkpoint=False, shard_params=False, split=1)
+    train = TrainSpec(global_batch=4, seq_len=SEQ, dtype="bf16")
+    assert extra < measured / 2
+    for engine, profile, kept in (("megatron", reference, measured - extra),
+                                  ("megatron", dataclasses.replace(reference, engine="megatron"), measured),
+                                  ("deepspeed", reference, measured)):
+        strategy = Strategy(dims=ParallelDims(dp=2, tp=1, pp=1), zero_stage=1, micro_batch=2, grad_accum=1,
+                            sequence_parallel=False, engine=engine)
+        cost = CostModel(load_cluster("cpu", nodes=1, gpus_per_node=2), train, strategy, llama.hidden_size,
+                         dataclasses.replace(profile, dtype="bf16"))
+        assert cost.layer(block, plain).activation_bytes == pytest.approx(kept), (engine, profile.engine)

@@ -24,6 +24,8 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", {"eos_token_id": 1, "pad_token_id": 1}),  # norms after each branch, query and key norms over all heads
     "gemma3": ("Gemma3TextConfig", {}),  # four norms a layer, query and key norms
     "cohere": ("CohereConfig", {}),  # one LayerNorm in fp32 for parallel attention and MLP
+    "olmo3": ("Olmo3Config", {"eos_token_id": 1, "pad_token_id": 1}),  # OLMo 2's norms, sliding windows
+    "exaone4": ("Exaone4Config", {}),  # norms after each branch, multiplying the weight after the cast
     # Not here: latent attention (DeepSeek V3), whose unequal query and value head widths torch's CPU
     # attention runs on its fp32 math path, keeping the scores, which a GPU's kernels do not.
 }
@@ -213,3 +215,37 @@ def test_the_loss_of_soft_capped_logits_keeps_the_tanh_output(softcap):
     priced = BATCH * SEQ * (counted.logits_bytes_per_token + counted.act_replicated_bytes_per_token
                             + counted.unfused_extra_bytes_per_token)
     assert priced == pytest.approx(tracker.peak_bytes(), rel=0.02)
+
+
+def test_the_clamped_gate_of_gpt_oss_keeps_what_the_count_prices():
+    # transformers' GptOssExperts._apply_gate and the reference layers' clamped_glu keep the gate and
+    # up projection's output, the clamped gate, its sigmoid, the linear half plus one and the product
+    # before it, for backward; the output projection keeps the product: 7 inner widths a copy, the
+    # count's 3 and 4 more (unfused_expert_extra_bytes_per_token).
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from dsauto.models.moe import clamped_glu
+
+    config = transformers.GptOssConfig(**{**BASE, "num_local_experts": 4, "num_attention_heads": 4},
+                                       num_experts_per_tok=2)
+    spec = model_from_hf_config(config.to_dict(), "tiny GptOssConfig", "tiny-gpt-oss")
+    width = config.intermediate_size
+    gate_up = torch.randn(BATCH * SEQ, 2 * width, dtype=torch.bfloat16, requires_grad=True)
+
+    def kept(run) -> int:
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            product = run()
+        return sum(saved.values()) + product.nbytes  # the output projection keeps the product
+
+    theirs = kept(lambda: GptOssExperts(config)._apply_gate(gate_up))
+    ours = kept(lambda: clamped_glu(*gate_up.chunk(2, dim=-1), spec.glu_clamp))
+    block = layer_groups(spec, SEQ, 2, tp=1)[1]
+    per_copy = BATCH * SEQ * 2 * width  # one inner width of the copies, in bf16
+    priced = 3 * per_copy + BATCH * SEQ * block.unfused_expert_extra_bytes_per_token / spec.moe_top_k
+    assert theirs == ours == priced == 7 * per_copy
