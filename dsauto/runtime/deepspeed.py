@@ -184,6 +184,7 @@ def prepare_model(plan: Plan, model: nn.Module) -> AppliedPlan:
     layers = find_layers(model)
     check_plan_matches(plan, layers)
     _check_transformers_experts(plan, layers)
+    _check_transformers_attention(plan, model)
     if any(run.split > 1 for run in plan.layers) and any(hasattr(p, "ds_id") for p in model.parameters()):
         raise DsautoError(
             "The plan splits operators, but this model was built inside deepspeed.zero.Init (its "
@@ -212,6 +213,21 @@ def prepare_model(plan: Plan, model: nn.Module) -> AppliedPlan:
         checkpoint_module(layers.block(layer))
     setattr(model, _PREPARED, True)
     return applied
+
+
+def _check_transformers_attention(plan: Plan, model: nn.Module) -> None:
+    """Refuses a plan priced with fused attention for a ``transformers`` model that computes its
+    attention eagerly (``config._attn_implementation`` 'eager': what transformers picks where SDPA
+    cannot run the model, gpt-oss's sinks among them), which keeps each layer's scores and softmax
+    for backward, a micro-batch x heads x sequence x sequence tensor or more, that the plan does not count."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not plan.flash_attention or implementation != "eager" or not type(model).__module__.startswith("transformers."):
+        return
+    raise DsautoError(f"This {type(model).__name__} computes attention eagerly (attn_implementation 'eager'), which "
+                      f"keeps every layer's {plan.micro_batch} x {plan.model.num_attention_heads} x {plan.seq_len} x "
+                      f"{plan.seq_len} attention scores for backward, and the plan was priced with fused attention, "
+                      f"which keeps none; load the model with attn_implementation='sdpa' or 'flash_attention_2', or "
+                      f"re-plan with --no-flash-attention.")
 
 
 def _check_transformers_experts(plan: Plan, layers: ModelLayers) -> None:
