@@ -600,8 +600,8 @@ def optimizer_step_bytes(strategy: Strategy, params: float, grads: float, optim:
     which dsauto's configs write out), so its temporaries are those of at most that many elements
     plus one parameter's partition (``largest_main_param_bytes``, in fp32) less one. The fused update
     works in place, on a CPU as on CUDA (``torch._fused_adamw_``), and makes none (torch's default
-    multi-tensor and per-tensor updates made one and two more). ZeRO-3 also keeps its gradient bucket. ZeRO-1 has
-    reduce-scattered its gradients into the partition by then.
+    multi-tensor and per-tensor updates made one and two more). ZeRO-3 also keeps its gradient
+    bucket. ZeRO-1 has reduce-scattered its gradients into the partition by then.
     Measured (the 17M-parameter GPT of tests/cost/test_cost.py, 2 CPU ranks, fp32, DeepSpeed 0.19.8,
     torch 2.13, a tracker region around the update): 225.4 MiB under ZeRO-1 and -2, 209.1 MiB under
     ZeRO-3, which this reproduces to 0.1 MiB. In bf16 and fp32, eight 1024 x 1024 linear layers

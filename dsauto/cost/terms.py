@@ -1320,7 +1320,6 @@ def activation_memory(group: LayerGroup, option: LayerOption, ctx: LayerContext,
                 # reference layers priced for Megatron-core: less what its fused norms and SwiGLU keep
                 # no copy of (a DeepSpeed plan keeps the measurement whole)
                 full_activation -= unfused_extra
-
         if option.checkpoint:
             checkpoint_activation = measured.activation_bytes
     if measured is not None and group.kind == "head" and measured.hidden_bytes and not megatron:

@@ -92,8 +92,7 @@ def profiling_rank_bytes(model: ModelSpec, dtype: str, seq_len: int, micro_batch
         weights = 2 * group.params * element  # the layer and its gradients
         # the reference layers keep what Hugging Face's do (LayerGroup.unfused_*)
         kept = tokens * (group.act_tp_bytes_per_token + group.act_replicated_bytes_per_token
-                         + group.checkpoint_bytes_per_token + group.unfused_extra_bytes_per_token
-                         + group.unfused_extra_tp_bytes_per_token + group.unfused_expert_extra_bytes_per_token)
+                         + group.checkpoint_bytes_per_token + group.unfused_bytes_per_token)
         # Activations kept for backward and as much again in flight; the head's logits with their
         # softmax and gradients (LayerGroup.logits_bytes_per_token counts those already).
         largest = max(largest, weights + 2 * kept + tokens * group.logits_bytes_per_token)

@@ -736,6 +736,13 @@ class LayerGroup:
         """Forward FLOPs per token of the whole layer: linear layers and attention."""
         return self.matmul_flops_per_token + self.attention_flops_per_token
 
+    @property
+    def unfused_bytes_per_token(self) -> float:
+        """All that the model DeepSpeed trains keeps beyond the fused-kernel count, on one rank without
+        tensor parallelism, the routed experts at their mean load (the ``unfused_*`` fields)."""
+        return (self.unfused_extra_bytes_per_token + self.unfused_extra_tp_bytes_per_token
+                + self.unfused_expert_extra_bytes_per_token)
+
 
 def rmsnorm_weight_in_fp32(model: ModelSpec) -> bool:
     """Whether Hugging Face's RMSNorm of ``model`` multiplies by its weight in fp32 before the cast
@@ -998,7 +1005,8 @@ def layer_groups(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int = 1,
         # shared_expert_gate, in transformers' Qwen2MoeSparseMoeBlock and the reference layer alike)
         unfused_extra_bytes_per_token=norm_widths * norm_extra + (
             moe_fraction * h * b if model.shared_expert_gate and fs else 0.0),
-        unfused_extra_tp_bytes_per_token=norm_tp_widths * norm_extra + mlp_widths * (dense_fraction * f + moe_fraction * fs) * b,
+        unfused_extra_tp_bytes_per_token=(norm_tp_widths * norm_extra
+                                          + mlp_widths * (dense_fraction * f + moe_fraction * fs) * b),
         unfused_mlp_extra_bytes_per_token=mlp_widths * dense_fraction * f * b,
         unfused_expert_extra_bytes_per_token=mlp_widths * moe_fraction * top_k * fe * b,
         megatron_mlp_extra_bytes_per_token=dense_fraction * megatron_mlp * f * b,

@@ -98,7 +98,7 @@ def test_reference_layers_priced_for_megatron_core_lose_what_its_fused_kernels_d
                                 linear_bias=False, tied_embeddings=False)
     block = layer_groups(llama, SEQ, 2, tp=1)[1]
     tokens = 2 * SEQ
-    extra = tokens * (block.unfused_extra_bytes_per_token + block.unfused_extra_tp_bytes_per_token)
+    extra = tokens * block.unfused_bytes_per_token
     assert extra > 0
     plain = LayerOption(checkpoint=False, shard_params=False, split=1)
     train = TrainSpec(global_batch=4, seq_len=SEQ, dtype="bf16")

@@ -210,8 +210,7 @@ def test_megatron_core_weights_the_routed_copies_inside_the_experts(mlp, unfused
     change = TOKENS * TOP_K * (unfused_widths * FE - H) * 2
     # DeepSpeed's count keeps Hugging Face's fp32 RMSNorm work and its gated experts' activation
     # outputs besides (LayerGroup.unfused_*)
-    unfused = TOKENS * (group.unfused_extra_bytes_per_token + group.unfused_extra_tp_bytes_per_token
-                        + group.unfused_expert_extra_bytes_per_token)
+    unfused = TOKENS * group.unfused_bytes_per_token
     assert megatron.activation_bytes - deepspeed.activation_bytes == pytest.approx(change - unfused)
     # 'moe' frees what the copies keep; 'moe_act' the activation's output and, unfused, what the
     # weighting and the gated product keep (Megatron-core checkpoints them together: bias_act_func).

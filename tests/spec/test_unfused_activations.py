@@ -1,8 +1,8 @@
 """What Hugging Face's modeling code keeps for backward, against the activation count DeepSpeed plans
 are priced with (the fused-kernel count of :func:`dsauto.spec.model.layer_groups` plus its unfused
-extras, ``unfused_extra_bytes_per_token`` and ``unfused_extra_tp_bytes_per_token``): one decoder
-layer of each family, built by transformers from a tiny config on CPU, its saved tensors counted
-storage by storage as autograd packs them."""
+extras, ``LayerGroup.unfused_bytes_per_token``): one decoder layer of each family, built by
+transformers from a tiny config on CPU, its saved tensors counted storage by storage as autograd
+packs them."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_a_decoder_layer_keeps_what_its_deepspeed_count_prices(family, dtype):
     measured = layer_saved_bytes(model, tokens)
     block = layer_groups(spec, SEQ, torch.finfo(dtype).bits // 8, tp=1)[1]
     count = BATCH * SEQ * (block.act_tp_bytes_per_token + block.act_replicated_bytes_per_token)
-    priced = count + BATCH * SEQ * (block.unfused_extra_bytes_per_token + block.unfused_extra_tp_bytes_per_token)
+    priced = count + BATCH * SEQ * block.unfused_bytes_per_token
     assert block.unfused_extra_bytes_per_token > 0 and block.unfused_extra_tp_bytes_per_token > 0
     # Up to the per-token statistics (a norm's reciprocal RMS, attention's log-sum-exp), a few percent.
     assert priced == pytest.approx(measured, rel=0.01), (count, priced, measured)
@@ -184,8 +184,7 @@ def test_a_mixture_of_experts_layer_keeps_what_its_deepspeed_count_prices(family
     measured = layer_saved_bytes(model, torch.randint(0, BASE["vocab_size"], (BATCH, SEQ)))
     block = layer_groups(spec, SEQ, 2, tp=1)[1]
     count = BATCH * SEQ * (block.act_tp_bytes_per_token + block.act_replicated_bytes_per_token)
-    priced = count + BATCH * SEQ * (block.unfused_extra_bytes_per_token + block.unfused_extra_tp_bytes_per_token
-                                    + block.unfused_expert_extra_bytes_per_token)
+    priced = count + BATCH * SEQ * block.unfused_bytes_per_token
     assert block.unfused_expert_extra_bytes_per_token == 2 * spec.expert_ffn_hidden_size * 2
     assert priced == pytest.approx(measured, rel=0.02), (count, priced, measured)
     assert priced <= measured
